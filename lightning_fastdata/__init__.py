@@ -1,0 +1,32 @@
+"""Input-fast image training for PyTorch Lightning."""
+
+from lightning_fastdata.__about__ import __version__
+from lightning_fastdata._format import read_meta
+from lightning_fastdata.convert import ConversionSummary, SkippedFile, convert, convert_dataset
+from lightning_fastdata.cpus import usable_cpu_count
+from lightning_fastdata.dataset import LmdbImageDataset
+from lightning_fastdata.errors import (
+    ConversionError,
+    CorruptRecordError,
+    DatasetFormatError,
+    FastDataError,
+    SourceLayoutError,
+)
+from lightning_fastdata.synthetic import make_image_folder
+
+__all__ = [
+    "ConversionError",
+    "ConversionSummary",
+    "CorruptRecordError",
+    "DatasetFormatError",
+    "FastDataError",
+    "LmdbImageDataset",
+    "SkippedFile",
+    "SourceLayoutError",
+    "__version__",
+    "convert",
+    "convert_dataset",
+    "make_image_folder",
+    "read_meta",
+    "usable_cpu_count",
+]

@@ -1,0 +1,214 @@
+"""The on-disk layout of a lightning_fastdata image database, shared by the writer and the reader.
+
+A database is an LMDB environment directory (``data.mdb`` + ``lock.mdb``) holding:
+
+* one record per image under the key ``b"<split>/<index:010d>"``: a fixed 24-byte little-endian header followed
+  by the encoded image bytes (see :data:`HEADER`);
+* the labels of each split as a packed ``int32`` array under ``b"__labels__/<split>"``;
+* the dataset metadata as UTF-8 JSON under ``b"__meta__"``, written in the last transaction with
+  ``"complete": true``.
+
+Nothing is ever unpickled: reading a database someone else made runs none of their code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import threading
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import lmdb
+
+from lightning_fastdata.errors import CorruptRecordError, DatasetFormatError
+
+FORMAT_VERSION = 1
+MAGIC = b"LF"
+META_KEY = b"__meta__"
+DATA_FILE = "data.mdb"
+REPORT_FILE = "convert_report.json"
+
+ENCODING_JPEG = 1
+ENCODING_PNG = 2
+ENCODING_NAMES = {ENCODING_JPEG: "jpeg", ENCODING_PNG: "png"}
+
+#: magic, format version, encoding, label, height, width, crc32 of (header without crc + payload)
+HEADER = struct.Struct("<2sBBiIII")
+
+
+def record_key(split: str, index: int) -> bytes:
+    """The LMDB key of sample ``index`` of ``split``: computed, so the reader keeps no key list."""
+    return f"{split}/{index:010d}".encode()
+
+
+def labels_key(split: str) -> bytes:
+    """The LMDB key of the packed ``int32`` label array of ``split``."""
+    return f"__labels__/{split}".encode()
+
+
+@dataclass(frozen=True)
+class RecordHeader:
+    """The decoded fixed header of one record."""
+
+    encoding: int
+    label: int
+    height: int
+    width: int
+
+
+def _checksum(encoding: int, label: int, height: int, width: int, payload: bytes | memoryview) -> int:
+    head = HEADER.pack(MAGIC, FORMAT_VERSION, encoding, label, height, width, 0)
+    return zlib.crc32(payload, zlib.crc32(head))
+
+
+def pack_record(encoding: int, label: int, height: int, width: int, payload: bytes) -> bytes:
+    """Serialize one image record: the fixed header, then the encoded image bytes."""
+    crc = _checksum(encoding, label, height, width, payload)
+    return HEADER.pack(MAGIC, FORMAT_VERSION, encoding, label, height, width, crc) + payload
+
+
+def unpack_record(record: bytes | memoryview, verify: bool = True) -> tuple[RecordHeader, memoryview]:
+    """Parse a record into its header and a view of the encoded image bytes.
+
+    Raises:
+        CorruptRecordError: the record is too short, has a bad magic, version or encoding, or fails its checksum.
+
+    """
+    view = memoryview(record)
+    if len(view) < HEADER.size:
+        raise CorruptRecordError(f"record is {len(view)} bytes, shorter than its {HEADER.size}-byte header")
+    magic, version, encoding, label, height, width, crc = HEADER.unpack_from(view)
+    if magic != MAGIC:
+        raise CorruptRecordError(f"bad record magic {bytes(magic)!r} (expected {MAGIC!r})")
+    if version != FORMAT_VERSION:
+        raise CorruptRecordError(f"record format version {version}, this package reads version {FORMAT_VERSION}")
+    if encoding not in ENCODING_NAMES:
+        raise CorruptRecordError(f"unknown image encoding code {encoding}")
+    payload = view[HEADER.size :]
+    if verify and _checksum(encoding, label, height, width, payload) != crc:
+        raise CorruptRecordError("checksum mismatch: the record was modified or truncated after conversion")
+    return RecordHeader(encoding, label, height, width), payload
+
+
+def dump_meta(meta: dict[str, Any]) -> bytes:
+    """Serialize the dataset metadata (JSON, never pickle)."""
+    return json.dumps(meta, sort_keys=True).encode()
+
+
+def load_meta(raw: bytes | None, path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Parse and validate the dataset metadata read from ``path``.
+
+    Raises:
+        DatasetFormatError: no metadata (not our database), unreadable JSON, an unknown format version, or a
+            conversion that never finished.
+
+    """
+    if raw is None:
+        raise DatasetFormatError(
+            f"{os.fspath(path)!r} is an LMDB database but not one made by lightning_fastdata (no `__meta__` record)."
+            " Create one with `lightning-fastdata convert SRC DST`."
+        )
+    try:
+        meta = json.loads(bytes(raw).decode())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise DatasetFormatError(
+            f"the metadata of {os.fspath(path)!r} is not valid JSON ({err}); the database is damaged."
+            " Convert the source again with `lightning-fastdata convert`."
+        ) from err
+    if not isinstance(meta, dict):
+        raise DatasetFormatError(f"the metadata of {os.fspath(path)!r} is not a JSON object; the database is damaged.")
+    version = meta.get("format_version")
+    if version != FORMAT_VERSION:
+        raise DatasetFormatError(
+            f"{os.fspath(path)!r} has format version {version!r}, this lightning_fastdata reads version"
+            f" {FORMAT_VERSION}. Convert the source again with this version, or install the version that wrote it."
+        )
+    if meta.get("complete") is not True:
+        raise DatasetFormatError(
+            f"{os.fspath(path)!r} is an incomplete conversion (it was interrupted or failed)."
+            " Run `lightning-fastdata convert` again: it starts over and replaces it."
+        )
+    return meta
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Read-only environments: one per database file per process
+# ---------------------------------------------------------------------------------------------------------------
+# LMDB refuses a second open of the same files in one process, so readers of one database (train and val, say)
+# share an environment. A forked child must not use its parent's environments: they are closed in the child right
+# after the fork, and reopened on first use.
+
+_ENVS: dict[str, tuple[tuple[int, int], lmdb.Environment]] = {}
+_ENVS_LOCK = threading.Lock()
+
+
+def _close_inherited() -> None:
+    for _, env in _ENVS.values():
+        env.close()
+    _ENVS.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_close_inherited)
+
+
+def open_readonly(path: str | os.PathLike[str]) -> lmdb.Environment:
+    """This process's read-only environment of the database at ``path`` (opened once, shared).
+
+    Opened with ``readonly=True, lock=False, readahead=False, meminit=False``: no lock file is written, so a
+    read-only directory works, and many processes can read at once.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        DatasetFormatError: ``path`` is not an LMDB database directory.
+
+    """
+    path = Path(path).absolute()
+    if not path.exists():
+        raise FileNotFoundError(
+            f"{str(path)!r} does not exist. Create a database with `lightning-fastdata convert SRC {path}`."
+        )
+    data = path / DATA_FILE
+    try:
+        st = data.stat()
+    except OSError:
+        raise DatasetFormatError(
+            f"{str(path)!r} is not a lightning_fastdata database (no {DATA_FILE} in it)."
+            " Create one with `lightning-fastdata convert SRC DST` and pass DST."
+        ) from None
+    identity = (st.st_dev, st.st_ino)
+    with _ENVS_LOCK:
+        cached = _ENVS.get(str(path))
+        if cached is not None and cached[0] == identity:
+            return cached[1]
+        if cached is not None:  # the database was replaced (re-converted) since we opened it
+            cached[1].close()
+            del _ENVS[str(path)]
+        try:
+            env = lmdb.open(
+                str(path), readonly=True, lock=False, readahead=False, meminit=False, subdir=True, max_spare_txns=4
+            )
+        except lmdb.Error as err:
+            raise DatasetFormatError(f"{str(path)!r} cannot be opened as an LMDB database: {err}") from err
+        _ENVS[str(path)] = (identity, env)
+        return env
+
+
+def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The validated metadata of the database at ``path``.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        DatasetFormatError: ``path`` is not a complete lightning_fastdata database of a readable version.
+
+    """
+    try:
+        with open_readonly(path).begin() as txn:
+            raw = txn.get(META_KEY)
+    except lmdb.Error as err:
+        raise DatasetFormatError(f"reading the metadata of {os.fspath(path)!r} failed: {err}") from err
+    return load_meta(raw, path)

@@ -1,0 +1,124 @@
+"""The ``lightning-fastdata`` command line: ``convert`` and ``synth``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from lightning_fastdata.__about__ import __version__
+from lightning_fastdata.errors import ConversionError, FastDataError
+
+
+def _add_convert(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "convert",
+        help="convert an image folder into an LMDB image database",
+        description=(
+            "Convert SRC, an ImageFolder tree (SRC/<class>/<image>) or a root of split trees (SRC/train/<class>/...,"
+            " SRC/val/<class>/...), into the database DST, in parallel. Unchanged sources are not converted twice."
+        ),
+    )
+    p.add_argument("src", help="the image folder to read")
+    p.add_argument("dst", help="the database directory to write (created, or replaced if it is one of ours)")
+    p.add_argument(
+        "--short-side",
+        type=int,
+        default=256,
+        metavar="N",
+        help="downscale images whose short side exceeds N pixels to N and store them as JPEG (default 256, fits"
+        " training at 224); 0 keeps the original size; never upscales",
+    )
+    p.add_argument("--quality", type=int, default=90, help="JPEG quality of re-encoded images (default 90)")
+    p.add_argument(
+        "--keep-original",
+        action="store_true",
+        help="store source JPEGs byte for byte, even when larger than --short-side",
+    )
+    p.add_argument("--workers", type=int, default=None, metavar="N", help="worker processes (default: the usable CPUs)")
+    p.add_argument("--strict", action="store_true", help="fail, writing nothing, if any file has to be skipped")
+    p.add_argument("--force", action="store_true", help="convert even if DST is up to date")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def _add_synth(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "synth",
+        help="write a synthetic image folder of smooth JPEGs (for demos and benchmarks)",
+        description="Write DST/train/<class>/*.jpg and DST/val/<class>/*.jpg (or DST/<class>/*.jpg with --val 0).",
+    )
+    p.add_argument("dst", help="the folder to write")
+    p.add_argument("--classes", type=int, default=4, help="number of classes (default 4)")
+    p.add_argument("--train", type=int, default=64, help="training images per class (default 64)")
+    p.add_argument("--val", type=int, default=16, help="validation images per class; 0 for a plain ImageFolder")
+    p.add_argument("--min-size", type=int, default=300, help="smallest side length drawn (default 300)")
+    p.add_argument("--max-size", type=int, default=640, help="largest side length drawn (default 640)")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``lightning-fastdata``."""
+    parser = argparse.ArgumentParser(prog="lightning-fastdata", description="Input-fast image training tools.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_convert(sub)
+    _add_synth(sub)
+    return parser
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from lightning_fastdata.convert import convert
+
+    summary = convert(
+        args.src,
+        args.dst,
+        short_side=args.short_side,
+        quality=args.quality,
+        keep_original=args.keep_original,
+        num_workers=args.workers,
+        strict=args.strict,
+        force=args.force,
+        progress=not args.quiet,
+    )
+    print(summary.format())
+    return 0
+
+
+def _synth(args: argparse.Namespace) -> int:
+    from lightning_fastdata.synthetic import make_image_folder
+
+    root = make_image_folder(
+        args.dst,
+        num_classes=args.classes,
+        train_per_class=args.train,
+        val_per_class=args.val,
+        min_size=args.min_size,
+        max_size=args.max_size,
+        seed=args.seed,
+    )
+    total = args.classes * (args.train + args.val)
+    print(f"wrote {total} synthetic JPEGs in {args.classes} classes to {root}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``lightning-fastdata`` console script."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    handlers = {"convert": _convert, "synth": _synth}
+    try:
+        return handlers[args.command](args)
+    except ConversionError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    except (FastDataError, FileNotFoundError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted: nothing was published; run the same command again to start over", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,660 @@
+"""Convert an image folder (or any indexed dataset) once, in parallel, into a compact LMDB image database.
+
+The writer mirrors :class:`~lightning_fastdata.dataset.LmdbImageDataset`; both share :mod:`lightning_fastdata._format`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import logging
+import multiprocessing
+import os
+import shutil
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import lmdb
+import numpy as np
+from PIL import Image, UnidentifiedImageError
+from tqdm.auto import tqdm
+
+from lightning_fastdata import _format
+from lightning_fastdata.__about__ import __version__
+from lightning_fastdata.cpus import usable_cpu_count
+from lightning_fastdata.errors import ConversionError, DatasetFormatError, SourceLayoutError
+
+try:  # advisory lock so two converters never build the same target at once (POSIX only)
+    import fcntl
+except ImportError:  # pragma: no cover - Windows
+    fcntl = None  # type: ignore[assignment]
+
+log = logging.getLogger(__name__)
+
+#: File extensions read as images (matched case-insensitively), as torchvision's ``ImageFolder``.
+IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+
+_LAYOUT_HELP = """Expected an ImageFolder tree:
+    SRC/<class_a>/<image>.jpg
+    SRC/<class_b>/<image>.png
+or a root holding one such tree per split:
+    SRC/train/<class>/<image>.jpg
+    SRC/val/<class>/<image>.jpg"""
+
+_INITIAL_MAP_SIZE = 1 << 28  # 256 MiB; doubled whenever the database fills it
+_TXN_RECORDS = 512
+_TXN_BYTES = 64 << 20
+
+
+@dataclass(frozen=True)
+class SkippedFile:
+    """A source image that was not written, and why."""
+
+    path: str
+    reason: str
+
+
+@dataclass
+class ConversionSummary:
+    """What a conversion did; ``format()`` renders it for people, ``to_dict()`` for JSON."""
+
+    destination: str
+    written: int = 0
+    skipped: list[SkippedFile] = field(default_factory=list)
+    splits: dict[str, int] = field(default_factory=dict)
+    bytes_in: int = 0
+    bytes_out: int = 0
+    seconds: float = 0.0
+    workers: int = 0
+    up_to_date: bool = False
+
+    @property
+    def images_per_sec(self) -> float:
+        """Images read per second of wall time (written and skipped)."""
+        return (self.written + len(self.skipped)) / self.seconds if self.seconds > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dictionary, as written to the report beside the database."""
+        out = asdict(self)
+        out["images_per_sec"] = self.images_per_sec
+        return out
+
+    def format(self, max_skipped: int = 20) -> str:
+        """A human-readable summary, listing at most ``max_skipped`` skipped files."""
+        if self.up_to_date:
+            return f"{self.destination} is up to date ({self.written} images); nothing to do. Use --force to rebuild."
+        splits = ", ".join(f"{name}={count}" for name, count in self.splits.items())
+        lines = [
+            f"wrote {self.written} images ({splits}) to {self.destination}",
+            f"  skipped   {len(self.skipped)}",
+            f"  bytes in  {_human_bytes(self.bytes_in)}",
+            f"  bytes out {_human_bytes(self.bytes_out)}"
+            + (f" ({self.bytes_out / self.bytes_in:.0%} of the source)" if self.bytes_in else ""),
+            f"  time      {self.seconds:.1f} s, {self.images_per_sec:.0f} images/s ({self.workers} worker processes)",
+        ]
+        for item in self.skipped[:max_skipped]:
+            lines.append(f"  skipped {item.path}: {item.reason}")
+        if len(self.skipped) > max_skipped:
+            lines.append(f"  ... and {len(self.skipped) - max_skipped} more, listed in {_format.REPORT_FILE}")
+        return "\n".join(lines)
+
+
+def _human_bytes(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{value:.1f} {unit}" if unit != "B" else f"{n} B"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Encoding one image (runs in the worker processes)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class _Skip(Exception):
+    """An input that cannot become a record; the message is the reason shown to the user."""
+
+
+@dataclass(frozen=True)
+class _Options:
+    short_side: int | None
+    quality: int
+    keep_original: bool
+
+
+def _target_size(width: int, height: int, short_side: int | None) -> tuple[int, int] | None:
+    """The (width, height) that makes the short side ``short_side``, or ``None`` when no downscale is needed."""
+    short = min(width, height)
+    if not short_side or short <= short_side:
+        return None
+    if width <= height:
+        return short_side, max(1, round(height * short_side / width))
+    return max(1, round(width * short_side / height)), short_side
+
+
+def _to_rgb(img: Image.Image) -> Image.Image:
+    """Any PIL mode to 8-bit RGB: 16-bit and float grayscale are rescaled, palette transparency handled."""
+    mode = img.mode
+    if mode == "RGB":
+        return img
+    if mode.startswith("I") or mode == "F":
+        arr = np.asarray(img, dtype=np.float64)
+        high = 65535.0 if mode.startswith("I;16") or arr.max(initial=0) > 255 else 255.0
+        if mode == "F" and arr.max(initial=0) <= 1.0:
+            high = 1.0
+        gray = np.clip(arr * (255.0 / high), 0, 255).round().astype(np.uint8)
+        return Image.fromarray(gray).convert("RGB")
+    if mode == "P" and "transparency" in img.info:
+        return img.convert("RGBA").convert("RGB")
+    return img.convert("RGB")
+
+
+def _encode_image(source: Any, opts: _Options) -> tuple[int, int, int, bytes]:
+    """Turn encoded bytes or a PIL image into ``(encoding, height, width, payload)``; raise ``_Skip`` if unusable."""
+    raw: bytes | None = None
+    if isinstance(source, Image.Image):
+        img = source
+    elif isinstance(source, (bytes, bytearray, memoryview)):
+        raw = bytes(source)
+        if not raw:
+            raise _Skip("empty file (0 bytes)")
+        try:
+            img = Image.open(io.BytesIO(raw))
+        except UnidentifiedImageError:
+            raise _Skip("not an image: the content is in no format Pillow can read") from None
+        except (OSError, SyntaxError, ValueError) as err:
+            raise _Skip(f"unreadable image header: {err}") from None
+    else:
+        raise _Skip(f"expected a PIL image or encoded image bytes, got {type(source).__name__}")
+    try:
+        width, height = img.size
+        target = _target_size(width, height, opts.short_side)
+        if (
+            raw is not None
+            and img.format == "JPEG"
+            and img.mode in ("RGB", "L")
+            and (target is None or opts.keep_original)
+        ):
+            # Store the source bytes untouched (no generation loss), after checking the whole stream decodes;
+            # draft mode makes that check an 1/8-scale decode.
+            img.draft(img.mode, (max(1, width // 8), max(1, height // 8)))
+            img.load()
+            return _format.ENCODING_JPEG, height, width, raw
+        if target is not None and img.format == "JPEG":
+            img.draft("RGB", target)  # DCT-domain downscale to the smallest scale still >= target
+        img.load()
+        img = _to_rgb(img)
+        if target is not None:
+            img = img.resize(target, Image.Resampling.BICUBIC, reducing_gap=3.0)
+        out = io.BytesIO()
+        img.save(out, format="JPEG", quality=opts.quality)
+        return _format.ENCODING_JPEG, img.height, img.width, out.getvalue()
+    except _Skip:
+        raise
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
+        raise _Skip(f"corrupt or truncated image: {err}") from None
+
+
+# Per-worker state, installed by the pool initializer (inherited under fork, pickled once under spawn).
+_STATE: dict[str, Any] = {}
+
+
+def _init_worker(datasets: Mapping[str, Any] | None, opts: _Options) -> None:
+    _STATE["datasets"] = datasets
+    _STATE["opts"] = opts
+    with contextlib.suppress(Exception):  # one thread per worker: the pool already uses every core
+        import torch
+
+        torch.set_num_threads(1)
+
+
+def _load_task(task: tuple[str, str | int, int]) -> tuple[Any, int, int]:
+    """Read the task's input: ``(source, label, bytes_in)``."""
+    split, item, label = task
+    if isinstance(item, str):
+        try:
+            with open(item, "rb") as fh:
+                raw = fh.read()
+        except OSError as err:
+            raise _Skip(f"cannot read file: {err.strerror or err}") from None
+        return raw, label, len(raw)
+    try:
+        source, label = _STATE["datasets"][split][item]
+    except Exception as err:  # a user's dataset may raise anything; the sample is skipped and reported
+        raise _Skip(f"dataset raised {type(err).__name__}: {err}") from None
+    if isinstance(label, bool) or not isinstance(label, (int, np.integer)) or int(label) < 0:
+        raise _Skip(f"label must be a non-negative int, got {label!r}")
+    size = len(source) if isinstance(source, (bytes, bytearray, memoryview)) else 0
+    return source, int(label), size
+
+
+def _work(task: tuple[str, str | int, int]) -> tuple[int, int, int, int, int, bytes | None, str | None]:
+    """Pool entry point: ``(label, bytes_in, encoding, height, width, payload, None)`` or a skip reason."""
+    label, size = task[2], 0
+    try:
+        source, label, size = _load_task(task)
+        encoding, height, width, payload = _encode_image(source, _STATE["opts"])
+    except _Skip as skip:
+        return label, size, 0, 0, 0, None, str(skip)
+    return label, size, encoding, height, width, payload, None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Scanning a source
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Plan:
+    """Everything to convert: ``tasks[split]`` lists ``(split, path-or-index, label)``."""
+
+    classes: list[str] | None
+    tasks: dict[str, list[tuple[str, str | int, int]]]
+    fingerprint: str | None
+    source: str
+
+
+def _class_dirs(root: Path) -> list[str]:
+    return sorted(e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith("."))
+
+
+def _image_files(folder: Path) -> list[str]:
+    files = []
+    for dirpath, dirnames, filenames in os.walk(folder, followlinks=True):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        for name in sorted(filenames):
+            if not name.startswith(".") and name.lower().endswith(IMG_EXTENSIONS):
+                files.append(os.path.join(dirpath, name))
+    return files
+
+
+def _scan_folder(src: Path) -> _Plan:
+    if not src.exists():
+        raise SourceLayoutError(f"`src` {str(src)!r} does not exist.\n{_LAYOUT_HELP}")
+    if not src.is_dir():
+        raise SourceLayoutError(f"`src` {str(src)!r} is a file, not a folder.\n{_LAYOUT_HELP}")
+    top = _class_dirs(src)
+    if not top:
+        raise SourceLayoutError(f"`src` {str(src)!r} has no sub-folders (one per class are needed).\n{_LAYOUT_HELP}")
+    split_mode = "train" in top and bool(_class_dirs(src / "train"))
+    split_roots = {name: src / name for name in top} if split_mode else {"train": src}
+    per_split = {}
+    for split, root in split_roots.items():
+        classes = _class_dirs(root)
+        if not classes:
+            raise SourceLayoutError(
+                f"split folder {str(root)!r} has no class sub-folders, but {str(src)!r} looks like a root of"
+                f" splits because it holds `train/`.\n{_LAYOUT_HELP}"
+            )
+        per_split[split] = classes
+    classes = sorted(set().union(*per_split.values()))
+    class_to_idx = {name: i for i, name in enumerate(classes)}
+    tasks: dict[str, list[tuple[str, str | int, int]]] = {}
+    digest = hashlib.sha256()
+    for split, root in split_roots.items():
+        tasks[split] = []
+        for name in per_split[split]:
+            for path in _image_files(root / name):
+                tasks[split].append((split, path, class_to_idx[name]))
+                st = os.stat(path)
+                digest.update(f"{os.path.relpath(path, src)}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    if not any(tasks.values()):
+        exts = " ".join(IMG_EXTENSIONS)
+        raise SourceLayoutError(
+            f"found no image files under {str(src)!r} (looked for {exts}, any case, in the class folders).\n"
+            f"{_LAYOUT_HELP}"
+        )
+    return _Plan(classes=classes, tasks=tasks, fingerprint=digest.hexdigest(), source=str(src))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Writing
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class _LmdbWriter:
+    """Batches puts into transactions and grows ``map_size`` (doubling) whenever the database is full."""
+
+    def __init__(self, path: Path, map_size: int) -> None:
+        self.map_size = map_size
+        self.env = lmdb.open(str(path), map_size=map_size, subdir=True, readahead=False, meminit=False, sync=False)
+        self._pending: list[tuple[bytes, bytes]] = []
+        self._pending_bytes = 0
+
+    def put(self, key: bytes, value: bytes) -> None:
+        self._pending.append((key, value))
+        self._pending_bytes += len(value)
+        if len(self._pending) >= _TXN_RECORDS or self._pending_bytes >= _TXN_BYTES:
+            self.flush()
+
+    def flush(self) -> None:
+        while self._pending:
+            try:
+                with self.env.begin(write=True) as txn:
+                    for key, value in self._pending:
+                        txn.put(key, value)
+            except lmdb.MapFullError:
+                self.map_size *= 2
+                log.debug("LMDB map full; growing map_size to %d bytes", self.map_size)
+                self.env.set_mapsize(self.map_size)
+                continue
+            self._pending.clear()
+            self._pending_bytes = 0
+
+    def close(self) -> None:
+        self.flush()
+        self.env.sync(True)
+        self.env.close()
+
+
+def _existing_meta(dst: Path) -> dict[str, Any] | None:
+    """The metadata of a complete database at ``dst``, ``None`` if there is none; refuse to clobber other data."""
+    if not dst.exists():
+        return None
+    if dst.is_dir() and not any(dst.iterdir()):
+        return None
+    try:
+        return _format.read_meta(dst)
+    except DatasetFormatError as err:
+        if (dst / _format.DATA_FILE).is_file():
+            return None  # our own incomplete or outdated database: safe to replace
+        raise ConversionError(
+            f"`dst` {str(dst)!r} exists and is not a lightning_fastdata database; refusing to replace it."
+            " Pass a new or empty path."
+        ) from err
+
+
+@contextlib.contextmanager
+def _target_lock(dst: Path) -> Iterator[None]:
+    lock_path = dst.parent / f".{dst.name}.lock"
+    with open(lock_path, "a+") as fh:
+        if fcntl is not None:
+            fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            if fcntl is not None:
+                fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _dir_size(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+
+
+def _run(
+    plan: _Plan,
+    dst: str | os.PathLike[str],
+    datasets: Mapping[str, Any] | None,
+    opts: _Options,
+    num_workers: int | None,
+    strict: bool,
+    force: bool,
+    progress: bool,
+    initial_map_size: int,
+) -> ConversionSummary:
+    dst = Path(dst).absolute()
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    encoding_meta = asdict(opts)
+    workers = usable_cpu_count() if num_workers is None else num_workers
+    if workers < 0:
+        raise ValueError(f"`num_workers` must be >= 0 (0 converts in this process), got {workers}.")
+    summary = ConversionSummary(destination=str(dst), workers=workers)
+    start = time.perf_counter()
+    with _target_lock(dst):
+        old = _existing_meta(dst)
+        if (
+            old is not None
+            and not force
+            and plan.fingerprint is not None
+            and old.get("source", {}).get("fingerprint") == plan.fingerprint
+            and old.get("encoding") == encoding_meta
+        ):
+            summary.up_to_date = True
+            summary.written = sum(s["length"] for s in old["splits"].values())
+            summary.splits = {name: s["length"] for name, s in old["splits"].items()}
+            return summary
+
+        tmp = dst.parent / f".{dst.name}.partial"
+        shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted run
+        shutil.rmtree(dst.parent / f".{dst.name}.old", ignore_errors=True)
+        tmp.mkdir()
+        try:
+            try:
+                meta = _write(plan, tmp, datasets, opts, workers, progress, initial_map_size, summary)
+            except lmdb.Error as err:
+                raise ConversionError(
+                    f"writing the database under {str(tmp)!r} failed: {err}. Check free disk space and"
+                    f" permissions of {str(dst.parent)!r}, then run the conversion again."
+                ) from err
+            summary.seconds = time.perf_counter() - start
+            if strict and summary.skipped:
+                raise ConversionError(
+                    f"{len(summary.skipped)} input(s) could not be converted and `strict` is set; nothing was"
+                    f" written to {str(dst)!r}. First: {summary.skipped[0].path}: {summary.skipped[0].reason}."
+                    " Fix or remove those files, or convert without --strict to skip them."
+                )
+            if summary.written == 0:
+                first = f" First: {summary.skipped[0].path}: {summary.skipped[0].reason}." if summary.skipped else ""
+                raise ConversionError(f"none of the {len(summary.skipped)} inputs could be converted.{first}")
+            summary.bytes_out = _dir_size(tmp)
+            report = {"meta": meta, **summary.to_dict()}
+            (tmp / _format.REPORT_FILE).write_text(json.dumps(report, indent=2, default=str))
+            _publish(tmp, dst)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return summary
+
+
+def _publish(tmp: Path, dst: Path) -> None:
+    """Move the finished database into place; an interruption leaves either the old or the new one, or none."""
+    if dst.exists():
+        old = dst.parent / f".{dst.name}.old"
+        os.replace(dst, old)
+        os.replace(tmp, dst)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, dst)
+
+
+def _write(
+    plan: _Plan,
+    tmp: Path,
+    datasets: Mapping[str, Any] | None,
+    opts: _Options,
+    workers: int,
+    progress: bool,
+    initial_map_size: int,
+    summary: ConversionSummary,
+) -> dict[str, Any]:
+    meta: dict[str, Any] = {
+        "format_version": _format.FORMAT_VERSION,
+        "complete": False,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "writer": f"lightning_fastdata {__version__}",
+        "encoding": asdict(opts),
+        "source": {"path": plan.source, "fingerprint": plan.fingerprint},
+    }
+    all_tasks = [task for split_tasks in plan.tasks.values() for task in split_tasks]
+    labels: dict[str, list[int]] = {split: [] for split in plan.tasks}
+    bar = tqdm(total=len(all_tasks), unit="img", desc=f"convert {Path(plan.source).name}", disable=not progress)
+    # The pool starts before the LMDB environment opens: a forked child must never inherit an open environment.
+    with bar, _results(all_tasks, datasets, opts, workers) as results:
+        writer = _LmdbWriter(tmp, initial_map_size)
+        try:
+            writer.put(_format.META_KEY, _format.dump_meta(meta))  # complete=False until the very end
+            writer.flush()
+            for task, (label, size, encoding, height, width, payload, reason) in zip(all_tasks, results, strict=True):
+                split = task[0]
+                summary.bytes_in += size
+                if reason is not None or payload is None:
+                    name = task[1] if isinstance(task[1], str) else f"{split}[{task[1]}]"
+                    summary.skipped.append(SkippedFile(str(name), str(reason)))
+                    bar.set_postfix(skipped=len(summary.skipped), refresh=False)
+                else:
+                    record = _format.pack_record(encoding, label, height, width, payload)
+                    writer.put(_format.record_key(split, len(labels[split])), record)
+                    labels[split].append(label)
+                bar.update()
+            classes = plan.classes
+            if classes is None:
+                top = max((max(ls) for ls in labels.values() if ls), default=-1)
+                classes = [str(i) for i in range(top + 1)]
+            elif any(ls and max(ls) >= len(classes) for ls in labels.values()):
+                raise ConversionError(f"a label is >= the number of classes ({len(classes)}); pass the full `classes`.")
+            for split, split_labels in labels.items():
+                writer.put(_format.labels_key(split), np.asarray(split_labels, dtype="<i4").tobytes())
+            meta["classes"] = classes
+            meta["splits"] = {
+                split: {"length": len(ls), "class_counts": np.bincount(ls, minlength=len(classes)).tolist()}
+                for split, ls in labels.items()
+            }
+            meta["complete"] = True
+            writer.put(_format.META_KEY, _format.dump_meta(meta))
+        except BaseException:
+            writer.env.close()  # drop pending writes: the partial directory is deleted by the caller
+            raise
+        writer.close()
+    summary.splits = {split: len(ls) for split, ls in labels.items()}
+    summary.written = sum(summary.splits.values())
+    return meta
+
+
+@contextlib.contextmanager
+def _results(
+    tasks: list[tuple[str, str | int, int]], datasets: Mapping[str, Any] | None, opts: _Options, workers: int
+) -> Iterator[Iterator[tuple[Any, ...]]]:
+    """Results of ``_work`` in task order, from a process pool (``workers > 0``) or this process."""
+    if workers == 0:
+        _init_worker(datasets, opts)
+        try:
+            yield map(_work, tasks)
+        finally:
+            _STATE.clear()
+        return
+    chunksize = max(1, min(32, len(tasks) // (workers * 8)))
+    with multiprocessing.get_context().Pool(workers, initializer=_init_worker, initargs=(datasets, opts)) as pool:
+        yield pool.imap(_work, tasks, chunksize=chunksize)
+
+
+def _check_options(short_side: int | None, quality: int) -> _Options:
+    if short_side is not None and short_side < 0:
+        raise ValueError(f"`short_side` must be >= 0 (0 or None keeps the original size), got {short_side}.")
+    if not 1 <= quality <= 100:
+        raise ValueError(f"`quality` must be in 1..100, got {quality}.")
+    return _Options(short_side or None, quality, False)
+
+
+def convert(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    short_side: int | None = 256,
+    quality: int = 90,
+    keep_original: bool = False,
+    num_workers: int | None = None,
+    strict: bool = False,
+    force: bool = False,
+    progress: bool = True,
+    initial_map_size: int = _INITIAL_MAP_SIZE,
+) -> ConversionSummary:
+    """Convert an ImageFolder tree (or a root of ``train/``, ``val/``, ... trees) into an LMDB image database.
+
+    The conversion runs once: re-running on an unchanged source with the same options does nothing. It writes into a
+    hidden sibling of ``dst`` and renames it into place at the end, so an interruption never leaves anything that
+    reads as a complete database; running again starts over.
+
+    Args:
+        src: an ImageFolder root (``src/<class>/<image>``) or a root of split trees (``src/train/<class>/<image>``).
+        dst: the database directory to create or replace (only a lightning_fastdata database is ever replaced).
+        short_side: downscale images whose short side is larger to this many pixels (256 fits training at 224) and
+            store them as JPEG; ``None`` or ``0`` keeps the original size. Smaller images are never upscaled.
+        quality: JPEG quality of re-encoded images.
+        keep_original: store the source bytes untouched wherever the source already is an RGB or grayscale JPEG, even
+            when larger than ``short_side``. Small JPEGs are always stored untouched.
+        num_workers: worker processes; default: the CPUs this process may use (affinity and cgroup quota). ``0``
+            converts in this process.
+        strict: fail, writing nothing, if any file is skipped (corrupt, truncated, empty, not an image).
+        force: rebuild even if ``dst`` is up to date.
+        progress: show a progress bar with images/s and ETA.
+        initial_map_size: the first LMDB map size in bytes; it doubles by itself whenever the database fills it.
+
+    Returns:
+        A :class:`ConversionSummary`; skipped files are also listed in ``dst/convert_report.json``.
+
+    Raises:
+        SourceLayoutError: ``src`` is missing, empty, or not laid out as an image folder.
+        ConversionError: nothing could be converted, a file was skipped under ``strict``, or ``dst`` holds other data.
+
+    Example:
+        >>> from lightning_fastdata import convert
+        >>> summary = convert("data/imagenette", "data/imagenette.lmdb", short_side=256)
+        >>> print(summary.format())
+
+    """
+    opts = _check_options(short_side, quality)
+    opts = _Options(opts.short_side, opts.quality, keep_original)
+    src_path, dst_path = Path(src).absolute(), Path(dst).absolute()
+    if dst_path == src_path or src_path.is_relative_to(dst_path):
+        raise ValueError(f"`dst` {str(dst)!r} must not be `src` or contain it; choose a path outside {str(src)!r}.")
+    plan = _scan_folder(src_path)
+    return _run(plan, dst_path, None, opts, num_workers, strict, force, progress, initial_map_size)
+
+
+def convert_dataset(
+    dataset: Sequence[Any] | Mapping[str, Sequence[Any]],
+    dst: str | os.PathLike[str],
+    classes: Sequence[str] | None = None,
+    short_side: int | None = 256,
+    quality: int = 90,
+    keep_original: bool = False,
+    num_workers: int | None = None,
+    strict: bool = False,
+    fingerprint: str | None = None,
+    force: bool = False,
+    progress: bool = True,
+    initial_map_size: int = _INITIAL_MAP_SIZE,
+) -> ConversionSummary:
+    """Convert any indexed dataset yielding ``(PIL image or encoded image bytes, int label)`` into a database.
+
+    Args:
+        dataset: one dataset (stored as split ``"train"``) or a mapping of split name to dataset.
+        dst: the database directory to create or replace.
+        classes: the class names; default: the first dataset's ``classes`` attribute, else ``"0"``, ``"1"``, ...
+        short_side: as in :func:`convert`.
+        quality: as in :func:`convert`.
+        keep_original: as in :func:`convert`.
+        num_workers: as in :func:`convert`; the datasets reach the workers by fork, or are pickled once under spawn.
+        strict: as in :func:`convert`.
+        fingerprint: a string that identifies the dataset's content; when given, re-running with the same
+            fingerprint and options does nothing. Without it, every call converts.
+        force: as in :func:`convert`.
+        progress: as in :func:`convert`.
+        initial_map_size: as in :func:`convert`.
+
+    Returns:
+        A :class:`ConversionSummary`.
+
+    """
+    opts = _check_options(short_side, quality)
+    opts = _Options(opts.short_side, opts.quality, keep_original)
+    datasets = dict(dataset) if isinstance(dataset, Mapping) else {"train": dataset}
+    if not datasets or not all(len(ds) for ds in datasets.values()):
+        raise SourceLayoutError("every dataset passed to `convert_dataset` must be non-empty.")
+    if classes is None:
+        classes = getattr(next(iter(datasets.values())), "classes", None)
+    tasks = {split: [(split, i, -1) for i in range(len(ds))] for split, ds in datasets.items()}
+    plan = _Plan(
+        classes=list(classes) if classes is not None else None,
+        tasks=tasks,  # type: ignore[arg-type]
+        fingerprint=fingerprint,
+        source=f"<{type(next(iter(datasets.values()))).__name__}>",
+    )
+    return _run(plan, dst, datasets, opts, num_workers, strict, force, progress, initial_map_size)

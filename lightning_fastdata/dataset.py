@@ -1,0 +1,180 @@
+"""A lazy, fork- and spawn-safe reader for databases written by :mod:`lightning_fastdata.convert`."""
+
+from __future__ import annotations
+
+import io
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Literal
+
+import lmdb
+import numpy as np
+import torch
+from PIL import Image
+from torch.utils.data import Dataset
+from torchvision.io import ImageReadMode, decode_jpeg, decode_png
+
+from lightning_fastdata import _format
+from lightning_fastdata.errors import CorruptRecordError
+
+Output = Literal["tensor", "pil", "encoded"]
+
+
+class LmdbImageDataset(Dataset):
+    """Images and labels of one split of a database made by ``lightning-fastdata convert``.
+
+    A drop-in for torchvision's ``ImageFolder``: it has ``classes``, ``class_to_idx`` and ``targets`` and returns
+    ``(image, label)``. Nothing is loaded in ``__init__`` beyond the metadata; the LMDB environment opens lazily in
+    the process that reads (a DataLoader worker, under fork or spawn) and is never pickled. Memory does not grow
+    with the number of samples: keys are computed from the index.
+
+    Args:
+        path: the database directory.
+        split: which split to read (``"train"``, ``"val"``, ...).
+        transform: applied to the image (a ``uint8`` CHW tensor, or a PIL image with ``output="pil"``).
+        target_transform: applied to the label.
+        output: ``"tensor"`` decodes with ``torchvision.io`` to a ``uint8`` RGB tensor of shape ``(3, H, W)``;
+            ``"pil"`` gives an RGB PIL image for PIL transforms; ``"encoded"`` gives the stored bytes as a 1-D
+            ``uint8`` tensor, for decoding later (e.g. on the GPU).
+        verify_checksums: check each record's CRC32 before decoding (a few microseconds per image).
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        DatasetFormatError: ``path`` is not a complete database of a version this package reads.
+        ValueError: ``split`` is not in the database, or ``output`` is unknown.
+
+    Example:
+        >>> from torch.utils.data import DataLoader
+        >>> from lightning_fastdata import LmdbImageDataset
+        >>> train = LmdbImageDataset("data/imagenette.lmdb", split="train")
+        >>> image, label = train[0]  # uint8 tensor (3, H, W), int
+        >>> loader = DataLoader(train, batch_size=64, num_workers=4)
+
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        split: str = "train",
+        transform: Callable[[Any], Any] | None = None,
+        target_transform: Callable[[int], Any] | None = None,
+        output: Output = "tensor",
+        verify_checksums: bool = True,
+    ) -> None:
+        if output not in ("tensor", "pil", "encoded"):
+            raise ValueError(f"`output` must be 'tensor', 'pil' or 'encoded', got {output!r}.")
+        meta = _format.read_meta(path)
+        splits = meta["splits"]
+        if split not in splits:
+            raise ValueError(f"`split` {split!r} is not in {os.fspath(path)!r}; it holds {sorted(splits)}.")
+        self.path = str(Path(path).absolute())
+        self.split = split
+        self.transform = transform
+        self.target_transform = target_transform
+        self.output = output
+        self.verify_checksums = verify_checksums
+        self.classes: list[str] = list(meta["classes"])
+        self.class_to_idx = {name: i for i, name in enumerate(self.classes)}
+        self.class_counts: list[int] = list(splits[split]["class_counts"])
+        self.splits: list[str] = sorted(splits)
+        self.encoding: dict[str, Any] = dict(meta["encoding"])
+        self._length = int(splits[split]["length"])
+        self._env: lmdb.Environment | None = None
+        self._pid: int | None = None
+
+    def __len__(self) -> int:
+        return self._length
+
+    def _environment(self) -> lmdb.Environment:
+        """The LMDB environment of this process, opened on first use (and again after a fork)."""
+        if self._env is None or self._pid != os.getpid():
+            self._env = _format.open_readonly(self.path)
+            self._pid = os.getpid()
+        return self._env
+
+    def _where(self, index: int) -> str:
+        return f"split {self.split!r} index {index} of {self.path!r}"
+
+    def read_record(self, index: int) -> tuple[_format.RecordHeader, bytes]:
+        """The header and the encoded image bytes of sample ``index``, checksum verified.
+
+        Raises:
+            IndexError: ``index`` is out of range.
+            CorruptRecordError: the record is missing or damaged; the message names the split and index.
+
+        """
+        length = self._length
+        if not -length <= index < length:
+            raise IndexError(f"index {index} is out of range for split {self.split!r} of length {length}")
+        index %= length
+        try:
+            with self._environment().begin(buffers=True) as txn:
+                record = txn.get(_format.record_key(self.split, index))
+                if record is None:
+                    raise CorruptRecordError("the record is missing")
+                header, payload = _format.unpack_record(record, verify=self.verify_checksums)
+                data = bytes(payload)  # copy out of the memory map before the transaction ends
+        except (CorruptRecordError, lmdb.Error) as err:
+            raise CorruptRecordError(
+                f"{self._where(index)}: {err}. The database is damaged: convert the source again with"
+                " `lightning-fastdata convert --force`."
+            ) from err
+        if not 0 <= header.label < len(self.classes):
+            raise CorruptRecordError(
+                f"{self._where(index)}: label {header.label} is outside the {len(self.classes)} classes"
+            )
+        return header, data
+
+    def _decode(self, index: int, header: _format.RecordHeader, data: bytes) -> Any:
+        if self.output == "encoded":
+            return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        try:
+            if self.output == "pil":
+                image = Image.open(io.BytesIO(data))
+                image.load()
+                image = image.convert("RGB")
+                size = (image.height, image.width)
+            else:
+                encoded = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+                decode = decode_jpeg if header.encoding == _format.ENCODING_JPEG else decode_png
+                image = decode(encoded, mode=ImageReadMode.RGB)
+                size = tuple(image.shape[-2:])
+        except (RuntimeError, OSError, SyntaxError, ValueError) as err:
+            raise CorruptRecordError(f"{self._where(index)}: the image does not decode: {err}") from err
+        if size != (header.height, header.width):
+            raise CorruptRecordError(
+                f"{self._where(index)}: decoded size {size} differs from the stored {(header.height, header.width)}"
+            )
+        return image
+
+    def __getitem__(self, index: int) -> tuple[Any, Any]:
+        header, data = self.read_record(index)
+        image = self._decode(index, header, data)
+        label: Any = header.label
+        if self.transform is not None:
+            image = self.transform(image)
+        if self.target_transform is not None:
+            label = self.target_transform(label)
+        return image, label
+
+    @property
+    def targets(self) -> list[int]:
+        """The label of every sample, read from the database on each access (not kept in memory)."""
+        with self._environment().begin() as txn:
+            raw = txn.get(_format.labels_key(self.split))
+        if raw is None or len(raw) != 4 * self._length:
+            raise CorruptRecordError(f"the label array of split {self.split!r} of {self.path!r} is missing or damaged")
+        return np.frombuffer(raw, dtype="<i4").tolist()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_env"] = None  # an LMDB environment must never cross a process boundary
+        state["_pid"] = None
+        return state
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(path={self.path!r}, split={self.split!r}, len={len(self)},"
+            f" classes={len(self.classes)}, output={self.output!r})"
+        )

@@ -1,0 +1,23 @@
+"""Exceptions raised by lightning_fastdata; each message says what was found and how to fix it."""
+
+from __future__ import annotations
+
+
+class FastDataError(Exception):
+    """Base class of every error this package raises on purpose."""
+
+
+class DatasetFormatError(FastDataError, ValueError):
+    """A path is not a complete lightning_fastdata database of a version this package reads."""
+
+
+class CorruptRecordError(FastDataError, ValueError):
+    """A stored record is damaged: bad header, failed checksum, or bytes that do not decode."""
+
+
+class SourceLayoutError(FastDataError, ValueError):
+    """A conversion source is missing, empty, or not laid out as an image folder."""
+
+
+class ConversionError(FastDataError, RuntimeError):
+    """A conversion could not finish (a skipped file under ``strict``, disk full, ...); nothing was published."""
