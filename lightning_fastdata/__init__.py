@@ -4,6 +4,7 @@ from lightning_fastdata.__about__ import __version__
 from lightning_fastdata._format import read_meta
 from lightning_fastdata.convert import ConversionSummary, SkippedFile, convert, convert_dataset
 from lightning_fastdata.cpus import usable_cpu_count
+from lightning_fastdata.datamodule import FastImageDataModule
 from lightning_fastdata.dataset import LmdbImageDataset
 from lightning_fastdata.errors import (
     ConversionError,
@@ -20,6 +21,7 @@ __all__ = [
     "CorruptRecordError",
     "DatasetFormatError",
     "FastDataError",
+    "FastImageDataModule",
     "LmdbImageDataset",
     "SkippedFile",
     "SourceLayoutError",

@@ -1,14 +1,22 @@
-"""The ``lightning-fastdata`` command line: ``convert`` and ``synth``."""
+"""The ``lightning-fastdata`` command line: ``convert``, ``synth``, and LightningCLI's ``fit``/``validate``/``test``."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from lightning_fastdata.__about__ import __version__
 from lightning_fastdata.errors import ConversionError, FastDataError
+
+if TYPE_CHECKING:
+    from lightning.pytorch.cli import LightningCLI
+
+#: Sub-commands handed to LightningCLI.
+LIGHTNING_COMMANDS = ("fit", "validate", "test", "predict")
 
 
 def _add_convert(sub: argparse._SubParsersAction) -> None:
@@ -58,8 +66,14 @@ def _add_synth(sub: argparse._SubParsersAction) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of ``lightning-fastdata``."""
-    parser = argparse.ArgumentParser(prog="lightning-fastdata", description="Input-fast image training tools.")
+    """The argument parser of ``lightning-fastdata`` (the Lightning sub-commands are parsed by LightningCLI)."""
+    parser = argparse.ArgumentParser(
+        prog="lightning-fastdata",
+        description="Input-fast image training tools.",
+        epilog="Training: `lightning-fastdata fit --config CONFIG.yaml` (also validate, test, predict) runs"
+        " LightningCLI with any LightningModule and any FastImageDataModule subclass named by `class_path`;"
+        " `lightning-fastdata fit --help` lists every option.",
+    )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_convert(sub)
@@ -102,8 +116,38 @@ def _synth(args: argparse.Namespace) -> int:
     return 0
 
 
+def lightning_cli(args: Sequence[str], run: bool = True, **kwargs: Any) -> LightningCLI:
+    """LightningCLI with a model and a :class:`~lightning_fastdata.FastImageDataModule`, both in subclass mode.
+
+    Classes are named by ``class_path`` in the config; the working directory is importable, so a user's own
+    ``my_model.MyModel`` and ``my_data.MyDataModule`` (a FastImageDataModule subclass whose ``**kwargs`` pass the
+    parent's arguments through) work without installing anything.
+    """
+    from lightning.pytorch import LightningModule
+    from lightning.pytorch.cli import LightningCLI
+
+    from lightning_fastdata.datamodule import FastImageDataModule
+
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    kwargs.setdefault("save_config_kwargs", {"overwrite": True})
+    return LightningCLI(
+        LightningModule,
+        FastImageDataModule,
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        args=list(args),
+        run=run,
+        **kwargs,
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``lightning-fastdata`` console script."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in LIGHTNING_COMMANDS:
+        lightning_cli(argv)
+        return 0
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     handlers = {"convert": _convert, "synth": _synth}

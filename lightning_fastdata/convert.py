@@ -276,7 +276,8 @@ def _image_files(folder: Path) -> list[str]:
     return files
 
 
-def _scan_folder(src: Path) -> _Plan:
+def _split_folders(src: Path) -> tuple[dict[str, Path], dict[str, list[str]]]:
+    """The split roots of ``src`` and the class folders of each; raises ``SourceLayoutError`` on a bad layout."""
     if not src.exists():
         raise SourceLayoutError(f"`src` {str(src)!r} does not exist.\n{_LAYOUT_HELP}")
     if not src.is_dir():
@@ -295,6 +296,17 @@ def _scan_folder(src: Path) -> _Plan:
                 f" splits because it holds `train/`.\n{_LAYOUT_HELP}"
             )
         per_split[split] = classes
+    return split_roots, per_split
+
+
+def folder_classes(src: str | os.PathLike[str]) -> list[str]:
+    """The class names a conversion of ``src`` will have (sorted, across splits), from folder names alone."""
+    _, per_split = _split_folders(Path(src))
+    return sorted(set().union(*per_split.values()))
+
+
+def _scan_folder(src: Path) -> _Plan:
+    split_roots, per_split = _split_folders(src)
     classes = sorted(set().union(*per_split.values()))
     class_to_idx = {name: i for i, name in enumerate(classes)}
     tasks: dict[str, list[tuple[str, str | int, int]]] = {}

@@ -1,0 +1,46 @@
+"""A FastImageDataModule subclass that changes the training augmentation: brightness/contrast jitter on uint8.
+
+Use it from a config with ``class_path: examples.augmented_datamodule.JitterDataModule``; every argument of
+FastImageDataModule passes through ``**kwargs``.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from lightning_fastdata import FastImageDataModule
+
+
+class _Jitter:
+    def __init__(self, base: Callable[[torch.Tensor], torch.Tensor], strength: float) -> None:
+        self.base = base
+        self.strength = strength
+
+    def __call__(self, image: torch.Tensor) -> torch.Tensor:
+        image = self.base(image)
+        gain = 1.0 + random.uniform(-self.strength, self.strength)
+        offset = 255.0 * random.uniform(-self.strength, self.strength) / 2
+        # stays uint8: one small float pass on a 224x224 crop, after the resize
+        return image.float().mul_(gain).add_(offset).clamp_(0, 255).to(torch.uint8)
+
+
+class JitterDataModule(FastImageDataModule):
+    """FastImageDataModule plus random brightness and contrast on the training crops.
+
+    Args:
+        jitter: maximum relative change of contrast (and half of it for brightness), 0 to turn it off.
+        **kwargs: the arguments of :class:`~lightning_fastdata.FastImageDataModule`.
+
+    """
+
+    def __init__(self, jitter: float = 0.2, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.jitter = jitter
+
+    def train_transform(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        base = super().train_transform()
+        return _Jitter(base, self.jitter) if self.jitter > 0 else base

@@ -1,0 +1,346 @@
+"""``FastImageDataModule``: point it at an image folder, get the fastest input pipeline this machine can give."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from lightning.pytorch import LightningDataModule
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from typing_extensions import override
+
+from lightning_fastdata import _format
+from lightning_fastdata.convert import convert, folder_classes
+from lightning_fastdata.cpus import usable_cpu_count
+from lightning_fastdata.dataset import LmdbImageDataset
+from lightning_fastdata.transforms import CenterCropResize, RandomResizedCropFlip, normalize_batch
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+_PRECISION_DTYPES = {"16-true": torch.float16, "bf16-true": torch.bfloat16, "64-true": torch.float64}
+
+
+def default_cache_dir() -> Path:
+    """Where converted databases go by default: ``$LIGHTNING_FASTDATA_CACHE``, else ``~/.cache/lightning_fastdata``."""
+    env = os.environ.get("LIGHTNING_FASTDATA_CACHE")
+    if env:
+        return Path(env).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "lightning_fastdata"
+
+
+def _worker_init(worker_id: int) -> None:
+    """One intra-op thread per worker: the workers already use every core the budget gives them."""
+    torch.set_num_threads(1)
+
+
+class _IndexView(Dataset):
+    """A fixed subset of a dataset, its indices held as ``int32`` (4 bytes per sample)."""
+
+    def __init__(self, dataset: Dataset, indices: np.ndarray) -> None:
+        self.dataset = dataset
+        self.indices = indices.astype(np.int32)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, index: int) -> Any:
+        return self.dataset[int(self.indices[index])]
+
+
+class FastImageDataModule(LightningDataModule):
+    """A LightningDataModule for image classification that converts once to LMDB and feeds uint8 batches.
+
+    ``prepare_data`` converts the image folder into an LMDB database (once: later runs find it up to date);
+    ``setup`` opens it. Workers decode and crop to ``uint8`` CHW tensors and collate them into one ``uint8`` NCHW
+    batch (a quarter of the bytes of float32); ``on_after_batch_transfer`` converts to float and normalizes on the
+    device. Batches are ``(images, labels)``.
+
+    Worker count, ``pin_memory`` and ``persistent_workers`` are chosen for the machine when left at their
+    defaults: ``num_workers="auto"`` is the CPUs this process may really use (affinity, cgroup quota) divided by
+    the training processes on this node.
+
+    Subclass to change the pipeline: override :meth:`train_transform`, :meth:`val_transform` or
+    :meth:`build_dataset`.
+
+    Args:
+        data_dir: an ImageFolder root with ``train/`` (and optionally ``val/``) trees, a plain ImageFolder root, or a
+            database made by ``lightning-fastdata convert``.
+        cache_dir: where the conversion of a folder goes; default ``$LIGHTNING_FASTDATA_CACHE`` or
+            ``~/.cache/lightning_fastdata``. Never inside ``data_dir``.
+        image_size: side length of the square training and validation crops.
+        batch_size: samples per batch (per process under DDP).
+        num_workers: DataLoader workers per process; ``"auto"`` budgets them from the usable CPUs.
+        pin_memory: page-locked host batches for fast, asynchronous copies; default: on when training on CUDA.
+        persistent_workers: keep workers alive between epochs; default: on when there are workers.
+        prefetch_factor: batches each worker loads ahead; default: PyTorch's 2.
+        val_fraction: share of ``train`` held out for validation when the data has no ``val`` split (``0`` for
+            none); the split is deterministic for a given ``seed``.
+        seed: seeds the validation split and the training shuffle (which also changes with the epoch).
+        mean: per-channel mean on the 0-1 scale, subtracted on the device.
+        std: per-channel standard deviation on the 0-1 scale.
+        scale: ``RandomResizedCrop`` area range for training.
+        crop_fraction: validation centre crop as a share of the short side (0.875 = 224 of 256).
+        short_side: conversion: downscale stored images to this short side (0 keeps the original size).
+        quality: conversion: JPEG quality of re-encoded images.
+        channels_last: hand the model ``channels_last`` batches (faster convolutions with AMP on recent GPUs).
+        drop_last: drop the last incomplete training batch.
+
+    Example:
+        >>> from lightning.pytorch import Trainer
+        >>> from lightning_fastdata import FastImageDataModule
+        >>> dm = FastImageDataModule("data/imagenette", batch_size=64)
+        >>> Trainer(max_epochs=10).fit(model, datamodule=dm)  # doctest: +SKIP
+
+    """
+
+    def __init__(
+        self,
+        data_dir: str,
+        cache_dir: str | None = None,
+        image_size: int = 224,
+        batch_size: int = 64,
+        num_workers: int | Literal["auto"] = "auto",
+        pin_memory: bool | None = None,
+        persistent_workers: bool | None = None,
+        prefetch_factor: int | None = None,
+        val_fraction: float = 0.1,
+        seed: int = 0,
+        mean: Sequence[float] = IMAGENET_MEAN,
+        std: Sequence[float] = IMAGENET_STD,
+        scale: tuple[float, float] = (0.08, 1.0),
+        crop_fraction: float = 0.875,
+        short_side: int = 256,
+        quality: int = 90,
+        channels_last: bool = False,
+        drop_last: bool = True,
+    ) -> None:
+        super().__init__()
+        if image_size < 1 or batch_size < 1:
+            raise ValueError(f"`image_size` ({image_size}) and `batch_size` ({batch_size}) must be >= 1.")
+        if num_workers != "auto" and (not isinstance(num_workers, int) or num_workers < 0):
+            raise ValueError(f"`num_workers` must be 'auto' or an int >= 0, got {num_workers!r}.")
+        if prefetch_factor is not None and prefetch_factor < 1:
+            raise ValueError(f"`prefetch_factor` must be >= 1 or None, got {prefetch_factor}.")
+        if not 0 <= val_fraction < 1:
+            raise ValueError(f"`val_fraction` must be in [0, 1), got {val_fraction}.")
+        if len(mean) != 3 or len(std) != 3 or min(std) <= 0:
+            raise ValueError(f"`mean` and `std` need 3 values each and `std` > 0, got {mean} and {std}.")
+        self.save_hyperparameters()
+        self.data_dir = data_dir
+        self.cache_dir = cache_dir
+        self.image_size = image_size
+        self.batch_size = batch_size
+        self.num_workers = num_workers
+        self.pin_memory = pin_memory
+        self.persistent_workers = persistent_workers
+        self.prefetch_factor = prefetch_factor
+        self.val_fraction = val_fraction
+        self.seed = seed
+        self.mean = torch.tensor(mean, dtype=torch.float32)
+        self.std = torch.tensor(std, dtype=torch.float32)
+        self.scale = tuple(scale)
+        self.crop_fraction = crop_fraction
+        self.short_side = short_side
+        self.quality = quality
+        self.channels_last = channels_last
+        self.drop_last = drop_last
+        self.train_dataset: Dataset | None = None
+        self.val_dataset: Dataset | None = None
+        self._warned_workers = False
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Where the data is
+    # ------------------------------------------------------------------------------------------------------------
+
+    @property
+    def is_database(self) -> bool:
+        """Whether ``data_dir`` already is a converted database (then nothing is converted)."""
+        return (Path(self.data_dir) / _format.DATA_FILE).is_file()
+
+    @property
+    def database_path(self) -> Path:
+        """The database that is read: ``data_dir`` itself, or its conversion under ``cache_dir``."""
+        source = Path(self.data_dir).expanduser().absolute()
+        if self.is_database:
+            return source
+        root = Path(self.cache_dir).expanduser() if self.cache_dir else default_cache_dir()
+        digest = hashlib.sha256(str(source).encode()).hexdigest()[:10]
+        return root.absolute() / f"{source.name}-{digest}.lmdb"
+
+    @property
+    def classes(self) -> list[str]:
+        """Class names: from the database, or before conversion from the folder names (nothing is read)."""
+        if self.is_database or (self.database_path / _format.DATA_FILE).is_file():
+            return list(_format.read_meta(self.database_path)["classes"])
+        return folder_classes(Path(self.data_dir).expanduser())
+
+    @property
+    def num_classes(self) -> int:
+        """Number of classes."""
+        return len(self.classes)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Lightning hooks
+    # ------------------------------------------------------------------------------------------------------------
+
+    @override
+    def prepare_data(self) -> None:
+        """Convert ``data_dir`` once (runs on one process per node; an up-to-date database is reused)."""
+        if self.is_database:
+            _format.read_meta(self.data_dir)  # fail early with a clear message if it is not usable
+            return
+        source = Path(self.data_dir).expanduser().absolute()
+        target = self.database_path
+        if target == source or target.is_relative_to(source):
+            raise ValueError(f"`cache_dir` {self.cache_dir!r} must not be inside `data_dir` {self.data_dir!r}.")
+        summary = convert(source, target, short_side=self.short_side, quality=self.quality)
+        rank_zero_info(summary.format())
+
+    @override
+    def setup(self, stage: str) -> None:
+        """Open the database's splits; hold out ``val_fraction`` of ``train`` when there is no ``val`` split."""
+        if self.train_dataset is not None:
+            return
+        meta = _format.read_meta(self.database_path)
+        splits = meta["splits"]
+        if "train" not in splits:
+            raise ValueError(f"{str(self.database_path)!r} has no `train` split; it holds {sorted(splits)}.")
+        val_split = next((name for name in ("val", "valid", "validation") if name in splits), None)
+        train = self.build_dataset("train", self.train_transform())
+        if val_split is not None:
+            self.train_dataset = train
+            self.val_dataset = self.build_dataset(val_split, self.val_transform())
+        elif self.val_fraction > 0:
+            n = len(train)  # type: ignore[arg-type]
+            order = np.random.default_rng(self.seed).permutation(n)
+            n_val = max(1, round(n * self.val_fraction))
+            self.val_dataset = _IndexView(self.build_dataset("train", self.val_transform()), np.sort(order[:n_val]))
+            self.train_dataset = _IndexView(train, np.sort(order[n_val:]))
+        else:
+            self.train_dataset = train
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Extension points
+    # ------------------------------------------------------------------------------------------------------------
+
+    def train_transform(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The per-image training transform: uint8 CHW in, uint8 CHW ``image_size`` square out."""
+        return RandomResizedCropFlip(self.image_size, scale=self.scale)  # type: ignore[arg-type]
+
+    def val_transform(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The per-image validation transform: uint8 CHW in, uint8 CHW ``image_size`` square out."""
+        return CenterCropResize(self.image_size, crop_fraction=self.crop_fraction)
+
+    def build_dataset(self, split: str, transform: Callable[[Any], Any] | None) -> Dataset:
+        """The dataset of one split of the database; override to add fields or change decoding."""
+        return LmdbImageDataset(self.database_path, split=split, transform=transform)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Loaders
+    # ------------------------------------------------------------------------------------------------------------
+
+    def _processes_per_node(self) -> int:
+        trainer = self.trainer
+        if trainer is None:
+            return 1
+        return max(1, trainer.world_size // max(1, trainer.num_nodes))
+
+    def worker_budget(self) -> int:
+        """Workers per process that the usable CPUs allow: usable CPUs // training processes on this node."""
+        return usable_cpu_count() // self._processes_per_node()
+
+    def resolved_num_workers(self) -> int:
+        """The worker count the loaders use (``"auto"`` resolved; a value above the budget warns once)."""
+        budget = self.worker_budget()
+        if self.num_workers == "auto":
+            return budget
+        if self.num_workers > budget and not self._warned_workers:
+            self._warned_workers = True
+            rank_zero_warn(
+                f"`num_workers={self.num_workers}` is above this process's budget of {budget}: {usable_cpu_count()}"
+                f" usable CPUs shared by {self._processes_per_node()} training process(es) on this node. Workers"
+                " beyond the budget compete for cores and usually slow loading; use `num_workers='auto'`."
+            )
+        return int(self.num_workers)
+
+    def _on_cuda(self) -> bool:
+        trainer = self.trainer
+        if trainer is None:
+            return torch.cuda.is_available()
+        return trainer.strategy.root_device.type == "cuda"
+
+    def _loader_kwargs(self) -> dict[str, Any]:
+        workers = self.resolved_num_workers()
+        kwargs: dict[str, Any] = {
+            "batch_size": self.batch_size,
+            "num_workers": workers,
+            "pin_memory": self._on_cuda() if self.pin_memory is None else self.pin_memory,
+        }
+        if workers > 0:
+            kwargs["persistent_workers"] = True if self.persistent_workers is None else self.persistent_workers
+            kwargs["worker_init_fn"] = _worker_init
+            if self.prefetch_factor is not None:
+                kwargs["prefetch_factor"] = self.prefetch_factor
+        return kwargs
+
+    def _sampler(self, dataset: Dataset, shuffle: bool) -> DistributedSampler:
+        # A DistributedSampler seeded with `seed` in every case: Lightning leaves a DistributedSampler in place and
+        # calls its `set_epoch` each epoch, so shuffling changes by epoch, is reproducible from `seed`, and shards
+        # across ranks with the Trainer's own `distributed_sampler_kwargs` (num_replicas, rank).
+        trainer = self.trainer
+        dist_kwargs = (trainer.distributed_sampler_kwargs if trainer is not None else None) or {}
+        return DistributedSampler(
+            dataset,
+            num_replicas=dist_kwargs.get("num_replicas", 1),
+            rank=dist_kwargs.get("rank", 0),
+            shuffle=shuffle,
+            seed=self.seed,
+        )
+
+    @override
+    def train_dataloader(self) -> DataLoader:
+        """Shuffled, seeded training batches of ``(uint8 NCHW images, int64 labels)``."""
+        if self.train_dataset is None:
+            self.setup("fit")
+        assert self.train_dataset is not None
+        sampler = self._sampler(self.train_dataset, shuffle=True)
+        return DataLoader(self.train_dataset, sampler=sampler, drop_last=self.drop_last, **self._loader_kwargs())
+
+    @override
+    def val_dataloader(self) -> DataLoader | list[DataLoader]:
+        """Validation batches in order (an empty list when there is no validation data)."""
+        if self.train_dataset is None:
+            self.setup("validate")
+        if self.val_dataset is None:
+            return []
+        sampler = self._sampler(self.val_dataset, shuffle=False)
+        return DataLoader(self.val_dataset, sampler=sampler, **self._loader_kwargs())
+
+    # ------------------------------------------------------------------------------------------------------------
+    # On the device
+    # ------------------------------------------------------------------------------------------------------------
+
+    def batch_dtype(self) -> torch.dtype:
+        """The dtype images are converted to: float32, or the Trainer's true-precision dtype."""
+        trainer = self.trainer
+        if trainer is None:
+            return torch.float32
+        return _PRECISION_DTYPES.get(str(trainer.precision), torch.float32)
+
+    @override
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """Turn the uint8 images (first element of the batch) into normalized floats on the batch's device."""
+        if not isinstance(batch, (tuple, list)) or not batch or not isinstance(batch[0], torch.Tensor):
+            return batch
+        if batch[0].dtype != torch.uint8:
+            return batch
+        images = normalize_batch(batch[0], self.mean, self.std, self.batch_dtype(), self.channels_last)
+        return type(batch)([images, *batch[1:]]) if isinstance(batch, list) else (images, *batch[1:])
