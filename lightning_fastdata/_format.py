@@ -2,7 +2,7 @@
 
 A database is an LMDB environment directory (``data.mdb`` + ``lock.mdb``) holding:
 
-* one record per image under the key ``b"<split>/<index:010d>"``: a fixed 24-byte little-endian header followed
+* one record per image under the key ``b"<split>/<index:010d>"``: a fixed 20-byte little-endian header followed
   by the encoded image bytes (see :data:`HEADER`);
 * the labels of each split as a packed ``int32`` array under ``b"__labels__/<split>"``;
 * the dataset metadata as UTF-8 JSON under ``b"__meta__"``, written in the last transaction with

@@ -62,6 +62,7 @@ def _add_synth(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--val", type=int, default=16, help="validation images per class; 0 for a plain ImageFolder")
     p.add_argument("--min-size", type=int, default=300, help="smallest side length drawn (default 300)")
     p.add_argument("--max-size", type=int, default=640, help="largest side length drawn (default 640)")
+    p.add_argument("--noise", type=float, default=0.0, help="photo-like grain, pixel std on 0-255 (default 0: smooth)")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -109,6 +110,7 @@ def _synth(args: argparse.Namespace) -> int:
         val_per_class=args.val,
         min_size=args.min_size,
         max_size=args.max_size,
+        noise=args.noise,
         seed=args.seed,
     )
     total = args.classes * (args.train + args.val)

@@ -376,12 +376,21 @@ def _existing_meta(dst: Path) -> dict[str, Any] | None:
     try:
         return _format.read_meta(dst)
     except DatasetFormatError as err:
-        if (dst / _format.DATA_FILE).is_file():
+        if (dst / _format.DATA_FILE).is_file() and _has_meta_record(dst):
             return None  # our own incomplete or outdated database: safe to replace
         raise ConversionError(
             f"`dst` {str(dst)!r} exists and is not a lightning_fastdata database; refusing to replace it."
             " Pass a new or empty path."
         ) from err
+
+
+def _has_meta_record(dst: Path) -> bool:
+    """Whether the LMDB at ``dst`` holds a ``__meta__`` record, i.e. was written by lightning_fastdata."""
+    try:
+        with _format.open_readonly(dst).begin() as txn:
+            return txn.get(_format.META_KEY) is not None
+    except (DatasetFormatError, lmdb.Error):
+        return False
 
 
 @contextlib.contextmanager
@@ -614,8 +623,11 @@ def convert(
     opts = _check_options(short_side, quality)
     opts = _Options(opts.short_side, opts.quality, keep_original)
     src_path, dst_path = Path(src).absolute(), Path(dst).absolute()
-    if dst_path == src_path or src_path.is_relative_to(dst_path):
-        raise ValueError(f"`dst` {str(dst)!r} must not be `src` or contain it; choose a path outside {str(src)!r}.")
+    if dst_path == src_path or src_path.is_relative_to(dst_path) or dst_path.is_relative_to(src_path):
+        raise ValueError(
+            f"`dst` {str(dst)!r} must be outside `src` {str(src)!r} (inside it, it would be read as a class or a"
+            " split on the next run). Choose a path beside the image folder, e.g. `data/images.lmdb`."
+        )
     plan = _scan_folder(src_path)
     return _run(plan, dst_path, None, opts, num_workers, strict, force, progress, initial_map_size)
 

@@ -140,7 +140,7 @@ class LmdbImageDataset(Dataset):
                 decode = decode_jpeg if header.encoding == _format.ENCODING_JPEG else decode_png
                 image = decode(encoded, mode=ImageReadMode.RGB)
                 size = tuple(image.shape[-2:])
-        except (RuntimeError, OSError, SyntaxError, ValueError) as err:
+        except (RuntimeError, OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
             raise CorruptRecordError(f"{self._where(index)}: the image does not decode: {err}") from err
         if size != (header.height, header.width):
             raise CorruptRecordError(

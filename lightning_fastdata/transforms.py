@@ -15,9 +15,13 @@ from torch.nn import functional as F
 
 
 def _resize(image: Tensor, size: tuple[int, int]) -> Tensor:
-    """Antialiased bilinear resize of a uint8 CHW tensor (torch's native uint8 kernel; no float copy)."""
+    """Antialiased bilinear resize of a uint8 CHW tensor (torch's native uint8 kernel; no float copy).
+
+    The input may be a strided view (a crop): decoded images are HWC in memory, which is the layout the uint8
+    kernel is fastest on, so no copy is made first. The result keeps that layout; collation makes it contiguous.
+    """
     if tuple(image.shape[-2:]) == size:
-        return image.contiguous()
+        return image
     out = F.interpolate(image.unsqueeze(0), size=size, mode="bilinear", antialias=True, align_corners=False)
     return out.squeeze(0)
 
@@ -77,10 +81,8 @@ class RandomResizedCropFlip:
     def __call__(self, image: Tensor) -> Tensor:
         """Crop, maybe flip, and resize one uint8 CHW image."""
         top, left, h, w = self.box(image.shape[-2], image.shape[-1])
-        crop = image[..., top : top + h, left : left + w]
-        if random.random() < self.flip_p:
-            crop = crop.flip(-1)
-        return _resize(crop, (self.size, self.size))
+        out = _resize(image[..., top : top + h, left : left + w], (self.size, self.size))
+        return out.flip(-1) if random.random() < self.flip_p else out
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(size={self.size}, scale={self.scale}, ratio={self.ratio}, flip_p={self.flip_p})"
@@ -131,5 +133,6 @@ def normalize_batch(
     shift = (mean / std).to(device=images.device, dtype=torch.float32).view(1, -1, 1, 1)
     if channels_last:
         images = images.contiguous(memory_format=torch.channels_last)
-    out = torch.addcmul(-shift, images.to(torch.float32), scale)  # x / (255 std) - mean / std
+    # x / (255 std) - mean / std, in place on the one float copy (3x faster on CPU than a fused addcmul here)
+    out = images.to(torch.float32).mul_(scale).sub_(shift)
     return out.to(dtype) if dtype != torch.float32 else out

@@ -1,0 +1,150 @@
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+from lightning_fastdata import LmdbImageDataset, __version__, convert, read_meta
+from lightning_fastdata.cli import main
+
+
+def _convert_args(src, dst, *extra: str) -> list[str]:
+    return ["convert", str(src), str(dst), "--quiet", "--workers", "0", *extra]
+
+
+def test_convert_prints_the_summary_and_returns_0(split_folder, tmp_path, capsys):
+    """``convert`` writes the database, prints the summary on stdout and exits 0."""
+    dst = tmp_path / "db"
+    assert main(_convert_args(split_folder, dst, "--short-side", "64", "--quality", "80")) == 0
+    out = capsys.readouterr().out
+    assert f"wrote 33 images (train=24, val=9) to {dst}" in out
+    assert "skipped   0" in out
+    assert read_meta(dst)["encoding"] == {"short_side": 64, "quality": 80, "keep_original": False}
+
+
+def test_convert_rerun_and_force(split_folder, tmp_path, capsys):
+    """A second identical ``convert`` reports up to date; ``--force`` converts again."""
+    dst = tmp_path / "db"
+    assert main(_convert_args(split_folder, dst)) == 0
+    capsys.readouterr()
+    assert main(_convert_args(split_folder, dst)) == 0
+    assert "up to date (33 images); nothing to do" in capsys.readouterr().out
+    assert main(_convert_args(split_folder, dst, "--force")) == 0
+    assert "wrote 33 images" in capsys.readouterr().out
+
+
+def test_convert_short_side_zero_and_keep_original(split_folder, tmp_path, capsys):
+    """``--short-side 0`` keeps sizes; ``--keep-original`` is passed through to the stored options."""
+    dst = tmp_path / "db"
+    assert main(_convert_args(split_folder, dst, "--short-side", "0", "--keep-original")) == 0
+    assert read_meta(dst)["encoding"] == {"short_side": None, "quality": 90, "keep_original": True}
+    source = sorted((split_folder / "val").glob("*/*.jpg"))[0]
+    assert LmdbImageDataset(dst, "val").read_record(0)[1] == source.read_bytes()
+
+
+def test_convert_missing_src_returns_2(tmp_path, capsys):
+    """A missing source exits 2 with ``error:`` and the layout help on stderr, and writes nothing."""
+    assert main(_convert_args(tmp_path / "missing", tmp_path / "db")) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith("error: ")
+    assert "does not exist" in captured.err
+    assert "SRC/<class_a>/<image>.jpg" in captured.err
+    assert captured.out == ""
+    assert not (tmp_path / "db").exists()
+
+
+def test_convert_bad_option_value_returns_2(split_folder, tmp_path, capsys):
+    """An out-of-range option value exits 2 with ``error:`` naming it."""
+    assert main(_convert_args(split_folder, tmp_path / "db", "--quality", "0")) == 2
+    assert "error: `quality` must be in 1..100" in capsys.readouterr().err
+
+
+def test_convert_strict_with_bad_file_returns_1(tmp_path, capsys):
+    """``--strict`` with a file that cannot be converted exits 1, naming the file, and writes nothing."""
+    src = tmp_path / "src" / "cat"
+    src.mkdir(parents=True)
+    (src / "broken.jpg").write_text("not an image")
+    (src / "empty.png").write_bytes(b"")
+    assert main(_convert_args(tmp_path / "src", tmp_path / "db", "--strict")) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ")
+    assert "strict" in err
+    assert "broken.jpg" in err
+    assert not (tmp_path / "db").exists()
+
+
+def test_convert_without_strict_skips_and_lists_bad_files(split_folder_copy, tmp_path, capsys):
+    """Without ``--strict`` a bad file is skipped and listed in the printed summary."""
+    bad = split_folder_copy / "train" / "class_0" / "zz_broken.jpg"
+    bad.write_text("not an image")
+    assert main(_convert_args(split_folder_copy, tmp_path / "db")) == 0
+    out = capsys.readouterr().out
+    assert "skipped   1" in out
+    assert f"skipped {bad}: not an image" in out
+
+
+def test_convert_keyboard_interrupt_returns_130(split_folder, tmp_path, capsys, monkeypatch):
+    """Ctrl-C during ``convert`` exits 130 with a message that nothing was published."""
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    # ``lightning_fastdata.convert`` is the re-exported function, so patch the module by its import name
+    monkeypatch.setattr(importlib.import_module("lightning_fastdata.convert"), "convert", interrupted)
+    assert main(_convert_args(split_folder, tmp_path / "db")) == 130
+    assert "nothing was published" in capsys.readouterr().err
+
+
+def test_convert_into_foreign_folder_returns_1(split_folder, tmp_path, capsys):
+    """A ``dst`` that holds other files exits 1 and is left alone."""
+    dst = tmp_path / "mine"
+    dst.mkdir()
+    (dst / "keep.txt").write_text("keep")
+    assert main(_convert_args(split_folder, dst)) == 1
+    assert "refusing to replace it" in capsys.readouterr().err
+    assert [p.name for p in dst.iterdir()] == ["keep.txt"]
+
+
+def test_synth_writes_the_folder(tmp_path, capsys):
+    """``synth`` writes ``train/`` and ``val/`` class folders with the requested counts and converts cleanly."""
+    dst = tmp_path / "synth"
+    args = ["synth", str(dst), "--classes", "3", "--train", "4", "--val", "2", "--min-size", "20", "--max-size", "30"]
+    assert main(args) == 0
+    assert f"wrote 18 synthetic JPEGs in 3 classes to {dst}" in capsys.readouterr().out
+    assert sorted(p.name for p in dst.iterdir()) == ["train", "val"]
+    assert sorted(p.name for p in (dst / "train").iterdir()) == ["class_0", "class_1", "class_2"]
+    assert len(list((dst / "train").glob("*/*.jpg"))) == 12
+    assert len(list((dst / "val").glob("*/*.jpg"))) == 6
+    summary = convert(dst, tmp_path / "db", num_workers=0, progress=False)
+    assert summary.splits == {"train": 12, "val": 6}
+
+
+def test_synth_val_zero_writes_a_plain_image_folder(tmp_path, capsys):
+    """``synth --val 0`` writes a plain ImageFolder."""
+    dst = tmp_path / "flat"
+    assert (
+        main(
+            ["synth", str(dst), "--classes", "2", "--train", "3", "--val", "0", "--min-size", "16", "--max-size", "24"]
+        )
+        == 0
+    )
+    assert sorted(p.name for p in dst.iterdir()) == ["class_0", "class_1"]
+    assert len(list(dst.glob("*/*.jpg"))) == 6
+
+
+def test_synth_invalid_counts_return_2(tmp_path, capsys):
+    """Invalid ``synth`` arguments exit 2 with ``error:``."""
+    assert main(["synth", str(tmp_path / "x"), "--classes", "0"]) == 2
+    assert "error:" in capsys.readouterr().err
+
+
+def test_version_and_usage_errors(capsys):
+    """``--version`` prints the version; a missing or unknown command is an argparse usage error (exit 2)."""
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0
+    assert __version__ in capsys.readouterr().out
+    for argv in ([], ["frobnicate"], ["convert"]):
+        with pytest.raises(SystemExit) as info:
+            main(argv)
+        assert info.value.code == 2

@@ -1,0 +1,947 @@
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import lmdb
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from lightning_fastdata import (
+    ConversionError,
+    ConversionSummary,
+    DatasetFormatError,
+    LmdbImageDataset,
+    SkippedFile,
+    SourceLayoutError,
+    _format,
+    convert,
+    convert_dataset,
+    make_image_folder,
+    read_meta,
+)
+
+LAYOUT_HINT = "SRC/<class_a>/<image>.jpg"
+
+
+def _smooth(width: int, height: int, seed: int = 0) -> np.ndarray:
+    """A smooth RGB uint8 image (JPEG-friendly, so re-encoding errors stay small)."""
+    rng = np.random.default_rng(seed)
+    y = np.linspace(0.0, 1.0, height)[:, None]
+    x = np.linspace(0.0, 1.0, width)[None, :]
+    phase = rng.uniform(0, 2 * np.pi, size=3)
+    channels = [0.5 + 0.4 * np.sin(2 * np.pi * (x + y) + p) for p in phase]
+    return (np.stack(channels, axis=-1) * 255).round().astype(np.uint8)
+
+
+def _save(path: Path, width: int = 48, height: int = 32, mode: str = "RGB", seed: int = 0, **save_kwargs) -> Path:
+    """Write a smooth test image of ``mode`` to ``path`` (format from the extension)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    img = Image.fromarray(_smooth(width, height, seed))
+    if mode != "RGB":
+        img = img.convert(mode)
+    img.save(path, **save_kwargs)
+    return path
+
+
+def _jpeg_bytes(width: int = 48, height: int = 32, seed: int = 0) -> bytes:
+    out = io.BytesIO()
+    Image.fromarray(_smooth(width, height, seed)).save(out, format="JPEG", quality=90)
+    return out.getvalue()
+
+
+def _run(src: Path, dst: Path, **kwargs) -> ConversionSummary:
+    kwargs.setdefault("num_workers", 0)
+    kwargs.setdefault("progress", False)
+    return convert(src, dst, **kwargs)
+
+
+def _hwc(tensor: torch.Tensor) -> np.ndarray:
+    return tensor.permute(1, 2, 0).numpy().astype(np.int16)
+
+
+def _leftovers(dst: Path) -> list[str]:
+    """Hidden working directories of a conversion to ``dst`` (the lock file is allowed to stay)."""
+    return sorted(p.name for p in dst.parent.iterdir() if p.name in (f".{dst.name}.partial", f".{dst.name}.old"))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Round trip
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_round_trip_labels_classes_counts_and_pixels(split_folder, database):
+    """Every split holds its source images in order, with the right labels and pixels within JPEG tolerance."""
+    meta = read_meta(database)
+    classes = sorted(p.name for p in (split_folder / "train").iterdir())
+    assert meta["classes"] == classes == ["class_0", "class_1", "class_2"]
+    assert sorted(meta["splits"]) == ["train", "val"]
+    short_side = meta["encoding"]["short_side"]
+    for split in ("train", "val"):
+        files = sorted((split_folder / split).glob("*/*.jpg"))
+        labels = [classes.index(f.parent.name) for f in files]
+        ds = LmdbImageDataset(database, split)
+        assert len(ds) == len(files) == meta["splits"][split]["length"]
+        assert ds.targets == labels
+        assert meta["splits"][split]["class_counts"] == np.bincount(labels, minlength=len(classes)).tolist()
+        for i, path in enumerate(files):
+            image, label = ds[i]
+            assert label == labels[i]
+            src = Image.open(path).convert("RGB")
+            height, width = image.shape[1:]
+            assert min(height, width) == min(min(src.size), short_side)
+            if (width, height) != src.size:
+                src = src.resize((width, height), Image.Resampling.BICUBIC)
+            assert np.abs(_hwc(image) - np.asarray(src, dtype=np.int16)).mean() < 6
+
+
+def test_summary_and_report_of_a_clean_conversion(split_folder, tmp_path):
+    """The summary counts what was written per split, and the report beside the database says the same."""
+    dst = tmp_path / "db"
+    summary = _run(split_folder, dst, short_side=64)
+    assert summary.written == 33
+    assert summary.splits == {"train": 24, "val": 9}
+    assert summary.skipped == []
+    assert not summary.up_to_date
+    assert summary.bytes_in == sum(f.stat().st_size for f in split_folder.glob("*/*/*.jpg"))
+    assert summary.bytes_out > 0
+    assert summary.destination == str(dst)
+    text = summary.format()
+    assert f"wrote 33 images (train=24, val=9) to {dst}" in text
+    assert "skipped   0" in text
+    report = json.loads((dst / _format.REPORT_FILE).read_text())
+    assert report["written"] == 33
+    assert report["skipped"] == []
+    assert report["meta"]["complete"] is True
+    assert report["meta"]["splits"]["val"]["length"] == 9
+    assert _leftovers(dst) == []
+
+
+def test_worker_processes_give_the_same_database(split_folder, database, tmp_path):
+    """Converting in two worker processes stores the same records in the same order as in-process."""
+    dst = tmp_path / "db"
+    _run(split_folder, dst, short_side=64, num_workers=0)
+    for split in ("train", "val"):
+        serial, pooled = LmdbImageDataset(dst, split), LmdbImageDataset(database, split)
+        assert len(serial) == len(pooled)
+        for i in range(len(serial)):
+            assert serial.read_record(i) == pooled.read_record(i)
+
+
+def test_plain_image_folder_becomes_split_train(tmp_path):
+    """A plain ImageFolder root (no train/ folder) is stored as the single split ``train``."""
+    src = make_image_folder(
+        tmp_path / "flat", num_classes=2, train_per_class=3, val_per_class=0, min_size=40, max_size=60, num_workers=1
+    )
+    summary = _run(src, tmp_path / "db")
+    meta = read_meta(tmp_path / "db")
+    assert list(meta["splits"]) == ["train"]
+    assert summary.splits == {"train": 6}
+    assert meta["classes"] == ["class_0", "class_1"]
+    assert LmdbImageDataset(tmp_path / "db").targets == [0, 0, 0, 1, 1, 1]
+
+
+def test_split_root_with_extra_split_and_union_of_classes(tmp_path):
+    """Every top-level folder of a split root is a split; classes are the union over the splits."""
+    _save(tmp_path / "src" / "train" / "cat" / "a.jpg")
+    _save(tmp_path / "src" / "train" / "dog" / "b.jpg")
+    _save(tmp_path / "src" / "val" / "dog" / "c.jpg")
+    _save(tmp_path / "src" / "test" / "eel" / "d.jpg")
+    _run(tmp_path / "src", tmp_path / "db")
+    meta = read_meta(tmp_path / "db")
+    assert meta["classes"] == ["cat", "dog", "eel"]
+    assert {name: s["class_counts"] for name, s in meta["splits"].items()} == {
+        "test": [0, 0, 1],
+        "train": [1, 1, 0],
+        "val": [0, 1, 0],
+    }
+    assert LmdbImageDataset(tmp_path / "db", "test").targets == [2]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Sizes and bytes
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_short_side_downscales_and_never_upscales(tmp_path):
+    """Images whose short side exceeds ``short_side`` shrink to it (aspect kept); smaller ones keep their size."""
+    sizes = {"a.jpg": (120, 90), "b.jpg": (60, 100), "c.jpg": (64, 64), "d.png": (200, 100), "e.png": (30, 20)}
+    for name, (width, height) in sizes.items():
+        _save(tmp_path / "src" / "k" / name, width, height)
+    _run(tmp_path / "src", tmp_path / "db", short_side=64)
+    ds = LmdbImageDataset(tmp_path / "db")
+    got = [tuple(ds[i][0].shape) for i in range(len(ds))]
+    assert got == [(3, 64, 85), (3, 100, 60), (3, 64, 64), (3, 64, 128), (3, 20, 30)]
+    headers = [ds.read_record(i)[0] for i in range(len(ds))]
+    assert [(h.height, h.width) for h in headers] == [shape[1:] for shape in got]
+
+
+@pytest.mark.parametrize("short_side", [0, None])
+def test_short_side_zero_or_none_keeps_the_size(tmp_path, short_side):
+    """``short_side`` 0 or ``None`` stores every image at its original size."""
+    _save(tmp_path / "src" / "k" / "big.jpg", 300, 200)
+    _save(tmp_path / "src" / "k" / "big.png", 250, 260)
+    _run(tmp_path / "src", tmp_path / "db", short_side=short_side)
+    ds = LmdbImageDataset(tmp_path / "db")
+    assert [tuple(ds[i][0].shape) for i in range(2)] == [(3, 200, 300), (3, 260, 250)]  # big.jpg, big.png
+    assert ds.encoding["short_side"] is None
+
+
+def test_large_jpeg_downscale_uses_draft_and_stays_accurate(tmp_path):
+    """A JPEG much larger than ``short_side`` (DCT-domain reduced, then resized) still matches the source."""
+    path = _save(tmp_path / "src" / "k" / "big.jpg", 640, 480, quality=95)
+    _run(tmp_path / "src", tmp_path / "db", short_side=60)
+    image, _ = LmdbImageDataset(tmp_path / "db")[0]
+    assert tuple(image.shape) == (3, 60, 80)
+    expected = Image.open(path).convert("RGB").resize((80, 60), Image.Resampling.BICUBIC)
+    assert np.abs(_hwc(image) - np.asarray(expected, dtype=np.int16)).mean() < 6
+
+
+def test_keep_original_stores_the_exact_jpeg_bytes(tmp_path):
+    """With ``keep_original`` a large RGB or grayscale JPEG is stored byte for byte; without, it is re-encoded."""
+    rgb = _save(tmp_path / "src" / "k" / "a.jpg", 120, 90)
+    gray = _save(tmp_path / "src" / "k" / "b.jpg", 100, 100, mode="L")
+    _run(tmp_path / "src", tmp_path / "kept", short_side=64, keep_original=True)
+    _run(tmp_path / "src", tmp_path / "resized", short_side=64)
+    kept = LmdbImageDataset(tmp_path / "kept", output="encoded")
+    resized = LmdbImageDataset(tmp_path / "resized", output="encoded")
+    for i, path in enumerate((rgb, gray)):
+        assert bytes(kept[i][0].numpy()) == path.read_bytes()
+        assert bytes(resized[i][0].numpy()) != path.read_bytes()
+    assert tuple(LmdbImageDataset(tmp_path / "kept")[0][0].shape) == (3, 90, 120)
+    assert tuple(LmdbImageDataset(tmp_path / "resized")[0][0].shape) == (3, 64, 85)
+
+
+def test_keep_original_reencodes_cmyk_jpeg(tmp_path):
+    """``keep_original`` does not keep a CMYK JPEG (the reader needs RGB or grayscale); it becomes RGB."""
+    path = _save(tmp_path / "src" / "k" / "cmyk.jpg", 40, 30, mode="CMYK")
+    _run(tmp_path / "src", tmp_path / "db", keep_original=True)
+    ds = LmdbImageDataset(tmp_path / "db")
+    assert ds.read_record(0)[1] != path.read_bytes()
+    assert tuple(ds[0][0].shape) == (3, 30, 40)
+
+
+def test_small_jpegs_are_stored_byte_identical(split_folder, database):
+    """Source JPEGs already within ``short_side`` are stored untouched; larger ones are re-encoded."""
+    short_side = read_meta(database)["encoding"]["short_side"]
+    seen = {"kept": 0, "resized": 0}
+    for split in ("train", "val"):
+        ds = LmdbImageDataset(database, split, output="encoded")
+        for i, path in enumerate(sorted((split_folder / split).glob("*/*.jpg"))):
+            stored = bytes(ds[i][0].numpy())
+            if min(Image.open(path).size) <= short_side:
+                assert stored == path.read_bytes()
+                seen["kept"] += 1
+            else:
+                assert stored != path.read_bytes()
+                seen["resized"] += 1
+    assert seen["kept"] > 0
+    assert seen["resized"] > 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Re-runs
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_up_to_date_rerun_does_nothing_and_force_rebuilds(split_folder_copy, tmp_path):
+    """An unchanged source with the same options is not converted again; ``force=True`` rebuilds."""
+    dst = tmp_path / "db"
+    first = _run(split_folder_copy, dst, short_side=64)
+    assert not first.up_to_date
+    before = (dst / "data.mdb").stat()
+    again = _run(split_folder_copy, dst, short_side=64)
+    assert again.up_to_date
+    assert again.written == 33
+    assert again.splits == {"train": 24, "val": 9}
+    assert "up to date" in again.format()
+    after = (dst / "data.mdb").stat()
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+    forced = _run(split_folder_copy, dst, short_side=64, force=True)
+    assert not forced.up_to_date
+    assert forced.written == 33
+    assert (dst / "data.mdb").stat().st_ino != before.st_ino
+    assert len(LmdbImageDataset(dst, "train")) == 24
+    assert _leftovers(dst) == []
+
+
+def test_changed_options_rebuild(split_folder_copy, tmp_path):
+    """Different encoding options (quality, short side) make a re-run convert again."""
+    dst = tmp_path / "db"
+    _run(split_folder_copy, dst, short_side=64, quality=90)
+    assert not _run(split_folder_copy, dst, short_side=64, quality=80).up_to_date
+    assert not _run(split_folder_copy, dst, short_side=48, quality=80).up_to_date
+    assert read_meta(dst)["encoding"] == {"short_side": 48, "quality": 80, "keep_original": False}
+    assert _run(split_folder_copy, dst, short_side=48, quality=80).up_to_date
+
+
+def test_touched_source_file_triggers_rebuild(split_folder_copy, tmp_path):
+    """A source file with a new modification time makes the next run convert again."""
+    dst = tmp_path / "db"
+    _run(split_folder_copy, dst)
+    victim = next((split_folder_copy / "val" / "class_1").iterdir())
+    st = victim.stat()
+    os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns + 5_000_000_000))
+    summary = _run(split_folder_copy, dst)
+    assert not summary.up_to_date
+    assert summary.written == 33
+
+
+def test_added_and_removed_source_files_trigger_rebuild(split_folder_copy, tmp_path):
+    """Adding or removing a source image rebuilds, and the database then reflects the new source."""
+    dst = tmp_path / "db"
+    _run(split_folder_copy, dst)
+    assert len(LmdbImageDataset(dst, "val")) == 9  # opens (and caches) the first database in this process
+    _save(split_folder_copy / "val" / "class_2" / "zz_new.jpg")
+    summary = _run(split_folder_copy, dst)
+    assert not summary.up_to_date
+    assert summary.splits == {"train": 24, "val": 10}
+    val = LmdbImageDataset(dst, "val")
+    assert len(val) == 10
+    assert val.targets[-1] == 2
+    (split_folder_copy / "train" / "class_0" / "00000.jpg").unlink()
+    assert _run(split_folder_copy, dst).splits == {"train": 23, "val": 10}
+    assert LmdbImageDataset(dst, "train").class_counts == [7, 8, 8]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Bad inputs
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _write_bad_inputs(folder: Path) -> dict[str, Path]:
+    folder.mkdir(parents=True, exist_ok=True)
+    good = _jpeg_bytes(60, 40)
+    bad = {
+        "truncated": folder / "b_truncated.jpg",
+        "corrupt": folder / "c_corrupt.jpg",
+        "empty": folder / "d_empty.jpg",
+        "text": folder / "e_text.jpg",
+        "truncated_png": folder / "f_truncated.png",
+    }
+    bad["truncated"].write_bytes(good[: len(good) // 2])
+    bad["corrupt"].write_bytes(b"\xff\xd8\xff\xe0" + random.Random(0).randbytes(600))
+    bad["empty"].write_bytes(b"")
+    bad["text"].write_text("this is not an image, just text in a file named .jpg\n" * 5)
+    png = io.BytesIO()
+    Image.fromarray(_smooth(60, 40)).save(png, format="PNG")
+    bad["truncated_png"].write_bytes(png.getvalue()[: len(png.getvalue()) // 2])
+    return bad
+
+
+def test_bad_inputs_are_skipped_counted_and_reported(tmp_path):
+    """Truncated, corrupt, empty and non-image files are skipped, with reasons, and the good ones are kept."""
+    src, dst = tmp_path / "src", tmp_path / "db"
+    _save(src / "a" / "a_good.jpg", seed=1)
+    _save(src / "a" / "z_good.png", seed=2)
+    _save(src / "b" / "good.jpg", seed=3)
+    bad = _write_bad_inputs(src / "a")
+    summary = _run(src, dst)
+    assert summary.written == 3
+    assert len(summary.skipped) == len(bad)
+    assert all(isinstance(item, SkippedFile) for item in summary.skipped)
+    reasons = {item.path: item.reason for item in summary.skipped}
+    assert set(reasons) == {str(path) for path in bad.values()}
+    assert reasons[str(bad["empty"])] == "empty file (0 bytes)"
+    assert "not an image" in reasons[str(bad["text"])]
+    assert "truncated" in reasons[str(bad["truncated"])]
+    assert "truncated" in reasons[str(bad["truncated_png"])]
+    assert reasons[str(bad["corrupt"])]
+    text = summary.format()
+    assert "skipped   5" in text
+    for path, reason in reasons.items():
+        assert f"skipped {path}: {reason}" in text
+    report = json.loads((dst / _format.REPORT_FILE).read_text())
+    assert {item["path"]: item["reason"] for item in report["skipped"]} == reasons
+    assert report["written"] == 3
+    ds = LmdbImageDataset(dst)
+    assert ds.targets == [0, 0, 1]
+    assert ds.class_counts == [2, 1]
+    for i in range(len(ds)):
+        assert tuple(ds[i][0].shape) == (3, 32, 48)
+
+
+def test_summary_format_lists_at_most_max_skipped():
+    """``format`` lists ``max_skipped`` skipped files and points to the report for the rest."""
+    summary = ConversionSummary(
+        destination="/db", written=1, splits={"train": 1}, skipped=[SkippedFile(f"/s/{i}.jpg", "bad") for i in range(5)]
+    )
+    text = summary.format(max_skipped=2)
+    assert "skipped /s/1.jpg: bad" in text
+    assert "/s/2.jpg" not in text
+    assert f"... and 3 more, listed in {_format.REPORT_FILE}" in text
+    assert summary.to_dict()["skipped"][4] == {"path": "/s/4.jpg", "reason": "bad"}
+
+
+@pytest.mark.parametrize(
+    ("name", "mode", "save_kwargs"),
+    [
+        ("gray.jpg", "L", {}),
+        ("gray.png", "L", {}),
+        ("cmyk.jpg", "CMYK", {}),
+        ("rgba.png", "RGBA", {}),
+        ("bilevel.png", "1", {}),
+        ("la.png", "LA", {}),
+        ("rgb.webp", "RGB", {}),
+        ("rgb.bmp", "RGB", {}),
+        ("rgb.tiff", "RGB", {}),
+        ("rgb.ppm", "RGB", {}),
+    ],
+)
+def test_image_modes_become_rgb(tmp_path, name, mode, save_kwargs):
+    """Every Pillow mode is stored as RGB and reads back as 3 channels, as a tensor and as a PIL image."""
+    path = _save(tmp_path / "src" / "k" / name, 48, 32, mode=mode, **save_kwargs)
+    summary = _run(tmp_path / "src", tmp_path / "db")
+    assert summary.skipped == []
+    image, _ = LmdbImageDataset(tmp_path / "db")[0]
+    assert image.dtype == torch.uint8
+    assert tuple(image.shape) == (3, 32, 48)
+    pil, _ = LmdbImageDataset(tmp_path / "db", output="pil")[0]
+    assert pil.mode == "RGB"
+    assert pil.size == (48, 32)
+    expected = np.asarray(Image.open(path).convert("RGB"), dtype=np.int16)
+    assert np.abs(_hwc(image) - expected).mean() < 8
+
+
+def test_cmyk_jpeg_keeps_its_colour(tmp_path):
+    """A CMYK JPEG (pure red in CMYK) reads back as red RGB."""
+    folder = tmp_path / "src" / "k"
+    folder.mkdir(parents=True)
+    Image.new("CMYK", (40, 30), (0, 255, 255, 0)).save(folder / "red.jpg")
+    _run(tmp_path / "src", tmp_path / "db")
+    image = LmdbImageDataset(tmp_path / "db")[0][0].float().mean(dim=(1, 2))
+    assert image[0] > 220
+    assert image[1] < 40
+    assert image[2] < 40
+
+
+def test_palette_png_with_transparency_becomes_rgb(tmp_path):
+    """A palette PNG with a transparent index keeps its palette colours (red, green, blue bands)."""
+    folder = tmp_path / "src" / "k"
+    folder.mkdir(parents=True)
+    index = np.zeros((20, 30), np.uint8)
+    index[:, 10:] = 1
+    index[:, 20:] = 2
+    img = Image.fromarray(index, "P")
+    img.putpalette([255, 0, 0, 0, 255, 0, 0, 0, 255] + [0] * 759)
+    img.save(folder / "palette.png", transparency=0)
+    assert Image.open(folder / "palette.png").info.get("transparency") == 0
+    _run(tmp_path / "src", tmp_path / "db")
+    image = LmdbImageDataset(tmp_path / "db")[0][0]
+    assert tuple(image.shape) == (3, 20, 30)
+    bands = [image[:, 10, col].tolist() for col in (4, 15, 25)]
+    for band, channel in zip(bands, range(3), strict=True):
+        assert band[channel] > 220
+        assert max(band[c] for c in range(3) if c != channel) < 40
+
+
+def test_rgba_png_keeps_the_colour_channels(tmp_path):
+    """An RGBA PNG (alpha varying) is stored as its RGB channels."""
+    folder = tmp_path / "src" / "k"
+    folder.mkdir(parents=True)
+    rgba = np.dstack([_smooth(48, 32), np.linspace(0, 255, 48, dtype=np.uint8)[None, :].repeat(32, 0)])
+    Image.fromarray(rgba, "RGBA").save(folder / "rgba.png")
+    _run(tmp_path / "src", tmp_path / "db")
+    image = LmdbImageDataset(tmp_path / "db")[0][0]
+    assert np.abs(_hwc(image) - _smooth(48, 32).astype(np.int16)).mean() < 6
+
+
+def test_sixteen_bit_grayscale_png_is_rescaled_not_saturated(tmp_path):
+    """A 16-bit grayscale PNG (``I;16``, 0..65535) is scaled to 0..255 rather than clipped to white."""
+    folder = tmp_path / "src" / "k"
+    folder.mkdir(parents=True)
+    ramp = np.tile(np.linspace(0, 65535, 64).round().astype(np.uint16), (32, 1))
+    Image.fromarray(ramp).save(folder / "gray16.png")
+    assert Image.open(folder / "gray16.png").mode.startswith("I")
+    _run(tmp_path / "src", tmp_path / "db")
+    image = LmdbImageDataset(tmp_path / "db")[0][0].float()
+    assert tuple(image.shape) == (3, 32, 64)
+    assert 100 < image.mean() < 155
+    assert image[:, :, 0].mean() < 20
+    assert image[:, :, -1].mean() > 235
+    assert (image >= 250).float().mean() < 0.1
+    assert torch.allclose(image[0], image[1], atol=2)
+
+
+def test_float_grayscale_tiff_is_rescaled(tmp_path):
+    """A float (``F``) grayscale TIFF in 0..1 is scaled to 0..255."""
+    folder = tmp_path / "src" / "k"
+    folder.mkdir(parents=True)
+    ramp = np.tile(np.linspace(0.0, 1.0, 64, dtype=np.float32), (32, 1))
+    Image.fromarray(ramp, "F").save(folder / "float.tif")
+    _run(tmp_path / "src", tmp_path / "db")
+    image = LmdbImageDataset(tmp_path / "db")[0][0].float()
+    assert 100 < image.mean() < 155
+    assert image[:, :, 0].mean() < 20
+    assert image[:, :, -1].mean() > 235
+
+
+def test_extensions_any_case_and_non_images_ignored(tmp_path):
+    """``.JPEG``/``.Png``/``.TIF`` count as images; ``.txt``, ``.DS_Store`` and hidden files and folders are ignored."""
+    folder = tmp_path / "src" / "k"
+    _save(folder / "a.JPEG")
+    _save(folder / "b.Png")
+    _save(folder / "c.jpg")
+    _save(folder / "d.TIF")
+    (folder / "notes.txt").write_text("not an image")
+    (folder / ".DS_Store").write_bytes(b"\x00\x00\x00\x01Bud1" + bytes(100))
+    _save(folder / ".hidden.jpg")
+    _save(folder / ".thumbnails" / "t.jpg")
+    (folder / "readme.md").write_text("# hello")
+    summary = _run(tmp_path / "src", tmp_path / "db")
+    assert summary.written == 4
+    assert summary.skipped == []
+    assert len(LmdbImageDataset(tmp_path / "db")) == 4
+
+
+def test_hidden_class_folders_are_ignored(tmp_path):
+    """A hidden folder beside the class folders (``.git``, ``.ipynb_checkpoints``) is not a class."""
+    _save(tmp_path / "src" / "cat" / "a.jpg")
+    _save(tmp_path / "src" / ".ipynb_checkpoints" / "b.jpg")
+    _run(tmp_path / "src", tmp_path / "db")
+    assert read_meta(tmp_path / "db")["classes"] == ["cat"]
+
+
+def _layout_missing(root: Path) -> Path:
+    return root / "missing"
+
+
+def _layout_empty(root: Path) -> Path:
+    (root / "empty").mkdir()
+    return root / "empty"
+
+
+def _layout_flat(root: Path) -> Path:
+    _save(root / "flat" / "a.jpg")
+    _save(root / "flat" / "b.jpg")
+    return root / "flat"
+
+
+def _layout_no_images(root: Path) -> Path:
+    (root / "noimg" / "cat").mkdir(parents=True)
+    (root / "noimg" / "cat" / "readme.txt").write_text("no images here")
+    return root / "noimg"
+
+
+def _layout_file(root: Path) -> Path:
+    return _save(root / "image.jpg")
+
+
+def _layout_split_without_classes(root: Path) -> Path:
+    _save(root / "splits" / "train" / "cat" / "a.jpg")
+    (root / "splits" / "val").mkdir()
+    _save(root / "splits" / "val" / "loose.jpg")
+    return root / "splits"
+
+
+@pytest.mark.parametrize(
+    ("layout", "match"),
+    [
+        (_layout_missing, "does not exist"),
+        (_layout_empty, "has no sub-folders"),
+        (_layout_flat, "has no sub-folders"),
+        (_layout_no_images, "found no image files"),
+        (_layout_file, "is a file, not a folder"),
+        (_layout_split_without_classes, "has no class sub-folders"),
+    ],
+)
+def test_bad_source_layouts_raise_with_the_expected_layout(tmp_path, layout, match):
+    """A missing, empty or wrongly laid out source raises ``SourceLayoutError`` that shows the expected tree."""
+    src = layout(tmp_path)
+    dst = tmp_path / "db"
+    with pytest.raises(SourceLayoutError, match=match) as info:
+        _run(src, dst)
+    message = str(info.value)
+    assert LAYOUT_HINT in message
+    assert "SRC/train/<class>/<image>.jpg" in message
+    assert str(src.name) in message
+    assert not dst.exists()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Failures publish nothing
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_strict_with_a_bad_file_writes_nothing(tmp_path):
+    """``strict=True`` and one bad file: ``ConversionError`` naming it, and no database (or leftovers) at ``dst``."""
+    src, dst = tmp_path / "src", tmp_path / "db"
+    _save(src / "a" / "good.jpg")
+    (src / "a" / "bad.jpg").write_bytes(b"")
+    with pytest.raises(ConversionError, match="strict") as info:
+        _run(src, dst, strict=True)
+    assert str(src / "a" / "bad.jpg") in str(info.value)
+    assert not dst.exists()
+    assert _leftovers(dst) == []
+
+
+def test_strict_failure_keeps_the_previous_database(tmp_path):
+    """A failed strict re-conversion leaves the previous complete database in place and readable."""
+    src, dst = tmp_path / "src", tmp_path / "db"
+    _save(src / "a" / "good.jpg")
+    _run(src, dst)
+    (src / "a" / "bad.jpg").write_text("not an image")
+    _save(src / "a" / "more.jpg")
+    with pytest.raises(ConversionError):
+        _run(src, dst, strict=True)
+    assert len(LmdbImageDataset(dst)) == 1
+    assert _leftovers(dst) == []
+
+
+def test_all_inputs_bad_raises_and_writes_nothing(tmp_path):
+    """When no input converts, ``ConversionError`` says so and nothing appears at ``dst``."""
+    src, dst = tmp_path / "src", tmp_path / "db"
+    (src / "a").mkdir(parents=True)
+    (src / "a" / "x.jpg").write_bytes(b"")
+    (src / "a" / "y.png").write_text("text")
+    with pytest.raises(ConversionError, match="none of the 2 inputs could be converted"):
+        _run(src, dst)
+    assert not dst.exists()
+    assert _leftovers(dst) == []
+
+
+def test_foreign_non_empty_dst_folder_is_refused_and_untouched(split_folder, tmp_path):
+    """A ``dst`` folder holding other files is never replaced: ``ConversionError``, files unchanged."""
+    dst = tmp_path / "precious"
+    (dst / "sub").mkdir(parents=True)
+    (dst / "notes.txt").write_text("keep me")
+    (dst / "sub" / "data.bin").write_bytes(b"\x01\x02")
+    with pytest.raises(ConversionError, match="not a lightning_fastdata database"):
+        _run(split_folder, dst, force=True)
+    assert sorted(str(p.relative_to(dst)) for p in dst.rglob("*")) == ["notes.txt", "sub", "sub/data.bin"]
+    assert (dst / "notes.txt").read_text() == "keep me"
+    assert (dst / "sub" / "data.bin").read_bytes() == b"\x01\x02"
+
+
+def test_foreign_lmdb_at_dst_is_refused_and_untouched(split_folder, tmp_path):
+    """Another program's LMDB database at ``dst`` is not ours, so it is not replaced."""
+    dst = tmp_path / "other.lmdb"
+    env = lmdb.open(str(dst), map_size=1 << 20)
+    with env.begin(write=True) as txn:
+        txn.put(b"precious", b"data")
+    env.close()
+    with pytest.raises(ConversionError, match="not a lightning_fastdata database"):
+        _run(split_folder, dst)
+    assert sorted(p.name for p in dst.iterdir()) == ["data.mdb", "lock.mdb"]
+    # the converter looked at it through the shared read-only environment (LMDB allows one per process)
+    with _format.open_readonly(dst).begin() as txn:
+        assert txn.get(b"precious") == b"data"
+
+
+def test_dst_that_is_a_file_is_refused_and_untouched(split_folder, tmp_path):
+    """A regular file at ``dst`` is not replaced."""
+    dst = tmp_path / "file.lmdb"
+    dst.write_text("a file")
+    with pytest.raises(ConversionError):
+        _run(split_folder, dst)
+    assert dst.read_text() == "a file"
+
+
+def test_empty_dst_folder_is_used(split_folder, tmp_path):
+    """An existing empty folder at ``dst`` is filled with the database."""
+    dst = tmp_path / "db"
+    dst.mkdir()
+    assert _run(split_folder, dst).written == 33
+    assert read_meta(dst)["complete"] is True
+
+
+def test_incomplete_own_database_at_dst_is_replaced(split_folder, database_copy):
+    """Our own database marked incomplete at ``dst`` is replaced by a complete conversion."""
+    env = lmdb.open(str(database_copy), map_size=1 << 24)
+    with env.begin(write=True) as txn:
+        meta = _format.load_meta(txn.get(_format.META_KEY), database_copy)
+        txn.put(_format.META_KEY, _format.dump_meta({**meta, "complete": False}))
+    env.close()
+    with pytest.raises(DatasetFormatError, match="incomplete"):
+        read_meta(database_copy)
+    summary = _run(split_folder, database_copy, short_side=64)
+    assert not summary.up_to_date
+    assert read_meta(database_copy)["complete"] is True
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"short_side": -1}, "short_side"),
+        ({"quality": 0}, "quality"),
+        ({"quality": 101}, "quality"),
+        ({"num_workers": -1}, "num_workers"),
+    ],
+)
+def test_invalid_options_raise_value_error(split_folder, tmp_path, kwargs, match):
+    """Out-of-range options raise ``ValueError`` naming the argument, before anything is written."""
+    dst = tmp_path / "db"
+    with pytest.raises(ValueError, match=match):
+        _run(split_folder, dst, **kwargs)
+    assert not dst.exists()
+
+
+def test_dst_must_be_outside_src(split_folder_copy):
+    """``dst`` equal to ``src``, a parent of it, or inside it is refused with ``ValueError``, writing nothing."""
+    for src, dst in [
+        (split_folder_copy, split_folder_copy),
+        (split_folder_copy / "train", split_folder_copy),
+        (split_folder_copy, split_folder_copy / "db.lmdb"),
+    ]:
+        with pytest.raises(ValueError, match="must be outside `src`"):
+            _run(src, dst)
+    assert not (split_folder_copy / "db.lmdb").exists()
+
+
+def test_tiny_initial_map_size_grows(tmp_path):
+    """A 64 KiB initial LMDB map is grown (doubling) as needed and the database is complete and correct."""
+    rng = np.random.default_rng(0)
+    noise = [(rng.random((128, 128, 3)) * 255).astype(np.uint8) for _ in range(8)]
+    for i, pixels in enumerate(noise):
+        folder = tmp_path / "src" / f"c{i % 2}"
+        folder.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(pixels).save(folder / f"{i}.png")
+    dst = tmp_path / "db"
+    summary = _run(tmp_path / "src", dst, quality=95, initial_map_size=64 << 10)
+    assert summary.written == 8
+    encoded = LmdbImageDataset(dst, output="encoded")
+    assert sum(len(encoded[i][0]) for i in range(len(encoded))) > 2 * (64 << 10)
+    assert (dst / "data.mdb").stat().st_size > 2 * (64 << 10)
+    ds = LmdbImageDataset(dst)
+    assert ds.targets == [0, 0, 0, 0, 1, 1, 1, 1]
+    order = [0, 2, 4, 6, 1, 3, 5, 7]  # c0/{0,2,4,6}.png, then c1/{1,3,5,7}.png
+    for i, source in enumerate(order):  # noise survives JPEG poorly, but each image is nearest its own source
+        diffs = [np.abs(_hwc(ds[i][0]) - pixels.astype(np.int16)).mean() for pixels in noise]
+        assert int(np.argmin(diffs)) == source
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# convert_dataset
+# ---------------------------------------------------------------------------------------------------------------
+
+
+COLOURS = [(230, 20, 20), (20, 230, 20), (20, 20, 230)]
+
+
+def _pil_samples(n: int = 6) -> list[tuple[Image.Image, int]]:
+    return [(Image.new("RGB", (20 + 2 * i, 16 + i), COLOURS[i % 3]), i % 3) for i in range(n)]
+
+
+def _convert_ds(dataset, dst: Path, **kwargs) -> ConversionSummary:
+    kwargs.setdefault("num_workers", 0)
+    kwargs.setdefault("progress", False)
+    return convert_dataset(dataset, dst, **kwargs)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_convert_dataset_of_pil_images(tmp_path, num_workers):
+    """A list of ``(PIL image, label)`` converts in order; classes default to ``"0"``, ``"1"``, ..."""
+    samples = _pil_samples()
+    summary = _convert_ds(samples, tmp_path / "db", num_workers=num_workers)
+    assert summary.splits == {"train": 6}
+    ds = LmdbImageDataset(tmp_path / "db")
+    assert ds.classes == ["0", "1", "2"]
+    assert ds.targets == [0, 1, 2, 0, 1, 2]
+    for i, (img, label) in enumerate(samples):
+        image, got = ds[i]
+        assert got == label
+        assert tuple(image.shape) == (3, img.height, img.width)
+        assert (image.float().mean(dim=(1, 2)) - torch.tensor(COLOURS[label], dtype=torch.float)).abs().max() < 6
+
+
+def test_convert_dataset_with_classes(tmp_path):
+    """Explicit ``classes`` are stored, even a class that has no sample."""
+    _convert_ds(_pil_samples(), tmp_path / "db", classes=["red", "green", "blue", "unused"])
+    ds = LmdbImageDataset(tmp_path / "db")
+    assert ds.classes == ["red", "green", "blue", "unused"]
+    assert ds.class_to_idx == {"red": 0, "green": 1, "blue": 2, "unused": 3}
+    assert ds.class_counts == [2, 2, 2, 0]
+
+
+def test_convert_dataset_of_encoded_bytes(tmp_path):
+    """``(bytes, label)`` samples: small JPEG bytes are stored untouched, PNG bytes become JPEG of the same size."""
+    jpeg = _jpeg_bytes(40, 30)
+    png = io.BytesIO()
+    Image.fromarray(_smooth(50, 20)).save(png, format="PNG")
+    _convert_ds([(jpeg, 1), (png.getvalue(), np.int64(0)), (bytearray(jpeg), 1)], tmp_path / "db")
+    ds = LmdbImageDataset(tmp_path / "db")
+    assert ds.targets == [1, 0, 1]
+    assert ds.read_record(0)[1] == jpeg
+    assert ds.read_record(2)[1] == jpeg
+    header, payload = ds.read_record(1)
+    assert payload[:3] == b"\xff\xd8\xff"
+    assert (header.height, header.width) == (20, 50)
+    assert tuple(ds[1][0].shape) == (3, 20, 50)
+
+
+class _NamedDataset(list):
+    classes = ("cat", "dog")
+
+
+def test_convert_dataset_mapping_of_splits(tmp_path):
+    """A mapping converts one split per key; classes come from the first dataset's ``classes`` attribute."""
+    train = _NamedDataset([(Image.new("RGB", (16, 16), COLOURS[0]), 0), (Image.new("RGB", (16, 16), COLOURS[1]), 1)])
+    val = [(Image.new("RGB", (12, 10), COLOURS[1]), 1)]
+    summary = _convert_ds({"train": train, "val": val}, tmp_path / "db")
+    assert summary.splits == {"train": 2, "val": 1}
+    assert LmdbImageDataset(tmp_path / "db").classes == ["cat", "dog"]
+    val_ds = LmdbImageDataset(tmp_path / "db", "val")
+    assert val_ds.targets == [1]
+    assert tuple(val_ds[0][0].shape) == (3, 10, 12)
+    _convert_ds({"train": train, "val": val}, tmp_path / "db2", classes=["a", "b", "c"])
+    assert read_meta(tmp_path / "db2")["classes"] == ["a", "b", "c"]
+
+
+class _Flaky:
+    def __len__(self) -> int:
+        return 6
+
+    def __getitem__(self, index: int):
+        image = Image.new("RGB", (8, 8), COLOURS[0])
+        samples = [
+            (image, 0),
+            (image, -1),
+            (image, True),
+            (np.zeros((8, 8, 3), np.uint8), 0),
+            (image, "cat"),
+            (image, 1),
+        ]
+        if index == 2:
+            raise OSError("disk on fire")
+        return samples[index]
+
+
+def test_convert_dataset_skips_bad_samples_with_reasons(tmp_path):
+    """Bad labels, unsupported sample types and samples that raise are skipped and named ``split[index]``."""
+    summary = _convert_ds(_Flaky(), tmp_path / "db")
+    reasons = {item.path: item.reason for item in summary.skipped}
+    assert sorted(reasons) == ["train[1]", "train[2]", "train[3]", "train[4]"]
+    assert "label must be a non-negative int" in reasons["train[1]"]
+    assert reasons["train[2]"] == "dataset raised OSError: disk on fire"
+    assert "got ndarray" in reasons["train[3]"]
+    assert "label must be a non-negative int" in reasons["train[4]"]
+    assert LmdbImageDataset(tmp_path / "db").targets == [0, 1]
+
+
+def test_convert_dataset_label_beyond_classes_raises(tmp_path):
+    """A label outside the given ``classes`` raises ``ConversionError`` and publishes nothing."""
+    dst = tmp_path / "db"
+    with pytest.raises(ConversionError, match="number of classes"):
+        _convert_ds(_pil_samples(), dst, classes=["only", "two"])
+    assert not dst.exists()
+    assert _leftovers(dst) == []
+
+
+@pytest.mark.parametrize("dataset", [[], {}, {"train": [(Image.new("RGB", (4, 4)), 0)], "val": []}])
+def test_convert_dataset_empty_raises(tmp_path, dataset):
+    """An empty dataset (or mapping, or split) raises ``SourceLayoutError``."""
+    with pytest.raises(SourceLayoutError, match="non-empty"):
+        _convert_ds(dataset, tmp_path / "db")
+    assert not (tmp_path / "db").exists()
+
+
+def test_convert_dataset_fingerprint_controls_reruns(tmp_path):
+    """With a ``fingerprint`` an identical re-run does nothing; without one every call converts."""
+    samples, dst = _pil_samples(), tmp_path / "db"
+    assert not _convert_ds(samples, dst).up_to_date
+    assert not _convert_ds(samples, dst).up_to_date
+    assert not _convert_ds(samples, dst, fingerprint="v1").up_to_date
+    assert _convert_ds(samples, dst, fingerprint="v1").up_to_date
+    assert not _convert_ds(samples, dst, fingerprint="v2").up_to_date
+    assert not _convert_ds(samples, dst, fingerprint="v2", force=True).up_to_date
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Interruptions
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _slow_source(root: Path, per_class: int = 75) -> Path:
+    """A folder that takes ~1-2 s to convert in one worker: large noise PNGs (hard links, so no disk cost)."""
+    rng = np.random.default_rng(0)
+    originals = []
+    for i in range(2):
+        path = root / f"original_{i}.png"
+        Image.fromarray((rng.random((520, 520, 3)) * 255).astype(np.uint8)).save(path, compress_level=1)
+        originals.append(path)
+    src = root / "src"
+    for cls in ("a", "b"):
+        (src / cls).mkdir(parents=True)
+        for n in range(per_class):
+            os.link(originals[n % 2], src / cls / f"{n:04d}.png")
+    return src
+
+
+@pytest.mark.slow
+def test_killed_conversion_publishes_nothing_and_rerun_completes(tmp_path):
+    """SIGKILL mid-conversion leaves no database at ``dst`` (only an incomplete hidden one); a re-run completes."""
+    src, dst = _slow_source(tmp_path), tmp_path / "db"
+    partial = tmp_path / ".db.partial"
+    cmd = [sys.executable, "-m", "lightning_fastdata.cli", "convert", str(src), str(dst)]
+    cmd += ["--workers", "1", "--short-side", "500", "--quiet"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (partial / "data.mdb").exists():
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the conversion never started writing"
+            time.sleep(0.01)
+        time.sleep(0.3)  # let the first transaction (metadata, complete=false) commit
+        assert proc.poll() is None, "the conversion finished before it could be interrupted"
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # the converter and its pool worker (one process group)
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+    assert proc.returncode == -signal.SIGKILL
+    assert not dst.exists()
+    with pytest.raises(FileNotFoundError):
+        read_meta(dst)
+    with pytest.raises(FileNotFoundError):
+        LmdbImageDataset(dst)
+    assert partial.is_dir()
+    with pytest.raises(DatasetFormatError, match="incomplete"):
+        LmdbImageDataset(partial)
+    with pytest.raises(DatasetFormatError, match="incomplete"):
+        read_meta(partial)
+
+    summary = _run(src, dst, short_side=500, num_workers=2)
+    assert summary.written == 150
+    assert not partial.exists()
+    ds = LmdbImageDataset(dst)
+    assert len(ds) == 150
+    assert ds.targets == [0] * 75 + [1] * 75
+    assert tuple(ds[149][0].shape) == (3, 500, 500)
+
+
+class _Interrupting:
+    def __len__(self) -> int:
+        return 10
+
+    def __getitem__(self, index: int):
+        if index == 5:
+            raise KeyboardInterrupt
+        return Image.new("RGB", (8, 8), COLOURS[index % 3]), index % 3
+
+
+def test_keyboard_interrupt_leaves_nothing(tmp_path):
+    """Ctrl-C during an in-process conversion propagates and leaves neither a partial folder nor ``dst``."""
+    dst = tmp_path / "db"
+    with pytest.raises(KeyboardInterrupt):
+        _convert_ds(_Interrupting(), dst)
+    assert not dst.exists()
+    assert _leftovers(dst) == []
+
+
+def test_keyboard_interrupt_keeps_the_previous_database(tmp_path):
+    """An interrupted re-conversion leaves the previous database complete and unchanged."""
+    dst = tmp_path / "db"
+    _convert_ds(_pil_samples(), dst)
+    with pytest.raises(KeyboardInterrupt):
+        _convert_ds(_Interrupting(), dst)
+    assert len(LmdbImageDataset(dst)) == 6
+    assert _leftovers(dst) == []

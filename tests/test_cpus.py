@@ -1,0 +1,113 @@
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from lightning_fastdata import cpus
+from lightning_fastdata.cpus import cgroup_cpu_quota, usable_cpu_count
+
+
+def _write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text + "\n")
+
+
+def _v2(root: Path, cpu_max: str) -> Path:
+    _write(root / "cpu.max", cpu_max)
+    return root
+
+
+def _v1(root: Path, quota: str, period: str = "100000", folder: str = "cpu") -> Path:
+    _write(root / folder / "cpu.cfs_quota_us", quota)
+    _write(root / folder / "cpu.cfs_period_us", period)
+    return root
+
+
+@pytest.mark.parametrize(
+    ("cpu_max", "expected"),
+    [
+        ("150000 100000", 1.5),
+        ("400000 100000", 4.0),
+        ("50000 100000", 0.5),
+        ("max 100000", None),
+        ("max", None),
+        ("abc 100000", None),
+        ("0 100000", None),
+        ("100000 0", None),
+    ],
+)
+def test_cgroup_v2_quota(tmp_path, cpu_max, expected):
+    """cgroup v2 ``cpu.max`` gives quota/period in CPUs; ``max`` and unusable values mean no quota."""
+    assert cgroup_cpu_quota(_v2(tmp_path, cpu_max)) == expected
+
+
+@pytest.mark.parametrize(
+    ("quota", "period", "expected"),
+    [("200000", "100000", 2.0), ("250000", "100000", 2.5), ("-1", "100000", None), ("x", "100000", None)],
+)
+def test_cgroup_v1_quota(tmp_path, quota, period, expected):
+    """cgroup v1 ``cpu/cpu.cfs_quota_us`` over ``cpu.cfs_period_us``; ``-1`` means unlimited."""
+    assert cgroup_cpu_quota(_v1(tmp_path, quota, period)) == expected
+
+
+@pytest.mark.parametrize("folder", ["cpu,cpuacct", "."])
+def test_cgroup_v1_other_mount_points(tmp_path, folder):
+    """The v1 files are also found under ``cpu,cpuacct`` or directly in the root."""
+    assert cgroup_cpu_quota(_v1(tmp_path, "300000", folder=folder)) == 3.0
+
+
+def test_cgroup_v2_takes_precedence_over_v1(tmp_path):
+    """When ``cpu.max`` exists, the v1 files are not consulted."""
+    _v1(tmp_path, "300000")
+    assert cgroup_cpu_quota(_v2(tmp_path, "max 100000")) is None
+    assert cgroup_cpu_quota(_v2(tmp_path, "100000 100000")) == 1.0
+
+
+def test_no_cgroup_files_means_no_quota(tmp_path):
+    """An empty or missing cgroup root gives ``None``."""
+    assert cgroup_cpu_quota(tmp_path) is None
+    assert cgroup_cpu_quota(tmp_path / "missing") is None
+    _v1(tmp_path, "200000", period="")  # an incomplete v1 pair is unusable
+    assert cgroup_cpu_quota(tmp_path) is None
+
+
+@pytest.mark.parametrize(
+    ("affinity", "cpu_max", "expected"),
+    [
+        (8, "150000 100000", 2),  # 1.5 CPUs rounds up
+        (8, "400000 100000", 4),
+        (2, "400000 100000", 2),  # the affinity is the smaller
+        (8, "max 100000", 8),
+        (8, "10000 100000", 1),  # 0.1 CPU still gives one
+        (1, "max 100000", 1),
+    ],
+)
+def test_usable_cpu_count_caps_affinity_by_quota(tmp_path, monkeypatch, affinity, cpu_max, expected):
+    """``usable_cpu_count`` is the affinity capped by the quota rounded up, and at least 1."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(affinity)), raising=False)
+    assert usable_cpu_count(_v2(tmp_path, cpu_max)) == expected
+
+
+def test_usable_cpu_count_uses_v1_quota(tmp_path, monkeypatch):
+    """The v1 quota caps the count too."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    assert usable_cpu_count(_v1(tmp_path, "200000")) == 2
+
+
+def test_usable_cpu_count_without_affinity_uses_cpu_count(tmp_path, monkeypatch):
+    """Where ``sched_getaffinity`` does not exist, ``os.cpu_count()`` is the starting point."""
+    monkeypatch.delattr(os, "sched_getaffinity", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 6)
+    assert cpus._affinity_count() == 6
+    assert usable_cpu_count(tmp_path) == 6
+    monkeypatch.setattr(os, "cpu_count", lambda: None)
+    assert usable_cpu_count(tmp_path) == 1
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="needs os.sched_getaffinity")
+def test_usable_cpu_count_on_this_machine():
+    """On the real machine the count is between 1 and the affinity."""
+    count = usable_cpu_count()
+    assert 1 <= count <= len(os.sched_getaffinity(0))

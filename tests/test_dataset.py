@@ -1,0 +1,451 @@
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import random
+import re
+import shutil
+import stat
+import zlib
+from pathlib import Path
+
+import lmdb
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from torch.utils.data import DataLoader
+from torchvision.datasets import ImageFolder
+from torchvision.io import ImageReadMode, decode_jpeg
+
+from lightning_fastdata import (
+    CorruptRecordError,
+    DatasetFormatError,
+    LmdbImageDataset,
+    _format,
+    convert_dataset,
+    read_meta,
+)
+from lightning_fastdata._format import ENCODING_JPEG, ENCODING_PNG, pack_record, record_key
+
+
+def _tiny_database(dst: Path, n: int, seed: int = 0, classes: tuple[str, ...] = ("a", "b", "c")) -> Path:
+    """A database of ``n`` small random images (8-16 px) converted in this process."""
+    rng = np.random.default_rng(seed)
+    samples = []
+    for i in range(n):
+        height, width = (int(v) for v in rng.integers(8, 17, size=2))
+        samples.append((Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)), i % len(classes)))
+    convert_dataset(samples, dst, classes=list(classes), num_workers=0, progress=False)
+    return dst
+
+
+def _put(path: Path, items: dict[bytes, bytes | None]) -> None:
+    """Write (or delete, for ``None``) raw LMDB values; call before this process opens ``path`` for reading."""
+    env = lmdb.open(str(path), map_size=1 << 26)
+    with env.begin(write=True) as txn:
+        for key, value in items.items():
+            if value is None:
+                txn.delete(key)
+            else:
+                txn.put(key, value)
+    env.close()
+
+
+def _jpeg(width: int, height: int, colour: tuple[int, int, int] = (200, 40, 90)) -> bytes:
+    out = io.BytesIO()
+    Image.new("RGB", (width, height), colour).save(out, format="JPEG")
+    return out.getvalue()
+
+
+def _checksum(image: torch.Tensor) -> int:
+    return zlib.crc32(image.numpy().tobytes())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# ImageFolder compatibility and outputs
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("split", ["train", "val"])
+def test_matches_torchvision_image_folder(split_folder, database, split):
+    """``classes``, ``class_to_idx``, ``targets`` and the sample order match torchvision's ``ImageFolder``."""
+    reference = ImageFolder(str(split_folder / split))
+    ds = LmdbImageDataset(database, split)
+    assert ds.classes == reference.classes
+    assert ds.class_to_idx == reference.class_to_idx
+    assert ds.targets == reference.targets
+    assert len(ds) == len(reference)
+    assert [ds[i][1] for i in range(len(ds))] == [label for _, label in reference.samples]
+    assert ds.class_counts == np.bincount(reference.targets, minlength=len(reference.classes)).tolist()
+
+
+def test_getitem_gives_uint8_chw_tensors(database):
+    """The default output is a ``uint8`` tensor of shape ``(3, H, W)`` and an ``int`` label."""
+    ds = LmdbImageDataset(database, "train")
+    for i in range(len(ds)):
+        image, label = ds[i]
+        header, _ = ds.read_record(i)
+        assert isinstance(image, torch.Tensor)
+        assert image.dtype == torch.uint8
+        assert tuple(image.shape) == (3, header.height, header.width)
+        assert type(label) is int
+        assert label == header.label
+
+
+def test_pil_output_matches_tensor_output(database):
+    """``output="pil"`` gives RGB PIL images with the same pixels as the tensor output (within decoder rounding)."""
+    tensors = LmdbImageDataset(database, "val")
+    pils = LmdbImageDataset(database, "val", output="pil")
+    for i in range(len(tensors)):
+        image, label = pils[i]
+        assert isinstance(image, Image.Image)
+        assert image.mode == "RGB"
+        expected, expected_label = tensors[i]
+        assert label == expected_label
+        assert image.size == (expected.shape[2], expected.shape[1])
+        diff = np.abs(np.asarray(image, dtype=np.int16) - expected.permute(1, 2, 0).numpy().astype(np.int16))
+        assert diff.max() <= 3
+
+
+def test_encoded_output_decodes_to_the_same_tensor(database):
+    """``output="encoded"`` gives the stored bytes as a 1-D ``uint8`` tensor that ``decode_jpeg`` decodes."""
+    tensors = LmdbImageDataset(database, "train")
+    encoded = LmdbImageDataset(database, "train", output="encoded")
+    for i in range(len(encoded)):
+        data, label = encoded[i]
+        assert data.dtype == torch.uint8
+        assert data.dim() == 1
+        assert bytes(data.numpy()) == encoded.read_record(i)[1]
+        expected, expected_label = tensors[i]
+        assert label == expected_label
+        assert torch.equal(decode_jpeg(data, mode=ImageReadMode.RGB), expected)
+
+
+def test_transforms_are_applied(database):
+    """``transform`` gets the image and ``target_transform`` the label."""
+    ds = LmdbImageDataset(
+        database, "val", transform=lambda image: image.float() / 255, target_transform=lambda label: label + 10
+    )
+    image, label = ds[0]
+    assert image.dtype == torch.float32
+    assert 0.0 <= float(image.min()) <= float(image.max()) <= 1.0
+    assert label == LmdbImageDataset(database, "val").targets[0] + 10
+
+
+def test_negative_index_and_out_of_range(database):
+    """Negative indices count from the end; anything outside ``[-len, len)`` raises ``IndexError``."""
+    ds = LmdbImageDataset(database, "val")
+    n = len(ds)
+    last, last_label = ds[n - 1]
+    image, label = ds[-1]
+    assert torch.equal(image, last)
+    assert label == last_label
+    assert torch.equal(ds[-n][0], ds[0][0])
+    for index in (n, n + 5, -n - 1):
+        with pytest.raises(IndexError, match="out of range"):
+            ds[index]
+
+
+def test_iteration_stops_at_the_end(database):
+    """Iterating the dataset (as Python does via ``IndexError``) yields exactly ``len`` samples."""
+    ds = LmdbImageDataset(database, "val")
+    assert len(list(ds)) == len(ds) == 9
+
+
+def test_repr_and_metadata_attributes(database):
+    """``repr`` names the path, split and length; the metadata attributes describe the database."""
+    ds = LmdbImageDataset(database, "val")
+    assert str(database.absolute()) in repr(ds)
+    assert "split='val'" in repr(ds)
+    assert "len=9" in repr(ds)
+    assert ds.splits == ["train", "val"]
+    assert ds.encoding == read_meta(database)["encoding"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Opening errors
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_unknown_split_lists_the_splits(database):
+    """An unknown split raises ``ValueError`` that lists the splits the database holds."""
+    with pytest.raises(ValueError, match=re.escape("'test' is not in")) as info:
+        LmdbImageDataset(database, "test")
+    assert "['train', 'val']" in str(info.value)
+
+
+def test_unknown_output_raises(database):
+    """An unknown ``output`` raises ``ValueError``."""
+    with pytest.raises(ValueError, match="`output` must be"):
+        LmdbImageDataset(database, output="numpy")  # type: ignore[arg-type]
+
+
+def test_missing_path_raises_file_not_found(tmp_path):
+    """A path that does not exist raises ``FileNotFoundError`` that says how to create it."""
+    with pytest.raises(FileNotFoundError, match="lightning-fastdata convert"):
+        LmdbImageDataset(tmp_path / "missing.lmdb")
+
+
+def test_plain_directory_raises_format_error(split_folder, tmp_path):
+    """A plain directory (an image folder, an empty folder) raises ``DatasetFormatError``."""
+    with pytest.raises(DatasetFormatError, match="not a lightning_fastdata database"):
+        LmdbImageDataset(split_folder)
+    with pytest.raises(DatasetFormatError):
+        LmdbImageDataset(tmp_path)
+
+
+def test_incomplete_database_raises_format_error(database_copy):
+    """A database whose metadata says ``complete: false`` is refused."""
+    env = lmdb.open(str(database_copy), map_size=1 << 26)
+    with env.begin(write=True) as txn:
+        meta = _format.load_meta(txn.get(_format.META_KEY), database_copy)
+        txn.put(_format.META_KEY, _format.dump_meta({**meta, "complete": False}))
+    env.close()
+    with pytest.raises(DatasetFormatError, match="incomplete"):
+        LmdbImageDataset(database_copy)
+
+
+def test_train_and_val_share_one_environment(database):
+    """Two datasets of one database open in one process and share its environment."""
+    train, val = LmdbImageDataset(database, "train"), LmdbImageDataset(database, "val")
+    image_train, _ = train[0]
+    image_val, _ = val[0]
+    assert image_train.shape[0] == image_val.shape[0] == 3
+    assert train._environment() is val._environment()
+    assert len(train) + len(val) == 33
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Processes
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_dataloader_workers_yield_every_sample_once(database, context):
+    """Two DataLoader workers (fork or spawn) together yield every sample exactly once, with the right pixels."""
+    ds = LmdbImageDataset(database, "train")
+    expected = sorted((label, _checksum(image)) for image, label in ds)  # the parent has opened the environment
+    loader = DataLoader(ds, batch_size=None, shuffle=True, num_workers=2, multiprocessing_context=context)
+    got = sorted((int(label), _checksum(image)) for image, label in loader)
+    assert got == expected
+    assert len(got) == len(ds)
+
+
+def test_dataset_pickles_without_its_environment(database):
+    """A used dataset pickles without its LMDB environment and the copy still reads the same samples."""
+    ds = LmdbImageDataset(database, "val")
+    first, label = ds[0]
+    assert ds._env is not None
+    clone = pickle.loads(pickle.dumps(ds))
+    assert clone._env is None
+    assert clone._pid is None
+    assert ds._env is not None  # pickling does not disturb the original
+    image, clone_label = clone[0]
+    assert torch.equal(image, first)
+    assert clone_label == label
+    assert clone.targets == ds.targets
+
+
+def test_read_only_copy_is_read_without_writing(database, tmp_path):
+    """A read-only copy reads fine: no ``lock.mdb`` is created and no file in it changes."""
+    copy = tmp_path / "ro.lmdb"
+    shutil.copytree(database, copy)
+    (copy / "lock.mdb").unlink()
+    before = {p.name: p.stat().st_mtime_ns for p in copy.iterdir()}
+    paths = [copy, *copy.iterdir()]
+    modes = {p: stat.S_IMODE(p.stat().st_mode) for p in paths}
+    for p in paths:
+        p.chmod(modes[p] & ~(stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH))
+    try:
+        for split in ("train", "val"):
+            ds = LmdbImageDataset(copy, split)
+            assert [label for _, label in ds] == ds.targets
+        assert read_meta(copy)["complete"] is True
+    finally:
+        for p in paths:
+            p.chmod(modes[p])
+    assert {p.name: p.stat().st_mtime_ns for p in copy.iterdir()} == before
+    assert not (copy / "lock.mdb").exists()
+
+
+def test_memory_does_not_grow_with_the_dataset(tmp_path):
+    """The dataset object holds nothing per sample: its pickle is the same size for 6 and 300 samples."""
+    small = LmdbImageDataset(_tiny_database(tmp_path / "small" / "db", 6))
+    large = LmdbImageDataset(_tiny_database(tmp_path / "large" / "db", 300))
+    for ds in (small, large):
+        for i in range(len(ds)):
+            ds[i]
+        assert len(ds.targets) == len(ds)
+
+    def sizes(ds: LmdbImageDataset) -> dict[str, int]:
+        return {k: len(v) for k, v in vars(ds).items() if hasattr(v, "__len__") and not isinstance(v, str)}
+
+    assert sizes(small) == sizes(large)
+    assert abs(len(pickle.dumps(small)) - len(pickle.dumps(large))) <= 8
+    assert len(large) == 50 * len(small)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Damaged databases
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _mutate(value: bytes, kind: int, rng: random.Random) -> bytes | None:
+    """One kind of damage to a stored record (``None`` deletes it)."""
+    damaged = bytearray(value)
+    if kind == 1:  # flip 1-4 bytes anywhere
+        for _ in range(rng.randint(1, 4)):
+            damaged[rng.randrange(len(damaged))] ^= rng.randrange(1, 256)
+        return bytes(damaged) if damaged != value else bytes(damaged[:-1])
+    if kind == 2:  # truncate
+        return value[: rng.randrange(len(value))]
+    if kind == 3:
+        return b""
+    if kind == 4:
+        return None
+    if kind == 5:  # one header byte
+        damaged[rng.randrange(_format.HEADER.size)] ^= rng.randrange(1, 256)
+        return bytes(damaged)
+    if kind == 6:  # trailing garbage
+        return value + rng.randbytes(rng.randint(1, 64))
+    return rng.randbytes(rng.randint(0, 2 * len(value)))  # kind 7: replaced by noise
+
+
+@pytest.mark.parametrize("output", ["tensor", "pil", "encoded"])
+def test_fuzzed_records_raise_only_corrupt_record_error(tmp_path, output):
+    """Randomly damaged, truncated, emptied or deleted records raise ``CorruptRecordError`` naming split and index."""
+    dst = _tiny_database(tmp_path / "db", 160)
+    rng = random.Random(output)
+    env = lmdb.open(str(dst), map_size=1 << 26)
+    kinds = {}
+    with env.begin(write=True) as txn:
+        for index in range(160):
+            kind = index % 8  # every kind of damage, and intact records (kind 0) as controls
+            kinds[index] = kind
+            if kind == 0:
+                continue
+            key = record_key("train", index)
+            value = _mutate(txn.get(key), kind, rng)
+            if value is None:
+                txn.delete(key)
+            else:
+                txn.put(key, value)
+    env.close()
+    ds = LmdbImageDataset(dst, output=output)
+    for index in range(len(ds)):
+        if kinds[index] == 0:
+            _, label = ds[index]
+            assert label == index % 3
+            continue
+        with pytest.raises(CorruptRecordError, match=re.escape(f"split 'train' index {index} of")):
+            ds[index]
+        with pytest.raises(CorruptRecordError, match=re.escape(f"split 'train' index {index} of")):
+            ds[index - len(ds)]  # the message names the normalized index
+
+
+@pytest.mark.parametrize("output", ["tensor", "pil"])
+def test_unverified_payload_damage_decodes_or_raises_corrupt_record_error(tmp_path, output):
+    """With checksums off, damaged JPEG bytes either decode to the stored size or raise ``CorruptRecordError``."""
+    dst = _tiny_database(tmp_path / "db", 120, seed=1)
+    rng = random.Random(7)
+    env = lmdb.open(str(dst), map_size=1 << 26)
+    with env.begin(write=True) as txn:
+        for index in range(120):
+            key = record_key("train", index)
+            damaged = bytearray(txn.get(key))
+            position = rng.randrange(_format.HEADER.size, len(damaged))
+            damaged[position] ^= rng.randrange(1, 256)
+            txn.put(key, bytes(damaged))
+    env.close()
+    ds = LmdbImageDataset(dst, output=output, verify_checksums=False)
+    errors, decoded = [], 0
+    for index in range(len(ds)):
+        header, _ = ds.read_record(index)
+        try:
+            image, _ = ds[index]
+        except CorruptRecordError as err:
+            errors.append((index, str(err)))
+            continue
+        size = image.size[::-1] if output == "pil" else tuple(image.shape[1:])
+        assert size == (header.height, header.width)
+        decoded += 1
+    assert errors
+    assert all(f"split 'train' index {index} of" in message for index, message in errors)
+    assert decoded + len(errors) == 120
+
+
+@pytest.mark.parametrize("output", ["tensor", "pil"])
+def test_record_with_valid_checksum_but_garbage_bytes(database_copy, output):
+    """A record that passes its checksum but holds no decodable image raises ``CorruptRecordError``."""
+    _put(database_copy, {record_key("val", 1): pack_record(ENCODING_JPEG, 0, 10, 12, b"garbage")})
+    ds = LmdbImageDataset(database_copy, "val", output=output)
+    with pytest.raises(CorruptRecordError, match=r"split 'val' index 1 .*does not decode"):
+        ds[1]
+    assert ds[0][0] is not None  # the neighbours are fine
+    encoded = LmdbImageDataset(database_copy, "val", output="encoded")
+    assert bytes(encoded[1][0].numpy()) == b"garbage"  # the encoded output does not decode
+
+
+@pytest.mark.parametrize("output", ["tensor", "pil"])
+def test_record_declaring_a_huge_image_raises_corrupt_record_error(database_copy, output):
+    """A JPEG whose header claims 65520x65520 pixels (a decompression bomb) raises ``CorruptRecordError``."""
+    jpeg = bytearray(_jpeg(16, 12))
+    sof = jpeg.index(b"\xff\xc0")
+    jpeg[sof + 5 : sof + 9] = b"\xff\xf0\xff\xf0"
+    _put(database_copy, {record_key("train", 0): pack_record(ENCODING_JPEG, 0, 12, 16, bytes(jpeg))})
+    with pytest.raises(CorruptRecordError, match="split 'train' index 0"):
+        LmdbImageDataset(database_copy, output=output)[0]
+
+
+@pytest.mark.parametrize("output", ["tensor", "pil"])
+def test_record_whose_image_size_differs_from_its_header(database_copy, output):
+    """A valid JPEG whose size differs from the record header raises ``CorruptRecordError``."""
+    _put(database_copy, {record_key("train", 2): pack_record(ENCODING_JPEG, 1, 20, 20, _jpeg(16, 12))})
+    with pytest.raises(CorruptRecordError, match=re.escape("differs from the stored (20, 20)")):
+        LmdbImageDataset(database_copy, output=output)[2]
+
+
+def test_record_with_label_outside_the_classes(database_copy):
+    """A record whose label is not a class index raises ``CorruptRecordError``."""
+    _put(database_copy, {record_key("train", 3): pack_record(ENCODING_JPEG, 99, 12, 16, _jpeg(16, 12))})
+    with pytest.raises(CorruptRecordError, match="label 99 is outside the 3 classes"):
+        LmdbImageDataset(database_copy)[3]
+
+
+@pytest.mark.parametrize("output", ["tensor", "pil"])
+def test_png_records_decode(database_copy, output):
+    """Records in the PNG encoding decode to RGB with their exact pixels."""
+    pixels = np.random.default_rng(0).integers(0, 256, (10, 14, 3), dtype=np.uint8)
+    png = io.BytesIO()
+    Image.fromarray(pixels).save(png, format="PNG")
+    _put(database_copy, {record_key("val", 0): pack_record(ENCODING_PNG, 2, 10, 14, png.getvalue())})
+    image, label = LmdbImageDataset(database_copy, "val", output=output)[0]
+    assert label == 2
+    array = np.asarray(image) if output == "pil" else image.permute(1, 2, 0).numpy()
+    assert np.array_equal(array, pixels)
+
+
+@pytest.mark.parametrize("labels", [None, b"\x00\x00\x00"])
+def test_damaged_label_array_raises(database_copy, labels):
+    """A missing or wrong-length label array makes ``targets`` raise ``CorruptRecordError``."""
+    _put(database_copy, {_format.labels_key("val"): labels})
+    ds = LmdbImageDataset(database_copy, "val")
+    with pytest.raises(CorruptRecordError, match="label array of split 'val'"):
+        _ = ds.targets
+    assert ds[0][1] in (0, 1, 2)  # the samples themselves are still readable
+
+
+def test_database_replaced_while_a_dataset_is_open(tmp_path):
+    """A new dataset of a re-converted database sees the new content, not the one this process had open."""
+    dst = _tiny_database(tmp_path / "db", 5)
+    old = LmdbImageDataset(dst)
+    assert len(old) == 5
+    old[0]
+    _tiny_database(tmp_path / "db", 7, seed=3)
+    new = LmdbImageDataset(dst)
+    assert len(new) == 7
+    assert new.targets == [0, 1, 2, 0, 1, 2, 0]
+    new[6]
+    assert os.path.samefile(new.path, dst)

@@ -1,0 +1,310 @@
+from __future__ import annotations
+
+import json
+import random
+import re
+import shutil
+from pathlib import Path
+
+import lmdb
+import pytest
+
+from lightning_fastdata import _format
+from lightning_fastdata._format import (
+    ENCODING_JPEG,
+    ENCODING_PNG,
+    FORMAT_VERSION,
+    HEADER,
+    dump_meta,
+    labels_key,
+    load_meta,
+    open_readonly,
+    pack_record,
+    read_meta,
+    record_key,
+    unpack_record,
+)
+from lightning_fastdata.errors import CorruptRecordError, DatasetFormatError, FastDataError
+
+PAYLOAD = bytes(range(7, 47))  # 40 bytes that are not all alike
+RECORD = pack_record(ENCODING_JPEG, 3, 480, 640, PAYLOAD)
+
+
+def _valid_meta(**overrides: object) -> dict[str, object]:
+    meta: dict[str, object] = {"format_version": FORMAT_VERSION, "complete": True, "classes": ["a"], "splits": {}}
+    meta.update(overrides)
+    return meta
+
+
+def _make_lmdb(path: Path, items: dict[bytes, bytes]) -> Path:
+    env = lmdb.open(str(path), map_size=1 << 20, subdir=True)
+    with env.begin(write=True) as txn:
+        for key, value in items.items():
+            txn.put(key, value)
+    env.close()
+    return path
+
+
+def test_pack_unpack_round_trip():
+    """A packed record unpacks to the same header fields and payload bytes."""
+    header, payload = unpack_record(RECORD)
+    assert (header.encoding, header.label, header.height, header.width) == (ENCODING_JPEG, 3, 480, 640)
+    assert bytes(payload) == PAYLOAD
+    assert HEADER.size == 20  # the module docstring documents the layout
+    assert len(RECORD) == HEADER.size + len(PAYLOAD)
+
+
+def test_pack_unpack_round_trip_png_and_empty_payload():
+    """The PNG encoding code and an empty payload round-trip too."""
+    header, payload = unpack_record(pack_record(ENCODING_PNG, 0, 1, 1, b""))
+    assert header == _format.RecordHeader(ENCODING_PNG, 0, 1, 1)
+    assert bytes(payload) == b""
+
+
+def test_unpack_accepts_memoryview_and_returns_view():
+    """``unpack_record`` reads a memoryview (as LMDB ``buffers=True`` gives) without copying the payload."""
+    header, payload = unpack_record(memoryview(RECORD))
+    assert isinstance(payload, memoryview)
+    assert header.label == 3
+    assert bytes(payload) == PAYLOAD
+
+
+@pytest.mark.parametrize("position", range(len(RECORD)))
+def test_every_bit_flip_is_detected(position):
+    """Flipping any single bit anywhere in the header or payload raises ``CorruptRecordError``."""
+    for bit in range(8):
+        damaged = bytearray(RECORD)
+        damaged[position] ^= 1 << bit
+        with pytest.raises(CorruptRecordError):
+            unpack_record(bytes(damaged))
+
+
+def test_random_multi_byte_corruptions_are_detected():
+    """Random overwrites of 1-8 bytes (always changing the record) raise ``CorruptRecordError``."""
+    rng = random.Random(1234)
+    for _ in range(2000):
+        damaged = bytearray(RECORD)
+        for _ in range(rng.randint(1, 8)):
+            damaged[rng.randrange(len(damaged))] ^= rng.randrange(1, 256)
+        if bytes(damaged) == RECORD:  # two flips of one byte cancelled out
+            continue
+        with pytest.raises(CorruptRecordError):
+            unpack_record(bytes(damaged))
+
+
+@pytest.mark.parametrize("length", range(len(RECORD)))
+def test_every_truncation_is_detected(length):
+    """A record cut to any shorter length raises ``CorruptRecordError``."""
+    with pytest.raises(CorruptRecordError):
+        unpack_record(RECORD[:length])
+
+
+def test_appended_bytes_are_detected():
+    """Bytes appended after the payload fail the checksum."""
+    with pytest.raises(CorruptRecordError, match="checksum"):
+        unpack_record(RECORD + b"\x00")
+
+
+@pytest.mark.parametrize(
+    ("offset", "value", "match"),
+    [
+        (0, b"XX", "bad record magic"),
+        (2, bytes([FORMAT_VERSION + 1]), "format version"),
+        (3, bytes([99]), "unknown image encoding code 99"),
+        (4, b"\x04\x00\x00\x00", "checksum"),  # the label
+        (12, b"\x00\x00\x00\x00", "checksum"),  # the width
+        (16, b"\x00\x00\x00\x00", "checksum"),  # the crc itself
+    ],
+)
+def test_header_damage_messages(offset, value, match):
+    """Each kind of header damage is reported with a message that says what is wrong."""
+    damaged = bytearray(RECORD)
+    damaged[offset : offset + len(value)] = value
+    with pytest.raises(CorruptRecordError, match=match):
+        unpack_record(bytes(damaged))
+
+
+def test_short_record_message_names_sizes():
+    """A record shorter than the header says how long it is and how long the header is."""
+    with pytest.raises(CorruptRecordError, match=r"record is 5 bytes, shorter than its 20-byte header"):
+        unpack_record(RECORD[:5])
+
+
+def test_verify_false_skips_only_the_checksum():
+    """With ``verify=False`` payload damage passes, but a bad header still raises."""
+    damaged = bytearray(RECORD)
+    damaged[-1] ^= 0xFF
+    header, payload = unpack_record(bytes(damaged), verify=False)
+    assert header.label == 3
+    assert bytes(payload) == bytes(damaged[HEADER.size :])
+    with pytest.raises(CorruptRecordError):
+        unpack_record(bytes(damaged))
+    damaged[0:2] = b"ZZ"
+    with pytest.raises(CorruptRecordError, match="magic"):
+        unpack_record(bytes(damaged), verify=False)
+
+
+def test_errors_are_value_errors_and_fastdata_errors():
+    """The format errors subclass both ``FastDataError`` and ``ValueError`` so callers can catch either."""
+    for cls in (CorruptRecordError, DatasetFormatError):
+        assert issubclass(cls, FastDataError)
+        assert issubclass(cls, ValueError)
+
+
+def test_record_and_label_keys_are_computed():
+    """Record keys are ``<split>/<index:010d>``: computed, zero-padded and sorting in index order."""
+    assert record_key("train", 5) == b"train/0000000005"
+    assert record_key("val", 1234567890) == b"val/1234567890"
+    assert labels_key("val") == b"__labels__/val"
+    keys = [record_key("train", i) for i in (0, 9, 10, 99, 100, 12345)]
+    assert keys == sorted(keys)
+    assert _format.META_KEY not in keys
+
+
+def test_meta_round_trip():
+    """``dump_meta`` writes JSON that ``load_meta`` returns unchanged."""
+    meta = _valid_meta(classes=["cat", "dog"], splits={"train": {"length": 2, "class_counts": [1, 1]}})
+    raw = dump_meta(meta)
+    assert json.loads(raw) == meta
+    assert load_meta(raw, "/some/db") == meta
+    assert load_meta(memoryview(raw), "/some/db") == meta
+
+
+def test_load_meta_none_means_not_our_database():
+    """No metadata record: the error says the LMDB is not ours and how to make one."""
+    with pytest.raises(DatasetFormatError, match="not one made by lightning_fastdata") as info:
+        load_meta(None, "/data/other.lmdb")
+    assert "/data/other.lmdb" in str(info.value)
+    assert "lightning-fastdata convert" in str(info.value)
+
+
+@pytest.mark.parametrize("raw", [b"{not json", b"\xff\xfe\x00", b""])
+def test_load_meta_bad_json(raw):
+    """Undecodable metadata is reported as damaged, naming the path and the fix."""
+    with pytest.raises(DatasetFormatError, match="not valid JSON") as info:
+        load_meta(raw, "/data/db")
+    assert "/data/db" in str(info.value)
+    assert "lightning-fastdata convert" in str(info.value)
+
+
+@pytest.mark.parametrize("raw", [b"[1, 2]", b'"text"', b"3"])
+def test_load_meta_not_an_object(raw):
+    """Valid JSON that is not an object is rejected."""
+    with pytest.raises(DatasetFormatError, match="not a JSON object"):
+        load_meta(raw, "/data/db")
+
+
+@pytest.mark.parametrize("version", [FORMAT_VERSION + 1, 0, "1", None])
+def test_load_meta_wrong_version(version):
+    """Another format version is refused with the version found and the one this package reads."""
+    with pytest.raises(DatasetFormatError, match=r"format version") as info:
+        load_meta(dump_meta(_valid_meta(format_version=version)), "/data/db")
+    message = str(info.value)
+    assert repr(version) in message
+    assert f"reads version {FORMAT_VERSION}" in message
+
+
+def test_load_meta_missing_version():
+    """Metadata without a version is refused like a wrong version."""
+    meta = _valid_meta()
+    del meta["format_version"]
+    with pytest.raises(DatasetFormatError, match="format version None"):
+        load_meta(dump_meta(meta), "/data/db")
+
+
+@pytest.mark.parametrize("complete", [False, None, "true", 1])
+def test_load_meta_incomplete(complete):
+    """A conversion that never finished (``complete`` is not ``True``) is refused and says to convert again."""
+    with pytest.raises(DatasetFormatError, match="incomplete conversion") as info:
+        load_meta(dump_meta(_valid_meta(complete=complete)), "/data/db")
+    assert "lightning-fastdata convert" in str(info.value)
+
+
+def test_load_meta_complete_missing_is_incomplete():
+    """Metadata without ``complete`` is treated as incomplete."""
+    meta = _valid_meta()
+    del meta["complete"]
+    with pytest.raises(DatasetFormatError, match="incomplete"):
+        load_meta(dump_meta(meta), "/data/db")
+
+
+def test_read_meta_missing_path(tmp_path):
+    """``read_meta`` of a path that does not exist raises ``FileNotFoundError`` naming the path."""
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        read_meta(tmp_path / "nope")
+
+
+def test_read_meta_plain_directory(tmp_path):
+    """``read_meta`` of a directory without ``data.mdb`` raises ``DatasetFormatError``."""
+    (tmp_path / "notes.txt").write_text("hello")
+    with pytest.raises(DatasetFormatError, match=re.escape("no data.mdb")):
+        read_meta(tmp_path)
+
+
+def test_read_meta_of_a_file(tmp_path):
+    """``read_meta`` of a regular file raises ``DatasetFormatError``."""
+    path = tmp_path / "file.bin"
+    path.write_bytes(b"x" * 100)
+    with pytest.raises(DatasetFormatError):
+        read_meta(path)
+
+
+def test_read_meta_of_foreign_lmdb(tmp_path):
+    """An LMDB database without our metadata is reported as not ours."""
+    path = _make_lmdb(tmp_path / "foreign", {b"key": b"value"})
+    with pytest.raises(DatasetFormatError, match="not one made by lightning_fastdata"):
+        read_meta(path)
+
+
+def test_read_meta_of_garbage_data_file(tmp_path):
+    """A ``data.mdb`` that is not an LMDB file raises ``DatasetFormatError``, not an ``lmdb`` error."""
+    path = tmp_path / "garbage"
+    path.mkdir()
+    (path / "data.mdb").write_bytes(b"\x00garbage" * 1000)
+    with pytest.raises(DatasetFormatError):
+        read_meta(path)
+
+
+def test_read_meta_of_incomplete_lmdb(tmp_path):
+    """An LMDB holding metadata with ``complete: false`` raises ``DatasetFormatError`` mentioning incomplete."""
+    path = _make_lmdb(tmp_path / "partial", {_format.META_KEY: dump_meta(_valid_meta(complete=False))})
+    with pytest.raises(DatasetFormatError, match="incomplete"):
+        read_meta(path)
+
+
+def test_read_meta_of_database(database):
+    """The session database's metadata is complete and describes its splits and classes."""
+    meta = read_meta(database)
+    assert meta["complete"] is True
+    assert meta["format_version"] == FORMAT_VERSION
+    assert meta["classes"] == ["class_0", "class_1", "class_2"]
+    assert {name: s["length"] for name, s in meta["splits"].items()} == {"train": 24, "val": 9}
+
+
+def test_open_readonly_shares_one_environment(database):
+    """Two opens of one database in a process return the same environment (LMDB forbids a second one)."""
+    assert open_readonly(database) is open_readonly(str(database))
+
+
+def test_open_readonly_reopens_a_replaced_database(tmp_path):
+    """When the database at a path is replaced, the next open sees the new one, not the cached old one."""
+    path = _make_lmdb(tmp_path / "db", {b"k": b"old"})
+    old_env = open_readonly(path)
+    with old_env.begin() as txn:
+        assert txn.get(b"k") == b"old"
+    new = _make_lmdb(tmp_path / "new", {b"k": b"new"})
+    shutil.rmtree(path)
+    new.rename(path)
+    env = open_readonly(path)
+    assert env is not old_env
+    with env.begin() as txn:
+        assert txn.get(b"k") == b"new"
+
+
+def test_open_readonly_writes_no_lock_file(tmp_path):
+    """Opening read-only creates no ``lock.mdb``."""
+    path = _make_lmdb(tmp_path / "db", {b"k": b"v"})
+    (path / "lock.mdb").unlink()
+    with open_readonly(path).begin() as txn:
+        assert txn.get(b"k") == b"v"
+    assert sorted(p.name for p in path.iterdir()) == ["data.mdb"]
