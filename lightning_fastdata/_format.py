@@ -34,7 +34,8 @@ REPORT_FILE = "convert_report.json"
 
 ENCODING_JPEG = 1
 ENCODING_PNG = 2
-ENCODING_NAMES = {ENCODING_JPEG: "jpeg", ENCODING_PNG: "png"}
+ENCODING_RAW = 3  # uint8 RGB pixels, row-major HWC: no decode at read time
+ENCODING_NAMES = {ENCODING_JPEG: "jpeg", ENCODING_PNG: "png", ENCODING_RAW: "raw"}
 
 #: magic, format version, encoding, label, height, width, crc32 of (header without crc + payload)
 HEADER = struct.Struct("<2sBBiIII")

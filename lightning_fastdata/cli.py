@@ -44,6 +44,12 @@ def _add_convert(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="store source JPEGs byte for byte, even when larger than --short-side",
     )
+    p.add_argument(
+        "--encoding",
+        choices=("jpeg", "raw"),
+        default="jpeg",
+        help="jpeg (default, compact) or raw uint8 pixels (about 10x larger, nothing to decode when reading)",
+    )
     p.add_argument("--workers", type=int, default=None, metavar="N", help="worker processes (default: the usable CPUs)")
     p.add_argument("--strict", action="store_true", help="fail, writing nothing, if any file has to be skipped")
     p.add_argument("--force", action="store_true", help="convert even if DST is up to date")
@@ -91,6 +97,7 @@ def _convert(args: argparse.Namespace) -> int:
         short_side=args.short_side,
         quality=args.quality,
         keep_original=args.keep_original,
+        encoding=args.encoding,
         num_workers=args.workers,
         strict=args.strict,
         force=args.force,

@@ -96,7 +96,7 @@ class LmdbImageDataset(Dataset):
     def _where(self, index: int) -> str:
         return f"split {self.split!r} index {index} of {self.path!r}"
 
-    def read_record(self, index: int) -> tuple[_format.RecordHeader, bytes]:
+    def read_record(self, index: int) -> tuple[_format.RecordHeader, bytearray]:
         """The header and the encoded image bytes of sample ``index``, checksum verified.
 
         Raises:
@@ -114,7 +114,7 @@ class LmdbImageDataset(Dataset):
                 if record is None:
                     raise CorruptRecordError("the record is missing")
                 header, payload = _format.unpack_record(record, verify=self.verify_checksums)
-                data = bytes(payload)  # copy out of the memory map before the transaction ends
+                data = bytearray(payload)  # one copy out of the memory map, writable for torch.frombuffer
         except (CorruptRecordError, lmdb.Error) as err:
             raise CorruptRecordError(
                 f"{self._where(index)}: {err}. The database is damaged: convert the source again with"
@@ -126,9 +126,11 @@ class LmdbImageDataset(Dataset):
             )
         return header, data
 
-    def _decode(self, index: int, header: _format.RecordHeader, data: bytes) -> Any:
+    def _decode(self, index: int, header: _format.RecordHeader, data: bytearray) -> Any:
         if self.output == "encoded":
-            return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            return torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+        if header.encoding == _format.ENCODING_RAW:
+            return self._raw_image(index, header, data)
         try:
             if self.output == "pil":
                 image = Image.open(io.BytesIO(data))
@@ -136,7 +138,7 @@ class LmdbImageDataset(Dataset):
                 image = image.convert("RGB")
                 size = (image.height, image.width)
             else:
-                encoded = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+                encoded = torch.frombuffer(data, dtype=torch.uint8)
                 decode = decode_jpeg if header.encoding == _format.ENCODING_JPEG else decode_png
                 image = decode(encoded, mode=ImageReadMode.RGB)
                 size = tuple(image.shape[-2:])
@@ -147,6 +149,18 @@ class LmdbImageDataset(Dataset):
                 f"{self._where(index)}: decoded size {size} differs from the stored {(header.height, header.width)}"
             )
         return image
+
+    def _raw_image(self, index: int, header: _format.RecordHeader, data: bytearray) -> Any:
+        expected = header.height * header.width * 3
+        if len(data) != expected or expected == 0:
+            raise CorruptRecordError(
+                f"{self._where(index)}: a raw {header.height}x{header.width} RGB record needs {expected} bytes,"
+                f" found {len(data)}"
+            )
+        if self.output == "pil":
+            return Image.frombuffer("RGB", (header.width, header.height), bytes(data), "raw", "RGB", 0, 1)
+        # HWC in memory, CHW as a view: the layout the uint8 resize kernel is fastest on
+        return torch.frombuffer(data, dtype=torch.uint8).view(header.height, header.width, 3).permute(2, 0, 1)
 
     def __getitem__(self, index: int) -> tuple[Any, Any]:
         header, data = self.read_record(index)

@@ -19,7 +19,7 @@ def test_convert_prints_the_summary_and_returns_0(split_folder, tmp_path, capsys
     out = capsys.readouterr().out
     assert f"wrote 33 images (train=24, val=9) to {dst}" in out
     assert "skipped   0" in out
-    assert read_meta(dst)["encoding"] == {"short_side": 64, "quality": 80, "keep_original": False}
+    assert read_meta(dst)["encoding"] == {"short_side": 64, "quality": 80, "keep_original": False, "encoding": "jpeg"}
 
 
 def test_convert_rerun_and_force(split_folder, tmp_path, capsys):
@@ -37,7 +37,7 @@ def test_convert_short_side_zero_and_keep_original(split_folder, tmp_path, capsy
     """``--short-side 0`` keeps sizes; ``--keep-original`` is passed through to the stored options."""
     dst = tmp_path / "db"
     assert main(_convert_args(split_folder, dst, "--short-side", "0", "--keep-original")) == 0
-    assert read_meta(dst)["encoding"] == {"short_side": None, "quality": 90, "keep_original": True}
+    assert read_meta(dst)["encoding"] == {"short_side": None, "quality": 90, "keep_original": True, "encoding": "jpeg"}
     source = sorted((split_folder / "val").glob("*/*.jpg"))[0]
     assert LmdbImageDataset(dst, "val").read_record(0)[1] == source.read_bytes()
 

@@ -281,8 +281,9 @@ def test_changed_options_rebuild(split_folder_copy, tmp_path):
     _run(split_folder_copy, dst, short_side=64, quality=90)
     assert not _run(split_folder_copy, dst, short_side=64, quality=80).up_to_date
     assert not _run(split_folder_copy, dst, short_side=48, quality=80).up_to_date
-    assert read_meta(dst)["encoding"] == {"short_side": 48, "quality": 80, "keep_original": False}
+    assert read_meta(dst)["encoding"] == {"short_side": 48, "quality": 80, "keep_original": False, "encoding": "jpeg"}
     assert _run(split_folder_copy, dst, short_side=48, quality=80).up_to_date
+    assert not _run(split_folder_copy, dst, short_side=48, quality=80, encoding="raw").up_to_date
 
 
 def test_touched_source_file_triggers_rebuild(split_folder_copy, tmp_path):
@@ -945,3 +946,32 @@ def test_keyboard_interrupt_keeps_the_previous_database(tmp_path):
         _convert_ds(_Interrupting(), dst)
     assert len(LmdbImageDataset(dst)) == 6
     assert _leftovers(dst) == []
+
+
+def test_raw_encoding_stores_pixels_and_reads_them_back(split_folder_copy, tmp_path):
+    """``encoding="raw"`` stores uint8 RGB pixels that read back equal to the JPEG path's decode of the same resize."""
+    raw_db, jpeg_db = tmp_path / "raw", tmp_path / "jpeg"
+    _run(split_folder_copy, raw_db, short_side=48, encoding="raw")
+    _run(split_folder_copy, jpeg_db, short_side=48, quality=100)
+    assert read_meta(raw_db)["encoding"]["encoding"] == "raw"
+    raw, jpeg = LmdbImageDataset(raw_db, "val"), LmdbImageDataset(jpeg_db, "val")
+    for i in range(len(raw)):
+        header, data = raw.read_record(i)
+        assert header.encoding == _format.ENCODING_RAW
+        assert len(data) == header.height * header.width * 3
+        (a, la), (b, lb) = raw[i], jpeg[i]
+        assert la == lb
+        assert a.dtype == torch.uint8
+        assert a.shape == b.shape
+        assert (a.float() - b.float()).abs().mean() < 3
+    pil = LmdbImageDataset(raw_db, "val", output="pil")[0][0]
+    assert pil.mode == "RGB"
+    assert torch.equal(torch.from_numpy(np.asarray(pil)).permute(2, 0, 1), raw[0][0])
+
+
+def test_raw_encoding_rejects_keep_original(split_folder_copy, tmp_path):
+    """``keep_original`` stores JPEG bytes, so asking for it with raw pixels is a ``ValueError``."""
+    with pytest.raises(ValueError, match="keep_original"):
+        _run(split_folder_copy, tmp_path / "db", encoding="raw", keep_original=True)
+    with pytest.raises(ValueError, match="encoding"):
+        _run(split_folder_copy, tmp_path / "db", encoding="png")

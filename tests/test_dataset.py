@@ -449,3 +449,19 @@ def test_database_replaced_while_a_dataset_is_open(tmp_path):
     assert new.targets == [0, 1, 2, 0, 1, 2, 0]
     new[6]
     assert os.path.samefile(new.path, dst)
+
+
+@pytest.mark.parametrize("output", ["tensor", "pil"])
+def test_raw_record_of_the_wrong_length_raises_even_unverified(tmp_path, output):
+    """A raw-pixel record whose payload does not match its header's size is a ``CorruptRecordError``."""
+    dst = tmp_path / "db"
+    images = [(Image.new("RGB", (6, 4), (i * 40, 0, 0)), i % 2) for i in range(3)]
+    convert_dataset(images, dst, encoding="raw", num_workers=0, progress=False)
+    env = lmdb.open(str(dst), map_size=1 << 24)
+    with env.begin(write=True) as txn:
+        txn.put(record_key("train", 1), _format.pack_record(_format.ENCODING_RAW, 1, 4, 6, bytes(6 * 4 * 3 - 5)))
+    env.close()
+    ds = LmdbImageDataset(dst, output=output, verify_checksums=False)
+    assert ds[0][1] == 0
+    with pytest.raises(CorruptRecordError, match=r"split 'train' index 1 of .*needs 72 bytes, found 67"):
+        ds[1]

@@ -1,0 +1,104 @@
+"""Real two-process DDP on CPU, run as a script by ``test_ddp.py`` (Lightning's launcher re-executes it for rank 1).
+
+Usage: ``python ddp_script.py DATA_DIR OUT_DIR SEED EPOCHS``. Trains a tiny model on ``FastImageDataModule`` whose
+items carry their sample index, and writes ``OUT_DIR/rank<r>.json`` with the indices each rank saw, per epoch.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from torch.nn import functional as F
+from torch.utils.data import Dataset
+
+from lightning_fastdata import FastImageDataModule
+
+
+class _WithIndex(Dataset):
+    """Items ``(image, label, index)``: the index identifies the sample in its database split."""
+
+    def __init__(self, dataset: Dataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, index: int) -> tuple[Any, Any, int]:
+        image, label = self.dataset[index]
+        return image, label, index
+
+
+class IndexedDataModule(FastImageDataModule):
+    """``FastImageDataModule`` whose batches are ``(images, labels, indices)``."""
+
+    def build_dataset(self, split: str, transform: Callable[[Any], Any] | None) -> Dataset:
+        return _WithIndex(super().build_dataset(split, transform))
+
+
+class RecordingModel(LightningModule):
+    """A linear classifier on the mean colour that records the sample indices of every training batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(3, 2)
+        self.seen: list[list[int]] = []
+        self.batches: list[int] = []
+        self.dtypes: set[str] = set()
+
+    def on_train_epoch_start(self) -> None:
+        self.seen.append([])
+        self.batches.append(0)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        images, labels, indices = batch
+        self.dtypes.add(str(images.dtype))
+        self.seen[-1].extend(indices.tolist())
+        self.batches[-1] += 1
+        return F.cross_entropy(self.layer(images.mean(dim=(2, 3))), labels)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        images, labels, _ = batch
+        self.log("val_loss", F.cross_entropy(self.layer(images.mean(dim=(2, 3))), labels), sync_dist=True)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def main(data_dir: str, out_dir: str, seed: int, epochs: int) -> None:
+    dm = IndexedDataModule(
+        data_dir, image_size=16, batch_size=4, num_workers=0, val_fraction=0.1, seed=seed, drop_last=False
+    )
+    model = RecordingModel()
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp",
+        max_epochs=epochs,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        use_distributed_sampler=True,
+    )
+    trainer.fit(model, datamodule=dm)
+    result = {
+        "rank": trainer.global_rank,
+        "world_size": trainer.world_size,
+        "epochs": model.seen,
+        "batches": model.batches,
+        "dtypes": sorted(model.dtypes),
+        "train_indices": [int(i) for i in dm.train_dataset.indices],
+        "sampler": type(trainer.train_dataloader.sampler).__name__,
+    }
+    Path(out_dir, f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))

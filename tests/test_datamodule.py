@@ -1,0 +1,469 @@
+"""Tests for ``FastImageDataModule``: conversion, splits, loaders, worker budget and on-device normalization."""
+
+from __future__ import annotations
+
+import random
+import warnings
+from pathlib import Path
+from typing import Any
+from unittest.mock import Mock
+
+import numpy as np
+import pytest
+import torch
+from lightning.pytorch import Trainer
+from torch.utils.data import DataLoader
+
+from lightning_fastdata import FastImageDataModule, LmdbImageDataset, convert, make_image_folder
+from lightning_fastdata.datamodule import IMAGENET_MEAN, IMAGENET_STD
+from lightning_fastdata.transforms import CenterCropResize, RandomResizedCropFlip
+
+ROOT = Path(__file__).resolve().parents[1]
+
+#: split folder: 3 classes x (6 train + 2 val); plain folder: 3 classes x 10, no val
+SPLIT_TRAIN, SPLIT_VAL, PLAIN_TOTAL = 18, 6, 30
+
+
+@pytest.fixture(scope="module")
+def split_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A generated ``root/{train,val}/class_<k>/*.jpg`` folder."""
+    root = tmp_path_factory.mktemp("dm_split") / "split"
+    return make_image_folder(
+        root, num_classes=3, train_per_class=6, val_per_class=2, min_size=40, max_size=80, num_workers=1
+    )
+
+
+@pytest.fixture(scope="module")
+def plain_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A generated plain ImageFolder ``root/class_<k>/*.jpg`` (no val split)."""
+    root = tmp_path_factory.mktemp("dm_plain") / "plain"
+    return make_image_folder(
+        root, num_classes=3, train_per_class=10, val_per_class=0, min_size=40, max_size=80, seed=1, num_workers=1
+    )
+
+
+@pytest.fixture(scope="module")
+def shared_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A cache directory shared by the tests of this module that do not test conversion itself."""
+    return tmp_path_factory.mktemp("dm_cache")
+
+
+def _dm(data_dir: Path, cache_dir: Path, cls: type[FastImageDataModule] = FastImageDataModule, **kwargs: Any) -> Any:
+    """A small datamodule (no workers unless asked), converted and set up."""
+    kwargs = {"image_size": 16, "batch_size": 4, "num_workers": 0, **kwargs}
+    dm = cls(data_dir=str(data_dir), cache_dir=str(cache_dir), **kwargs)
+    dm.prepare_data()
+    dm.setup("fit")
+    return dm
+
+
+def _fake_trainer(**kwargs: Any) -> Mock:
+    """A stand-in Trainer with the attributes the datamodule reads."""
+    defaults: dict[str, Any] = {
+        "world_size": 1,
+        "num_nodes": 1,
+        "precision": "32-true",
+        "distributed_sampler_kwargs": None,
+        "strategy": Mock(root_device=torch.device("cpu")),
+    }
+    return Mock(**{**defaults, **kwargs})
+
+
+def _visible(folder: Path) -> list[str]:
+    """The names in `folder`, hidden ones (the conversion lock file) left out."""
+    return sorted(p.name for p in folder.iterdir() if not p.name.startswith("."))
+
+
+def _normalized(images: torch.Tensor) -> torch.Tensor:
+    mean = torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1)
+    std = torch.tensor(IMAGENET_STD).view(1, 3, 1, 1)
+    return (images.float() / 255 - mean) / std
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Conversion and splits
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def test_prepare_data_converts_once_into_cache_dir(split_root: Path, tmp_path: Path) -> None:
+    """`prepare_data` converts into `cache_dir`; a second call leaves the database untouched."""
+    cache = tmp_path / "cache"
+    dm = FastImageDataModule(str(split_root), cache_dir=str(cache), num_workers=0)
+    assert dm.num_classes == 3  # from the folder names, before conversion
+    assert not dm.is_database
+    dm.prepare_data()
+    db = dm.database_path
+    assert db.parent == cache.absolute()
+    data_file = db / "data.mdb"
+    assert data_file.is_file()
+    assert _visible(cache) == [db.name]
+    mtime = data_file.stat().st_mtime_ns
+    dm.prepare_data()
+    FastImageDataModule(str(split_root), cache_dir=str(cache), num_workers=0).prepare_data()
+    assert data_file.stat().st_mtime_ns == mtime
+    assert _visible(cache) == [db.name]
+    assert dm.classes == ["class_0", "class_1", "class_2"]
+
+
+def test_data_dir_database_converts_nothing(split_root: Path, tmp_path: Path) -> None:
+    """A `data_dir` that already is a database is read in place; nothing is written to `cache_dir`."""
+    db = tmp_path / "db.lmdb"
+    convert(split_root, db, short_side=64, num_workers=0, progress=False)
+    mtime = (db / "data.mdb").stat().st_mtime_ns
+    cache = tmp_path / "cache"
+    dm = FastImageDataModule(str(db), cache_dir=str(cache), num_workers=0, image_size=16)
+    assert dm.is_database
+    assert dm.database_path == db.absolute()
+    dm.prepare_data()
+    dm.setup("fit")
+    assert not cache.exists()
+    assert (db / "data.mdb").stat().st_mtime_ns == mtime
+    assert len(dm.train_dataset) == SPLIT_TRAIN
+    assert len(dm.val_dataset) == SPLIT_VAL
+
+
+def test_setup_uses_val_split(split_root: Path, shared_cache: Path) -> None:
+    """With a `val` split, train and val are the database's own splits with their transforms."""
+    dm = _dm(split_root, shared_cache, val_fraction=0.5)
+    assert isinstance(dm.train_dataset, LmdbImageDataset)
+    assert isinstance(dm.val_dataset, LmdbImageDataset)
+    assert dm.train_dataset.split == "train"
+    assert dm.val_dataset.split == "val"
+    assert len(dm.train_dataset) == SPLIT_TRAIN  # val_fraction is ignored when there is a val split
+    assert len(dm.val_dataset) == SPLIT_VAL
+    assert isinstance(dm.train_dataset.transform, RandomResizedCropFlip)
+    assert isinstance(dm.val_dataset.transform, CenterCropResize)
+
+
+def test_setup_holds_out_val_fraction(plain_root: Path, shared_cache: Path) -> None:
+    """Without a val split, `val_fraction` of train is held out: disjoint, complete, deterministic per seed."""
+    dm = _dm(plain_root, shared_cache, val_fraction=0.2, seed=0)
+    train, val = dm.train_dataset.indices.tolist(), dm.val_dataset.indices.tolist()
+    assert len(val) == round(PLAIN_TOTAL * 0.2)
+    assert not set(train) & set(val)
+    assert sorted(train + val) == list(range(PLAIN_TOTAL))
+    assert len(dm.train_dataset) == len(train)
+
+    same = _dm(plain_root, shared_cache, val_fraction=0.2, seed=0)
+    assert same.val_dataset.indices.tolist() == val
+    other = _dm(plain_root, shared_cache, val_fraction=0.2, seed=1)
+    assert other.val_dataset.indices.tolist() != val
+
+    # the held-out view reads the training split with the validation transform
+    image, label = dm.val_dataset[0]
+    base = LmdbImageDataset(dm.database_path, split="train", transform=CenterCropResize(16))
+    expected_image, expected_label = base[val[0]]
+    assert torch.equal(image, expected_image)
+    assert label == expected_label
+
+
+def test_setup_without_val(plain_root: Path, shared_cache: Path) -> None:
+    """`val_fraction=0` on a folder without val trains on everything and has no val loader."""
+    dm = _dm(plain_root, shared_cache, val_fraction=0)
+    assert len(dm.train_dataset) == PLAIN_TOTAL
+    assert dm.val_dataset is None
+    assert dm.val_dataloader() == []
+
+
+def test_cache_dir_inside_data_dir_raises(split_root: Path, tmp_path: Path) -> None:
+    """A `cache_dir` inside `data_dir` is refused before anything is written."""
+    source = tmp_path / "src"
+    make_image_folder(source, num_classes=2, train_per_class=2, val_per_class=0, min_size=40, max_size=50)
+    dm = FastImageDataModule(str(source), cache_dir=str(source / "cache"), num_workers=0)
+    with pytest.raises(ValueError, match="`cache_dir`"):
+        dm.prepare_data()
+    assert not (source / "cache").exists()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Loaders
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def test_train_batches_are_uint8(split_root: Path, shared_cache: Path) -> None:
+    """Training batches are `(uint8 [B, 3, S, S], int64 [B])` from a plain DataLoader."""
+    dm = _dm(split_root, shared_cache, image_size=24, batch_size=5)
+    loader = dm.train_dataloader()
+    assert type(loader) is DataLoader
+    assert type(dm.val_dataloader()) is DataLoader
+    batches = list(loader)
+    assert len(batches) == SPLIT_TRAIN // 5  # drop_last
+    images, labels = batches[0]
+    assert images.dtype == torch.uint8
+    assert tuple(images.shape) == (5, 3, 24, 24)
+    assert labels.dtype == torch.int64
+    assert tuple(labels.shape) == (5,)
+    assert set(torch.cat([b[1] for b in batches]).tolist()) <= {0, 1, 2}
+
+
+def test_val_batches_keep_the_last_partial_batch(split_root: Path, shared_cache: Path) -> None:
+    """Validation sees every sample, in order; `drop_last` applies to training only."""
+    dm = _dm(split_root, shared_cache, batch_size=4)
+    labels = torch.cat([b[1] for b in dm.val_dataloader()])
+    assert labels.tolist() == dm.val_dataset.targets
+    assert len(list(dm.train_dataloader())) == SPLIT_TRAIN // 4
+    assert len(list(_dm(split_root, shared_cache, batch_size=4, drop_last=False).train_dataloader())) == 5
+
+
+def test_on_after_batch_transfer_normalizes(split_root: Path, shared_cache: Path) -> None:
+    """Without a Trainer the uint8 batch becomes normalized float32; extra batch elements pass through."""
+    dm = _dm(split_root, shared_cache)
+    images, labels = next(iter(dm.train_dataloader()))
+    index = torch.arange(4)
+    out = dm.on_after_batch_transfer((images, labels, index), 0)
+    assert isinstance(out, tuple)
+    assert len(out) == 3
+    assert out[0].dtype == torch.float32
+    torch.testing.assert_close(out[0], _normalized(images), rtol=0, atol=1e-5)
+    assert out[1] is labels
+    assert out[2] is index
+    as_list = dm.on_after_batch_transfer([images, labels], 0)
+    assert isinstance(as_list, list)
+    torch.testing.assert_close(as_list[0], out[0])
+    # an already-float batch, or something else, is returned as it is
+    assert dm.on_after_batch_transfer(out, 0) is out
+    assert dm.on_after_batch_transfer({"x": images}, 0)["x"] is images
+
+
+def test_on_after_batch_transfer_channels_last(split_root: Path, shared_cache: Path) -> None:
+    """`channels_last=True` hands the model channels_last batches."""
+    dm = _dm(split_root, shared_cache, channels_last=True)
+    images, labels = next(iter(dm.train_dataloader()))
+    out, _ = dm.on_after_batch_transfer((images, labels), 0)
+    assert out.is_contiguous(memory_format=torch.channels_last)
+    torch.testing.assert_close(out, _normalized(images), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("precision", "dtype"),
+    [
+        ("bf16-true", torch.bfloat16),
+        ("16-true", torch.float16),
+        ("16-mixed", torch.float32),
+        ("bf16-mixed", torch.float32),
+        ("32-true", torch.float32),
+    ],
+)
+def test_on_after_batch_transfer_precision_dtype(precision: str, dtype: torch.dtype) -> None:
+    """True half precision gets half batches; mixed precision keeps float32 (autocast handles the rest)."""
+    dm = FastImageDataModule("unused", num_workers=0)
+    dm.trainer = _fake_trainer(precision=precision)
+    images = torch.randint(0, 256, (2, 3, 4, 4), dtype=torch.uint8)
+    out, _ = dm.on_after_batch_transfer((images, torch.zeros(2, dtype=torch.int64)), 0)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), _normalized(images), rtol=1e-2, atol=2e-2)
+
+
+def test_num_workers_auto_divides_cpus_by_processes_per_node(
+    split_root: Path, shared_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`num_workers="auto"` is the usable CPUs divided by the training processes of this node."""
+    monkeypatch.setattr("lightning_fastdata.datamodule.usable_cpu_count", lambda: 8)
+    dm = _dm(split_root, shared_cache, num_workers="auto")
+    assert dm.resolved_num_workers() == 8  # no trainer: one process
+    dm.trainer = _fake_trainer(world_size=8, num_nodes=2, distributed_sampler_kwargs={"num_replicas": 8, "rank": 3})
+    assert dm.worker_budget() == 2
+    loader = dm.train_dataloader()
+    assert loader.num_workers == 2
+    assert loader.persistent_workers is True
+    assert loader.sampler.num_replicas == 8
+    assert loader.sampler.rank == 3
+    assert len(loader.sampler) == -(-SPLIT_TRAIN // 8)
+
+
+def test_num_workers_above_budget_warns_once(
+    split_root: Path, shared_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A `num_workers` above the budget is used, with one warning that names the budget."""
+    monkeypatch.setattr("lightning_fastdata.datamodule.usable_cpu_count", lambda: 3)
+    dm = _dm(split_root, shared_cache, num_workers=5)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        first = dm.train_dataloader()
+        dm.train_dataloader()
+        dm.val_dataloader()
+    budget_warnings = [w for w in record if "budget" in str(w.message)]
+    assert len(budget_warnings) == 1
+    assert issubclass(budget_warnings[0].category, UserWarning)
+    assert "`num_workers=5`" in str(budget_warnings[0].message)
+    assert "budget of 3" in str(budget_warnings[0].message)
+    assert first.num_workers == 5
+
+
+def test_num_workers_within_budget_does_not_warn(
+    split_root: Path, shared_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A `num_workers` within the budget is used silently."""
+    monkeypatch.setattr("lightning_fastdata.datamodule.usable_cpu_count", lambda: 3)
+    dm = _dm(split_root, shared_cache, num_workers=3)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        assert dm.train_dataloader().num_workers == 3
+    assert not [w for w in record if "budget" in str(w.message)]
+
+
+def test_loader_defaults_and_pass_through(
+    split_root: Path, shared_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`pin_memory` follows the device, `persistent_workers` the worker count; explicit values pass through."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    dm = _dm(split_root, shared_cache, num_workers=0)
+    loader = dm.train_dataloader()
+    assert loader.pin_memory is False
+    assert loader.persistent_workers is False  # no workers to keep
+
+    dm.trainer = _fake_trainer(strategy=Mock(root_device=torch.device("cuda", 0)))
+    assert dm.train_dataloader().pin_memory is True  # training on CUDA pins by default
+
+    dm = _dm(split_root, shared_cache, num_workers=1, prefetch_factor=3)
+    loader = dm.train_dataloader()
+    assert loader.pin_memory is False
+    assert loader.persistent_workers is True
+    assert loader.prefetch_factor == 3
+    assert loader.worker_init_fn is not None
+
+    dm = _dm(split_root, shared_cache, num_workers=1, pin_memory=True, persistent_workers=False)
+    loader = dm.val_dataloader()
+    assert loader.pin_memory is True
+    assert loader.persistent_workers is False
+    assert loader.prefetch_factor == 2  # PyTorch's default
+
+
+def test_workers_load_the_same_batches(split_root: Path, shared_cache: Path) -> None:
+    """Batches read by worker processes equal those read in the main process (validation: deterministic)."""
+    in_process = torch.cat([b[0] for b in _dm(split_root, shared_cache, num_workers=0).val_dataloader()])
+    # not persistent: the workers exit when the epoch ends (a persistent iterator reclaimed by the cyclic garbage
+    # collector instead stalls 5 s per worker in PyTorch's shutdown, pytorch/pytorch#81794)
+    loader = _dm(split_root, shared_cache, num_workers=2, persistent_workers=False).val_dataloader()
+    with_workers = torch.cat([b[0] for b in loader])
+    assert torch.equal(in_process, with_workers)
+
+
+def test_shuffle_changes_with_epoch_and_repeats_with_seed(split_root: Path, shared_cache: Path) -> None:
+    """The training order differs between epochs, repeats for the same seed and differs for another seed."""
+
+    def orders(seed: int) -> list[list[int]]:
+        sampler = _dm(split_root, shared_cache, seed=seed).train_dataloader().sampler
+        result = []
+        for epoch in range(2):
+            sampler.set_epoch(epoch)
+            result.append(list(sampler))
+        return result
+
+    first = orders(seed=0)
+    assert sorted(first[0]) == list(range(SPLIT_TRAIN))
+    assert first[0] != first[1]
+    assert first[0] != list(range(SPLIT_TRAIN))
+    assert orders(seed=0) == first
+    assert orders(seed=1)[0] != first[0]
+    # the val loader is in order
+    assert list(_dm(split_root, shared_cache).val_dataloader().sampler) == list(range(SPLIT_VAL))
+
+
+def test_hyperparameters_saved() -> None:
+    """`save_hyperparameters` records the constructor arguments."""
+    dm = FastImageDataModule("some/where", batch_size=7, image_size=48, num_workers=2, seed=3)
+    assert dm.hparams.batch_size == 7
+    assert dm.hparams.image_size == 48
+    assert dm.hparams.num_workers == 2
+    assert dm.hparams.seed == 3
+    assert dm.hparams.data_dir == "some/where"
+    assert dm.hparams.val_fraction == 0.1
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"image_size": 0}, "image_size"),
+        ({"batch_size": 0}, "batch_size"),
+        ({"num_workers": -1}, "num_workers"),
+        ({"num_workers": "many"}, "num_workers"),
+        ({"prefetch_factor": 0}, "prefetch_factor"),
+        ({"val_fraction": 1.0}, "val_fraction"),
+        ({"val_fraction": -0.1}, "val_fraction"),
+        ({"mean": (0.5, 0.5)}, "mean"),
+        ({"std": (0.2, 0.0, 0.2)}, "std"),
+    ],
+)
+def test_invalid_arguments_raise(kwargs: dict[str, Any], name: str) -> None:
+    """Invalid arguments raise ValueError naming the argument."""
+    with pytest.raises(ValueError, match=f"`{name}`"):
+        FastImageDataModule("some/where", **kwargs)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Subclasses and training
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def test_jitter_subclass_changes_train_transform_only(
+    split_root: Path, shared_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The example `JitterDataModule` jitters training crops and leaves validation untouched."""
+    monkeypatch.syspath_prepend(str(ROOT))
+    from examples.augmented_datamodule import JitterDataModule
+
+    plain = _dm(split_root, shared_cache)
+    jitter = _dm(split_root, shared_cache, cls=JitterDataModule, jitter=0.4)
+    no_jitter = _dm(split_root, shared_cache, cls=JitterDataModule, jitter=0.0)
+    assert jitter.hparams.batch_size == 4
+    differ = 0
+    for index in range(6):
+        random.seed(index)
+        expected, label = plain.train_dataset[index]
+        random.seed(index)
+        jittered, jittered_label = jitter.train_dataset[index]
+        random.seed(index)
+        untouched, _ = no_jitter.train_dataset[index]
+        assert jittered.dtype == torch.uint8
+        assert jittered.shape == expected.shape
+        assert jittered_label == label
+        assert torch.equal(untouched, expected)
+        differ += int(not torch.equal(jittered, expected))
+        assert torch.equal(jitter.val_dataset[index][0], plain.val_dataset[index][0])
+    assert differ >= 5
+
+
+def _recording_classifier() -> Any:
+    """The example `ImageClassifier` (resnet18), recording the dtype and shape of each training batch it gets."""
+    from examples.classifier import ImageClassifier
+
+    class Recording(ImageClassifier):
+        def __init__(self, **kwargs: Any) -> None:
+            super().__init__(**kwargs)
+            self.seen: list[tuple[torch.dtype, tuple[int, ...], torch.dtype]] = []
+            self.ranges: list[tuple[float, float]] = []
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            self.seen.append((batch[0].dtype, tuple(batch[0].shape), batch[1].dtype))
+            self.ranges.append((batch[0].min().item(), batch[0].max().item()))
+            return super().training_step(batch, batch_idx)
+
+    return Recording(arch="resnet18")
+
+
+def test_fit_example_classifier(split_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tiny CPU fit of the example classifier receives normalized float batches and logs a finite loss."""
+    monkeypatch.syspath_prepend(str(ROOT))
+    model = _recording_classifier()
+    # 18 training samples in batches of 6: the three steps are one epoch, so validation runs at its end
+    dm = FastImageDataModule(str(split_root), cache_dir=str(tmp_path / "cache"), image_size=32, batch_size=6)
+    trainer = Trainer(
+        max_steps=3,
+        limit_val_batches=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+    )
+    trainer.fit(model, datamodule=dm)
+    assert trainer.global_step == 3
+    assert model.seen == [(torch.float32, (6, 3, 32, 32), torch.int64)] * 3
+    low, high = (-0.485 / 0.229, (1 - 0.406) / 0.225)  # the ImageNet-normalized range of 0..255
+    for lo, hi in model.ranges:
+        assert low - 1e-4 <= lo < 0 < hi <= high + 1e-4
+    assert model.hparams.num_classes == 3
+    assert np.isfinite(float(trainer.callback_metrics["train/loss"]))
+    assert "val/loss" in trainer.callback_metrics
+    assert (dm.database_path / "data.mdb").is_file()

@@ -1,0 +1,108 @@
+"""Real DDP on CPU: two processes shard ``FastImageDataModule``'s training set with its seeded sampler."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lightning_fastdata import convert, make_image_folder
+
+SCRIPT = Path(__file__).with_name("ddp_script.py")
+
+#: 2 classes x 25 images, no val split: `val_fraction=0.1` holds out 5 and leaves an odd 45 for training
+NUM_IMAGES = 50
+
+#: variables a DDP launch reads: a stale one from the calling environment must not leak into the run
+_DIST_VARS = ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "GLOBAL_RANK", "WORLD_SIZE", "RANK")
+
+
+@pytest.fixture(scope="module")
+def ddp_database(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A converted plain ImageFolder of 50 small images in 2 classes."""
+    root = tmp_path_factory.mktemp("ddp")
+    src = make_image_folder(
+        root / "src", num_classes=2, train_per_class=25, val_per_class=0, min_size=40, max_size=60, num_workers=1
+    )
+    db = root / "db.lmdb"
+    convert(src, db, num_workers=0, progress=False)
+    return db
+
+
+def _run(database: Path, out: Path, seed: int, epochs: int) -> list[dict[str, Any]]:
+    """Run the DDP script and return the records of rank 0 and rank 1."""
+    out.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in _DIST_VARS}
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), str(database), str(out), str(seed), str(epochs)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
+
+
+@pytest.fixture(scope="module")
+def two_epochs(ddp_database: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """The records of a two-epoch DDP run with seed 0."""
+    return _run(ddp_database, tmp_path_factory.mktemp("ddp_seed0") / "out", seed=0, epochs=2)
+
+
+def test_ddp_shards_cover_the_training_set(two_epochs: list[dict[str, Any]]) -> None:
+    """Each epoch, the two ranks together see every training sample once, apart from the sampler's padding."""
+    rank0, rank1 = two_epochs
+    assert rank0["world_size"] == rank1["world_size"] == 2
+    assert rank0["sampler"] == rank1["sampler"] == "DistributedSampler"
+    assert rank0["dtypes"] == rank1["dtypes"] == ["torch.float32"]  # normalized on the device in each process
+    train = rank0["train_indices"]
+    assert train == rank1["train_indices"]  # the same seeded hold-out split in both processes
+    n = len(train)
+    assert n == NUM_IMAGES - round(NUM_IMAGES * 0.1)
+    assert n % 2 == 1  # odd: the sampler must pad one sample
+    padded = math.ceil(n / 2) * 2
+    for epoch in range(2):
+        first, second = rank0["epochs"][epoch], rank1["epochs"][epoch]
+        assert len(first) == len(second) == padded // 2
+        seen = first + second
+        assert len(seen) == padded
+        assert set(seen) == set(train)
+        duplicates = sum(count - 1 for count in Counter(seen).values())
+        assert duplicates == padded - n
+        assert len(set(first)) == len(first)  # no sample twice within a rank
+        assert len(set(second)) == len(second)
+        assert len(set(first) & set(second)) == duplicates  # the padding is the only overlap
+
+
+def test_ddp_ranks_run_the_same_number_of_batches(two_epochs: list[dict[str, Any]]) -> None:
+    """Both ranks run the same number of batches each epoch (no rank waits on a collective forever)."""
+    rank0, rank1 = two_epochs
+    expected = math.ceil(math.ceil(len(rank0["train_indices"]) / 2) / 4)  # batch_size 4, drop_last=False
+    assert rank0["batches"] == rank1["batches"] == [expected, expected]
+
+
+def test_ddp_shuffle_changes_with_epoch(two_epochs: list[dict[str, Any]]) -> None:
+    """The sampler is re-seeded each epoch: the order and the split between ranks change."""
+    for rank in two_epochs:
+        assert rank["epochs"][0] != rank["epochs"][1]
+    assert set(two_epochs[0]["epochs"][0]) != set(two_epochs[0]["epochs"][1])
+
+
+def test_ddp_order_is_reproducible_from_seed(
+    ddp_database: Path, two_epochs: list[dict[str, Any]], tmp_path: Path
+) -> None:
+    """The same seed repeats each rank's epoch-0 order exactly; another seed gives another order."""
+    again = _run(ddp_database, tmp_path / "seed0", seed=0, epochs=1)
+    for before, after in zip(two_epochs, again, strict=True):
+        assert after["epochs"] == before["epochs"][:1]
+    other = _run(ddp_database, tmp_path / "seed1", seed=1, epochs=1)
+    for before, after in zip(two_epochs, other, strict=True):
+        assert after["epochs"][0] != before["epochs"][0]

@@ -1,0 +1,181 @@
+"""The example LightningCLI configs parse, and the CPU one trains through ``lightning-fastdata fit``."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from lightning.pytorch.cli import LightningCLI
+
+from lightning_fastdata import make_image_folder
+from lightning_fastdata.cli import lightning_cli, main
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = sorted((ROOT / "examples" / "configs").glob("*.yaml"))
+
+
+@pytest.fixture
+def in_repo(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run from the repository root, so the configs' `examples.*` class paths import (sys.path is restored)."""
+    monkeypatch.chdir(ROOT)
+    monkeypatch.syspath_prepend(str(ROOT))
+    monkeypatch.setattr(sys, "argv", ["lightning-fastdata"])  # pytest's own arguments are not the CLI's
+
+
+def _parse(monkeypatch: pytest.MonkeyPatch, *args: str) -> Any:
+    """The config LightningCLI parses from `args`, without instantiating the model, data or Trainer."""
+    monkeypatch.setattr(LightningCLI, "instantiate_classes", lambda self: None)
+    return lightning_cli(list(args), run=False).config
+
+
+def test_configs_exist() -> None:
+    """The three documented example configs are present (the parametrized test below is not empty)."""
+    assert {p.name for p in CONFIGS} >= {"cpu.yaml", "ddp.yaml", "gpu_16mixed.yaml"}
+
+
+@pytest.mark.usefixtures("in_repo")
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.name)
+def test_config_parses(config: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every example config parses with the `lightning-fastdata` LightningCLI into an importable model and data."""
+    cfg = _parse(monkeypatch, "--config", str(config))
+    assert cfg.seed_everything == 0
+    assert cfg.model.class_path == "examples.classifier.ImageClassifier"
+    assert cfg.data.class_path in {
+        "lightning_fastdata.FastImageDataModule",
+        "examples.augmented_datamodule.JitterDataModule",
+    }
+    assert cfg.data.init_args.data_dir == ".demo/images"
+    assert cfg.data.init_args.num_workers == "auto"  # FastImageDataModule's defaults fill the rest
+
+
+@pytest.mark.usefixtures("in_repo")
+def test_cpu_config_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CPU config trains in full precision with the jitter subclass and small crops."""
+    cfg = _parse(monkeypatch, "--config", "examples/configs/cpu.yaml")
+    assert cfg.trainer.accelerator == "cpu"
+    assert cfg.trainer.devices == 1
+    assert cfg.trainer.max_epochs == 2
+    assert cfg.trainer.precision is None
+    assert cfg.model.init_args.arch == "resnet18"
+    assert cfg.data.class_path == "examples.augmented_datamodule.JitterDataModule"
+    assert cfg.data.init_args.jitter == 0.2
+    assert cfg.data.init_args.image_size == 96
+    assert cfg.data.init_args.batch_size == 32
+
+
+@pytest.mark.usefixtures("in_repo")
+def test_gpu_config_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The single-GPU config uses 16-mixed and channels_last batches."""
+    cfg = _parse(monkeypatch, "--config", "examples/configs/gpu_16mixed.yaml")
+    assert cfg.trainer.accelerator == "gpu"
+    assert cfg.trainer.devices == 1
+    assert cfg.trainer.precision == "16-mixed"
+    assert cfg.trainer.benchmark is True
+    assert cfg.model.init_args.arch == "resnet50"
+    assert cfg.data.class_path == "lightning_fastdata.FastImageDataModule"
+    assert cfg.data.init_args.channels_last is True
+    assert cfg.data.init_args.image_size == 224
+    assert cfg.data.init_args.batch_size == 128
+
+
+@pytest.mark.usefixtures("in_repo")
+def test_ddp_config_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The DDP config names the DDPStrategy class with its arguments, on every GPU, with synced batch norm."""
+    cfg = _parse(monkeypatch, "--config", "examples/configs/ddp.yaml")
+    assert cfg.trainer.strategy.class_path == "lightning.pytorch.strategies.DDPStrategy"
+    assert cfg.trainer.strategy.init_args.gradient_as_bucket_view is True
+    assert cfg.trainer.strategy.init_args.find_unused_parameters is False
+    assert cfg.trainer.devices == -1
+    assert cfg.trainer.num_nodes == 1
+    assert cfg.trainer.precision == "16-mixed"
+    assert cfg.trainer.sync_batchnorm is True
+    assert cfg.data.init_args.channels_last is True
+
+
+@pytest.mark.usefixtures("in_repo")
+def test_command_line_overrides_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Options after `--config` override the config's values."""
+    cfg = _parse(
+        monkeypatch,
+        "--config",
+        "examples/configs/gpu_16mixed.yaml",
+        "--data.init_args.batch_size",
+        "7",
+        "--trainer.precision",
+        "bf16-mixed",
+    )
+    assert cfg.data.init_args.batch_size == 7
+    assert cfg.trainer.precision == "bf16-mixed"
+
+
+@pytest.mark.usefixtures("in_repo")
+def test_config_with_unknown_key_fails(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A misspelled datamodule argument is rejected at parse time."""
+    config = tmp_path / "bad.yaml"
+    config.write_text(
+        "data:\n  class_path: lightning_fastdata.FastImageDataModule\n  init_args:\n    data_dir: x\n    batchsize: 8\n"
+    )
+    with pytest.raises(SystemExit):
+        _parse(monkeypatch, "--config", str(config))
+
+
+@pytest.mark.usefixtures("in_repo")
+def test_cpu_config_fits(tmp_path: Path) -> None:
+    """`lightning-fastdata fit --config examples/configs/cpu.yaml` trains and saves a checkpoint and its config."""
+    images = make_image_folder(
+        tmp_path / "images",
+        num_classes=2,
+        train_per_class=6,
+        val_per_class=2,
+        min_size=40,
+        max_size=80,
+        num_workers=1,
+    )
+    cache, out = tmp_path / "cache", tmp_path / "out"
+    code = main(
+        [
+            "fit",
+            "--config",
+            "examples/configs/cpu.yaml",
+            "--data.init_args.data_dir",
+            str(images),
+            "--data.init_args.cache_dir",
+            str(cache),
+            "--data.init_args.image_size",
+            "32",
+            "--data.init_args.batch_size",
+            "6",  # 12 training images: the two steps are one epoch, so validation runs at its end
+            "--trainer.max_steps",
+            "2",
+            "--trainer.max_epochs",
+            "1",
+            "--trainer.limit_val_batches",
+            "1",
+            "--trainer.enable_progress_bar",
+            "false",
+            "--trainer.log_every_n_steps",
+            "1",
+            "--trainer.default_root_dir",
+            str(out),
+        ]
+    )
+    assert code == 0
+    assert len([p for p in cache.iterdir() if p.suffix == ".lmdb"]) == 1  # converted into `cache_dir`
+    checkpoints = sorted(out.rglob("*.ckpt"))
+    assert len(checkpoints) == 1
+    checkpoint = torch.load(checkpoints[0], map_location="cpu", weights_only=False)
+    assert checkpoint["global_step"] == 2
+    assert checkpoint["hyper_parameters"]["num_classes"] == 2
+    assert checkpoint["datamodule_hyper_parameters"]["image_size"] == 32
+    assert checkpoint["datamodule_hyper_parameters"]["jitter"] == 0.2
+    saved = sorted(out.rglob("config.yaml"))
+    assert len(saved) == 1
+    assert "JitterDataModule" in saved[0].read_text()
+    metrics = sorted(out.rglob("metrics.csv"))
+    assert len(metrics) == 1
+    header = metrics[0].read_text().splitlines()[0]
+    assert "train/loss" in header
+    assert "val/loss" in header
