@@ -11,28 +11,17 @@ from pathlib import Path
 
 import torch
 from classifier import ImageClassifier
-from lightning.pytorch import Callback, Trainer
+from lightning.pytorch import Trainer
 from torch.utils.data import DataLoader
 
-from lightning_fastdata import FastImageDataModule, LmdbImageDataset, convert, make_image_folder, usable_cpu_count
-
-
-class _Throughput(Callback):
-    """Training images per second after the first step (worker start-up left out)."""
-
-    def __init__(self) -> None:
-        self.start: float | None = None
-        self.images = 0
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if self.start is None:
-            self.start = time.perf_counter()
-        else:
-            self.images += batch[0].shape[0]
-
-    @property
-    def rate(self) -> float:
-        return self.images / (time.perf_counter() - self.start) if self.start else 0.0
+from lightning_fastdata import (
+    FastImageDataModule,
+    LmdbImageDataset,
+    LoaderMonitor,
+    convert,
+    make_image_folder,
+    usable_cpu_count,
+)
 
 
 def main() -> None:
@@ -41,7 +30,7 @@ def main() -> None:
     parser.add_argument("--classes", type=int, default=4)
     parser.add_argument("--train-per-class", type=int, default=80)
     parser.add_argument("--val-per-class", type=int, default=20)
-    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--epochs", type=int, default=3, help="the first is warmup, left out of the verdict")
     args = parser.parse_args()
 
     workdir = Path(args.workdir)
@@ -71,14 +60,15 @@ def main() -> None:
             raise RuntimeError(f"read back {labels.tolist()}, expected {dataset.class_counts}")
         print(f"  {split:5s} {len(dataset)} images, per class {labels.tolist()}, {len(dataset) / seconds:.0f} images/s")
 
-    print("[4/4] training resnet18 on 96 px crops (CPU)")
+    print("[4/4] training resnet18 on 96 px crops (CPU) with LoaderMonitor")
     dm = FastImageDataModule(str(database), image_size=96, batch_size=32)
     model = ImageClassifier(arch="resnet18", lr=0.05)
-    speed = _Throughput()
+    monitor = LoaderMonitor(report_dir=workdir / "loader_report", verbose=False)  # the table is printed below
     trainer = Trainer(
         accelerator="cpu",
         max_epochs=args.epochs,
-        callbacks=[speed],
+        callbacks=[monitor],
+        log_every_n_steps=5,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -88,10 +78,11 @@ def main() -> None:
     trainer.fit(model, datamodule=dm)
     metrics = trainer.callback_metrics
     print(
-        f"  {args.epochs} epochs in {time.perf_counter() - start:.1f} s, {speed.rate:.0f} training images/s,"
-        f" num_workers={dm.resolved_num_workers()}, val/acc={float(metrics['val/acc']):.2f},"
-        f" val/loss={float(metrics['val/loss']):.3f}"
+        f"  {args.epochs} epochs in {time.perf_counter() - start:.1f} s, num_workers={dm.resolved_num_workers()},"
+        f" val/acc={float(metrics['val/acc']):.2f}, val/loss={float(metrics['val/loss']):.3f}"
     )
+    print(f"  report: {workdir / 'loader_report'}/loader_report.json (+ .png with matplotlib)")
+    print(monitor.format_table())
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from lightning_fastdata.errors import (
     FastDataError,
     SourceLayoutError,
 )
+from lightning_fastdata.monitor import LoaderMonitor
 from lightning_fastdata.synthetic import make_image_folder
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "FastDataError",
     "FastImageDataModule",
     "LmdbImageDataset",
+    "LoaderMonitor",
     "SkippedFile",
     "SourceLayoutError",
     "__version__",
