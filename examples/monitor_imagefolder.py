@@ -1,6 +1,6 @@
 """LoaderMonitor on a plain torchvision ImageFolder pipeline: an input-bound run, and what it advises.
 
-    python examples/monitor_imagefolder.py [--workdir .demo]
+python examples/monitor_imagefolder.py [--workdir .demo]
 """
 
 from __future__ import annotations
