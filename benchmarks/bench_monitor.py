@@ -21,7 +21,7 @@ from lightning.pytorch import LightningModule, Trainer
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_fastdata import LoaderMonitor
-from lightning_fastdata.monitor import _CpuMeter
+from lightning_fastdata.cpus import CpuMeter
 
 
 class TinyConvNet(LightningModule):
@@ -70,7 +70,7 @@ def hook_cost_us(calls: int, epoch_len: int = 64) -> float:
     trainer = SimpleNamespace(current_epoch=0, log_every_n_steps=50, loggers=[_NullLogger()], global_step=0)
     module = SimpleNamespace(device=torch.device("cpu"))
     monitor._reset()
-    monitor._cpu = _CpuMeter()
+    monitor._cpu = CpuMeter()
     batch = (torch.zeros(32, 3, 32, 32), torch.zeros(32, dtype=torch.long))
     logging.getLogger("lightning_fastdata").setLevel(logging.WARNING)
     start = time.perf_counter()

@@ -1,5 +1,6 @@
 """Input-fast image training for PyTorch Lightning."""
 
+from lightning_fastdata import presets
 from lightning_fastdata.__about__ import __version__
 from lightning_fastdata._format import read_meta
 from lightning_fastdata.convert import ConversionSummary, SkippedFile, convert, convert_dataset
@@ -14,6 +15,7 @@ from lightning_fastdata.errors import (
     SourceLayoutError,
 )
 from lightning_fastdata.monitor import LoaderMonitor
+from lightning_fastdata.prefetch import DevicePrefetchLoader
 from lightning_fastdata.synthetic import make_image_folder
 
 __all__ = [
@@ -21,6 +23,7 @@ __all__ = [
     "ConversionSummary",
     "CorruptRecordError",
     "DatasetFormatError",
+    "DevicePrefetchLoader",
     "FastDataError",
     "FastImageDataModule",
     "LmdbImageDataset",
@@ -31,6 +34,7 @@ __all__ = [
     "convert",
     "convert_dataset",
     "make_image_folder",
+    "presets",
     "read_meta",
     "usable_cpu_count",
 ]

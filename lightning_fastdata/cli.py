@@ -72,6 +72,42 @@ def _add_synth(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
 
 
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="measure loader throughput over num_workers (and batch size, prefetch_factor, pin_memory); pick the best",
+        description=(
+            "Sweep DataLoader settings over DATA, a database made by `convert` (FastImageDataModule's pipeline) or an"
+            " ImageFolder tree (torchvision's standard transforms), and mark the cheapest configuration within 5% of"
+            " the fastest."
+        ),
+    )
+    p.add_argument("data", help="a database directory or an image folder")
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[64], metavar="B", help="batch sizes (default 64)")
+    p.add_argument("--max-workers", type=int, default=None, metavar="N", help="default: usable CPUs + 1")
+    p.add_argument("--seconds", type=float, default=1.0, help="timed seconds per point (default 1.0)")
+    p.add_argument("--image-size", type=int, default=224, help="crop size (default 224)")
+    p.add_argument("--json", metavar="FILE", default=None, help="also write the measurements as JSON")
+    p.add_argument("--plot", metavar="PNG", default=None, help="also plot images/s against workers (matplotlib)")
+
+
+def _add_profile(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "profile",
+        help="time each loading stage per sample: read, decode, transforms, collate, copy",
+        description=(
+            "Per-stage time per sample of the loading path of DATA (an image folder or a database), and of its"
+            " counterpart when it exists (a database's source folder; a folder's conversion), with a conclusion."
+        ),
+    )
+    p.add_argument("data", help="an image folder or a database directory")
+    p.add_argument("--db", default=None, help="the folder's database, if not in the default cache")
+    p.add_argument("--samples", type=int, default=200, help="samples timed (default 200)")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--image-size", type=int, default=224)
+    p.add_argument("--json", metavar="FILE", default=None, help="also write the profiles as JSON")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``lightning-fastdata`` (the Lightning sub-commands are parsed by LightningCLI)."""
     parser = argparse.ArgumentParser(
@@ -85,6 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_convert(sub)
     _add_synth(sub)
+    _add_bench(sub)
+    _add_profile(sub)
     return parser
 
 
@@ -125,6 +163,61 @@ def _synth(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench(args: argparse.Namespace) -> int:
+    import json
+
+    from lightning_fastdata.tuning import plot_sweep, sweep, sweep_dataset
+
+    dataset, kind = sweep_dataset(args.data, args.image_size)
+    print(f"bench: {kind} {args.data}, {len(dataset)} samples, {args.seconds:g} s per point")
+    result = sweep(dataset, batch_sizes=args.batch_sizes, max_workers=args.max_workers, seconds=args.seconds)
+    print(result.format_table())
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(result.to_dict(), fh, indent=1)
+    if args.plot:
+        try:
+            plot_sweep(result, args.plot)
+        except ImportError:
+            print("no plot: matplotlib is not installed (`pip install 'lightning-fastdata[plot]'`)", file=sys.stderr)
+    return 0
+
+
+def _profile(args: argparse.Namespace) -> int:
+    import json
+
+    from lightning_fastdata.profiling import profile
+
+    profiles = profile(args.data, args.db, args.samples, args.batch_size, args.image_size)
+    for item in profiles:
+        print(item.format_table())
+        print(item.conclusion())
+        print()
+    if len(profiles) == 2:
+        folder, database = profiles
+        print(
+            f"per sample: {folder.total_ms:.2f} ms from the folder, {database.total_ms:.2f} ms from the database"
+            f" ({folder.total_ms / database.total_ms:.1f}x less work per sample)"
+        )
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(
+                [
+                    {
+                        "name": p.name,
+                        "path": p.path,
+                        "samples": p.samples,
+                        "stages_ms": p.stages,
+                        "conclusion": p.conclusion(),
+                    }
+                    for p in profiles
+                ],
+                fh,
+                indent=1,
+            )
+    return 0
+
+
 def lightning_cli(args: Sequence[str], run: bool = True, **kwargs: Any) -> LightningCLI:
     """LightningCLI with a model and a :class:`~lightning_fastdata.FastImageDataModule`, both in subclass mode.
 
@@ -159,7 +252,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    handlers = {"convert": _convert, "synth": _synth}
+    handlers = {"convert": _convert, "synth": _synth, "bench": _bench, "profile": _profile}
     try:
         return handlers[args.command](args)
     except ConversionError as err:

@@ -562,7 +562,9 @@ def _results(
 ) -> Iterator[Iterator[tuple[Any, ...]]]:
     """Results of ``_work`` in task order, from a process pool (``workers > 0``) or this process."""
     if workers == 0:
-        _init_worker(datasets, opts)
+        # not `_init_worker`: its one-thread cap is for pool workers and must not stick to the caller's process
+        _STATE["datasets"] = datasets
+        _STATE["opts"] = opts
         try:
             yield map(_work, tasks)
         finally:

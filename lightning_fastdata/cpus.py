@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from pathlib import Path
+from typing import Any
 
 _CGROUP_ROOT = Path("/sys/fs/cgroup")
 
@@ -62,3 +64,53 @@ def usable_cpu_count(cgroup_root: str | os.PathLike[str] = _CGROUP_ROOT) -> int:
     if quota is not None:
         count = min(count, math.ceil(quota))
     return max(1, count)
+
+
+class CpuMeter:
+    """CPU time of this process and its children (the DataLoader workers), as a share of the usable CPUs.
+
+    Listing the children scans ``/proc`` (about half a millisecond), so the list is refreshed every
+    ``refresh_every`` readings, or sooner when a child has gone; reading the cached processes' times is cheap.
+    """
+
+    def __init__(self, refresh_every: int = 10) -> None:
+        try:
+            import psutil
+        except ImportError:  # pragma: no cover - psutil is a dependency
+            self._proc = None
+        else:
+            self._proc = psutil.Process(os.getpid())
+        self._cpus = usable_cpu_count()
+        self._refresh_every = refresh_every
+        self._reads = 0
+        self._children: list[Any] = []
+        self._last = self._read()
+
+    def _read(self) -> tuple[float, float]:
+        if self._proc is None:
+            return time.perf_counter(), 0.0
+        if self._reads % self._refresh_every == 0:
+            try:
+                self._children = self._proc.children(recursive=True)
+            except Exception:
+                self._children = []
+        self._reads += 1
+        total = 0.0
+        for proc in (self._proc, *self._children):
+            try:
+                times = proc.cpu_times()
+            except Exception:  # a worker that exited: list the children again next time
+                self._reads = 0
+                continue
+            total += times.user + times.system
+        return time.perf_counter(), total
+
+    def take(self) -> float | None:
+        """Mean CPU use (% of the usable CPUs) since the last call."""
+        if self._proc is None:
+            return None
+        now, cpu = self._read()
+        (then, before), self._last = self._last, (now, cpu)
+        if now <= then:
+            return None
+        return max(0.0, 100.0 * (cpu - before) / ((now - then) * self._cpus))

@@ -19,7 +19,16 @@ from lightning_fastdata import _format
 from lightning_fastdata.convert import convert, folder_classes
 from lightning_fastdata.cpus import usable_cpu_count
 from lightning_fastdata.dataset import LmdbImageDataset
+from lightning_fastdata.device_decode import (
+    EncodedCropDataset,
+    EncodedImages,
+    collate_encoded,
+    encoded_batch_to_images,
+    normalize_float,
+)
+from lightning_fastdata.prefetch import DevicePrefetchLoader
 from lightning_fastdata.transforms import CenterCropResize, RandomResizedCropFlip, normalize_batch
+from lightning_fastdata.tuning import TuneCache, quick_tune
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -39,6 +48,15 @@ def default_cache_dir() -> Path:
 def _worker_init(worker_id: int) -> None:
     """One intra-op thread per worker: the workers already use every core the budget gives them."""
     torch.set_num_threads(1)
+
+
+def _describe(obj: Any) -> str:
+    """A stable description of a transform for cache keys: its repr, unless that is the default one (an address)."""
+    text = repr(obj)
+    if " at 0x" not in text:
+        return text
+    state = sorted((k, _describe(v)) for k, v in getattr(obj, "__dict__", {}).items())
+    return f"{type(obj).__module__}.{type(obj).__qualname__}({state})"
 
 
 class _IndexView(Dataset):
@@ -77,7 +95,9 @@ class FastImageDataModule(LightningDataModule):
             ``~/.cache/lightning_fastdata``. Never inside ``data_dir``.
         image_size: side length of the square training and validation crops.
         batch_size: samples per batch (per process under DDP).
-        num_workers: DataLoader workers per process; ``"auto"`` budgets them from the usable CPUs.
+        num_workers: DataLoader workers per process; ``"auto"`` budgets them from the usable CPUs; ``"tune"``
+            measures 0 up to the budget for a few seconds on the training data and keeps the cheapest count within 5%
+            of the fastest (cached under ``cache_dir``, keyed by database, transforms, batch size and CPUs).
         pin_memory: page-locked host batches for fast, asynchronous copies; default: on when training on CUDA.
         persistent_workers: keep workers alive between epochs; default: on when there are workers.
         prefetch_factor: batches each worker loads ahead; default: PyTorch's 2.
@@ -94,6 +114,11 @@ class FastImageDataModule(LightningDataModule):
             the workers: the fastest CPU path when the database fits in the page cache).
         channels_last: hand the model ``channels_last`` batches (faster convolutions with AMP on recent GPUs).
         drop_last: drop the last incomplete training batch.
+        prefetch_to_device: copy batch N+1 to the GPU (and normalize it there) on a side CUDA stream while batch N
+            computes; default: on when training on CUDA. A no-op elsewhere.
+        decode: ``"cpu"`` decodes in the workers; ``"device"`` ships the stored JPEG bytes and decodes, crops and
+            resizes whole batches on the GPU (batched nvJPEG), so the workers do almost nothing per image. Without
+            CUDA it warns once and decodes on the CPU.
 
     Example:
         >>> from lightning.pytorch import Trainer
@@ -109,7 +134,7 @@ class FastImageDataModule(LightningDataModule):
         cache_dir: str | None = None,
         image_size: int = 224,
         batch_size: int = 64,
-        num_workers: int | Literal["auto"] = "auto",
+        num_workers: int | Literal["auto", "tune"] = "auto",
         pin_memory: bool | None = None,
         persistent_workers: bool | None = None,
         prefetch_factor: int | None = None,
@@ -124,16 +149,20 @@ class FastImageDataModule(LightningDataModule):
         encoding: Literal["jpeg", "raw"] = "jpeg",
         channels_last: bool = False,
         drop_last: bool = True,
+        prefetch_to_device: bool | None = None,
+        decode: Literal["cpu", "device"] = "cpu",
     ) -> None:
         super().__init__()
         if image_size < 1 or batch_size < 1:
             raise ValueError(f"`image_size` ({image_size}) and `batch_size` ({batch_size}) must be >= 1.")
-        if num_workers != "auto" and (not isinstance(num_workers, int) or num_workers < 0):
-            raise ValueError(f"`num_workers` must be 'auto' or an int >= 0, got {num_workers!r}.")
+        if num_workers not in ("auto", "tune") and (not isinstance(num_workers, int) or num_workers < 0):
+            raise ValueError(f"`num_workers` must be 'auto', 'tune' or an int >= 0, got {num_workers!r}.")
         if prefetch_factor is not None and prefetch_factor < 1:
             raise ValueError(f"`prefetch_factor` must be >= 1 or None, got {prefetch_factor}.")
         if not 0 <= val_fraction < 1:
             raise ValueError(f"`val_fraction` must be in [0, 1), got {val_fraction}.")
+        if decode not in ("cpu", "device"):
+            raise ValueError(f"`decode` must be 'cpu' or 'device', got {decode!r}.")
         if len(mean) != 3 or len(std) != 3 or min(std) <= 0:
             raise ValueError(f"`mean` and `std` need 3 values each and `std` > 0, got {mean} and {std}.")
         self.save_hyperparameters()
@@ -156,9 +185,13 @@ class FastImageDataModule(LightningDataModule):
         self.encoding = encoding
         self.channels_last = channels_last
         self.drop_last = drop_last
+        self.prefetch_to_device = prefetch_to_device
+        self.decode = decode
         self.train_dataset: Dataset | None = None
         self.val_dataset: Dataset | None = None
         self._warned_workers = False
+        self._warned_decode = False
+        self._tuned: int | None = None
 
     # ------------------------------------------------------------------------------------------------------------
     # Where the data is
@@ -170,14 +203,18 @@ class FastImageDataModule(LightningDataModule):
         return (Path(self.data_dir) / _format.DATA_FILE).is_file()
 
     @property
+    def cache_root(self) -> Path:
+        """The directory holding conversions and the ``num_workers="tune"`` cache."""
+        return (Path(self.cache_dir).expanduser() if self.cache_dir else default_cache_dir()).absolute()
+
+    @property
     def database_path(self) -> Path:
         """The database that is read: ``data_dir`` itself, or its conversion under ``cache_dir``."""
         source = Path(self.data_dir).expanduser().absolute()
         if self.is_database:
             return source
-        root = Path(self.cache_dir).expanduser() if self.cache_dir else default_cache_dir()
         digest = hashlib.sha256(str(source).encode()).hexdigest()[:10]
-        return root.absolute() / f"{source.name}-{digest}.lmdb"
+        return self.cache_root / f"{source.name}-{digest}.lmdb"
 
     @property
     def classes(self) -> list[str]:
@@ -200,6 +237,8 @@ class FastImageDataModule(LightningDataModule):
         """Convert ``data_dir`` once (runs on one process per node; an up-to-date database is reused)."""
         if self.is_database:
             _format.read_meta(self.data_dir)  # fail early with a clear message if it is not usable
+            if self.num_workers == "tune":
+                self._tune_num_workers()
             return
         source = Path(self.data_dir).expanduser().absolute()
         target = self.database_path
@@ -207,6 +246,8 @@ class FastImageDataModule(LightningDataModule):
             raise ValueError(f"`cache_dir` {self.cache_dir!r} must not be inside `data_dir` {self.data_dir!r}.")
         summary = convert(source, target, short_side=self.short_side, quality=self.quality, encoding=self.encoding)
         rank_zero_info(summary.format())
+        if self.num_workers == "tune":  # measured here, on one process per node, so the ranks read the cache
+            self._tune_num_workers()
 
     @override
     def setup(self, stage: str) -> None:
@@ -266,6 +307,8 @@ class FastImageDataModule(LightningDataModule):
         budget = self.worker_budget()
         if self.num_workers == "auto":
             return budget
+        if self.num_workers == "tune":
+            return self._tune_num_workers()
         if self.num_workers > budget and not self._warned_workers:
             self._warned_workers = True
             rank_zero_warn(
@@ -274,6 +317,38 @@ class FastImageDataModule(LightningDataModule):
                 " beyond the budget compete for cores and usually slow loading; use `num_workers='auto'`."
             )
         return int(self.num_workers)
+
+    def _tune_key(self) -> str:
+        meta = _format.read_meta(self.database_path)
+        transform = self.train_transform()
+        parts = {
+            "database": str(self.database_path),
+            "created": meta.get("created"),
+            "source": meta.get("source", {}).get("fingerprint"),
+            "transform": _describe(transform),
+            "batch_size": self.batch_size,
+            "usable_cpus": usable_cpu_count(),
+            "processes_per_node": self._processes_per_node(),
+            "decode": self.decode,
+        }
+        return hashlib.sha256(repr(sorted(parts.items())).encode()).hexdigest()[:16]
+
+    def _tune_num_workers(self) -> int:
+        """``num_workers="tune"``: the cached pick for this configuration, or a bounded sweep that makes one."""
+        if self._tuned is not None:
+            return self._tuned
+        cache = TuneCache(self.cache_root / "tune.json")
+        key = self._tune_key()
+        entry = cache.get(key)
+        if entry is not None and isinstance(entry.get("num_workers"), int):
+            self._tuned = int(entry["num_workers"])
+            return self._tuned
+        dataset = self.build_dataset("train", self.train_transform())
+        result = quick_tune(dataset, self.batch_size, self.worker_budget())
+        self._tuned = result.pick.config.num_workers
+        cache.put(key, {"num_workers": self._tuned, **result.to_dict()})
+        rank_zero_info(f"num_workers='tune' measured the training loader:\n{result.format_table()}")
+        return self._tuned
 
     def _on_cuda(self) -> bool:
         trainer = self.trainer
@@ -309,14 +384,75 @@ class FastImageDataModule(LightningDataModule):
             seed=self.seed,
         )
 
+    def _device(self) -> torch.device:
+        trainer = self.trainer
+        if trainer is None:
+            return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+        return trainer.strategy.root_device
+
+    def uses_prefetch(self) -> bool:
+        """Whether loaders copy batches ahead on a side CUDA stream (``prefetch_to_device``, resolved)."""
+        on_cuda = self._device().type == "cuda"
+        return on_cuda if self.prefetch_to_device is None else (self.prefetch_to_device and on_cuda)
+
+    def uses_device_decode(self) -> bool:
+        """Whether JPEGs are decoded on the GPU (``decode="device"`` on CUDA); warns once when CUDA is missing."""
+        if self.decode != "device":
+            return False
+        if self._device().type == "cuda":
+            return True
+        if not self._warned_decode:
+            self._warned_decode = True
+            rank_zero_warn(
+                f"`decode='device'` needs a CUDA device, but training runs on {self._device().type}: decoding on the"
+                " CPU in the DataLoader workers instead."
+            )
+        return False
+
+    def _encoded(self, dataset: Dataset, transform: Callable[[Any], Any] | None) -> Dataset:
+        """The device-decode twin of a split: the same records and indices, read without decoding."""
+        indices = None
+        if isinstance(dataset, _IndexView):
+            dataset, indices = dataset.dataset, dataset.indices
+        box = getattr(transform, "box", None)
+        if not isinstance(dataset, LmdbImageDataset) or not callable(box):
+            raise TypeError(
+                "`decode='device'` needs `build_dataset` to return an LmdbImageDataset and the transforms to be"
+                f" RandomResizedCropFlip / CenterCropResize (objects with a `box(height, width)` method); got"
+                f" {type(dataset).__name__} and {type(transform).__name__}. Use `decode='cpu'` for custom pipelines."
+            )
+        return EncodedCropDataset(dataset, box, getattr(transform, "flip_p", 0.0), indices)
+
+    def _loader(self, dataset: Dataset, shuffle: bool, drop_last: bool) -> DataLoader:
+        kwargs = self._loader_kwargs()
+        if self.uses_device_decode():
+            transform = getattr(dataset, "transform", None)
+            if isinstance(dataset, _IndexView):
+                transform = getattr(dataset.dataset, "transform", None)
+            dataset = self._encoded(dataset, transform)
+            kwargs["collate_fn"] = collate_encoded
+        sampler = self._sampler(dataset, shuffle=shuffle)
+        if self.uses_prefetch():
+            return DevicePrefetchLoader(
+                dataset,
+                sampler=sampler,
+                drop_last=drop_last,
+                device=self._device(),
+                on_device=self.to_model_input,
+                **kwargs,
+            )
+        return DataLoader(dataset, sampler=sampler, drop_last=drop_last, **kwargs)
+
     @override
     def train_dataloader(self) -> DataLoader:
-        """Shuffled, seeded training batches of ``(uint8 NCHW images, int64 labels)``."""
+        """Shuffled, seeded training batches of ``(uint8 NCHW images, int64 labels)``.
+
+        When prefetching to the device they arrive on the GPU, already normalized.
+        """
         if self.train_dataset is None:
             self.setup("fit")
         assert self.train_dataset is not None
-        sampler = self._sampler(self.train_dataset, shuffle=True)
-        return DataLoader(self.train_dataset, sampler=sampler, drop_last=self.drop_last, **self._loader_kwargs())
+        return self._loader(self.train_dataset, shuffle=True, drop_last=self.drop_last)
 
     @override
     def val_dataloader(self) -> DataLoader | list[DataLoader]:
@@ -325,8 +461,7 @@ class FastImageDataModule(LightningDataModule):
             self.setup("validate")
         if self.val_dataset is None:
             return []
-        sampler = self._sampler(self.val_dataset, shuffle=False)
-        return DataLoader(self.val_dataset, sampler=sampler, **self._loader_kwargs())
+        return self._loader(self.val_dataset, shuffle=False, drop_last=False)
 
     # ------------------------------------------------------------------------------------------------------------
     # On the device
@@ -339,12 +474,29 @@ class FastImageDataModule(LightningDataModule):
             return torch.float32
         return _PRECISION_DTYPES.get(str(trainer.precision), torch.float32)
 
+    def to_model_input(self, batch: Any) -> Any:
+        """uint8 images, or still-encoded ones, in the first element of a batch -> normalized floats on its device.
+
+        Runs in ``on_after_batch_transfer``, or on the side stream when prefetching to the device; a batch that is
+        already floating point passes through.
+        """
+        if not isinstance(batch, (tuple, list)) or not batch:
+            return batch
+        first = batch[0]
+        if isinstance(first, EncodedImages):
+            dtype, channels_last = self.batch_dtype(), self.channels_last
+            return encoded_batch_to_images(
+                batch,
+                self.image_size,
+                self._device(),
+                lambda x: normalize_float(x, self.mean, self.std, dtype, channels_last),
+            )
+        if not isinstance(first, torch.Tensor) or first.dtype != torch.uint8:
+            return batch
+        images = normalize_batch(first, self.mean, self.std, self.batch_dtype(), self.channels_last)
+        return type(batch)([images, *batch[1:]]) if isinstance(batch, list) else (images, *batch[1:])
+
     @override
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """Turn the uint8 images (first element of the batch) into normalized floats on the batch's device."""
-        if not isinstance(batch, (tuple, list)) or not batch or not isinstance(batch[0], torch.Tensor):
-            return batch
-        if batch[0].dtype != torch.uint8:
-            return batch
-        images = normalize_batch(batch[0], self.mean, self.std, self.batch_dtype(), self.channels_last)
-        return type(batch)([images, *batch[1:]]) if isinstance(batch, list) else (images, *batch[1:])
+        return self.to_model_input(batch)

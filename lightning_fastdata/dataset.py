@@ -126,7 +126,13 @@ class LmdbImageDataset(Dataset):
             )
         return header, data
 
-    def _decode(self, index: int, header: _format.RecordHeader, data: bytearray) -> Any:
+    def decode(self, index: int, header: _format.RecordHeader, data: bytearray) -> Any:
+        """Decode a record read by :meth:`read_record` into this dataset's ``output`` form (before ``transform``).
+
+        Raises:
+            CorruptRecordError: the bytes do not decode to the stored size; the message names the split and index.
+
+        """
         if self.output == "encoded":
             return torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
         if header.encoding == _format.ENCODING_RAW:
@@ -164,7 +170,7 @@ class LmdbImageDataset(Dataset):
 
     def __getitem__(self, index: int) -> tuple[Any, Any]:
         header, data = self.read_record(index)
-        image = self._decode(index, header, data)
+        image = self.decode(index, header, data)
         label: Any = header.label
         if self.transform is not None:
             image = self.transform(image)

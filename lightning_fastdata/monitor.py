@@ -21,7 +21,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightning_fastdata.cpus import usable_cpu_count
+from lightning_fastdata.cpus import CpuMeter, usable_cpu_count
 
 log = logging.getLogger(__name__)
 
@@ -117,56 +117,6 @@ def _nvml_handles(device_index: int) -> tuple[Any, list[Any]] | str:
     return pynvml, [handle]
 
 
-class _CpuMeter:
-    """CPU time of this process and its children (the DataLoader workers), as a share of the usable CPUs.
-
-    Listing the children scans ``/proc`` (about half a millisecond), so the list is refreshed every
-    ``refresh_every`` readings, or sooner when a child has gone; reading the cached processes' times is cheap.
-    """
-
-    def __init__(self, refresh_every: int = 10) -> None:
-        try:
-            import psutil
-        except ImportError:  # pragma: no cover - psutil is a dependency
-            self._proc = None
-        else:
-            self._proc = psutil.Process(os.getpid())
-        self._cpus = usable_cpu_count()
-        self._refresh_every = refresh_every
-        self._reads = 0
-        self._children: list[Any] = []
-        self._last = self._read()
-
-    def _read(self) -> tuple[float, float]:
-        if self._proc is None:
-            return time.perf_counter(), 0.0
-        if self._reads % self._refresh_every == 0:
-            try:
-                self._children = self._proc.children(recursive=True)
-            except Exception:
-                self._children = []
-        self._reads += 1
-        total = 0.0
-        for proc in (self._proc, *self._children):
-            try:
-                times = proc.cpu_times()
-            except Exception:  # a worker that exited: list the children again next time
-                self._reads = 0
-                continue
-            total += times.user + times.system
-        return time.perf_counter(), total
-
-    def take(self) -> float | None:
-        """Mean CPU use (% of the usable CPUs) since the last call."""
-        if self._proc is None:
-            return None
-        now, cpu = self._read()
-        (then, before), self._last = self._last, (now, cpu)
-        if now <= then:
-            return None
-        return max(0.0, 100.0 * (cpu - before) / ((now - then) * self._cpus))
-
-
 class LoaderMonitor(Callback):
     r"""Measures how long training waits for data, and says whether the input pipeline is the bottleneck.
 
@@ -249,7 +199,7 @@ class LoaderMonitor(Callback):
         self._interval_start: float | None = None
         self._interval_first = 0
         self._gpu: _GpuSampler | None = None
-        self._cpu: _CpuMeter | None = None
+        self._cpu: CpuMeter | None = None
         self._val_wait = array("d")
         self._val_step = array("d")
         self._val_mark: float | None = None
@@ -266,7 +216,7 @@ class LoaderMonitor(Callback):
         self._reset()
         device = pl_module.device
         self._cuda = device.type == "cuda"
-        self._cpu = _CpuMeter()
+        self._cpu = CpuMeter()
         if self._cuda:
             found = _nvml_handles(device.index if device.index is not None else torch.cuda.current_device())
             if isinstance(found, str):

@@ -975,3 +975,14 @@ def test_raw_encoding_rejects_keep_original(split_folder_copy, tmp_path):
         _run(split_folder_copy, tmp_path / "db", encoding="raw", keep_original=True)
     with pytest.raises(ValueError, match="encoding"):
         _run(split_folder_copy, tmp_path / "db", encoding="png")
+
+
+def test_in_process_conversion_keeps_the_callers_thread_count(split_folder_copy, tmp_path):
+    """``num_workers=0`` converts in this process without leaving torch capped at one thread."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        _run(split_folder_copy, tmp_path / "db", num_workers=0)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

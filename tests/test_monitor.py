@@ -214,7 +214,7 @@ def test_exact_timing_and_interval_metrics():
     ]
     cpu = Mock(take=Mock(return_value=37.5))
     with (
-        patch("lightning_fastdata.monitor._CpuMeter", return_value=cpu),
+        patch("lightning_fastdata.monitor.CpuMeter", return_value=cpu),
         patch("lightning_fastdata.monitor.time.perf_counter", side_effect=times) as perf_counter,
     ):
         monitor.on_train_start(trainer, module)
@@ -250,7 +250,7 @@ def test_batch_size_fn_overrides_the_batch_search():
     """`batch_size_fn` counts the samples of a batch whose first tensor is not the batch."""
     trainer, module = _mock_trainer(), _cpu_module()
     monitor = LoaderMonitor(batch_size_fn=lambda batch: batch["n"])
-    with patch("lightning_fastdata.monitor._CpuMeter"):
+    with patch("lightning_fastdata.monitor.CpuMeter"):
         monitor.on_train_start(trainer, module)
     monitor.on_train_epoch_start(trainer, module)
     batch = {"n": 5, "mask": torch.zeros(1, 3)}
@@ -285,7 +285,7 @@ def test_warmup_epoch_is_left_out_of_the_summary():
     trainer, module, clock = _mock_trainer(), _cpu_module(), _Clock()
     monitor = LoaderMonitor(warmup_epochs=1)
     with (
-        patch("lightning_fastdata.monitor._CpuMeter"),
+        patch("lightning_fastdata.monitor.CpuMeter"),
         patch("lightning_fastdata.monitor.time.perf_counter", side_effect=clock),
     ):
         monitor.on_train_start(trainer, module)
@@ -311,7 +311,7 @@ def test_warmup_steps_leave_out_the_first_batches():
     trainer, module, clock = _mock_trainer(), _cpu_module(), _Clock()
     monitor = LoaderMonitor(warmup_epochs=0, warmup_steps=2)
     with (
-        patch("lightning_fastdata.monitor._CpuMeter"),
+        patch("lightning_fastdata.monitor.CpuMeter"),
         patch("lightning_fastdata.monitor.time.perf_counter", side_effect=clock),
     ):
         monitor.on_train_start(trainer, module)
@@ -532,7 +532,7 @@ def test_cuda_steps_come_from_events_synchronized_once_per_interval():
     monitor = LoaderMonitor(warmup_epochs=0, gpu_poll_interval=0.005)
     host_and_gpu_steps = [(30.0, 12.0), (30.0, 14.0), (30.0, 16.0)]
     with (
-        patch("lightning_fastdata.monitor._CpuMeter"),
+        patch("lightning_fastdata.monitor.CpuMeter"),
         patch("lightning_fastdata.monitor._nvml_handles", return_value=(nvml, ["gpu0"])) as handles,
         patch("lightning_fastdata.monitor.time.perf_counter", side_effect=clock),
         patch("lightning_fastdata.monitor.torch.cuda.Event", side_effect=cuda.event),
@@ -631,7 +631,7 @@ def test_cuda_without_nvml_logs_the_reason():
     with (
         patch("lightning_fastdata.monitor.rank_zero_info") as info,
         patch("lightning_fastdata.monitor._nvml_handles", return_value="NVML is not usable here (test)"),
-        patch("lightning_fastdata.monitor._CpuMeter"),
+        patch("lightning_fastdata.monitor.CpuMeter"),
     ):
         monitor.on_train_start(_mock_trainer(), Mock(device=torch.device("cuda", 1)))
     info.assert_called_once_with("LoaderMonitor: GPU utilization is not logged: NVML is not usable here (test).")

@@ -1,0 +1,114 @@
+"""Real two-process DDP on CPU through ``DevicePrefetchLoader``, run as a script by ``test_prefetch.py``.
+
+Usage: ``python prefetch_ddp_script.py DATA_DIR OUT_DIR EPOCHS``. The datamodule is forced to build
+``DevicePrefetchLoader`` loaders (on CPU they pass batches through), so Lightning's DDP sampler handling, ``set_epoch``
+and batch counting run against the subclass. Each rank writes ``OUT_DIR/rank<r>.json`` with the sample indices it saw
+per epoch.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from torch.nn import functional as F
+from torch.utils.data import Dataset
+
+from lightning_fastdata import DevicePrefetchLoader, FastImageDataModule
+
+
+class _WithIndex(Dataset):
+    """Items ``(image, label, index)``: the index identifies the sample in its database split."""
+
+    def __init__(self, dataset: Dataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, index: int) -> tuple[Any, Any, int]:
+        image, label = self.dataset[index]
+        return image, label, index
+
+
+class PrefetchIndexedDataModule(FastImageDataModule):
+    """Batches ``(images, labels, indices)``, always through ``DevicePrefetchLoader`` (a passthrough on CPU)."""
+
+    def build_dataset(self, split: str, transform: Callable[[Any], Any] | None) -> Dataset:
+        return _WithIndex(super().build_dataset(split, transform))
+
+    def uses_prefetch(self) -> bool:
+        return True
+
+
+class RecordingModel(LightningModule):
+    """A linear classifier on the mean colour that records the sample indices of every training batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(3, 2)
+        self.seen: list[list[int]] = []
+        self.batches: list[int] = []
+        self.sampler_epochs: list[int] = []
+        self.dtypes: set[str] = set()
+
+    def on_train_epoch_start(self) -> None:
+        self.seen.append([])
+        self.batches.append(0)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        images, labels, indices = batch
+        if batch_idx == 0:
+            self.sampler_epochs.append(self.trainer.train_dataloader.sampler.epoch)
+        self.dtypes.add(str(images.dtype))
+        self.seen[-1].extend(indices.tolist())
+        self.batches[-1] += 1
+        return F.cross_entropy(self.layer(images.mean(dim=(2, 3))), labels)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def main(data_dir: str, out_dir: str, epochs: int) -> None:
+    dm = PrefetchIndexedDataModule(
+        data_dir, image_size=16, batch_size=4, num_workers=0, seed=0, drop_last=False, prefetch_to_device=True
+    )
+    model = RecordingModel()
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp",
+        max_epochs=epochs,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    trainer.fit(model, datamodule=dm)
+    loader = trainer.train_dataloader
+    assert isinstance(loader, DevicePrefetchLoader), type(loader)
+    assert not loader.prefetching  # a CPU device: batches pass through
+    result = {
+        "rank": trainer.global_rank,
+        "world_size": trainer.world_size,
+        "loader": type(loader).__name__,
+        "num_replicas": loader.sampler.num_replicas,
+        "sampler_rank": loader.sampler.rank,
+        "epochs": model.seen,
+        "batches": model.batches,
+        "sampler_epochs": model.sampler_epochs,
+        "dtypes": sorted(model.dtypes),
+        "train_size": len(dm.train_dataset),
+    }
+    Path(out_dir, f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]))

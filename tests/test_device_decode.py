@@ -1,0 +1,427 @@
+"""Tests for ``lightning_fastdata.device_decode`` and ``FastImageDataModule(decode="device")``."""
+
+from __future__ import annotations
+
+import random
+import warnings
+from pathlib import Path
+from typing import Any
+from unittest.mock import Mock
+
+import numpy as np
+import pytest
+import torch
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, Dataset
+from torchvision.io import ImageReadMode, decode_jpeg
+
+from lightning_fastdata import FastImageDataModule, LmdbImageDataset, convert, make_image_folder
+from lightning_fastdata.datamodule import IMAGENET_MEAN, IMAGENET_STD
+from lightning_fastdata.device_decode import (
+    EncodedCropDataset,
+    EncodedImages,
+    collate_encoded,
+    decode_crop,
+    encoded_batch_to_images,
+    normalize_float,
+)
+from lightning_fastdata.prefetch import DevicePrefetchLoader
+from lightning_fastdata.transforms import CenterCropResize, RandomResizedCropFlip
+
+#: the generated databases: 2 classes x (10 train + 4 val); the plain one has no val split
+TRAIN_SIZE, VAL_SIZE, PLAIN_SIZE = 20, 8, 20
+
+#: output side of the crops
+SIZE = 24
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.fixture(scope="module")
+def databases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """JPEG and raw databases of one small image folder (train + val), and a JPEG one of a plain folder."""
+    root = tmp_path_factory.mktemp("device_decode")
+    src = make_image_folder(
+        root / "src", num_classes=2, train_per_class=10, val_per_class=4, min_size=40, max_size=80, num_workers=1
+    )
+    plain = make_image_folder(
+        root / "plain", num_classes=2, train_per_class=10, val_per_class=0, min_size=40, max_size=80, seed=1
+    )
+    dbs = {"jpeg": root / "jpeg.lmdb", "raw": root / "raw.lmdb", "plain": root / "plain.lmdb"}
+    convert(src, dbs["jpeg"], short_side=64, num_workers=0, progress=False)
+    convert(src, dbs["raw"], short_side=64, num_workers=0, progress=False, encoding="raw")
+    convert(plain, dbs["plain"], short_side=64, num_workers=0, progress=False)
+    return dbs
+
+
+@pytest.fixture
+def no_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Behave as a machine without CUDA (a datamodule without a Trainer then decodes on the CPU)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+def _fake_trainer(device: torch.device, **kwargs: Any) -> Mock:
+    """A stand-in Trainer with the attributes the datamodule reads, training on ``device``."""
+    defaults: dict[str, Any] = {
+        "world_size": 1,
+        "num_nodes": 1,
+        "precision": "32-true",
+        "distributed_sampler_kwargs": None,
+        "strategy": Mock(root_device=device),
+    }
+    return Mock(**{**defaults, **kwargs})
+
+
+def _dm(data_dir: Path, cls: type[FastImageDataModule] = FastImageDataModule, **kwargs: Any) -> Any:
+    """A small datamodule (no workers), set up."""
+    kwargs = {"image_size": SIZE, "batch_size": 4, "num_workers": 0, "pin_memory": False, **kwargs}
+    dm = cls(str(data_dir), **kwargs)
+    dm.setup("fit")
+    return dm
+
+
+def _encoded_batch(database: Path, n: int, seed: int = 0) -> tuple[EncodedImages, torch.Tensor]:
+    """The first ``n`` training samples read without decoding, with random crop boxes and flips (seeded)."""
+    random.seed(seed)
+    dataset = EncodedCropDataset(LmdbImageDataset(database, "train"), RandomResizedCropFlip(SIZE).box, flip_p=0.5)
+    return collate_encoded([dataset[i] for i in range(n)])
+
+
+def _cpu_pipeline(database: Path, indices: list[int], encoded: EncodedImages) -> torch.Tensor:
+    """The CPU path for the same samples and boxes: decode, crop, antialiased uint8 resize, flip. uint8 NCHW."""
+    dataset = LmdbImageDataset(database, "train")
+    out = []
+    for k, index in enumerate(indices):
+        image = dataset[index][0]
+        top, left, h, w = encoded.boxes[k].tolist()
+        crop = image[:, top : top + h, left : left + w].unsqueeze(0)
+        resized = F.interpolate(crop, size=(SIZE, SIZE), mode="bilinear", antialias=True, align_corners=False)[0]
+        out.append(resized.flip(-1) if encoded.flips[k] else resized)
+    return torch.stack(out)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# EncodedCropDataset and collate_encoded
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def test_encoded_dataset_ships_jpeg_bytes_a_box_and_a_flip(databases: dict[str, Path]) -> None:
+    """JPEG records travel as their stored bytes, with a box drawn from the header size and a bool flip."""
+    source = LmdbImageDataset(databases["jpeg"], "train")
+    box_fn = Mock(side_effect=RandomResizedCropFlip(SIZE).box)
+    dataset = EncodedCropDataset(source, box_fn, flip_p=0.5)
+    assert len(dataset) == TRAIN_SIZE
+    random.seed(0)
+    flips = set()
+    for index in range(len(dataset)):
+        (data, box, flip), label = dataset[index]
+        header, stored = source.read_record(index)
+        assert data.dtype == torch.uint8
+        assert data.ndim == 1
+        assert bytes(data) == bytes(stored)
+        assert data[:2].tolist() == [0xFF, 0xD8]  # a JPEG start-of-image marker: not decoded
+        height, width = decode_jpeg(data, mode=ImageReadMode.RGB).shape[-2:]
+        box_fn.assert_called_with(height, width)  # (height, width), in that order
+        top, left, h, w = box
+        assert 0 < h <= height - top <= height
+        assert 0 < w <= width - left <= width
+        assert isinstance(flip, bool)
+        flips.add(flip)
+        assert label == header.label == source[index][1]
+    assert flips == {True, False}
+    no_flip = EncodedCropDataset(source, CenterCropResize(SIZE).box, flip_p=0.0)
+    assert not any(no_flip[i][0][2] for i in range(len(no_flip)))
+
+
+def test_encoded_dataset_ships_raw_records_decoded(databases: dict[str, Path]) -> None:
+    """A raw-encoded record (nvJPEG cannot take it) travels as the decoded uint8 CHW image."""
+    source = LmdbImageDataset(databases["raw"], "train")
+    dataset = EncodedCropDataset(source, CenterCropResize(SIZE).box, flip_p=0.0)
+    for index in (0, 7, 19):
+        (data, box, flip), label = dataset[index]
+        image, expected_label = source[index]
+        assert data.dtype == torch.uint8
+        assert data.ndim == 3
+        assert data.shape[0] == 3
+        assert torch.equal(data, image)
+        assert box == CenterCropResize(SIZE).box(image.shape[1], image.shape[2])
+        assert flip is False
+        assert label == expected_label
+
+
+def test_encoded_dataset_reads_through_indices(databases: dict[str, Path]) -> None:
+    """With ``indices`` the dataset is that subset: item ``k`` is record ``indices[k]``."""
+    source = LmdbImageDataset(databases["jpeg"], "train")
+    indices = np.array([13, 2, 8], dtype=np.int32)
+    dataset = EncodedCropDataset(source, CenterCropResize(SIZE).box, flip_p=0.0, indices=indices)
+    assert len(dataset) == 3
+    for k, index in enumerate(indices):
+        assert bytes(dataset[k][0][0]) == bytes(source.read_record(int(index))[1])
+
+
+def test_collate_encoded_builds_encoded_images_and_labels(databases: dict[str, Path]) -> None:
+    """Collation keeps each image's tensor and stacks boxes (B, 4) int64, flips (B,) bool and labels int64."""
+    random.seed(1)
+    dataset = EncodedCropDataset(LmdbImageDataset(databases["jpeg"], "train"), RandomResizedCropFlip(SIZE).box, 0.5)
+    samples = [dataset[i] for i in (0, 11, 3, 18, 5)]
+    images, labels = collate_encoded(samples)
+    assert isinstance(images, EncodedImages)
+    assert len(images) == 5
+    assert images.boxes.dtype == torch.int64
+    assert images.boxes.shape == (5, 4)
+    assert images.flips.dtype == torch.bool
+    assert images.flips.shape == (5,)
+    assert labels.dtype == torch.int64
+    for k, ((data, box, flip), label) in enumerate(samples):
+        assert images.data[k] is data
+        assert images.boxes[k].tolist() == list(box)
+        assert bool(images.flips[k]) is flip
+        assert int(labels[k]) == label
+    assert images.pin_memory() is images  # the pin-memory thread leaves the host bytes alone
+
+
+def test_collate_encoded_through_a_dataloader(databases: dict[str, Path]) -> None:
+    """``collate_encoded`` works as a DataLoader ``collate_fn``, including a last partial batch."""
+    dataset = EncodedCropDataset(LmdbImageDataset(databases["jpeg"], "train"), CenterCropResize(SIZE).box, 0.0)
+    batches = list(DataLoader(dataset, batch_size=6, collate_fn=collate_encoded))
+    assert [len(images) for images, _ in batches] == [6, 6, 6, 2]
+    assert all(labels.shape == (len(images),) for images, labels in batches)
+
+
+@pytest.mark.parametrize(("n_boxes", "n_flips"), [(1, 2), (2, 1), (3, 3)])
+def test_encoded_images_with_mismatched_lengths_raise(n_boxes: int, n_flips: int) -> None:
+    """Two images need two boxes and two flips."""
+    data = [torch.zeros(10, dtype=torch.uint8)] * 2
+    with pytest.raises(ValueError, match="2 images"):
+        EncodedImages(data, torch.zeros((n_boxes, 4), dtype=torch.int64), torch.zeros(n_flips, dtype=torch.bool))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# decode_crop, normalize_float, encoded_batch_to_images
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("encoding", ["jpeg", "raw"])
+def test_decode_crop_on_cpu_matches_the_cpu_pipeline(databases: dict[str, Path], encoding: str) -> None:
+    """Decoding, cropping, flipping and resizing a batch equals the CPU pipeline on the same boxes (within 1/255)."""
+    indices = list(range(12))
+    encoded, _ = _encoded_batch(databases[encoding], len(indices))
+    assert set(encoded.flips.tolist()) == {True, False}
+    out = decode_crop(encoded, SIZE, torch.device("cpu"))
+    assert out.dtype == torch.float32
+    assert out.shape == (12, 3, SIZE, SIZE)
+    assert out.device.type == "cpu"
+    expected = _cpu_pipeline(databases[encoding], indices, encoded).float()
+    assert (out - expected).abs().max() <= 1.0
+    flipped = encoded.flips.nonzero().flatten()
+    # the check can fail: un-flipping the flipped images makes them differ
+    assert (out[flipped] - expected[flipped].flip(-1)).abs().amax(dim=(1, 2, 3)).min() > 1.0
+
+
+def test_decode_crop_mixed_batch(databases: dict[str, Path]) -> None:
+    """A batch mixing JPEG bytes and decoded images puts each result at its own position."""
+    jpeg, _ = _encoded_batch(databases["jpeg"], 4, seed=2)
+    raw, _ = _encoded_batch(databases["raw"], 4, seed=3)
+    order = [("raw", 0), ("jpeg", 1), ("jpeg", 2), ("raw", 3), ("jpeg", 0)]
+    parts = {"jpeg": jpeg, "raw": raw}
+    mixed = EncodedImages(
+        [parts[kind].data[i] for kind, i in order],
+        torch.stack([parts[kind].boxes[i] for kind, i in order]),
+        torch.stack([parts[kind].flips[i] for kind, i in order]),
+    )
+    out = decode_crop(mixed, SIZE, torch.device("cpu"))
+    for k, (kind, i) in enumerate(order):
+        assert torch.equal(out[k], decode_crop(parts[kind], SIZE, torch.device("cpu"))[i])
+
+
+def test_normalize_float_matches_the_formula() -> None:
+    """``normalize_float`` gives ``(x / 255 - mean) / std``, cast to ``dtype``, optionally channels_last."""
+    mean, std = torch.tensor(IMAGENET_MEAN), torch.tensor(IMAGENET_STD)
+    x = torch.rand(2, 3, 5, 7) * 255
+    expected = (x / 255 - mean.view(1, 3, 1, 1)) / std.view(1, 3, 1, 1)
+    torch.testing.assert_close(normalize_float(x.clone(), mean, std), expected)
+    half = normalize_float(x.clone(), mean, std, dtype=torch.float16)
+    assert half.dtype == torch.float16
+    torch.testing.assert_close(half.float(), expected, atol=1e-2, rtol=1e-2)
+    last = normalize_float(x.clone(), mean, std, channels_last=True)
+    assert last.is_contiguous(memory_format=torch.channels_last)
+    torch.testing.assert_close(last, expected)
+
+
+def test_encoded_batch_to_images_replaces_only_encoded_first_elements(databases: dict[str, Path]) -> None:
+    """The encoded first element becomes decoded images; other elements, other batches and the type stay."""
+    encoded, labels = _encoded_batch(databases["jpeg"], 3)
+    normalize = Mock(side_effect=lambda x: x / 255)
+    for batch in ((encoded, labels, "extra"), [encoded, labels, "extra"]):
+        out = encoded_batch_to_images(batch, SIZE, torch.device("cpu"), normalize)
+        assert type(out) is type(batch)
+        assert out[1] is labels
+        assert out[2] == "extra"
+        assert out[0].shape == (3, 3, SIZE, SIZE)
+        assert out[0].max() <= 1.0  # normalize was applied
+    uint8 = (torch.zeros(2, 3, SIZE, SIZE, dtype=torch.uint8), labels)
+    assert encoded_batch_to_images(uint8, SIZE, torch.device("cpu"), normalize) is uint8
+    assert encoded_batch_to_images((), SIZE, torch.device("cpu"), normalize) == ()
+    assert normalize.call_count == 2
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# FastImageDataModule(decode="device")
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.usefixtures("no_cuda")
+def test_decode_device_without_cuda_warns_once_and_decodes_on_cpu(databases: dict[str, Path]) -> None:
+    """Without CUDA, ``decode="device"`` warns once and the loaders give the usual uint8 batches."""
+    dm = _dm(databases["jpeg"], decode="device")
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        first, second = dm.train_dataloader(), dm.train_dataloader()
+        dm.val_dataloader()
+    fallbacks = [w for w in record if "decode='device'" in str(w.message)]
+    assert len(fallbacks) == 1
+    assert issubclass(fallbacks[0].category, UserWarning)
+    assert "CPU" in str(fallbacks[0].message)
+    assert not dm.uses_device_decode()
+    for loader in (first, second):
+        assert isinstance(loader.dataset, LmdbImageDataset)
+        assert loader.collate_fn is not collate_encoded
+    images, labels = next(iter(first))
+    assert images.dtype == torch.uint8
+    assert images.shape == (4, 3, SIZE, SIZE)
+    assert labels.dtype == torch.int64
+
+
+def test_decode_device_on_cuda_reads_encoded_records(databases: dict[str, Path]) -> None:
+    """On (mock) CUDA the loaders read encoded records with the transforms' boxes and collate them, silently."""
+    dm = _dm(databases["jpeg"], decode="device")
+    dm.trainer = _fake_trainer(torch.device("cuda", 0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback warning on CUDA
+        train, val = dm.train_dataloader(), dm.val_dataloader()
+    assert dm.uses_device_decode()
+    assert isinstance(train, DevicePrefetchLoader)  # prefetch (and decode there) by default on CUDA
+    for loader, source, flip_p in ((train, dm.train_dataset, 0.5), (val, dm.val_dataset, 0.0)):
+        assert loader.collate_fn is collate_encoded
+        assert isinstance(loader.dataset, EncodedCropDataset)
+        assert loader.dataset.dataset is source
+        assert loader.dataset.box_fn == source.transform.box
+        assert loader.dataset.flip_p == flip_p
+        assert loader.dataset.indices is None
+    assert len(train.dataset) == TRAIN_SIZE
+    assert len(val.dataset) == VAL_SIZE
+    images, labels = next(iter(DataLoader(train.dataset, batch_size=4, collate_fn=train.collate_fn)))
+    assert isinstance(images, EncodedImages)
+    assert len(images) == 4
+    assert labels.dtype == torch.int64
+
+
+def test_decode_device_carries_the_held_out_indices(databases: dict[str, Path]) -> None:
+    """With ``val_fraction`` (an index view of ``train``) the encoded datasets read the same held-out indices."""
+    dm = _dm(databases["plain"], decode="device", val_fraction=0.25)
+    dm.trainer = _fake_trainer(torch.device("cuda", 0))
+    for loader, view in ((dm.train_dataloader(), dm.train_dataset), (dm.val_dataloader(), dm.val_dataset)):
+        encoded = loader.dataset
+        assert isinstance(encoded, EncodedCropDataset)
+        assert np.array_equal(encoded.indices, view.indices)
+        assert encoded.box_fn == view.dataset.transform.box
+        assert len(encoded) == len(view)
+        for k in range(len(encoded)):
+            assert bytes(encoded[k][0][0]) == bytes(view.dataset.read_record(int(view.indices[k]))[1])
+    assert len(dm.train_dataset) + len(dm.val_dataset) == PLAIN_SIZE
+    assert set(dm.train_dataset.indices.tolist()).isdisjoint(dm.val_dataset.indices.tolist())
+
+
+@pytest.mark.usefixtures("no_cuda")
+@pytest.mark.parametrize(("precision", "dtype"), [("32-true", torch.float32), ("bf16-true", torch.bfloat16)])
+def test_to_model_input_decodes_like_the_cpu_batch(
+    databases: dict[str, Path], precision: str, dtype: torch.dtype
+) -> None:
+    """``to_model_input`` of an encoded batch equals that of the CPU-decoded uint8 batch of the same crops."""
+    dm = _dm(databases["jpeg"], decode="device")
+    if precision != "32-true":
+        dm.trainer = _fake_trainer(torch.device("cpu"), precision=precision)
+    indices = list(range(8))
+    encoded, labels = _encoded_batch(databases["jpeg"], len(indices), seed=4)
+    uint8 = _cpu_pipeline(databases["jpeg"], indices, encoded)
+    images, out_labels = dm.to_model_input((encoded, labels))
+    expected, _ = dm.to_model_input((uint8, labels))
+    assert images.shape == (8, 3, SIZE, SIZE)
+    assert images.dtype == expected.dtype == dtype
+    assert out_labels is labels
+    tolerance = 1.0 / 255 / min(IMAGENET_STD) + 0.01  # uint8 rounding of the CPU batch (+ bfloat16 rounding)
+    assert (images.float() - expected.float()).abs().max() <= tolerance * (3 if dtype == torch.bfloat16 else 1)
+    as_list = dm.to_model_input([encoded, labels])
+    assert isinstance(as_list, list)
+    assert as_list[0].shape == (8, 3, SIZE, SIZE)
+
+
+class _Wrapped(Dataset):
+    """A dataset that is not an LmdbImageDataset."""
+
+    def __init__(self, dataset: Dataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, index: int) -> Any:
+        return self.dataset[index]
+
+
+class _CustomDataModule(FastImageDataModule):
+    def build_dataset(self, split: str, transform: Any) -> Dataset:
+        return _Wrapped(super().build_dataset(split, transform))
+
+
+def test_decode_device_with_custom_dataset_raises(databases: dict[str, Path]) -> None:
+    """A custom ``build_dataset`` cannot be decoded on the device: the error says to use ``decode='cpu'``."""
+    dm = _dm(databases["jpeg"], _CustomDataModule, decode="device")
+    dm.trainer = _fake_trainer(torch.device("cuda", 0))
+    with pytest.raises(TypeError, match="decode='cpu'"):
+        dm.train_dataloader()
+    dm = _dm(databases["jpeg"], _CustomDataModule, decode="cpu")
+    dm.trainer = _fake_trainer(torch.device("cuda", 0))
+    assert isinstance(dm.train_dataloader().dataset, _Wrapped)
+
+
+def test_unknown_decode_raises() -> None:
+    """``decode`` is ``"cpu"`` or ``"device"``."""
+    with pytest.raises(ValueError, match="`decode`"):
+        FastImageDataModule("anywhere", decode="gpu")  # type: ignore[arg-type]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# On a real GPU
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@needs_cuda
+@pytest.mark.parametrize("encoding", ["jpeg", "raw"])
+def test_decode_crop_on_gpu_matches_cpu(databases: dict[str, Path], encoding: str) -> None:
+    """Batched nvJPEG decoding and GPU crops match the CPU decode within JPEG tolerance."""
+    encoded, _ = _encoded_batch(databases[encoding], 12)
+    on_gpu = decode_crop(encoded, SIZE, torch.device("cuda"))
+    assert on_gpu.is_cuda
+    assert on_gpu.shape == (12, 3, SIZE, SIZE)
+    assert on_gpu.dtype == torch.float32
+    on_cpu = decode_crop(encoded, SIZE, torch.device("cpu"))
+    diff = (on_gpu.cpu() - on_cpu).abs()
+    assert diff.mean() < 2.0
+    if encoding == "raw":  # nothing to decode: only the resize runs on another device
+        assert diff.max() < 1.0
+
+
+@needs_cuda
+def test_decode_device_datamodule_on_gpu(databases: dict[str, Path]) -> None:
+    """On CUDA the training loader hands out normalized float batches decoded on the GPU."""
+    dm = _dm(databases["jpeg"], decode="device", pin_memory=True)
+    dm.trainer = _fake_trainer(torch.device("cuda", 0))
+    batches = list(dm.train_dataloader())
+    assert len(batches) == TRAIN_SIZE // 4
+    for images, labels in batches:
+        assert images.is_cuda
+        assert labels.is_cuda
+        assert images.dtype == torch.float32
+        assert images.shape == (4, 3, SIZE, SIZE)
+        assert torch.isfinite(images).all()

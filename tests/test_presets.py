@@ -1,0 +1,253 @@
+"""Tests for ``lightning_fastdata.presets``: the dicts, real Trainers built from them, and LightningCLI defaults."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+from unittest.mock import Mock
+
+import pytest
+import torch
+from lightning.pytorch import Trainer
+from lightning.pytorch.accelerators import CPUAccelerator
+from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+
+from lightning_fastdata import presets
+from lightning_fastdata.cli import lightning_cli
+
+ROOT = Path(__file__).resolve().parents[1]
+
+#: what `ddp()` always asks DDP for
+THROUGHPUT_KWARGS = {"gradient_as_bucket_view": True, "find_unused_parameters": False}
+
+
+@pytest.fixture
+def info(monkeypatch: pytest.MonkeyPatch) -> Mock:
+    """The presets' ``rank_zero_info``, recording its calls."""
+    mock = Mock()
+    monkeypatch.setattr(presets, "rank_zero_info", mock)
+    return mock
+
+
+@pytest.fixture
+def no_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A machine without CUDA, wherever the tests run."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+@pytest.fixture
+def with_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A machine with CUDA, as far as ``accelerator="auto"`` can tell (nothing is built on it)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+
+
+def _trainer(**kwargs: Any) -> Trainer:
+    """A quiet Trainer from preset keyword arguments."""
+    return Trainer(
+        **kwargs, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# mixed_precision
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.usefixtures("no_cuda")
+def test_mixed_precision_on_cpu_is_full_precision_and_says_why(info: Mock) -> None:
+    """Without CUDA: ``32-true`` on the CPU, and one info line that explains it."""
+    assert presets.mixed_precision() == {"accelerator": "cpu", "precision": "32-true"}
+    info.assert_called_once()
+    message = info.call_args.args[0]
+    assert "32-true" in message
+    assert "CUDA" in message
+    assert "bf16-mixed" in message  # and what to do on a CPU with bfloat16 units
+
+
+@pytest.mark.usefixtures("no_cuda")
+@pytest.mark.parametrize("accelerator", ["gpu", "cuda"])
+def test_mixed_precision_on_gpu_is_16_mixed(accelerator: str, info: Mock) -> None:
+    """Asking for a GPU gives ``16-mixed`` on that accelerator, silently (even where CUDA is not detected)."""
+    assert presets.mixed_precision(accelerator) == {"accelerator": accelerator, "precision": "16-mixed"}  # type: ignore[arg-type]
+    info.assert_not_called()
+
+
+@pytest.mark.usefixtures("with_cuda")
+def test_mixed_precision_auto_follows_cuda(info: Mock) -> None:
+    """``"auto"`` picks the GPU when CUDA is available; ``"cpu"`` stays on the CPU regardless."""
+    assert presets.mixed_precision() == {"accelerator": "gpu", "precision": "16-mixed"}
+    info.assert_not_called()
+    assert presets.mixed_precision("cpu") == {"accelerator": "cpu", "precision": "32-true"}
+    info.assert_called_once()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# ddp and fast_gpu
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _ddp_kwargs(strategy: DDPStrategy) -> dict[str, Any]:
+    """The DistributedDataParallel arguments of a strategy (no public accessor exists)."""
+    return strategy._ddp_kwargs
+
+
+@pytest.mark.usefixtures("no_cuda")
+def test_ddp_on_cpu_names_the_registered_throughput_strategy() -> None:
+    """``ddp(devices=2)`` on the CPU: the registered ``ddp_fastdata`` strategy, on the CPU accelerator."""
+    kwargs = presets.ddp(devices=2)
+    assert kwargs == {"accelerator": "cpu", "devices": 2, "num_nodes": 1, "strategy": presets.DDP_STRATEGY}
+    assert presets.DDP_STRATEGY in StrategyRegistry
+    strategy = StrategyRegistry.get(presets.DDP_STRATEGY)
+    assert isinstance(strategy, DDPStrategy)
+    assert _ddp_kwargs(strategy) == {**THROUGHPUT_KWARGS, "static_graph": False}
+
+
+@pytest.mark.usefixtures("no_cuda")
+def test_ddp_static_graph_and_nodes() -> None:
+    """``static_graph`` picks the static registration; ``num_nodes`` passes through."""
+    kwargs = presets.ddp(devices=4, num_nodes=3, static_graph=True, accelerator="cpu")
+    assert kwargs["num_nodes"] == 3
+    assert kwargs["devices"] == 4
+    assert kwargs["strategy"] == presets.DDP_STATIC_STRATEGY
+    assert _ddp_kwargs(StrategyRegistry.get(kwargs["strategy"])) == {**THROUGHPUT_KWARGS, "static_graph": True}
+
+
+@pytest.mark.usefixtures("no_cuda")
+@pytest.mark.parametrize(("accelerator", "expected"), [("gpu", "gpu"), ("cuda", "cuda")])
+def test_ddp_on_gpu_names_the_gpu(accelerator: str, expected: str) -> None:
+    """An explicit GPU accelerator passes through."""
+    kwargs = presets.ddp(devices=2, accelerator=accelerator)  # type: ignore[arg-type]
+    assert kwargs["accelerator"] == expected
+    assert kwargs["strategy"] == presets.DDP_STRATEGY
+
+
+@pytest.mark.usefixtures("with_cuda")
+def test_ddp_auto_follows_cuda() -> None:
+    """``accelerator="auto"`` means the GPU where CUDA is available."""
+    kwargs = presets.ddp()
+    assert kwargs["accelerator"] == "gpu"
+    assert kwargs["devices"] == "auto"
+
+
+@pytest.mark.parametrize("num_nodes", [0, -1])
+def test_ddp_without_nodes_raises(num_nodes: int) -> None:
+    """At least one node."""
+    with pytest.raises(ValueError, match="`num_nodes`"):
+        presets.ddp(num_nodes=num_nodes)
+
+
+def test_registered_strategies_build_a_new_strategy_each_time() -> None:
+    """Strategies hold per-run state, so two Trainers never share one."""
+    assert StrategyRegistry.get(presets.DDP_STRATEGY) is not StrategyRegistry.get(presets.DDP_STRATEGY)
+
+
+def test_importing_presets_twice_does_not_re_register() -> None:
+    """Reloading the module keeps one registration (no "already present" error)."""
+    import importlib
+
+    importlib.reload(presets)
+    assert presets.DDP_STRATEGY in StrategyRegistry
+
+
+@pytest.mark.usefixtures("no_cuda")
+def test_fast_gpu_on_cpu_degrades_and_says_so(info: Mock) -> None:
+    """Without CUDA, ``fast_gpu`` is DDP in full precision on the CPU, with the info line."""
+    kwargs = presets.fast_gpu(devices=2)
+    assert kwargs == {
+        "accelerator": "cpu",
+        "devices": 2,
+        "num_nodes": 1,
+        "strategy": presets.DDP_STRATEGY,
+        "precision": "32-true",
+    }
+    info.assert_called_once()
+
+
+@pytest.mark.usefixtures("with_cuda")
+def test_fast_gpu_on_cuda(info: Mock) -> None:
+    """With CUDA: every GPU of each node, DDP, ``16-mixed``."""
+    kwargs = presets.fast_gpu(num_nodes=2, static_graph=True)
+    assert kwargs["accelerator"] == "gpu"
+    assert kwargs["devices"] == "auto"
+    assert kwargs["num_nodes"] == 2
+    assert kwargs["precision"] == "16-mixed"
+    assert kwargs["strategy"] == presets.DDP_STATIC_STRATEGY
+    info.assert_not_called()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Real Trainers
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.usefixtures("no_cuda")
+def test_trainer_from_mixed_precision_on_cpu() -> None:
+    """``Trainer(**mixed_precision())`` builds on the CPU in full precision."""
+    trainer = _trainer(**presets.mixed_precision())
+    assert trainer.precision == "32-true"
+    assert isinstance(trainer.accelerator, CPUAccelerator)
+
+
+@pytest.mark.usefixtures("no_cuda")
+def test_trainer_from_ddp_on_cpu() -> None:
+    """``Trainer(**ddp(devices=2))`` builds the throughput DDPStrategy on two CPU processes (none launched yet)."""
+    trainer = _trainer(**presets.ddp(devices=2))
+    assert isinstance(trainer.strategy, DDPStrategy)
+    assert _ddp_kwargs(trainer.strategy) == {**THROUGHPUT_KWARGS, "static_graph": False}
+    assert trainer.num_devices == 2
+    assert trainer.world_size == 2
+    assert isinstance(trainer.accelerator, CPUAccelerator)
+
+
+@pytest.mark.usefixtures("no_cuda")
+def test_trainer_from_fast_gpu_on_cpu() -> None:
+    """``Trainer(**fast_gpu(devices=2))`` builds on a machine without CUDA."""
+    trainer = _trainer(**presets.fast_gpu(devices=2))
+    assert trainer.precision == "32-true"
+    assert isinstance(trainer.strategy, DDPStrategy)
+    assert trainer.num_devices == 2
+
+
+def test_gpu_presets_name_a_gpu() -> None:
+    """The GPU dicts (not buildable into a Trainer here) ask for the GPU and 16-mixed."""
+    assert presets.mixed_precision("gpu") == {"accelerator": "gpu", "precision": "16-mixed"}
+    assert presets.ddp(accelerator="gpu")["accelerator"] == "gpu"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# LightningCLI trainer_defaults
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def in_repo(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run from the repository root, so the configs' `examples.*` class paths import (sys.path is restored)."""
+    monkeypatch.chdir(ROOT)
+    monkeypatch.syspath_prepend(str(ROOT))
+    monkeypatch.setattr(sys, "argv", ["lightning-fastdata"])  # pytest's own arguments are not the CLI's
+
+
+@pytest.mark.usefixtures("in_repo", "no_cuda")
+def test_mixed_precision_as_cli_trainer_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A preset dict is LightningCLI ``trainer_defaults``: the CPU config gets its precision from it."""
+    monkeypatch.setattr(LightningCLI, "instantiate_classes", lambda self: None)
+    cli = lightning_cli(
+        ["--config", "examples/configs/cpu.yaml"], run=False, trainer_defaults=presets.mixed_precision("gpu")
+    )
+    assert cli.config.trainer.precision == "16-mixed"  # from the preset: cpu.yaml sets no precision
+    assert cli.config.trainer.accelerator == "cpu"  # the config file overrides the defaults
+
+
+@pytest.mark.usefixtures("in_repo", "no_cuda")
+def test_ddp_as_cli_trainer_defaults() -> None:
+    """``LightningCLI(..., trainer_defaults=presets.ddp(devices=2))`` parses and builds a DDP Trainer."""
+    cli = lightning_cli(
+        ["--config", "examples/configs/cpu.yaml", "--trainer.devices", "2", "--trainer.logger", "false"],
+        run=False,
+        trainer_defaults=presets.ddp(devices=2),
+    )
+    assert isinstance(cli.trainer.strategy, DDPStrategy)
+    assert cli.trainer.num_devices == 2
+    assert _ddp_kwargs(cli.trainer.strategy) == {**THROUGHPUT_KWARGS, "static_graph": False}

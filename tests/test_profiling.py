@@ -1,0 +1,195 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import lightning_fastdata.profiling as profiling
+from lightning_fastdata import FastImageDataModule, convert, make_image_folder
+from lightning_fastdata.profiling import PipelineProfile, profile, profile_database, profile_folder
+
+FOLDER_STAGES = ["read", "decode", "transforms", "collate"]
+DATABASE_STAGES = ["read", "decode", "transforms", "collate", "normalize"]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A plain ImageFolder of 2 classes x 40 JPEGs, 64-160 px."""
+    root = tmp_path_factory.mktemp("profiling") / "src"
+    return make_image_folder(root, num_classes=2, train_per_class=40, val_per_class=0, min_size=64, max_size=160)
+
+
+@pytest.fixture(scope="module")
+def database(folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The folder converted at short side 96."""
+    dst = tmp_path_factory.mktemp("profiling_db") / "db"
+    convert(folder, dst, short_side=96, num_workers=0, progress=False)
+    return dst
+
+
+def _check_profile(p: PipelineProfile, name: str, path: Path, stages: list[str], samples: int) -> None:
+    assert p.name == name
+    assert Path(p.path) == path
+    assert list(p.stages) == stages
+    assert all(ms > 0 for ms in p.stages.values()), p.stages
+    assert p.samples == samples
+    assert p.total_ms == pytest.approx(sum(p.stages.values()))
+    assert p.stages[p.dominant] == max(p.stages.values())
+
+
+def test_profile_folder_stages(folder):
+    """A folder: read, decode, transforms, collate, each > 0 ms per sample; samples capped at the folder size."""
+    _check_profile(profile_folder(folder, samples=30, batch_size=8), "folder", folder, FOLDER_STAGES, 30)
+    _check_profile(profile_folder(folder, samples=500, batch_size=16), "folder", folder, FOLDER_STAGES, 80)
+
+
+def test_profile_folder_with_train_split(tmp_path):
+    """A root with ``train/`` profiles its training split."""
+    root = make_image_folder(
+        tmp_path / "split", num_classes=2, train_per_class=5, val_per_class=2, min_size=40, max_size=60
+    )
+    p = profile_folder(root, samples=100, batch_size=4, image_size=32)
+    assert Path(p.path) == root / "train"
+    assert p.samples == 10
+
+
+def test_profile_database_stages(database):
+    """A database: the folder's stages plus the normalization of the uint8 batch (no CUDA: no copy)."""
+    _check_profile(profile_database(database, samples=40, batch_size=16), "database", database, DATABASE_STAGES, 40)
+    _check_profile(profile_database(database, samples=1000, batch_size=16), "database", database, DATABASE_STAGES, 80)
+
+
+def test_profile_database_normalizes_every_sample(database, monkeypatch):
+    """Every timed sample is normalized, the last partial batch too, even when there is no full batch."""
+    normalized = []
+    original = profiling.normalize_batch
+
+    def spy(images, *args, **kwargs):
+        normalized.append(images.shape[0])
+        return original(images, *args, **kwargs)
+
+    monkeypatch.setattr(profiling, "normalize_batch", spy)
+    _check_profile(profile_database(database, samples=10, batch_size=64), "database", database, DATABASE_STAGES, 10)
+    assert normalized == [10]
+    normalized.clear()
+    profile_database(database, samples=40, batch_size=16)
+    assert normalized == [16, 16, 8]
+
+
+def _hand_made(name: str, dominant: str) -> PipelineProfile:
+    stages = {"read": 1.0, "decode": 1.0, "transforms": 1.0, "collate": 1.0, "normalize": 1.0, "to_device": 1.0}
+    stages[dominant] = 5.0
+    return PipelineProfile(name, "/data", stages, samples=10)
+
+
+@pytest.mark.parametrize(
+    ("name", "stage", "advice"),
+    [
+        ("folder", "decode", "--short-side"),
+        ("database", "decode", "--encoding raw"),
+        ("database", "decode", "decode='device'"),
+        ("folder", "read", "storage"),
+        ("folder", "read", "lightning-fastdata convert"),
+        ("database", "read", "storage"),
+        ("folder", "transforms", "FastImageDataModule"),
+        ("database", "transforms", "image_size"),
+        ("database", "collate", "uint8"),
+        ("database", "normalize", "GPU"),
+        ("database", "to_device", "pin_memory"),
+    ],
+)
+def test_conclusion_names_the_dominant_stage_and_its_advice(name, stage, advice):
+    """The conclusion names the dominant stage, its share and the total, and advice fit for the stage."""
+    p = _hand_made(name, stage)
+    conclusion = p.conclusion()
+    assert p.dominant == stage
+    assert conclusion.startswith(f"{name}: {stage} takes 50% of 10.00 ms per sample; ")
+    assert advice in conclusion
+
+
+def test_conclusion_of_a_database_read_does_not_advise_converting():
+    """A database is already converted: reading advice stops at storage."""
+    assert "convert" not in _hand_made("database", "read").conclusion()
+    assert "--short-side" not in _hand_made("database", "decode").conclusion()
+
+
+def test_format_table_has_a_row_per_stage_and_a_total():
+    """The table: a heading with name, path and samples, one row per stage with its share, and the total."""
+    p = PipelineProfile("folder", "/data", {"read": 1.0, "decode": 3.0}, samples=7)
+    lines = p.format_table().splitlines()
+    assert lines[0] == "folder (/data), 7 samples"
+    assert lines[3:] == ["| read | 1.000 | 25% |", "| decode | 3.000 | 75% |", "| total | 4.000 | 100% |"]
+
+
+def test_profile_folder_and_database(folder, database):
+    """``profile(folder, database=db)`` profiles both, folder first; the folder costs several times more."""
+    folder_profile, database_profile = profile(folder, database=database, samples=80, batch_size=16)
+    _check_profile(folder_profile, "folder", folder, FOLDER_STAGES, 80)
+    _check_profile(database_profile, "database", database, DATABASE_STAGES, 80)
+    ratio = folder_profile.total_ms / database_profile.total_ms
+    assert ratio > 1.5, (folder_profile.format_table(), database_profile.format_table())
+
+
+def test_profile_database_finds_its_source_folder(folder, database):
+    """``profile(db)`` reads the source folder from the database's metadata and profiles it too."""
+    profiles = profile(database, samples=20, batch_size=8)
+    assert [(p.name, Path(p.path)) for p in profiles] == [("folder", folder), ("database", database)]
+
+
+def test_profile_database_without_its_source(database, tmp_path):
+    """A database whose source folder is gone is profiled alone."""
+    src = make_image_folder(
+        tmp_path / "gone", num_classes=2, train_per_class=3, val_per_class=0, min_size=40, max_size=48
+    )
+    db = tmp_path / "db"
+    convert(src, db, short_side=96, num_workers=0, progress=False)
+    for path in src.rglob("*.jpg"):
+        path.unlink()
+    for path in sorted(src.rglob("*"), reverse=True):
+        path.rmdir()
+    src.rmdir()
+    assert [p.name for p in profile(db, samples=6, batch_size=4)] == ["database"]
+
+
+def test_profile_folder_alone_and_with_the_default_conversion(folder, tmp_path, monkeypatch):
+    """``profile(folder)`` profiles the folder alone, or with the conversion FastImageDataModule would read."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("LIGHTNING_FASTDATA_CACHE", str(cache))
+    assert [p.name for p in profile(folder, samples=20, batch_size=8)] == ["folder"]
+    dm = FastImageDataModule(str(folder))
+    assert dm.cache_root == cache.absolute()
+    convert(folder, dm.database_path, short_side=96, num_workers=0, progress=False)
+    profiles = profile(folder, samples=20, batch_size=8)
+    assert [(p.name, Path(p.path)) for p in profiles] == [("folder", folder), ("database", dm.database_path)]
+
+
+def test_profile_restores_the_thread_count(folder, database, tmp_path, monkeypatch):
+    """``profile`` times on one thread, as in a worker, and restores the caller's thread count, also on failure."""
+    seen = []
+    original = profiling.profile_folder
+
+    def spy(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(profiling, "profile_folder", spy)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        profile(folder, database=database, samples=8, batch_size=4)
+        assert seen == [1]
+        assert torch.get_num_threads() == 2
+        with pytest.raises(FileNotFoundError):
+            profile(tmp_path / "missing", samples=8)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_profile_with_a_database_that_is_not_one_raises(tmp_path):
+    """A mistyped ``database`` is an error that names it, not a silently missing profile."""
+    folder = tmp_path / "images"
+    folder.mkdir()
+    with pytest.raises(FileNotFoundError, match="is not a database"):
+        profile(folder, database=tmp_path / "nope")
