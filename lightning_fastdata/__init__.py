@@ -12,6 +12,7 @@ from lightning_fastdata.errors import (
     CorruptRecordError,
     DatasetFormatError,
     FastDataError,
+    SampleError,
     SourceLayoutError,
 )
 from lightning_fastdata.monitor import LoaderMonitor
@@ -28,6 +29,7 @@ __all__ = [
     "FastImageDataModule",
     "LmdbImageDataset",
     "LoaderMonitor",
+    "SampleError",
     "SkippedFile",
     "SourceLayoutError",
     "__version__",

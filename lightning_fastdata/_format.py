@@ -195,8 +195,21 @@ def open_readonly(path: str | os.PathLike[str]) -> lmdb.Environment:
             )
         except lmdb.Error as err:
             raise DatasetFormatError(f"{str(path)!r} cannot be opened as an LMDB database: {err}") from err
+        _check_size(env, st.st_size, path)
         _ENVS[str(path)] = (identity, env)
         return env
+
+
+def _check_size(env: lmdb.Environment, size: int, path: Path) -> None:
+    """Refuse a data file shorter than the pages LMDB says it uses: reading past its end would crash (SIGBUS)."""
+    needed = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
+    if size < needed:
+        env.close()
+        raise DatasetFormatError(
+            f"{str(path)!r} is truncated: {DATA_FILE} has {size} bytes but its pages need {needed}. The file was"
+            " cut short after conversion (a failed copy or a full disk); convert the source again, or copy the"
+            " database again."
+        )
 
 
 def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:

@@ -457,10 +457,10 @@ def _run(
         try:
             try:
                 meta = _write(plan, tmp, datasets, opts, workers, progress, initial_map_size, summary)
-            except lmdb.Error as err:
+            except (lmdb.Error, OSError) as err:
                 raise ConversionError(
                     f"writing the database under {str(tmp)!r} failed: {err}. Check free disk space and"
-                    f" permissions of {str(dst.parent)!r}, then run the conversion again."
+                    f" permissions of {str(dst.parent)!r}, then run the conversion again; nothing was published."
                 ) from err
             summary.seconds = time.perf_counter() - start
             if strict and summary.skipped:
@@ -474,7 +474,13 @@ def _run(
                 raise ConversionError(f"none of the {len(summary.skipped)} inputs could be converted.{first}")
             summary.bytes_out = _dir_size(tmp)
             report = {"meta": meta, **summary.to_dict()}
-            (tmp / _format.REPORT_FILE).write_text(json.dumps(report, indent=2, default=str))
+            try:
+                (tmp / _format.REPORT_FILE).write_text(json.dumps(report, indent=2, default=str))
+            except OSError as err:
+                raise ConversionError(
+                    f"writing {_format.REPORT_FILE} under {str(tmp)!r} failed: {err}. Check free disk space; nothing"
+                    " was published."
+                ) from err
             _publish(tmp, dst)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)

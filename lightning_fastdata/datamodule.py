@@ -27,6 +27,8 @@ from lightning_fastdata.device_decode import (
     normalize_float,
 )
 from lightning_fastdata.prefetch import DevicePrefetchLoader
+from lightning_fastdata.resumable import ResumableLoader, ResumableSampler
+from lightning_fastdata.skipping import SkipBadSamples, SkipCounter, SkippingCollate
 from lightning_fastdata.transforms import CenterCropResize, RandomResizedCropFlip, normalize_batch
 from lightning_fastdata.tuning import TuneCache, quick_tune
 
@@ -119,6 +121,9 @@ class FastImageDataModule(LightningDataModule):
         decode: ``"cpu"`` decodes in the workers; ``"device"`` ships the stored JPEG bytes and decodes, crops and
             resizes whole batches on the GPU (batched nvJPEG), so the workers do almost nothing per image. Without
             CUDA it warns once and decodes on the CPU.
+        on_bad_sample: ``"raise"`` stops on a sample that fails to read, decode or transform, with an error naming
+            the split, index and cause; ``"skip"`` leaves such samples out of their batch, logs the first few and
+            counts them in :attr:`skipped_samples`.
 
     Example:
         >>> from lightning.pytorch import Trainer
@@ -151,6 +156,7 @@ class FastImageDataModule(LightningDataModule):
         drop_last: bool = True,
         prefetch_to_device: bool | None = None,
         decode: Literal["cpu", "device"] = "cpu",
+        on_bad_sample: Literal["raise", "skip"] = "raise",
     ) -> None:
         super().__init__()
         if image_size < 1 or batch_size < 1:
@@ -163,6 +169,8 @@ class FastImageDataModule(LightningDataModule):
             raise ValueError(f"`val_fraction` must be in [0, 1), got {val_fraction}.")
         if decode not in ("cpu", "device"):
             raise ValueError(f"`decode` must be 'cpu' or 'device', got {decode!r}.")
+        if on_bad_sample not in ("raise", "skip"):
+            raise ValueError(f"`on_bad_sample` must be 'raise' or 'skip', got {on_bad_sample!r}.")
         if len(mean) != 3 or len(std) != 3 or min(std) <= 0:
             raise ValueError(f"`mean` and `std` need 3 values each and `std` > 0, got {mean} and {std}.")
         self.save_hyperparameters()
@@ -187,6 +195,8 @@ class FastImageDataModule(LightningDataModule):
         self.drop_last = drop_last
         self.prefetch_to_device = prefetch_to_device
         self.decode = decode
+        self.on_bad_sample = on_bad_sample
+        self._skip_counter = SkipCounter()
         self.train_dataset: Dataset | None = None
         self.val_dataset: Dataset | None = None
         self._warned_workers = False
@@ -222,6 +232,11 @@ class FastImageDataModule(LightningDataModule):
         if self.is_database or (self.database_path / _format.DATA_FILE).is_file():
             return list(_format.read_meta(self.database_path)["classes"])
         return folder_classes(Path(self.data_dir).expanduser())
+
+    @property
+    def skipped_samples(self) -> int:
+        """Samples left out so far under ``on_bad_sample="skip"`` (counted across DataLoader workers)."""
+        return self._skip_counter.value
 
     @property
     def num_classes(self) -> int:
@@ -370,13 +385,14 @@ class FastImageDataModule(LightningDataModule):
                 kwargs["prefetch_factor"] = self.prefetch_factor
         return kwargs
 
-    def _sampler(self, dataset: Dataset, shuffle: bool) -> DistributedSampler:
+    def _sampler(self, dataset: Dataset, shuffle: bool, resumable: bool = False) -> DistributedSampler:
         # A DistributedSampler seeded with `seed` in every case: Lightning leaves a DistributedSampler in place and
         # calls its `set_epoch` each epoch, so shuffling changes by epoch, is reproducible from `seed`, and shards
         # across ranks with the Trainer's own `distributed_sampler_kwargs` (num_replicas, rank).
         trainer = self.trainer
         dist_kwargs = (trainer.distributed_sampler_kwargs if trainer is not None else None) or {}
-        return DistributedSampler(
+        sampler_class = ResumableSampler if resumable else DistributedSampler
+        return sampler_class(
             dataset,
             num_replicas=dist_kwargs.get("num_replicas", 1),
             rank=dist_kwargs.get("rank", 0),
@@ -423,23 +439,29 @@ class FastImageDataModule(LightningDataModule):
             )
         return EncodedCropDataset(dataset, box, getattr(transform, "flip_p", 0.0), indices)
 
-    def _loader(self, dataset: Dataset, shuffle: bool, drop_last: bool) -> DataLoader:
+    def _loader(self, dataset: Dataset, shuffle: bool, drop_last: bool, train: bool = False) -> DataLoader:
         kwargs = self._loader_kwargs()
+        collate = None
         if self.uses_device_decode():
             transform = getattr(dataset, "transform", None)
             if isinstance(dataset, _IndexView):
                 transform = getattr(dataset.dataset, "transform", None)
             dataset = self._encoded(dataset, transform)
-            kwargs["collate_fn"] = collate_encoded
-        sampler = self._sampler(dataset, shuffle=shuffle)
-        if self.uses_prefetch():
+            collate = collate_encoded
+        if self.on_bad_sample == "skip":
+            dataset = SkipBadSamples(dataset, self._skip_counter)
+            collate = SkippingCollate(collate)
+        if collate is not None:
+            kwargs["collate_fn"] = collate
+        sampler = self._sampler(dataset, shuffle=shuffle, resumable=train)
+        device = self._device() if self.uses_prefetch() else None
+        if train:  # its position within the epoch is saved in checkpoints (exact mid-epoch resume)
+            return ResumableLoader(
+                dataset, sampler=sampler, drop_last=drop_last, device=device, on_device=self.to_model_input, **kwargs
+            )
+        if device is not None:
             return DevicePrefetchLoader(
-                dataset,
-                sampler=sampler,
-                drop_last=drop_last,
-                device=self._device(),
-                on_device=self.to_model_input,
-                **kwargs,
+                dataset, sampler=sampler, drop_last=drop_last, device=device, on_device=self.to_model_input, **kwargs
             )
         return DataLoader(dataset, sampler=sampler, drop_last=drop_last, **kwargs)
 
@@ -452,7 +474,7 @@ class FastImageDataModule(LightningDataModule):
         if self.train_dataset is None:
             self.setup("fit")
         assert self.train_dataset is not None
-        return self._loader(self.train_dataset, shuffle=True, drop_last=self.drop_last)
+        return self._loader(self.train_dataset, shuffle=True, drop_last=self.drop_last, train=True)
 
     @override
     def val_dataloader(self) -> DataLoader | list[DataLoader]:

@@ -16,7 +16,7 @@ from torch.utils.data import Dataset
 from torchvision.io import ImageReadMode, decode_jpeg, decode_png
 
 from lightning_fastdata import _format
-from lightning_fastdata.errors import CorruptRecordError
+from lightning_fastdata.errors import CorruptRecordError, SampleError
 
 Output = Literal["tensor", "pil", "encoded"]
 
@@ -173,7 +173,10 @@ class LmdbImageDataset(Dataset):
         image = self.decode(index, header, data)
         label: Any = header.label
         if self.transform is not None:
-            image = self.transform(image)
+            try:
+                image = self.transform(image)
+            except Exception as err:
+                raise SampleError(f"{self._where(index)}: the transform raised {type(err).__name__}: {err}") from err
         if self.target_transform is not None:
             label = self.target_transform(label)
         return image, label

@@ -21,3 +21,7 @@ class SourceLayoutError(FastDataError, ValueError):
 
 class ConversionError(FastDataError, RuntimeError):
     """A conversion could not finish (a skipped file under ``strict``, disk full, ...); nothing was published."""
+
+
+class SampleError(FastDataError, RuntimeError):
+    """A sample could not be produced (its transform raised); the message names the split, index and cause."""

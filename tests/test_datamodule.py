@@ -184,7 +184,7 @@ def test_train_batches_are_uint8(split_root: Path, shared_cache: Path) -> None:
     """Training batches are `(uint8 [B, 3, S, S], int64 [B])` from a plain DataLoader."""
     dm = _dm(split_root, shared_cache, image_size=24, batch_size=5)
     loader = dm.train_dataloader()
-    assert type(loader) is DataLoader
+    assert isinstance(loader, DataLoader)  # a real DataLoader (resumable: it saves its position in checkpoints)
     assert type(dm.val_dataloader()) is DataLoader
     batches = list(loader)
     assert len(batches) == SPLIT_TRAIN // 5  # drop_last

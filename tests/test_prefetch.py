@@ -26,6 +26,7 @@ from torch.utils.data.dataloader import _BaseDataLoaderIter
 from lightning_fastdata import DevicePrefetchLoader, FastImageDataModule, convert, make_image_folder
 from lightning_fastdata import prefetch as prefetch_module
 from lightning_fastdata.prefetch import prefetch_to_device, side_stream
+from lightning_fastdata.resumable import ResumableLoader
 
 DDP_SCRIPT = Path(__file__).with_name("prefetch_ddp_script.py")
 
@@ -372,13 +373,18 @@ def test_loader_on_cuda_iterates_through_prefetch(fake_cuda: _FakeCuda, monkeypa
 def test_datamodule_on_cpu_gives_plain_loaders(
     database: Path, prefetch: bool | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """On the CPU, with or without a Trainer, every setting of ``prefetch_to_device`` gives plain DataLoaders."""
+    """On the CPU, with or without a Trainer, no setting of ``prefetch_to_device`` prefetches.
+
+    The training loader is a (resumable) loader that does not look ahead; validation gets a plain DataLoader.
+    """
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     dm = _dm(database, prefetch_to_device=prefetch)
     for trainer in (None, _fake_trainer(torch.device("cpu"))):
         dm.trainer = trainer
         assert not dm.uses_prefetch()
-        assert type(dm.train_dataloader()) is DataLoader
+        train = dm.train_dataloader()
+        assert isinstance(train, ResumableLoader)
+        assert not train.prefetching
         assert type(dm.val_dataloader()) is DataLoader
 
 
@@ -403,7 +409,7 @@ def test_datamodule_prefetch_false_disables_it_on_cuda(database: Path) -> None:
     dm = _dm(database, prefetch_to_device=False)
     dm.trainer = _fake_trainer(torch.device("cuda", 0))
     assert not dm.uses_prefetch()
-    assert type(dm.train_dataloader()) is DataLoader
+    assert not dm.train_dataloader().prefetching
     assert type(dm.val_dataloader()) is DataLoader
 
 
@@ -482,7 +488,8 @@ def test_fit_on_cpu_with_prefetch_to_device(database: Path, cls: type[FastImageD
     )
     trainer.fit(model, datamodule=dm)
     loader = trainer.train_dataloader
-    assert isinstance(loader, DevicePrefetchLoader) == (cls is _ForcedPrefetch)
+    assert isinstance(loader, DevicePrefetchLoader)  # the training loader always is one (resumable)
+    assert loader.device == (torch.device("cpu") if cls is _ForcedPrefetch else None)
     assert model.batches == [3, 3]
     assert trainer.global_step == 6
     assert model.sampler_epochs == [0, 1]
@@ -518,7 +525,7 @@ def test_ddp_through_prefetch_loader_covers_the_training_set(ddp_run: list[dict[
     for rank, record in enumerate(ddp_run):
         assert record["rank"] == record["sampler_rank"] == rank
         assert record["world_size"] == record["num_replicas"] == 2
-        assert record["loader"] == "DevicePrefetchLoader"
+        assert record["loader"] == "ResumableLoader"  # a DevicePrefetchLoader that also saves its position
         assert record["dtypes"] == ["torch.float32"]
         assert record["sampler_epochs"] == [0, 1]
     n = rank0["train_size"]

@@ -1,0 +1,107 @@
+"""Exact mid-epoch resume: the training loader's position goes into Lightning checkpoints and comes back.
+
+Lightning saves ``state_dict()`` of every training loader that has one (``_Stateful``) into the checkpoint, and on
+resume calls ``load_state_dict()`` before it creates the iterator; its own batch counter continues from where the
+epoch stopped, while ``len()`` stays the full epoch. So the loader records how many batches it handed out in the
+current epoch, and on resume its sampler starts the same epoch's order that many samples in: every rank continues
+with exactly the samples it had not yet seen, in the order an uninterrupted run would have used.
+
+The order itself needs no saving: it is a function of ``seed``, the epoch and the rank (``DistributedSampler``).
+Under DDP the ranks run in lockstep, so the one state in the checkpoint (rank zero's batch count) is every rank's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from lightning.pytorch.utilities import rank_zero_warn
+from torch.utils.data import DistributedSampler
+
+from lightning_fastdata.prefetch import DevicePrefetchLoader
+
+
+class ResumableSampler(DistributedSampler):
+    """A seeded ``DistributedSampler`` that can start an epoch part-way through its order.
+
+    ``skip`` samples of this rank's order for the next epoch are left out once, then it is reset.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.skip = 0
+
+    def __iter__(self) -> Iterator[int]:
+        """This rank's indices for the epoch, without the first ``skip`` (one-shot)."""
+        indices = list(super().__iter__())
+        skip, self.skip = self.skip, 0
+        return iter(indices[skip:])
+
+
+class ResumableLoader(DevicePrefetchLoader):
+    """A training DataLoader whose position within the epoch is saved in checkpoints and restored on resume.
+
+    Needs a :class:`ResumableSampler`; with any other sampler it behaves as :class:`DevicePrefetchLoader` and saves
+    no state. Batches are counted as they are handed to the training loop (after any device look-ahead), so a
+    checkpoint taken after batch ``k`` resumes with batch ``k + 1``.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._handed_out = 0
+        self._resume_at = 0
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        """Iterate the epoch, counting the batches handed out."""
+        batches = super().__iter__()
+        if not isinstance(self.sampler, ResumableSampler):
+            return batches
+        self._handed_out, self._resume_at = self._resume_at, 0
+        return self._counted(batches)
+
+    def _counted(self, batches: Iterator[Any]) -> Iterator[Any]:
+        for batch in batches:
+            self._handed_out += 1
+            yield batch
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position in the epoch: epoch, batches handed out, and what the order depends on."""
+        sampler = self.sampler
+        if not isinstance(sampler, ResumableSampler):
+            return {}
+        return {
+            "epoch": sampler.epoch,
+            "batches": self._handed_out,
+            "batch_size": self.batch_size,
+            "num_samples": sampler.num_samples,
+            "seed": sampler.seed,
+            "shuffle": sampler.shuffle,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue the saved epoch after its last handed-out batch (or start the next one if it was complete)."""
+        sampler = self.sampler
+        if not state or not isinstance(sampler, ResumableSampler):
+            return
+        expected = {
+            "batch_size": self.batch_size,
+            "num_samples": sampler.num_samples,
+            "seed": sampler.seed,
+            "shuffle": sampler.shuffle,
+        }
+        changed = {k: (state.get(k), v) for k, v in expected.items() if state.get(k) != v}
+        if changed:
+            found = ", ".join(f"{k}: checkpoint {old!r}, now {new!r}" for k, (old, new) in changed.items())
+            rank_zero_warn(
+                f"The training data changed since the checkpoint ({found}); resuming at the start of epoch"
+                f" {state.get('epoch')} instead of mid-epoch, so some samples of that epoch are seen twice."
+            )
+            sampler.set_epoch(int(state.get("epoch", 0)))
+            return
+        epoch, batches = int(state["epoch"]), int(state["batches"])
+        if batches >= len(self):  # the epoch was complete: the next one starts from its beginning
+            sampler.set_epoch(epoch + 1)
+            return
+        sampler.set_epoch(epoch)  # before the iterator exists: workers read the sampler when it is created
+        sampler.skip = batches * int(self.batch_size or 1)
+        self._resume_at = batches
