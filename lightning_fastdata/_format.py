@@ -143,7 +143,7 @@ def load_meta(raw: bytes | None, path: str | os.PathLike[str]) -> dict[str, Any]
 # share an environment. A forked child must not use its parent's environments: they are closed in the child right
 # after the fork, and reopened on first use.
 
-_ENVS: dict[str, tuple[tuple[int, int], lmdb.Environment]] = {}
+_ENVS: dict[str, tuple[tuple[int, int, int], lmdb.Environment]] = {}
 _ENVS_LOCK = threading.Lock()
 
 
@@ -181,12 +181,13 @@ def open_readonly(path: str | os.PathLike[str]) -> lmdb.Environment:
             f"{str(path)!r} is not a lightning_fastdata database (no {DATA_FILE} in it)."
             " Create one with `lightning-fastdata convert SRC DST` and pass DST."
         ) from None
-    identity = (st.st_dev, st.st_ino)
+    # the size too: a data file cut short in place (same inode) must be checked again, not read past its end
+    identity = (st.st_dev, st.st_ino, st.st_size)
     with _ENVS_LOCK:
         cached = _ENVS.get(str(path))
         if cached is not None and cached[0] == identity:
             return cached[1]
-        if cached is not None:  # the database was replaced (re-converted) since we opened it
+        if cached is not None:  # the database was replaced (re-converted) or its file changed size since we opened it
             cached[1].close()
             del _ENVS[str(path)]
         try:

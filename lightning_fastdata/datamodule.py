@@ -456,8 +456,15 @@ class FastImageDataModule(LightningDataModule):
         sampler = self._sampler(dataset, shuffle=shuffle, resumable=train)
         device = self._device() if self.uses_prefetch() else None
         if train:  # its position within the epoch is saved in checkpoints (exact mid-epoch resume)
+            limit = getattr(self.trainer, "limit_train_batches", 1.0)
             return ResumableLoader(
-                dataset, sampler=sampler, drop_last=drop_last, device=device, on_device=self.to_model_input, **kwargs
+                dataset,
+                sampler=sampler,
+                drop_last=drop_last,
+                device=device,
+                on_device=self.to_model_input,
+                limit_batches=limit if isinstance(limit, (int, float)) else 1.0,
+                **kwargs,
             )
         if device is not None:
             return DevicePrefetchLoader(

@@ -184,8 +184,13 @@ class LmdbImageDataset(Dataset):
     @property
     def targets(self) -> list[int]:
         """The label of every sample, read from the database on each access (not kept in memory)."""
-        with self._environment().begin() as txn:
-            raw = txn.get(_format.labels_key(self.split))
+        try:
+            with self._environment().begin() as txn:
+                raw = txn.get(_format.labels_key(self.split))
+        except lmdb.Error as err:
+            raise CorruptRecordError(
+                f"reading the labels of split {self.split!r} of {self.path!r} failed: {err}"
+            ) from err
         if raw is None or len(raw) != 4 * self._length:
             raise CorruptRecordError(f"the label array of split {self.split!r} of {self.path!r} is missing or damaged")
         return np.frombuffer(raw, dtype="<i4").tolist()

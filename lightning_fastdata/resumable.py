@@ -44,10 +44,18 @@ class ResumableLoader(DevicePrefetchLoader):
     Needs a :class:`ResumableSampler`; with any other sampler it behaves as :class:`DevicePrefetchLoader` and saves
     no state. Batches are counted as they are handed to the training loop (after any device look-ahead), so a
     checkpoint taken after batch ``k`` resumes with batch ``k + 1``.
+
+    Args:
+        *args: the arguments of :class:`~lightning_fastdata.DevicePrefetchLoader`.
+        limit_batches: the Trainer's ``limit_train_batches``: an epoch that handed out this many batches (an int, or
+            a share of ``len()`` as a float) was complete, so resuming from it starts the next epoch.
+        **kwargs: the keyword arguments of :class:`~lightning_fastdata.DevicePrefetchLoader`.
+
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, limit_batches: int | float = 1.0, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.limit_batches = limit_batches
         self._handed_out = 0
         self._resume_at = 0
 
@@ -63,6 +71,12 @@ class ResumableLoader(DevicePrefetchLoader):
         for batch in batches:
             self._handed_out += 1
             yield batch
+
+    def batches_per_epoch(self) -> int:
+        """The batches the training loop takes from an epoch: ``len()`` cut by ``limit_batches``, as Lightning does."""
+        if isinstance(self.limit_batches, int):
+            return min(len(self), self.limit_batches)
+        return int(len(self) * self.limit_batches)
 
     def state_dict(self) -> dict[str, Any]:
         """The position in the epoch: epoch, batches handed out, and what the order depends on."""
@@ -93,15 +107,17 @@ class ResumableLoader(DevicePrefetchLoader):
         if changed:
             found = ", ".join(f"{k}: checkpoint {old!r}, now {new!r}" for k, (old, new) in changed.items())
             rank_zero_warn(
-                f"The training data changed since the checkpoint ({found}); resuming at the start of epoch"
-                f" {state.get('epoch')} instead of mid-epoch, so some samples of that epoch are seen twice."
+                f"The training data changed since the checkpoint ({found}), so the resume cannot be exact: epoch"
+                f" {state.get('epoch')} restarts from the beginning of its order while the Trainer counts on from"
+                f" batch {state.get('batches')}; for the rest of that epoch some samples are seen twice and some not"
+                " at all. Later epochs are complete."
             )
             sampler.set_epoch(int(state.get("epoch", 0)))
             return
         epoch, batches = int(state["epoch"]), int(state["batches"])
-        if batches >= len(self):  # the epoch was complete: the next one starts from its beginning
+        if batches >= self.batches_per_epoch():  # the epoch was complete: the next one starts from its beginning
             sampler.set_epoch(epoch + 1)
             return
-        sampler.set_epoch(epoch)  # before the iterator exists: workers read the sampler when it is created
+        sampler.set_epoch(epoch)  # before the iterator exists, which reads the sampler (at once, with workers)
         sampler.skip = batches * int(self.batch_size or 1)
         self._resume_at = batches

@@ -21,7 +21,10 @@ class SkipCounter:
     """A sample counter shared with DataLoader workers (a ``multiprocessing.Value``: fork and spawn both see it)."""
 
     def __init__(self) -> None:
-        self._value = multiprocessing.get_context().Value("q", 0)
+        # A spawn-context value: its lock is a named semaphore, which forked children inherit and spawn or forkserver
+        # children (spawn-context DataLoader workers, `strategy="ddp_spawn"`) reopen by name. A fork-context lock,
+        # the default on Linux, refuses to be sent to a spawned process, and the DataModule holding it with it.
+        self._value = multiprocessing.get_context("spawn").Value("q", 0)
 
     def add(self, n: int = 1) -> int:
         """Add ``n``; returns the new total."""

@@ -373,11 +373,12 @@ def test_slow_dataset_is_input_bound_with_worker_advice():
 def test_slow_model_is_compute_bound_without_advice():
     """A model that sleeps per step fed from memory is compute-bound, and gets no advice."""
     monitor = LoaderMonitor(warmup_epochs=1)
-    _fit(monitor, _in_memory(16), _TinyModel(step_sleep=0.03))
+    # 80 ms steps: Lightning's own few-ms gap between batches (more on a loaded machine) stays far below 5%
+    _fit(monitor, _in_memory(16), _TinyModel(step_sleep=0.08))
     summary = monitor.summary
     assert summary["measured_steps"] == 8
     assert summary["verdict"] == "compute-bound"
-    assert summary["step_p50_ms"] >= 30.0
+    assert summary["step_p50_ms"] >= 80.0
     assert summary["speedup_if_data_free"] < 1.05
     assert summary["advice"] == []
     assert "compute-bound" in monitor.format_table()

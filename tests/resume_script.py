@@ -1,0 +1,148 @@
+"""Training runs for the exact mid-epoch resume tests, run as a script by ``test_resumable.py``.
+
+Usage: ``python resume_script.py MODE DATA_DIR OUT_DIR SEED DEVICES WORKERS EVERY SLOW_AFTER CKPT [LIMIT]``.
+
+``MODE`` is ``fit`` (train from scratch) or ``resume`` (``trainer.fit(..., ckpt_path=CKPT)``). Two epochs of a tiny
+model on ``FastImageDataModule`` whose items carry their sample index; ``DEVICES`` > 1 is DDP on CPU (Lightning
+re-executes this script for the other ranks). ``ModelCheckpoint`` saves ``OUT_DIR/ckpt/step=<n>.ckpt`` every
+``EVERY`` steps. Each rank appends one JSON line per training batch to ``OUT_DIR/rank<r>.jsonl`` (flushed at once):
+``{"step", "epoch", "batch_idx", "indices"}``. After step ``SLOW_AFTER`` (``0``: never) each step sleeps 0.2 s, so
+the harness can kill the run a few steps later. ``LIMIT`` is ``Trainer(limit_train_batches)`` (default ``1.0``).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.nn import functional as F
+from torch.utils.data import Dataset
+
+from lightning_fastdata import FastImageDataModule
+
+
+class _WithIndex(Dataset):
+    """Items ``(image, label, index)``: the index identifies the sample in its database split."""
+
+    def __init__(self, dataset: Dataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, index: int) -> tuple[Any, Any, int]:
+        image, label = self.dataset[index]
+        return image, label, index
+
+
+class IndexedDataModule(FastImageDataModule):
+    """``FastImageDataModule`` whose batches are ``(images, labels, indices)``."""
+
+    def build_dataset(self, split: str, transform: Callable[[Any], Any] | None) -> Dataset:
+        return _WithIndex(super().build_dataset(split, transform))
+
+
+class RecordingModel(LightningModule):
+    """A linear classifier on the mean colour that appends every training batch's sample indices to a JSONL file."""
+
+    def __init__(self, out_dir: str) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(3, 2)
+        self.out_dir = out_dir
+        self._file: TextIO | None = None
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        images, labels, _ = batch
+        return F.cross_entropy(self.layer(images.mean(dim=(2, 3))), labels)
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self._file is None:
+            self._file = open(Path(self.out_dir, f"rank{self.global_rank}.jsonl"), "a")  # noqa: SIM115
+        record = {
+            "step": self.trainer.global_step,
+            "epoch": self.current_epoch,
+            "batch_idx": batch_idx,
+            "indices": batch[2].tolist(),
+        }
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+
+    def on_train_end(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class SlowDown(Callback):
+    """Sleeps 0.2 s at the end of every step after ``after`` (gives the harness time to kill the run)."""
+
+    def __init__(self, after: int) -> None:
+        self.after = after
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+        if self.after and trainer.global_step > self.after:
+            time.sleep(0.2)
+
+
+def main(
+    mode: str,
+    data_dir: str,
+    out_dir: str,
+    seed: int,
+    devices: int,
+    workers: int,
+    every: int,
+    slow_after: int,
+    ckpt: str,
+    limit: int | float = 1.0,
+) -> None:
+    if mode not in ("fit", "resume"):
+        raise ValueError(f"MODE must be 'fit' or 'resume', got {mode!r}")
+    torch.set_num_threads(1)
+    dm = IndexedDataModule(
+        data_dir, image_size=16, batch_size=4, num_workers=workers, val_fraction=0, seed=seed, drop_last=False
+    )
+    checkpoint = ModelCheckpoint(
+        dirpath=Path(out_dir, "ckpt"), filename="{step}", every_n_train_steps=every, save_top_k=-1
+    )
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy="ddp" if devices > 1 else "auto",
+        max_epochs=2,
+        limit_train_batches=limit,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[SlowDown(slow_after), checkpoint],
+    )
+    trainer.fit(RecordingModel(out_dir), datamodule=dm, ckpt_path=ckpt if mode == "resume" else None)
+
+
+if __name__ == "__main__":
+    mode, data_dir, out_dir, seed, devices, workers, every, slow_after, ckpt = sys.argv[1:10]
+    limit = sys.argv[10] if len(sys.argv) > 10 else "1.0"
+    main(
+        mode,
+        data_dir,
+        out_dir,
+        int(seed),
+        int(devices),
+        int(workers),
+        int(every),
+        int(slow_after),
+        ckpt,
+        float(limit) if "." in limit else int(limit),
+    )

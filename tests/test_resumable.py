@@ -1,0 +1,530 @@
+"""Tests for ``lightning_fastdata.resumable``: sampler and loader state, then real runs killed and resumed."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+from unittest.mock import Mock
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
+
+from lightning_fastdata import FastImageDataModule, convert, make_image_folder
+from lightning_fastdata import prefetch as prefetch_module
+from lightning_fastdata.resumable import ResumableLoader, ResumableSampler
+
+SCRIPT = Path(__file__).with_name("resume_script.py")
+
+#: variables a DDP launch reads: a stale one from the calling environment must not leak into the run
+_DIST_VARS = ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "GLOBAL_RANK", "WORLD_SIZE", "RANK")
+
+#: the unit tests' dataset: 22 samples in batches of 4 are 6 batches, the last one partial (2 samples)
+N, BATCH = 22, 4
+NUM_BATCHES = 6
+
+#: the training runs: 2 classes x 30 images, no val split; batch size 4, two epochs
+NUM_IMAGES, SEED = 60, 3
+
+#: seconds any one training subprocess may take before it is killed and the test fails
+RUN_TIMEOUT = 120
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Helpers
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _dataset(n: int = N) -> TensorDataset:
+    """Items ``(index,)``: a batch's first element is its sample ids."""
+    return TensorDataset(torch.arange(n))
+
+
+def _loader(
+    seed: int = 0,
+    epoch: int = 0,
+    batch_size: int = BATCH,
+    num_replicas: int = 1,
+    rank: int = 0,
+    dataset: Dataset | None = None,
+    **kwargs: Any,
+) -> ResumableLoader:
+    """A resumable loader as the DataModule builds it: a seeded, shuffling ``ResumableSampler`` set to ``epoch``."""
+    dataset = _dataset() if dataset is None else dataset
+    sampler = ResumableSampler(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed)
+    sampler.set_epoch(epoch)
+    return ResumableLoader(dataset, sampler=sampler, batch_size=batch_size, **kwargs)
+
+
+def _ids(batches: Any) -> list[list[int]]:
+    """The sample ids of each batch."""
+    return [batch[0].tolist() for batch in batches]
+
+
+def _reference(
+    seed: int = 0, epoch: int = 0, batch_size: int = BATCH, num_replicas: int = 1, rank: int = 0
+) -> list[list[int]]:
+    """One uninterrupted epoch from a plain DataLoader and ``DistributedSampler`` (independent of the code tested)."""
+    dataset = _dataset()
+    sampler = DistributedSampler(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed)
+    sampler.set_epoch(epoch)
+    return _ids(DataLoader(dataset, sampler=sampler, batch_size=batch_size))
+
+
+def _take(loader: ResumableLoader, k: int) -> dict[str, Any]:
+    """Hand out ``k`` batches of a fresh epoch of ``loader`` and return its state."""
+    batches = iter(loader)
+    for _ in range(k):
+        next(batches)
+    return loader.state_dict()
+
+
+def _state(epoch: int, batches: int, seed: int = 0, **changes: Any) -> dict[str, Any]:
+    """A saved state of the unit tests' loader."""
+    state = {"epoch": epoch, "batches": batches, "batch_size": BATCH, "num_samples": N, "seed": seed, "shuffle": True}
+    return {**state, **changes}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# ResumableSampler and ResumableLoader
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def test_reference_epochs_differ() -> None:
+    """The reference orders depend on seed and epoch (so the resume tests below can tell them apart)."""
+    assert _reference(0, 0) != _reference(0, 1)
+    assert _reference(0, 1) != _reference(1, 1)
+    assert sorted(i for batch in _reference(0, 1) for i in batch) == list(range(N))
+    assert len(_reference()) == NUM_BATCHES
+
+
+def test_sampler_skips_once_then_yields_full_epochs() -> None:
+    """``skip`` leaves out exactly that many of this epoch's indices, once; later epochs are complete."""
+    dataset = _dataset()
+    sampler = ResumableSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=5)
+    plain = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=5)
+    full = list(plain)
+    sampler.skip = 7
+    assert list(sampler) == full[7:]
+    assert sampler.skip == 0
+    assert len(sampler) == N  # the length stays the full epoch, as Lightning expects
+    assert list(sampler) == full
+    sampler.set_epoch(1)
+    plain.set_epoch(1)
+    assert list(sampler) == list(plain) != full
+
+
+def test_state_dict_counts_handed_out_batches() -> None:
+    """The state is the epoch, the batches handed out so far in it, and what the order depends on."""
+    loader = _loader(seed=7, epoch=1)
+    assert loader.state_dict() == _state(1, 0, seed=7)
+    assert _take(loader, 3) == _state(1, 3, seed=7)
+    assert _take(loader, 1) == _state(1, 1, seed=7)  # a new iterator starts the count again
+    list(loader)
+    assert loader.state_dict() == _state(1, NUM_BATCHES, seed=7)
+
+
+@pytest.mark.parametrize("k", [1, 4, NUM_BATCHES - 1])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_resume_yields_the_rest_of_the_epoch(workers: int, k: int) -> None:
+    """A fresh loader given the state after ``k`` batches hands out exactly the epoch's remaining batches.
+
+    Then, with the same (persistent) workers, the next epoch is complete.
+    """
+    kwargs: dict[str, Any] = {"num_workers": workers, "persistent_workers": workers > 0}
+    state = _take(_loader(seed=2, epoch=1, **kwargs), k)
+    assert state == _state(1, k, seed=2)
+    resumed = _loader(seed=2, epoch=0, **kwargs)  # Lightning creates the loader at epoch 0, then loads the state
+    resumed.load_state_dict(state)
+    assert resumed.sampler.epoch == 1
+    assert len(resumed) == NUM_BATCHES  # Lightning's batch counter continues at k; the length stays the full epoch
+    assert _ids(resumed) == _reference(2, 1)[k:]
+    assert resumed.state_dict() == _state(1, NUM_BATCHES, seed=2)  # the resumed epoch is counted from k
+    resumed.sampler.set_epoch(2)
+    assert _ids(resumed) == _reference(2, 2)
+    assert resumed.state_dict() == _state(2, NUM_BATCHES, seed=2)
+
+
+def test_resume_into_a_loader_with_live_persistent_workers() -> None:
+    """Loading a state into a loader whose persistent workers already ran an epoch still skips the right batches."""
+    loader = _loader(seed=4, num_workers=2, persistent_workers=True)
+    assert _ids(loader) == _reference(4, 0)
+    loader.load_state_dict(_state(1, 2, seed=4))
+    assert _ids(loader) == _reference(4, 1)[2:]
+
+
+def test_ranks_resume_from_rank_zero_state() -> None:
+    """Under DDP the checkpoint holds rank zero's state: every rank resumes its own shard from it."""
+    state = _take(_loader(seed=1, num_replicas=2, rank=0), 2)
+    assert state["num_samples"] == N // 2
+    for rank in (0, 1):
+        resumed = _loader(seed=1, num_replicas=2, rank=rank)
+        resumed.load_state_dict(state)
+        assert _ids(resumed) == _reference(1, 0, num_replicas=2, rank=rank)[2:]
+
+
+def test_state_at_epoch_end_starts_the_next_epoch() -> None:
+    """A state whose batches are the whole epoch resumes with the next epoch, from its start."""
+    loader = _loader(seed=3, epoch=1)
+    list(loader)
+    state = loader.state_dict()
+    assert state == _state(1, NUM_BATCHES, seed=3)
+    resumed = _loader(seed=3)
+    resumed.load_state_dict(state)
+    assert resumed.sampler.epoch == 2
+    assert resumed.sampler.skip == 0
+    assert _ids(resumed) == _reference(3, 2)
+
+
+@pytest.mark.parametrize(("limit", "per_epoch"), [(4, 4), (100, NUM_BATCHES), (0.5, 3), (1.0, NUM_BATCHES)])
+def test_epoch_end_under_limit_batches(limit: int | float, per_epoch: int) -> None:
+    """With ``limit_train_batches`` the epoch ends after the limit: a state there starts the next epoch.
+
+    A state one batch earlier still continues the same epoch.
+    """
+    assert _loader(limit_batches=limit).batches_per_epoch() == per_epoch
+    at_end = _loader(limit_batches=limit)
+    at_end.load_state_dict(_state(1, per_epoch))
+    assert at_end.sampler.epoch == 2
+    assert _ids(at_end) == _reference(0, 2)
+    before_end = _loader(limit_batches=limit)
+    before_end.load_state_dict(_state(1, per_epoch - 1))
+    assert before_end.sampler.epoch == 1
+    assert _ids(before_end) == _reference(0, 1)[per_epoch - 1 :]
+
+
+@pytest.mark.parametrize(
+    ("changes", "found"),
+    [
+        ({"seed": 1}, "seed: checkpoint 0, now 1"),
+        ({"batch_size": 2}, "batch_size: checkpoint 4, now 2"),
+        ({"shuffle": False}, "shuffle: checkpoint True, now False"),
+    ],
+)
+def test_changed_data_warns_once_and_restarts_the_epoch(changes: dict[str, Any], found: str) -> None:
+    """A state saved for other data (seed, batch size, shuffle) warns once and starts its epoch from the beginning."""
+    state = _take(_loader(), 2)
+    state["epoch"] = 1
+    seed, batch_size = changes.get("seed", 0), changes.get("batch_size", BATCH)
+    loader = _loader(seed=seed, batch_size=batch_size)
+    if "shuffle" in changes:
+        loader.sampler.shuffle = changes["shuffle"]
+    with pytest.warns(UserWarning, match="The training data changed since the checkpoint") as record:
+        loader.load_state_dict(state)
+    messages = [str(w.message) for w in record if "changed since the checkpoint" in str(w.message)]
+    assert len(messages) == 1
+    assert found in messages[0]
+    assert "epoch 1 restarts from the beginning of its order" in messages[0]
+    assert loader.sampler.epoch == 1
+    assert loader.sampler.skip == 0
+    if "shuffle" in changes:
+        assert _ids(loader) == [list(range(i, min(i + BATCH, N))) for i in range(0, N, BATCH)]
+    else:
+        assert _ids(loader) == _reference(seed, 1, batch_size=batch_size)
+
+
+def test_empty_state_is_a_no_op() -> None:
+    """An empty state (a checkpoint from before the loader was resumable) changes nothing, and warns nothing."""
+    loader = _loader(seed=2, epoch=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loader.load_state_dict({})
+    assert loader.sampler.epoch == 1
+    assert loader.sampler.skip == 0
+    assert _ids(loader) == _reference(2, 1)
+
+
+@pytest.mark.parametrize("sampler", ["distributed", "default"])
+def test_non_resumable_sampler_has_no_state(sampler: str) -> None:
+    """With a plain ``DistributedSampler`` (or none) the loader saves ``{}`` and ignores a loaded state."""
+    dataset = _dataset()
+    if sampler == "distributed":
+        plain = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=0)
+        loader = ResumableLoader(dataset, sampler=plain, batch_size=BATCH)
+        expected = _reference(0, 0)
+    else:
+        loader = ResumableLoader(dataset, batch_size=BATCH)
+        expected = [list(range(i, min(i + BATCH, N))) for i in range(0, N, BATCH)]
+    assert loader.state_dict() == {}
+    assert _take(loader, 2) == {}
+    loader.load_state_dict(_state(1, 2))
+    assert getattr(loader.sampler, "epoch", 0) == 0
+    assert _ids(loader) == expected
+    assert loader.state_dict() == {}
+
+
+class _RecordingDataset(Dataset):
+    """Items ``(index,)`` that log every index read."""
+
+    def __init__(self, n: int = N) -> None:
+        self.n = n
+        self.read: list[int] = []
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor]:
+        self.read.append(index)
+        return (torch.tensor(index),)
+
+
+class _FakeStream:
+    """A CUDA stream for ``prefetch_to_device``: ``wait_stream`` does nothing."""
+
+    def wait_stream(self, other: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CUDA streams patched so the loader's device look-ahead runs on the CPU (copies are the identity)."""
+    compute = _FakeStream()
+    monkeypatch.setattr(prefetch_module, "_SIDE_STREAMS", {})
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: _FakeStream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: compute)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(prefetch_module, "_to_device", lambda batch, device: batch)
+
+
+@pytest.mark.usefixtures("fake_cuda")
+def test_count_is_of_handed_out_batches_under_device_lookahead() -> None:
+    """Copying one batch ahead to the device reads batch k + 1 early, but the state counts the k handed out."""
+    dataset = _RecordingDataset()
+    loader = _loader(seed=6, epoch=1, dataset=dataset, device="cuda:0")
+    assert loader.prefetching
+    state = _take(loader, 3)
+    assert len(dataset.read) == 4 * BATCH  # the look-ahead already read batch 4
+    assert state == _state(1, 3, seed=6)
+    resumed = _loader(seed=6, dataset=_RecordingDataset(), device="cuda:0")
+    resumed.load_state_dict(state)
+    assert _ids(resumed) == _reference(6, 1)[3:]  # batch 4, read but never handed out, is not lost
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# FastImageDataModule's training loader
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def resume_database(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A converted plain ImageFolder of 60 tiny images in 2 classes (no val split)."""
+    root = tmp_path_factory.mktemp("resume")
+    src = make_image_folder(
+        root / "src", num_classes=2, train_per_class=NUM_IMAGES // 2, val_per_class=0, min_size=20, max_size=32
+    )
+    db = root / "db.lmdb"
+    convert(src, db, num_workers=0, progress=False)
+    return db
+
+
+@pytest.mark.parametrize(("limit", "per_epoch"), [(None, NUM_IMAGES // 4), (10, 10), (0.5, NUM_IMAGES // 8)])
+def test_datamodule_loader_takes_the_trainers_limit(
+    resume_database: Path, limit: int | float | None, per_epoch: int
+) -> None:
+    """The training loader knows ``Trainer(limit_train_batches)``, so it knows where Lightning's epoch ends."""
+    dm = FastImageDataModule(str(resume_database), image_size=16, batch_size=4, num_workers=0, val_fraction=0, seed=1)
+    if limit is not None:
+        dm.trainer = Mock(
+            world_size=1,
+            num_nodes=1,
+            precision="32-true",
+            distributed_sampler_kwargs=None,
+            strategy=Mock(root_device=torch.device("cpu")),
+            limit_train_batches=limit,
+        )
+    loader = dm.train_dataloader()
+    assert isinstance(loader, ResumableLoader)
+    assert isinstance(loader.sampler, ResumableSampler)
+    assert loader.sampler.seed == 1
+    assert loader.batches_per_epoch() == per_epoch
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Real runs: uninterrupted (A), killed after a checkpoint (B), resumed from it (C)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in _DIST_VARS}
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def _start(
+    database: Path, out: Path, mode: str, devices: int, every: int, slow_after: int = 0, **opts: Any
+) -> subprocess.Popen[bytes]:
+    """Start ``resume_script.py`` in its own session (so the whole process group can be killed); output to a log."""
+    out.mkdir(parents=True)
+    args = [mode, str(database), str(out), str(SEED), str(devices), "2", str(every), str(slow_after)]
+    args += [str(opts.get("ckpt", "-")), str(opts.get("limit", "1.0"))]
+    with open(out / "log.txt", "w") as log:
+        return subprocess.Popen(
+            [sys.executable, str(SCRIPT), *args],
+            env=_env(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    """SIGKILL the run's whole process group (DDP ranks and DataLoader workers too) and reap it."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+
+
+def _log(out: Path) -> str:
+    return (out / "log.txt").read_text()[-4000:]
+
+
+def _finish(proc: subprocess.Popen, out: Path) -> None:
+    """Wait for a run to finish (killing it and failing on timeout) and check that it succeeded."""
+    try:
+        proc.wait(timeout=RUN_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        _kill(proc)
+        pytest.fail(f"run in {out} did not finish in {RUN_TIMEOUT} s:\n{_log(out)}")
+    assert proc.returncode == 0, _log(out)
+
+
+def _complete_lines(path: Path) -> list[str]:
+    """The lines of a JSONL file that are complete (a writer may be part-way through the last one)."""
+    if not path.exists():
+        return []
+    text = path.read_text()
+    return text.splitlines()[: text.count("\n")]
+
+
+def _records(out: Path, rank: int) -> list[dict[str, Any]]:
+    """Rank ``rank``'s per-batch records: ``{"step", "epoch", "batch_idx", "indices"}``."""
+    return [json.loads(line) for line in _complete_lines(out / f"rank{rank}.jsonl")]
+
+
+def _train(database: Path, out: Path, mode: str, devices: int, every: int, **opts: Any) -> list[list[dict[str, Any]]]:
+    """Run the script to the end; returns each rank's records."""
+    _finish(_start(database, out, mode, devices, every, **opts), out)
+    return [_records(out, rank) for rank in range(devices)]
+
+
+def _train_until_killed(database: Path, out: Path, devices: int, every: int, kill_after: int) -> None:
+    """Train, slowing after step ``kill_after``; SIGKILL the run once that checkpoint exists and 2 more steps ran."""
+    proc = _start(database, out, "fit", devices, every, slow_after=kill_after)
+    checkpoint = out / "ckpt" / f"step={kill_after}.ckpt"
+    deadline = time.monotonic() + RUN_TIMEOUT
+    try:
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"run B ended (exit code {proc.returncode}) before it was killed:\n{_log(out)}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"run B did not reach step {kill_after + 2} in {RUN_TIMEOUT} s:\n{_log(out)}")
+            steps = [
+                [json.loads(line)["step"] for line in _complete_lines(out / f"rank{r}.jsonl")] for r in range(devices)
+            ]
+            if checkpoint.exists() and all(sum(s > kill_after for s in rank) >= 2 for rank in steps):
+                break
+            time.sleep(0.05)
+    finally:
+        _kill(proc)
+    assert proc.returncode == -signal.SIGKILL
+
+
+def _loader_state(checkpoint: Path) -> list[dict[str, Any]]:
+    """The training loaders' states that Lightning saved in a checkpoint."""
+    return torch.load(checkpoint, map_location="cpu", weights_only=False)["loops"]["fit_loop"]["state_dict"][
+        "combined_loader"
+    ]
+
+
+def _check_resumed(
+    full: list[list[dict[str, Any]]], killed: list[list[dict[str, Any]]], resumed: list[list[dict[str, Any]]], k: int
+) -> None:
+    """Per rank: the killed run's first ``k`` steps, then the resumed run's steps, are exactly the uninterrupted run."""
+    for a, b, c in zip(full, killed, resumed, strict=True):
+        assert [r["step"] for r in b[:k]] == list(range(1, k + 1))
+        assert len(b) >= k + 2  # the killed run went past the checkpoint: those steps are replayed by the resumed run
+        assert b[: k + 2] == a[: k + 2]
+        assert c[0]["step"] == k + 1
+        assert b[:k] + c == a
+        assert len({tuple(r["indices"]) for r in a}) == len(a)  # the comparison is of distinct batches
+
+
+@pytest.fixture(scope="module")
+def single_runs(resume_database: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One device: run A to the end; run B killed after step 15 (epoch 0's last), checkpoints every 5 steps."""
+    root = tmp_path_factory.mktemp("single")
+    full = _train(resume_database, root / "a", "fit", devices=1, every=5)
+    _train_until_killed(resume_database, root / "b", devices=1, every=5, kill_after=15)
+    return {"full": full, "killed": [_records(root / "b", 0)], "ckpt": root / "b" / "ckpt"}
+
+
+@pytest.mark.parametrize("k", [5, 15])
+def test_killed_run_resumes_exactly(resume_database: Path, single_runs: dict[str, Any], tmp_path: Path, k: int) -> None:
+    """Killed after its step-``k`` checkpoint (mid-epoch at 5, epoch end at 15) and resumed: the same batches as A."""
+    full = single_runs["full"]
+    assert len(full[0]) == 2 * NUM_IMAGES // 4
+    checkpoint = single_runs["ckpt"] / f"step={k}.ckpt"
+    assert _loader_state(checkpoint) == [
+        {"epoch": 0, "batches": k, "batch_size": 4, "num_samples": NUM_IMAGES, "seed": SEED, "shuffle": True}
+    ]
+    resumed = _train(resume_database, tmp_path / "c", "resume", devices=1, every=5, ckpt=checkpoint)
+    _check_resumed(full, single_runs["killed"], resumed, k)
+    first = resumed[0][0]
+    if k == NUM_IMAGES // 4:  # the epoch was complete: epoch 1 from its start
+        assert (first["epoch"], first["batch_idx"]) == (1, 0)
+    else:
+        assert (first["epoch"], first["batch_idx"]) == (0, k)
+
+
+def test_resume_at_epoch_end_under_limit_train_batches(resume_database: Path, tmp_path: Path) -> None:
+    """``limit_train_batches=10`` ends each epoch after 10 of its 15 batches: resuming there starts epoch 1."""
+    full = _train(resume_database, tmp_path / "a", "fit", devices=1, every=5, limit=10)
+    assert [r["epoch"] for r in full[0]] == [0] * 10 + [1] * 10
+    checkpoint = tmp_path / "a" / "ckpt" / "step=10.ckpt"
+    assert _loader_state(checkpoint)[0]["batches"] == 10
+    resumed = _train(resume_database, tmp_path / "c", "resume", devices=1, every=5, ckpt=checkpoint, limit=10)
+    assert resumed[0] == full[0][10:]
+
+
+@pytest.fixture(scope="module")
+def ddp_runs(resume_database: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Two-rank DDP on CPU: run A to the end; run B killed after step 8 (epoch 0's last), checkpoints every 4 steps.
+
+    30 samples per rank in batches of 4 (``drop_last=False``) are 8 batches per epoch, the last one of 2 samples.
+    """
+    root = tmp_path_factory.mktemp("ddp")
+    full = _train(resume_database, root / "a", "fit", devices=2, every=4)
+    _train_until_killed(resume_database, root / "b", devices=2, every=4, kill_after=8)
+    killed = [_records(root / "b", rank) for rank in range(2)]
+    return {"full": full, "killed": killed, "ckpt": root / "b" / "ckpt"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("k", [4, 8])
+def test_killed_ddp_run_resumes_exactly(
+    resume_database: Path, ddp_runs: dict[str, Any], tmp_path: Path, k: int
+) -> None:
+    """DDP, killed after the step-``k`` checkpoint (mid-epoch at 4, epoch end at 8): every rank replays A's batches."""
+    full = ddp_runs["full"]
+    assert [len(rank) for rank in full] == [16, 16]
+    assert [len(r["indices"]) for r in full[0][:8]] == [4] * 7 + [2]
+    shards = [{i for r in rank[:8] for i in r["indices"]} for rank in full]
+    assert len(shards[0]) == len(shards[1]) == NUM_IMAGES // 2
+    assert not shards[0] & shards[1]  # epoch 0: each rank its own half
+    checkpoint = ddp_runs["ckpt"] / f"step={k}.ckpt"
+    assert _loader_state(checkpoint) == [
+        {"epoch": 0, "batches": k, "batch_size": 4, "num_samples": NUM_IMAGES // 2, "seed": SEED, "shuffle": True}
+    ]
+    resumed = _train(resume_database, tmp_path / "c", "resume", devices=2, every=4, ckpt=checkpoint)
+    _check_resumed(full, ddp_runs["killed"], resumed, k)
+    for rank in resumed:
+        assert (rank[0]["epoch"], rank[0]["batch_idx"]) == ((1, 0) if k == 8 else (0, k))
