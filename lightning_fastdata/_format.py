@@ -197,8 +197,64 @@ def open_readonly(path: str | os.PathLike[str]) -> lmdb.Environment:
         except lmdb.Error as err:
             raise DatasetFormatError(f"{str(path)!r} cannot be opened as an LMDB database: {err}") from err
         _check_size(env, st.st_size, path)
+        if identity not in _VERIFIED:
+            try:
+                _check_structure(path)
+            except DatasetFormatError:
+                env.close()
+                raise
+            _VERIFIED.add(identity)
         _ENVS[str(path)] = (identity, env)
         return env
+
+
+#: databases (device, inode, size) whose LMDB pages were walked without a crash, in this process or its parent
+_VERIFIED: set[tuple[int, int, int]] = set()
+
+# Runs in a fresh interpreter that imports only lmdb: it looks up every key the reader will ever ask for, the way the
+# reader does (values as views: record bytes are not read; their CRC covers them, and a missing or damaged record is
+# reported when it is read, naming its split and index). LMDB trusts its own B-tree pages, so a damaged branch or
+# leaf page can abort or SIGBUS the process that walks it; here that process is a throwaway child, and its death
+# becomes a clear error at open instead of a crash in training.
+_STRUCTURE_CHECK = r"""
+import json, sys
+import lmdb
+env = lmdb.open(sys.argv[1], readonly=True, lock=False, readahead=False, meminit=False, subdir=True)
+with env.begin(buffers=True) as txn:
+    raw = txn.get(b"__meta__")
+    try:
+        splits = json.loads(bytes(raw).decode())["splits"]
+        lengths = {str(name): int(info["length"]) for name, info in splits.items()}
+    except Exception:
+        sys.exit(0)  # not ours, incomplete or unreadable metadata: load_meta says which, clearly
+    for name, length in lengths.items():
+        txn.get(f"__labels__/{name}".encode())
+        for i in range(length):
+            txn.get(f"{name}/{i:010d}".encode())  # a view: walks the pages, reads no record bytes
+"""
+
+
+def _check_structure(path: Path) -> None:
+    """Walk every lookup of the database in a child process; if LMDB crashes on it, raise a clear error instead."""
+    import signal
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-c", _STRUCTURE_CHECK, str(path)], capture_output=True, text=True, timeout=3600
+    )
+    if proc.returncode == 0:
+        return
+    last_line = (proc.stderr.strip().splitlines() or [""])[-1]
+    if proc.returncode < 0:
+        name = signal.Signals(-proc.returncode).name
+        detail = f"walking its index pages crashed LMDB ({name}{': ' + last_line if last_line else ''})"
+    else:
+        detail = proc.stdout.strip() or last_line or f"the check exited with status {proc.returncode}"
+    raise DatasetFormatError(
+        f"{str(path)!r} is damaged: {detail}. Its LMDB pages were overwritten after conversion; convert the source"
+        " again, or copy the database again."
+    )
 
 
 def _check_size(env: lmdb.Environment, size: int, path: Path) -> None:

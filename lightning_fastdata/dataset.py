@@ -82,6 +82,7 @@ class LmdbImageDataset(Dataset):
         self._length = int(splits[split]["length"])
         self._env: lmdb.Environment | None = None
         self._pid: int | None = None
+        self._file_size = 0
 
     def __len__(self) -> int:
         return self._length
@@ -90,6 +91,7 @@ class LmdbImageDataset(Dataset):
         """The LMDB environment of this process, opened on first use (and again after a fork)."""
         if self._env is None or self._pid != os.getpid():
             self._env = _format.open_readonly(self.path)
+            self._file_size = os.path.getsize(os.path.join(self.path, _format.DATA_FILE))
             self._pid = os.getpid()
         return self._env
 
@@ -113,6 +115,8 @@ class LmdbImageDataset(Dataset):
                 record = txn.get(_format.record_key(self.split, index))
                 if record is None:
                     raise CorruptRecordError("the record is missing")
+                if len(record) > self._file_size:  # a damaged length: touching it would read past the file's end
+                    raise CorruptRecordError(f"the record claims {len(record)} bytes, more than the whole file")
                 header, payload = _format.unpack_record(record, verify=self.verify_checksums)
                 data = bytearray(payload)  # one copy out of the memory map, writable for torch.frombuffer
         except (CorruptRecordError, lmdb.Error) as err:
