@@ -28,6 +28,7 @@ import numpy as np
 import psutil
 import pytest
 import torch
+from indexed import WithIndex
 from PIL import Image
 from torch.utils.data import Dataset
 
@@ -85,20 +86,6 @@ class _RaiseOn:
         return self.inner(image)
 
 
-class _WithIndex(Dataset):
-    """``(image, label, index)``: the batches say which samples they hold."""
-
-    def __init__(self, dataset: Dataset) -> None:
-        self.dataset = dataset
-
-    def __len__(self) -> int:
-        return len(self.dataset)  # type: ignore[arg-type]
-
-    def __getitem__(self, index: int) -> tuple[Any, Any, int]:
-        image, label = self.dataset[index]
-        return image, label, index
-
-
 class _FaultyModule(FastImageDataModule):
     """Training samples carry their index; the training transform raises for the images in ``bad_images``."""
 
@@ -108,7 +95,7 @@ class _FaultyModule(FastImageDataModule):
         return _RaiseOn(self.bad_images, self.image_size)
 
     def build_dataset(self, split: str, transform: Callable[[Any], Any] | None) -> Dataset:
-        return _WithIndex(super().build_dataset(split, transform))
+        return WithIndex(super().build_dataset(split, transform))
 
 
 def _faulty_module(
