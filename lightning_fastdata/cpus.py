@@ -53,6 +53,11 @@ def cgroup_cpu_quota(root: str | os.PathLike[str] = _CGROUP_ROOT) -> float | Non
     return None
 
 
+def processes_per_node(world_size: int, num_nodes: int) -> int:
+    """Training processes on each node (devices per node under DDP), at least 1."""
+    return max(1, world_size // max(1, num_nodes))
+
+
 def usable_cpu_count(cgroup_root: str | os.PathLike[str] = _CGROUP_ROOT) -> int:
     """The CPUs this process may use: its CPU affinity, capped by the cgroup quota (rounded up), at least 1.
 

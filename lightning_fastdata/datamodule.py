@@ -17,19 +17,18 @@ from typing_extensions import override
 
 from lightning_fastdata import _format
 from lightning_fastdata.convert import convert, folder_classes
-from lightning_fastdata.cpus import usable_cpu_count
+from lightning_fastdata.cpus import processes_per_node, usable_cpu_count
 from lightning_fastdata.dataset import LmdbImageDataset
 from lightning_fastdata.device_decode import (
     EncodedCropDataset,
     EncodedImages,
     collate_encoded,
     encoded_batch_to_images,
-    normalize_float,
 )
 from lightning_fastdata.prefetch import DevicePrefetchLoader
 from lightning_fastdata.resumable import ResumableLoader, ResumableSampler
 from lightning_fastdata.skipping import SkipBadSamples, SkipCounter, SkippingCollate
-from lightning_fastdata.transforms import CenterCropResize, RandomResizedCropFlip, normalize_batch
+from lightning_fastdata.transforms import CenterCropResize, RandomResizedCropFlip, normalize_batch, normalize_float
 from lightning_fastdata.tuning import TuneCache, quick_tune
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -309,9 +308,7 @@ class FastImageDataModule(LightningDataModule):
 
     def _processes_per_node(self) -> int:
         trainer = self.trainer
-        if trainer is None:
-            return 1
-        return max(1, trainer.world_size // max(1, trainer.num_nodes))
+        return 1 if trainer is None else processes_per_node(trainer.world_size, trainer.num_nodes)
 
     def worker_budget(self) -> int:
         """Workers per process that the usable CPUs allow: usable CPUs // training processes on this node."""

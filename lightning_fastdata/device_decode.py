@@ -136,18 +136,6 @@ def decode_crop(encoded: EncodedImages, size: int, device: torch.device) -> Tens
     return out
 
 
-def normalize_float(
-    images: Tensor, mean: Tensor, std: Tensor, dtype: torch.dtype = torch.float32, channels_last: bool = False
-) -> Tensor:
-    """Normalize float images in 0-255 in place: ``x / (255 std) - mean / std``, then cast to ``dtype``."""
-    scale = (1.0 / (255.0 * std)).to(device=images.device, dtype=images.dtype).view(1, -1, 1, 1)
-    shift = (mean / std).to(device=images.device, dtype=images.dtype).view(1, -1, 1, 1)
-    images.mul_(scale).sub_(shift)
-    if channels_last:
-        images = images.contiguous(memory_format=torch.channels_last)
-    return images.to(dtype) if dtype != images.dtype else images
-
-
 def encoded_batch_to_images(batch: Any, size: int, device: torch.device, normalize: Callable[[Tensor], Tensor]) -> Any:
     """Replace an ``EncodedImages`` first element of a batch by its decoded, normalized images on ``device``."""
     if not isinstance(batch, (tuple, list)) or not batch or not isinstance(batch[0], EncodedImages):

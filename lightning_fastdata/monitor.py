@@ -21,7 +21,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightning_fastdata.cpus import CpuMeter, usable_cpu_count
+from lightning_fastdata.cpus import CpuMeter, processes_per_node, usable_cpu_count
 
 log = logging.getLogger(__name__)
 
@@ -431,7 +431,7 @@ class LoaderMonitor(Callback):
         if loader is None:
             return ["the training dataloader is not a torch DataLoader; time its fetch to find the slow stage"]
         advice = []
-        processes = max(1, trainer.world_size // max(1, trainer.num_nodes))
+        processes = processes_per_node(trainer.world_size, trainer.num_nodes)
         budget = usable_cpu_count() // processes
         workers = loader.num_workers
         if workers == 0:

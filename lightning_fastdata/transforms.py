@@ -132,8 +132,6 @@ def normalize_batch(
     """
     if images.dtype != torch.uint8:
         raise TypeError(f"expected a uint8 image batch, got {images.dtype}; is the batch already normalized?")
-    scale = (1.0 / (255.0 * std)).to(device=images.device, dtype=torch.float32).view(1, -1, 1, 1)
-    shift = (mean / std).to(device=images.device, dtype=torch.float32).view(1, -1, 1, 1)
     if images.device.type == "cpu":
         out = _host_empty(images.shape, channels_last)
         out.copy_(images)
@@ -141,8 +139,19 @@ def normalize_batch(
         if channels_last:
             images = images.contiguous(memory_format=torch.channels_last)
         out = images.to(torch.float32)
-    out.mul_(scale).sub_(shift)  # x / (255 std) - mean / std, in place on the one float copy
-    return out.to(dtype) if dtype != torch.float32 else out
+    return normalize_float(out, mean, std, dtype)
+
+
+def normalize_float(
+    images: Tensor, mean: Tensor, std: Tensor, dtype: torch.dtype = torch.float32, channels_last: bool = False
+) -> Tensor:
+    """Normalize float images in 0-255 in place: ``x / (255 std) - mean / std``, then cast to ``dtype``."""
+    scale = (1.0 / (255.0 * std)).to(device=images.device, dtype=images.dtype).view(1, -1, 1, 1)
+    shift = (mean / std).to(device=images.device, dtype=images.dtype).view(1, -1, 1, 1)
+    images.mul_(scale).sub_(shift)
+    if channels_last:
+        images = images.contiguous(memory_format=torch.channels_last)
+    return images.to(dtype) if dtype != images.dtype else images
 
 
 def _host_empty(shape: torch.Size, channels_last: bool) -> Tensor:

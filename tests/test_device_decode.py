@@ -23,10 +23,9 @@ from lightning_fastdata.device_decode import (
     collate_encoded,
     decode_crop,
     encoded_batch_to_images,
-    normalize_float,
 )
 from lightning_fastdata.prefetch import DevicePrefetchLoader
-from lightning_fastdata.transforms import CenterCropResize, RandomResizedCropFlip
+from lightning_fastdata.transforms import CenterCropResize, RandomResizedCropFlip, normalize_float
 
 #: the generated databases: 2 classes x (10 train + 4 val); the plain one has no val split
 TRAIN_SIZE, VAL_SIZE, PLAIN_SIZE = 20, 8, 20
