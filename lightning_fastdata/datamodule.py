@@ -19,16 +19,11 @@ from lightning_fastdata import _format
 from lightning_fastdata.convert import convert, folder_classes
 from lightning_fastdata.cpus import processes_per_node, usable_cpu_count
 from lightning_fastdata.dataset import LmdbImageDataset
-from lightning_fastdata.device_decode import (
-    EncodedCropDataset,
-    EncodedImages,
-    collate_encoded,
-    encoded_batch_to_images,
-)
-from lightning_fastdata.prefetch import DevicePrefetchLoader
-from lightning_fastdata.resumable import ResumableLoader, ResumableSampler
-from lightning_fastdata.skipping import SkipBadSamples, SkipCounter, SkippingCollate
-from lightning_fastdata.transforms import CenterCropResize, RandomResizedCropFlip, normalize_batch, normalize_float
+from lightning_fastdata.device_decode import EncodedImages, encoded_batch_to_images
+from lightning_fastdata.loader import BatchReader, FastLoader
+from lightning_fastdata.resumable import ResumableSampler
+from lightning_fastdata.skipping import SkipCounter
+from lightning_fastdata.transforms import CenterCropResize, Normalizer, RandomResizedCropFlip
 from lightning_fastdata.tuning import TuneCache, quick_tune
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -47,8 +42,11 @@ def default_cache_dir() -> Path:
 
 
 def _worker_init(worker_id: int) -> None:
-    """One intra-op thread per worker: the workers already use every core the budget gives them."""
+    """One intra-op thread per worker (torch and OpenCV): the workers already use every core the budget gives them."""
+    import cv2
+
     torch.set_num_threads(1)
+    cv2.setNumThreads(1)
 
 
 def _describe(obj: Any) -> str:
@@ -78,9 +76,10 @@ class FastImageDataModule(LightningDataModule):
     """A LightningDataModule for image classification that converts once to LMDB and feeds uint8 batches.
 
     ``prepare_data`` converts the image folder into an LMDB database (once: later runs find it up to date);
-    ``setup`` opens it. Workers decode and crop to ``uint8`` CHW tensors and collate them into one ``uint8`` NCHW
-    batch (a quarter of the bytes of float32); ``on_after_batch_transfer`` converts to float and normalizes on the
-    device. Batches are ``(images, labels)``.
+    ``setup`` opens it. Loader threads (or worker processes, ``engine="processes"``) decode each image and crop,
+    resize and flip it straight into one batch buffer (:mod:`lightning_fastdata.loader` follows a sample from
+    record to device batch). On CUDA the batch stays ``uint8`` (a quarter of the bytes of float32) and is normalized
+    on the device; on a CPU it is normalized to ``float32`` in the loader threads. Batches are ``(images, labels)``.
 
     Worker count, ``pin_memory`` and ``persistent_workers`` are chosen for the machine when left at their
     defaults: ``num_workers="auto"`` is the CPUs this process may really use (affinity, cgroup quota) divided by
@@ -96,9 +95,13 @@ class FastImageDataModule(LightningDataModule):
             ``~/.cache/lightning_fastdata``. Never inside ``data_dir``.
         image_size: side length of the square training and validation crops.
         batch_size: samples per batch (per process under DDP).
-        num_workers: DataLoader workers per process; ``"auto"`` budgets them from the usable CPUs; ``"tune"``
-            measures 0 up to the budget for a few seconds on the training data and keeps the cheapest count within 5%
-            of the fastest (cached under ``cache_dir``, keyed by database, transforms, batch size and CPUs).
+        num_workers: loader threads (or worker processes, see ``engine``) per training process; ``"auto"`` budgets
+            them from the usable CPUs; ``"tune"`` measures 0 up to the budget for a few seconds on the training data
+            and keeps the cheapest count within 5% of the fastest (cached under ``cache_dir``, keyed by database,
+            transforms, batch size, engine and CPUs).
+        engine: ``"threads"`` builds batches on ``num_workers`` threads in the training process (no worker
+            start-up, no copy of the dataset per worker, no inter-process transfer; decoding and resizing release the
+            GIL); ``"processes"`` on ``num_workers`` DataLoader worker processes.
         pin_memory: page-locked host batches for fast, asynchronous copies; default: on when training on CUDA.
         persistent_workers: keep workers alive between epochs; default: on when there are workers.
         prefetch_factor: batches each worker loads ahead; default: PyTorch's 2.
@@ -139,6 +142,7 @@ class FastImageDataModule(LightningDataModule):
         image_size: int = 224,
         batch_size: int = 64,
         num_workers: int | Literal["auto", "tune"] = "auto",
+        engine: Literal["threads", "processes"] = "threads",
         pin_memory: bool | None = None,
         persistent_workers: bool | None = None,
         prefetch_factor: int | None = None,
@@ -166,6 +170,8 @@ class FastImageDataModule(LightningDataModule):
             raise ValueError(f"`prefetch_factor` must be >= 1 or None, got {prefetch_factor}.")
         if not 0 <= val_fraction < 1:
             raise ValueError(f"`val_fraction` must be in [0, 1), got {val_fraction}.")
+        if engine not in ("threads", "processes"):
+            raise ValueError(f"`engine` must be 'threads' or 'processes', got {engine!r}.")
         if decode not in ("cpu", "device"):
             raise ValueError(f"`decode` must be 'cpu' or 'device', got {decode!r}.")
         if on_bad_sample not in ("raise", "skip"):
@@ -178,6 +184,7 @@ class FastImageDataModule(LightningDataModule):
         self.image_size = image_size
         self.batch_size = batch_size
         self.num_workers = num_workers
+        self.engine = engine
         self.pin_memory = pin_memory
         self.persistent_workers = persistent_workers
         self.prefetch_factor = prefetch_factor
@@ -185,6 +192,7 @@ class FastImageDataModule(LightningDataModule):
         self.seed = seed
         self.mean = torch.tensor(mean, dtype=torch.float32)
         self.std = torch.tensor(std, dtype=torch.float32)
+        self.normalizer = Normalizer(tuple(mean), tuple(std))
         self.scale = tuple(scale)
         self.crop_fraction = crop_fraction
         self.short_side = short_side
@@ -342,6 +350,7 @@ class FastImageDataModule(LightningDataModule):
             "usable_cpus": usable_cpu_count(),
             "processes_per_node": self._processes_per_node(),
             "decode": self.decode,
+            "engine": self.engine,
         }
         return hashlib.sha256(repr(sorted(parts.items())).encode()).hexdigest()[:16]
 
@@ -355,8 +364,8 @@ class FastImageDataModule(LightningDataModule):
         if entry is not None and isinstance(entry.get("num_workers"), int):
             self._tuned = int(entry["num_workers"])
             return self._tuned
-        dataset = self.build_dataset("train", self.train_transform())
-        result = quick_tune(dataset, self.batch_size, self.worker_budget())
+        reader = self._reader(self.build_dataset("train", self.train_transform()))
+        result = quick_tune(reader, self.batch_size, self.worker_budget(), engine=self.engine)
         self._tuned = result.pick.config.num_workers
         cache.put(key, {"num_workers": self._tuned, **result.to_dict()})
         rank_zero_info(f"num_workers='tune' measured the training loader:\n{result.format_table()}")
@@ -372,9 +381,14 @@ class FastImageDataModule(LightningDataModule):
         workers = self.resolved_num_workers()
         kwargs: dict[str, Any] = {
             "batch_size": self.batch_size,
-            "num_workers": workers,
             "pin_memory": self._on_cuda() if self.pin_memory is None else self.pin_memory,
         }
+        if self.engine == "threads":
+            kwargs["threads"] = workers
+            if self.prefetch_factor is not None:
+                kwargs["prefetch_batches"] = self.prefetch_factor * max(1, workers)
+            return kwargs
+        kwargs["num_workers"] = workers
         if workers > 0:
             kwargs["persistent_workers"] = True if self.persistent_workers is None else self.persistent_workers
             kwargs["worker_init_fn"] = _worker_init
@@ -422,52 +436,37 @@ class FastImageDataModule(LightningDataModule):
             )
         return False
 
-    def _encoded(self, dataset: Dataset, transform: Callable[[Any], Any] | None) -> Dataset:
-        """The device-decode twin of a split: the same records and indices, read without decoding."""
-        indices = None
-        if isinstance(dataset, _IndexView):
-            dataset, indices = dataset.dataset, dataset.indices
-        box = getattr(transform, "box", None)
-        if not isinstance(dataset, LmdbImageDataset) or not callable(box):
-            raise TypeError(
-                "`decode='device'` needs `build_dataset` to return an LmdbImageDataset and the transforms to be"
-                f" RandomResizedCropFlip / CenterCropResize (objects with a `box(height, width)` method); got"
-                f" {type(dataset).__name__} and {type(transform).__name__}. Use `decode='cpu'` for custom pipelines."
-            )
-        return EncodedCropDataset(dataset, box, getattr(transform, "flip_p", 0.0), indices)
+    def _reader(self, dataset: Dataset, pin_memory: bool = False) -> BatchReader:
+        """How batches of ``dataset`` are built: encoded for device decode, uint8 for CUDA, normalized float on CPU."""
+        if self.uses_device_decode():
+            output = "encoded"
+        elif self._device().type == "cuda":
+            output = "uint8"
+        else:
+            output = "float"
+        skip = self._skip_counter if self.on_bad_sample == "skip" else None
+        return BatchReader(
+            dataset,
+            output=output,  # type: ignore[arg-type]
+            normalizer=self.normalizer,
+            channels_last=self.channels_last,
+            skip_counter=skip,
+            pin_memory=pin_memory and self.engine == "threads",
+        )
 
     def _loader(self, dataset: Dataset, shuffle: bool, drop_last: bool, train: bool = False) -> DataLoader:
+        """The loader of one split; :mod:`lightning_fastdata.loader` follows a sample from record to device batch."""
         kwargs = self._loader_kwargs()
-        collate = None
-        if self.uses_device_decode():
-            transform = getattr(dataset, "transform", None)
-            if isinstance(dataset, _IndexView):
-                transform = getattr(dataset.dataset, "transform", None)
-            dataset = self._encoded(dataset, transform)
-            collate = collate_encoded
-        if self.on_bad_sample == "skip":
-            dataset = SkipBadSamples(dataset, self._skip_counter)
-            collate = SkippingCollate(collate)
-        if collate is not None:
-            kwargs["collate_fn"] = collate
-        sampler = self._sampler(dataset, shuffle=shuffle, resumable=train)
-        device = self._device() if self.uses_prefetch() else None
-        if train:  # its position within the epoch is saved in checkpoints (exact mid-epoch resume)
-            limit = getattr(self.trainer, "limit_train_batches", 1.0)
-            return ResumableLoader(
-                dataset,
-                sampler=sampler,
-                drop_last=drop_last,
-                device=device,
-                on_device=self.to_model_input,
-                limit_batches=limit if isinstance(limit, (int, float)) else 1.0,
-                **kwargs,
-            )
-        if device is not None:
-            return DevicePrefetchLoader(
-                dataset, sampler=sampler, drop_last=drop_last, device=device, on_device=self.to_model_input, **kwargs
-            )
-        return DataLoader(dataset, sampler=sampler, drop_last=drop_last, **kwargs)
+        limit = getattr(self.trainer, "limit_train_batches", 1.0) if train else 1.0
+        return FastLoader(
+            self._reader(dataset, pin_memory=kwargs["pin_memory"]),
+            sampler=self._sampler(dataset, shuffle=shuffle, resumable=train),
+            drop_last=drop_last,
+            device=self._device() if self.uses_prefetch() else None,
+            on_device=self.to_model_input,
+            limit_batches=limit if isinstance(limit, (int, float)) else 1.0,
+            **kwargs,
+        )
 
     @override
     def train_dataloader(self) -> DataLoader:
@@ -515,12 +514,24 @@ class FastImageDataModule(LightningDataModule):
                 batch,
                 self.image_size,
                 self._device(),
-                lambda x: normalize_float(x, self.mean, self.std, dtype, channels_last),
+                lambda x: self.normalizer.float_(x, dtype, channels_last),
+                skip=self._skip_decoded if self.on_bad_sample == "skip" else None,
             )
-        if not isinstance(first, torch.Tensor) or first.dtype != torch.uint8:
+        if not isinstance(first, torch.Tensor):
             return batch
-        images = normalize_batch(first, self.mean, self.std, self.batch_dtype(), self.channels_last)
+        if first.dtype == torch.uint8:
+            images = self.normalizer.batch(first, self.batch_dtype(), self.channels_last)
+        elif first.is_floating_point() and first.dtype != self.batch_dtype():  # normalized by the loader threads
+            images = first.to(self.batch_dtype())
+        else:
+            return batch
         return type(batch)([images, *batch[1:]]) if isinstance(batch, list) else (images, *batch[1:])
+
+    def _skip_decoded(self, err: Exception) -> None:
+        """``on_bad_sample="skip"`` for images that fail to decode on the device: count and log, as the loader does."""
+        total = self._skip_counter.add()
+        if total <= 10:
+            rank_zero_warn(f"skipping a bad sample ({total} so far): {err}")
 
     @override
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:

@@ -14,11 +14,12 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch.nn import functional as F
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, default_collate
 from torchvision.io import ImageReadMode, decode_jpeg
 
 from lightning_fastdata import _format
 from lightning_fastdata.dataset import LmdbImageDataset
+from lightning_fastdata.errors import CorruptRecordError, SampleError
 
 #: ``(top, left, height, width)`` of the crop in source pixels
 Box = tuple[int, int, int, int]
@@ -34,17 +35,22 @@ class EncodedImages:
         data: per image, 1-D uint8 JPEG bytes, or an already decoded uint8 CHW tensor (non-JPEG records).
         boxes: ``(B, 4)`` int64 ``(top, left, height, width)``.
         flips: ``(B,)`` bool, horizontal flip after the crop.
+        records: per image, ``(height, width, where)``: the size in the record header, checked after decoding,
+            and the split and index, named in errors.
 
     """
 
-    __slots__ = ("boxes", "data", "flips")
+    __slots__ = ("boxes", "data", "flips", "records")
 
-    def __init__(self, data: list[Tensor], boxes: Tensor, flips: Tensor) -> None:
-        if not len(data) == len(boxes) == len(flips):
+    def __init__(
+        self, data: list[Tensor], boxes: Tensor, flips: Tensor, records: list[tuple[int, int, str]] | None = None
+    ) -> None:
+        if not len(data) == len(boxes) == len(flips) or (records is not None and len(records) != len(data)):
             raise ValueError(f"got {len(data)} images, {len(boxes)} boxes and {len(flips)} flips")
         self.data = data
         self.boxes = boxes
         self.flips = flips
+        self.records = records
 
     def __len__(self) -> int:
         return len(self.data)
@@ -81,30 +87,111 @@ class EncodedCropDataset(Dataset):
         return len(self.dataset) if self.indices is None else len(self.indices)
 
     def __getitem__(self, index: int) -> tuple[tuple[Tensor, Box, bool], int]:
+        (image, box, flip, _), label = self.read(index)
+        return (image, box, flip), label
+
+    def read(self, index: int) -> tuple[tuple[Tensor, Box, bool, tuple[int, int, str]], Any]:
+        """Sample ``index`` with its record's ``(height, width, where)``, checked after decoding on the device."""
         if self.indices is not None:
             index = int(self.indices[index])
         header, data = self.dataset.read_record(index)
         if header.encoding == _format.ENCODING_JPEG:
             image = torch.frombuffer(data, dtype=torch.uint8)
         else:  # not JPEG (raw pixels, PNG): nvJPEG cannot take it, so it travels decoded
-            image = self.dataset.decode(index, header, data)
+            image = torch.from_numpy(self.dataset.decode_hwc(index, header, data)).permute(2, 0, 1)
         box = self.box_fn(header.height, header.width)
         flip = self.flip_p > 0 and random.random() < self.flip_p
-        return (image, box, flip), header.label
+        target_transform = self.dataset.target_transform
+        label = target_transform(header.label) if target_transform is not None else header.label
+        return (image, box, flip, (header.height, header.width, self.dataset._where(index))), label
 
 
-def collate_encoded(samples: Sequence[tuple[tuple[Tensor, Box, bool], int]]) -> tuple[EncodedImages, Tensor]:
-    """Collate ``EncodedCropDataset`` samples into ``(EncodedImages, labels)``; module level, so spawn can pickle it."""
-    data, boxes, flips, labels = [], [], [], []
-    for (image, box, flip), label in samples:
+def collate_encoded(samples: Sequence[tuple[tuple[Any, ...], Any]]) -> tuple[EncodedImages, Any]:
+    """Collate ``(image, box, flip[, record]), label`` samples into ``(EncodedImages, labels)``.
+
+    Module level, so spawn can pickle it; a sample may carry its record's ``(height, width, where)`` fourth.
+    """
+    data, boxes, flips, records, labels = [], [], [], [], []
+    for (image, box, flip, *record), label in samples:
         data.append(image)
         boxes.append(box)
         flips.append(flip)
+        records.extend(record)
         labels.append(label)
     images = EncodedImages(
-        data, torch.tensor(boxes, dtype=torch.int64).reshape(-1, 4), torch.tensor(flips, dtype=torch.bool)
+        data,
+        torch.tensor(boxes, dtype=torch.int64).reshape(-1, 4),
+        torch.tensor(flips, dtype=torch.bool),
+        records if len(records) == len(data) else None,
     )
-    return images, torch.tensor(labels, dtype=torch.int64)
+    if all(type(label) is int for label in labels):
+        return images, torch.tensor(labels, dtype=torch.int64)
+    return images, default_collate(labels)
+
+
+_DECODE_STREAMS: dict[int, Any] = {}
+
+
+def _decode_on_device(inputs: list[Tensor], device: torch.device) -> list[Tensor]:
+    """Batched nvJPEG decode on a dedicated stream, made safe for the caller's stream.
+
+    torchvision allocates the outputs on the *current* stream but writes them on nvJPEG's own stream without waiting
+    for it, so memory that kernels queued on the current stream still read could be overwritten. Here the current
+    stream during the decode is a dedicated one that only ever holds decode outputs; the caller's stream then waits
+    for it, and ``record_stream`` keeps each output's memory from being reused until the caller's work on it is done.
+    No host synchronization is added.
+    """
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    stream = _DECODE_STREAMS.get(index)
+    if stream is None:
+        stream = _DECODE_STREAMS[index] = torch.cuda.Stream(device=index)
+    caller = torch.cuda.current_stream(device)
+    stream.wait_stream(caller)  # inputs or earlier work the decode depends on
+    with torch.cuda.stream(stream):
+        outputs = decode_jpeg(inputs, mode=ImageReadMode.RGB, device=device)
+    caller.wait_stream(stream)
+    for image in outputs:
+        image.record_stream(caller)
+    return outputs
+
+
+def _decode_all(encoded: EncodedImages, device: torch.device) -> list[Tensor | CorruptRecordError]:
+    """Every image of the batch decoded on ``device``, or the error that names the one that failed.
+
+    The JPEGs are decoded together; if that fails, one by one, so a single bad record is found and named instead of
+    failing the whole batch. Decoded sizes are checked against the record headers (shapes: no device round trip).
+    """
+    jpeg = [i for i, t in enumerate(encoded.data) if t.ndim == 1]
+    decoded: list[Tensor | CorruptRecordError] = [t for t in encoded.data]
+    where = (
+        [r[2] for r in encoded.records]
+        if encoded.records is not None
+        else [f"image {i} of the batch" for i in range(len(encoded))]
+    )
+
+    def decode(inputs: list[Tensor]) -> list[Tensor]:
+        if device.type == "cuda":
+            return _decode_on_device(inputs, device)
+        return [decode_jpeg(t, mode=ImageReadMode.RGB) for t in inputs]
+
+    try:
+        outputs: list[Tensor | CorruptRecordError] = list(decode([encoded.data[i] for i in jpeg]))
+    except RuntimeError:
+        outputs = []
+        for i in jpeg:
+            try:
+                outputs.append(decode([encoded.data[i]])[0])
+            except RuntimeError as err:
+                outputs.append(CorruptRecordError(f"{where[i]}: the JPEG does not decode on {device.type}: {err}"))
+    for i, image in zip(jpeg, outputs, strict=True):
+        decoded[i] = image
+    if encoded.records is not None:
+        for i, (image, (height, width, _)) in enumerate(zip(decoded, encoded.records, strict=True)):
+            if isinstance(image, Tensor) and tuple(image.shape[-2:]) != (height, width):
+                decoded[i] = CorruptRecordError(
+                    f"{where[i]}: decoded size {tuple(image.shape[-2:])} differs from the stored {(height, width)}"
+                )
+    return decoded
 
 
 def decode_crop(encoded: EncodedImages, size: int, device: torch.device) -> Tensor:
@@ -112,33 +199,74 @@ def decode_crop(encoded: EncodedImages, size: int, device: torch.device) -> Tens
 
     On CUDA the JPEGs are decoded together by ``torchvision.io.decode_jpeg(list, device=...)`` (batched nvJPEG);
     elsewhere one by one on the CPU. Each crop is resized with antialiased bilinear interpolation, as on the CPU path.
+
+    Raises:
+        CorruptRecordError: an image does not decode, or not to its record's size, naming its split and index.
+
     """
-    jpeg = [i for i, t in enumerate(encoded.data) if t.ndim == 1]
-    decoded: list[Tensor | None] = [None] * len(encoded)
-    if jpeg:
-        inputs = [encoded.data[i] for i in jpeg]
-        if device.type == "cuda":
-            outputs = decode_jpeg(inputs, mode=ImageReadMode.RGB, device=device)
-        else:
-            outputs = [decode_jpeg(t, mode=ImageReadMode.RGB) for t in inputs]
-        for i, image in zip(jpeg, outputs, strict=True):
-            decoded[i] = image
-    out = torch.empty((len(encoded), 3, size, size), dtype=torch.float32, device=device)
+    return decode_crop_skipping(encoded, size, device)[0]
+
+
+def decode_crop_skipping(
+    encoded: EncodedImages, size: int, device: torch.device, skip: Callable[[CorruptRecordError], None] | None = None
+) -> tuple[Tensor, list[int] | None]:
+    """:func:`decode_crop`, leaving out (and reporting to ``skip``) the images that fail.
+
+    Args:
+        encoded: the batch.
+        size: output side length.
+        device: where to decode.
+        skip: called with the error of each image that does not decode (or decodes to the wrong size), which is then
+            left out; without it the first such error is raised.
+
+    Returns:
+        The images, and the positions kept when some were left out (``None`` when all were kept).
+
+    Raises:
+        CorruptRecordError: an image does not decode, naming its split and index, and ``skip`` is not given.
+
+    """
+    decoded = _decode_all(encoded, device)
+    keep = [i for i, image in enumerate(decoded) if isinstance(image, Tensor)]
+    for image in decoded:
+        if isinstance(image, CorruptRecordError):
+            if skip is None:
+                raise image
+            skip(image)
+    if not keep:
+        raise SampleError(f"all {len(decoded)} images of a batch failed to decode on {device.type} and were skipped.")
+    out = torch.empty((len(keep), 3, size, size), dtype=torch.float32, device=device)
     boxes = encoded.boxes.tolist()
     flips = encoded.flips.tolist()
-    for i, image in enumerate(decoded):
-        if image is None:
-            image = encoded.data[i].to(device, non_blocking=True)
+    for slot, i in enumerate(keep):
+        image = decoded[i]
+        assert isinstance(image, Tensor)
+        if image.device != device:
+            image = image.to(device, non_blocking=True)
         top, left, h, w = boxes[i]
         crop = image[:, top : top + h, left : left + w].unsqueeze(0).float()
         resized = F.interpolate(crop, size=(size, size), mode="bilinear", antialias=True, align_corners=False)
-        out[i] = resized[0].flip(-1) if flips[i] else resized[0]
-    return out
+        out[slot] = resized[0].flip(-1) if flips[i] else resized[0]
+    return out, (keep if len(keep) < len(decoded) else None)
 
 
-def encoded_batch_to_images(batch: Any, size: int, device: torch.device, normalize: Callable[[Tensor], Tensor]) -> Any:
-    """Replace an ``EncodedImages`` first element of a batch by its decoded, normalized images on ``device``."""
+def encoded_batch_to_images(
+    batch: Any,
+    size: int,
+    device: torch.device,
+    normalize: Callable[[Tensor], Tensor],
+    skip: Callable[[CorruptRecordError], None] | None = None,
+) -> Any:
+    """Replace an ``EncodedImages`` first element of a batch by its decoded, normalized images on ``device``.
+
+    Images left out under ``skip`` are left out of the batch's other per-sample tensors too.
+    """
     if not isinstance(batch, (tuple, list)) or not batch or not isinstance(batch[0], EncodedImages):
         return batch
-    images = normalize(decode_crop(batch[0], size, device))
-    return type(batch)([images, *batch[1:]]) if isinstance(batch, list) else (images, *batch[1:])
+    n = len(batch[0])
+    images, keep = decode_crop_skipping(batch[0], size, device, skip)
+    rest = list(batch[1:])
+    if keep is not None:  # rare (a damaged record): index the per-sample tensors with the kept positions
+        rest = [t[torch.tensor(keep, device=t.device)] if isinstance(t, Tensor) and len(t) == n else t for t in rest]
+    images = normalize(images)
+    return type(batch)([images, *rest]) if isinstance(batch, list) else (images, *rest)

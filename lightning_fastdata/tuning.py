@@ -30,18 +30,22 @@ class LoaderConfig:
     batch_size: int
     prefetch_factor: int | None = None
     pin_memory: bool = False
+    #: ``"processes"`` (DataLoader workers) or ``"threads"`` (a :class:`~lightning_fastdata.loader.FastLoader`'s)
+    engine: str = "processes"
 
     def cost(self) -> tuple[int, int, int, int]:
         """Orders configurations from cheapest: fewer workers, less prefetch, no pinning, smaller batches."""
         return (self.num_workers, self.prefetch_factor or 0, int(self.pin_memory), self.batch_size)
 
     def loader_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for a DataLoader with this configuration."""
-        kwargs: dict[str, Any] = {
-            "batch_size": self.batch_size,
-            "num_workers": self.num_workers,
-            "pin_memory": self.pin_memory,
-        }
+        """Keyword arguments for a DataLoader (or, with threads, a ``FastLoader``) with this configuration."""
+        kwargs: dict[str, Any] = {"batch_size": self.batch_size, "pin_memory": self.pin_memory}
+        if self.engine == "threads":
+            kwargs["threads"] = self.num_workers
+            if self.prefetch_factor is not None:
+                kwargs["prefetch_batches"] = self.prefetch_factor * max(1, self.num_workers)
+            return kwargs
+        kwargs["num_workers"] = self.num_workers
         if self.num_workers > 0 and self.prefetch_factor is not None:
             kwargs["prefetch_factor"] = self.prefetch_factor
         return kwargs
@@ -133,7 +137,7 @@ def measure(
     sampler = RandomSampler(dataset, replacement=True, num_samples=total, generator=generator)  # type: ignore[arg-type]
     with warnings.catch_warnings():  # a sweep goes past the CPU count on purpose: no "suggested max" warning
         warnings.filterwarnings("ignore", message=".*worker processes in total.*")
-        loader = DataLoader(dataset, sampler=sampler, **config.loader_kwargs())  # warns here as well as in iter()
+        loader = _loader(dataset, sampler, config)  # warns here as well as in iter()
         iterator = iter(loader)
     try:
         for _ in range(warmup_batches):
@@ -154,6 +158,14 @@ def measure(
     return Measurement(config, images / elapsed, cpu, batches, elapsed)
 
 
+def _loader(dataset: Dataset, sampler: Any, config: LoaderConfig) -> DataLoader:
+    from lightning_fastdata.loader import BatchReader, FastLoader
+
+    if isinstance(dataset, BatchReader):  # whole batches: the package's own loader, with either engine
+        return FastLoader(dataset, sampler=sampler, **config.loader_kwargs())
+    return DataLoader(dataset, sampler=sampler, **config.loader_kwargs())
+
+
 def _batch_len(batch: Any) -> int:
     first = batch[0] if isinstance(batch, (list, tuple)) else batch
     return len(first)
@@ -168,6 +180,7 @@ def sweep(
     seconds: float = 1.0,
     tolerance: float = 0.05,
     early_stop: float = 0.1,
+    engine: str = "processes",
 ) -> SweepResult:
     """Measure ``num_workers`` from 0 up to the usable CPUs plus one, then the other knobs at the best worker count.
 
@@ -181,6 +194,7 @@ def sweep(
         tolerance: the pick is the cheapest configuration within this share of the best.
         early_stop: stop raising workers once throughput falls this share below the best so far with workers
             (``num_workers=0`` is not compared: one worker does the same serial work plus the copying).
+        engine: ``"processes"`` (DataLoader workers) or ``"threads"`` (a ``FastLoader`` over a ``BatchReader``).
 
     """
     if not batch_sizes or min(batch_sizes) < 1:
@@ -194,7 +208,7 @@ def sweep(
     for batch_size in batch_sizes:
         best_rate = 0.0
         for workers in range(top + 1):
-            m = measure(dataset, LoaderConfig(workers, batch_size), seconds)
+            m = measure(dataset, LoaderConfig(workers, batch_size, engine=engine), seconds)
             result.measurements.append(m)
             if workers == 0:  # loading in the main process is off the curve: one worker is rarely faster, two may be
                 continue
@@ -210,18 +224,20 @@ def sweep(
         for factor in prefetch_factors:
             if factor != 2:  # 2 is PyTorch's default, already measured
                 result.measurements.append(
-                    measure(dataset, LoaderConfig(best.num_workers, best.batch_size, factor), seconds)
+                    measure(dataset, LoaderConfig(best.num_workers, best.batch_size, factor, engine=engine), seconds)
                 )
     for pin in pins:
         if pin:
             c = result.best.config
             result.measurements.append(
-                measure(dataset, LoaderConfig(c.num_workers, c.batch_size, c.prefetch_factor, True), seconds)
+                measure(dataset, LoaderConfig(c.num_workers, c.batch_size, c.prefetch_factor, True, engine), seconds)
             )
     return result
 
 
-def quick_tune(dataset: Dataset, batch_size: int, budget: int, seconds: float = 0.4) -> SweepResult:
+def quick_tune(
+    dataset: Dataset, batch_size: int, budget: int, seconds: float = 0.4, engine: str = "processes"
+) -> SweepResult:
     """The bounded sweep of ``num_workers="tune"``.
 
     Workers 0 up to ``budget`` at one batch size, a fraction of a second each, stopping early once throughput falls.
@@ -234,6 +250,7 @@ def quick_tune(dataset: Dataset, batch_size: int, budget: int, seconds: float = 
         pin_memory=(False,),
         seconds=seconds,
         tolerance=0.05,
+        engine=engine,
     )
 
 

@@ -36,7 +36,7 @@ def test_bench_prints_the_table_and_writes_json_and_plot(database, tmp_path, cap
     assert out.startswith(f"bench: database {database}, 80 samples, 0.2 s per point")
     assert out.count("**pick**") == 1
     data = json.loads(out_json.read_text())
-    assert set(data["pick"]) == {"num_workers", "batch_size", "prefetch_factor", "pin_memory"}
+    assert set(data["pick"]) == {"num_workers", "batch_size", "prefetch_factor", "pin_memory", "engine"}
     assert [m["num_workers"] for m in data["measurements"]][:2] == [0, 1]
     assert all(m["batch_size"] == 16 for m in data["measurements"])
     assert out_png.read_bytes()[:8] == PNG_MAGIC

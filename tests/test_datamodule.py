@@ -180,20 +180,35 @@ def test_cache_dir_inside_data_dir_raises(split_root: Path, tmp_path: Path) -> N
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def test_train_batches_are_uint8(split_root: Path, shared_cache: Path) -> None:
-    """Training batches are `(uint8 [B, 3, S, S], int64 [B])` from a plain DataLoader."""
+def test_train_batches_on_cpu_are_normalized_float(split_root: Path, shared_cache: Path) -> None:
+    """On a CPU the loader threads normalize: batches are `(float32 [B, 3, S, S], int64 [B])`, ready for the model."""
     dm = _dm(split_root, shared_cache, image_size=24, batch_size=5)
     loader = dm.train_dataloader()
     assert isinstance(loader, DataLoader)  # a real DataLoader (resumable: it saves its position in checkpoints)
-    assert type(dm.val_dataloader()) is DataLoader
     batches = list(loader)
     assert len(batches) == SPLIT_TRAIN // 5  # drop_last
     images, labels = batches[0]
-    assert images.dtype == torch.uint8
+    assert images.dtype == torch.float32
     assert tuple(images.shape) == (5, 3, 24, 24)
+    assert images.is_contiguous()
+    assert -2.2 < images.min() < images.max() < 2.7  # ImageNet-normalized range
     assert labels.dtype == torch.int64
     assert tuple(labels.shape) == (5,)
     assert set(torch.cat([b[1] for b in batches]).tolist()) <= {0, 1, 2}
+    assert dm.on_after_batch_transfer((images, labels), 0)[0] is images  # nothing left to do
+
+
+def test_train_batches_for_cuda_are_uint8(
+    split_root: Path, shared_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """For CUDA training batches stay uint8 (a quarter of the bytes to copy) and are normalized on the device."""
+    monkeypatch.setattr(FastImageDataModule, "_device", lambda self: torch.device("cuda", 0))
+    dm = _dm(split_root, shared_cache, image_size=24, batch_size=5, pin_memory=False, prefetch_to_device=False)
+    images, labels = next(iter(dm.train_dataloader()))
+    assert images.dtype == torch.uint8
+    assert tuple(images.shape) == (5, 3, 24, 24)
+    assert images.is_contiguous(memory_format=torch.channels_last)  # NHWC memory: how the crops are written
+    assert labels.dtype == torch.int64
 
 
 def test_val_batches_keep_the_last_partial_batch(split_root: Path, shared_cache: Path) -> None:
@@ -205,10 +220,16 @@ def test_val_batches_keep_the_last_partial_batch(split_root: Path, shared_cache:
     assert len(list(_dm(split_root, shared_cache, batch_size=4, drop_last=False).train_dataloader())) == 5
 
 
+def _uint8_batch(dm: FastImageDataModule) -> tuple[torch.Tensor, torch.Tensor]:
+    from lightning_fastdata.loader import BatchReader
+
+    return BatchReader(dm.train_dataset, output="uint8").read_batch(range(4))
+
+
 def test_on_after_batch_transfer_normalizes(split_root: Path, shared_cache: Path) -> None:
-    """Without a Trainer the uint8 batch becomes normalized float32; extra batch elements pass through."""
+    """A uint8 batch becomes normalized float32; extra batch elements pass through."""
     dm = _dm(split_root, shared_cache)
-    images, labels = next(iter(dm.train_dataloader()))
+    images, labels = _uint8_batch(dm)
     index = torch.arange(4)
     out = dm.on_after_batch_transfer((images, labels, index), 0)
     assert isinstance(out, tuple)
@@ -228,7 +249,8 @@ def test_on_after_batch_transfer_normalizes(split_root: Path, shared_cache: Path
 def test_on_after_batch_transfer_channels_last(split_root: Path, shared_cache: Path) -> None:
     """`channels_last=True` hands the model channels_last batches."""
     dm = _dm(split_root, shared_cache, channels_last=True)
-    images, labels = next(iter(dm.train_dataloader()))
+    images, labels = _uint8_batch(dm)
+    assert next(iter(dm.train_dataloader()))[0].is_contiguous(memory_format=torch.channels_last)
     out, _ = dm.on_after_batch_transfer((images, labels), 0)
     assert out.is_contiguous(memory_format=torch.channels_last)
     torch.testing.assert_close(out, _normalized(images), rtol=0, atol=1e-5)
@@ -264,8 +286,8 @@ def test_num_workers_auto_divides_cpus_by_processes_per_node(
     dm.trainer = _fake_trainer(world_size=8, num_nodes=2, distributed_sampler_kwargs={"num_replicas": 8, "rank": 3})
     assert dm.worker_budget() == 2
     loader = dm.train_dataloader()
-    assert loader.num_workers == 2
-    assert loader.persistent_workers is True
+    assert loader.workers == 2
+    assert loader.engine == "threads"
     assert loader.sampler.num_replicas == 8
     assert loader.sampler.rank == 3
     assert len(loader.sampler) == -(-SPLIT_TRAIN // 8)
@@ -287,7 +309,7 @@ def test_num_workers_above_budget_warns_once(
     assert issubclass(budget_warnings[0].category, UserWarning)
     assert "`num_workers=5`" in str(budget_warnings[0].message)
     assert "budget of 3" in str(budget_warnings[0].message)
-    assert first.num_workers == 5
+    assert first.workers == 5
 
 
 def test_num_workers_within_budget_does_not_warn(
@@ -298,7 +320,7 @@ def test_num_workers_within_budget_does_not_warn(
     dm = _dm(split_root, shared_cache, num_workers=3)
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
-        assert dm.train_dataloader().num_workers == 3
+        assert dm.train_dataloader().workers == 3
     assert not [w for w in record if "budget" in str(w.message)]
 
 
@@ -315,14 +337,18 @@ def test_loader_defaults_and_pass_through(
     dm.trainer = _fake_trainer(strategy=Mock(root_device=torch.device("cuda", 0)))
     assert dm.train_dataloader().pin_memory is True  # training on CUDA pins by default
 
-    dm = _dm(split_root, shared_cache, num_workers=1, prefetch_factor=3)
+    dm = _dm(split_root, shared_cache, num_workers=2, prefetch_factor=3)
+    loader = dm.train_dataloader()
+    assert (loader.engine, loader.threads, loader.prefetch_batches) == ("threads", 2, 6)
+
+    dm = _dm(split_root, shared_cache, num_workers=1, prefetch_factor=3, engine="processes")
     loader = dm.train_dataloader()
     assert loader.pin_memory is False
     assert loader.persistent_workers is True
     assert loader.prefetch_factor == 3
     assert loader.worker_init_fn is not None
 
-    dm = _dm(split_root, shared_cache, num_workers=1, pin_memory=True, persistent_workers=False)
+    dm = _dm(split_root, shared_cache, num_workers=1, pin_memory=True, persistent_workers=False, engine="processes")
     loader = dm.val_dataloader()
     assert loader.pin_memory is True
     assert loader.persistent_workers is False

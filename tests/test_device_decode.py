@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import shutil
 import warnings
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ from lightning_fastdata.device_decode import (
     decode_crop,
     encoded_batch_to_images,
 )
+from lightning_fastdata.errors import CorruptRecordError
 from lightning_fastdata.prefetch import DevicePrefetchLoader
 from lightning_fastdata.transforms import CenterCropResize, RandomResizedCropFlip, normalize_float
 
@@ -271,7 +273,7 @@ def test_encoded_batch_to_images_replaces_only_encoded_first_elements(databases:
 
 @pytest.mark.usefixtures("no_cuda")
 def test_decode_device_without_cuda_warns_once_and_decodes_on_cpu(databases: dict[str, Path]) -> None:
-    """Without CUDA, ``decode="device"`` warns once and the loaders give the usual uint8 batches."""
+    """Without CUDA, ``decode="device"`` warns once and the loaders give the usual CPU batches (normalized)."""
     dm = _dm(databases["jpeg"], decode="device")
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
@@ -283,10 +285,10 @@ def test_decode_device_without_cuda_warns_once_and_decodes_on_cpu(databases: dic
     assert "CPU" in str(fallbacks[0].message)
     assert not dm.uses_device_decode()
     for loader in (first, second):
-        assert isinstance(loader.dataset, LmdbImageDataset)
-        assert loader.collate_fn is not collate_encoded
+        assert loader.dataset.output == "float"
+        assert isinstance(loader.dataset.dataset, LmdbImageDataset)
     images, labels = next(iter(first))
-    assert images.dtype == torch.uint8
+    assert images.dtype == torch.float32
     assert images.shape == (4, 3, SIZE, SIZE)
     assert labels.dtype == torch.int64
 
@@ -300,16 +302,17 @@ def test_decode_device_on_cuda_reads_encoded_records(databases: dict[str, Path])
         train, val = dm.train_dataloader(), dm.val_dataloader()
     assert dm.uses_device_decode()
     assert isinstance(train, DevicePrefetchLoader)  # prefetch (and decode there) by default on CUDA
+    assert train.prefetching
     for loader, source, flip_p in ((train, dm.train_dataset, 0.5), (val, dm.val_dataset, 0.0)):
-        assert loader.collate_fn is collate_encoded
-        assert isinstance(loader.dataset, EncodedCropDataset)
-        assert loader.dataset.dataset is source
-        assert loader.dataset.box_fn == source.transform.box
-        assert loader.dataset.flip_p == flip_p
-        assert loader.dataset.indices is None
+        reader = loader.dataset
+        assert reader.output == "encoded"
+        assert reader.base is source
+        assert reader._encoded.box_fn == source.transform.box
+        assert reader._encoded.flip_p == flip_p
+        assert reader.indices is None
     assert len(train.dataset) == TRAIN_SIZE
     assert len(val.dataset) == VAL_SIZE
-    images, labels = next(iter(DataLoader(train.dataset, batch_size=4, collate_fn=train.collate_fn)))
+    images, labels = train.dataset.read_batch(range(4))
     assert isinstance(images, EncodedImages)
     assert len(images) == 4
     assert labels.dtype == torch.int64
@@ -320,13 +323,14 @@ def test_decode_device_carries_the_held_out_indices(databases: dict[str, Path]) 
     dm = _dm(databases["plain"], decode="device", val_fraction=0.25)
     dm.trainer = _fake_trainer(torch.device("cuda", 0))
     for loader, view in ((dm.train_dataloader(), dm.train_dataset), (dm.val_dataloader(), dm.val_dataset)):
-        encoded = loader.dataset
-        assert isinstance(encoded, EncodedCropDataset)
-        assert np.array_equal(encoded.indices, view.indices)
-        assert encoded.box_fn == view.dataset.transform.box
-        assert len(encoded) == len(view)
-        for k in range(len(encoded)):
-            assert bytes(encoded[k][0][0]) == bytes(view.dataset.read_record(int(view.indices[k]))[1])
+        reader = loader.dataset
+        assert reader.output == "encoded"
+        assert np.array_equal(reader.indices, view.indices)
+        assert reader._encoded.box_fn == view.dataset.transform.box
+        assert len(reader) == len(view)
+        encoded, _ = reader.read_batch(range(len(reader)))
+        for k in range(len(reader)):
+            assert bytes(encoded.data[k]) == bytes(view.dataset.read_record(int(view.indices[k]))[1])
     assert len(dm.train_dataset) + len(dm.val_dataset) == PLAIN_SIZE
     assert set(dm.train_dataset.indices.tolist()).isdisjoint(dm.val_dataset.indices.tolist())
 
@@ -381,7 +385,9 @@ def test_decode_device_with_custom_dataset_raises(databases: dict[str, Path]) ->
         dm.train_dataloader()
     dm = _dm(databases["jpeg"], _CustomDataModule, decode="cpu")
     dm.trainer = _fake_trainer(torch.device("cuda", 0))
-    assert isinstance(dm.train_dataloader().dataset, _Wrapped)
+    reader = dm.train_dataloader().dataset
+    assert isinstance(reader.dataset, _Wrapped)
+    assert not reader.fused  # a custom dataset takes the per-sample path
 
 
 def test_unknown_decode_raises() -> None:
@@ -424,3 +430,82 @@ def test_decode_device_datamodule_on_gpu(databases: dict[str, Path]) -> None:
         assert images.dtype == torch.float32
         assert images.shape == (4, 3, SIZE, SIZE)
         assert torch.isfinite(images).all()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# As strict as the CPU path: bad records named or skipped, sizes checked, target_transform applied
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _damaged_copy(database: Path, tmp_path: Path, index: int, payload: Any = None) -> Path:
+    """A copy of ``database`` whose training record ``index`` holds a JPEG cut short (or ``payload``)."""
+    import lmdb
+
+    from lightning_fastdata import _format
+
+    dst = tmp_path / "damaged.lmdb"
+    shutil.copytree(database, dst)
+    env = lmdb.open(str(dst), map_size=1 << 26)
+    with env.begin(write=True) as txn:
+        key = _format.record_key("train", index)
+        header, data = _format.unpack_record(txn.get(key))
+        new = bytes(data[:40]) if payload is None else payload
+        txn.put(key, _format.pack_record(header.encoding, header.label, header.height, header.width, new))
+    env.close()
+    return dst
+
+
+def test_device_decode_names_a_bad_record_or_skips_it_with_its_label(databases: dict[str, Path], tmp_path) -> None:
+    """A JPEG that does not decode is named (split, index); under the skip policy it leaves images and labels."""
+    db = _damaged_copy(databases["jpeg"], tmp_path, 2)
+    dataset = LmdbImageDataset(db, "train")
+    reader = EncodedCropDataset(dataset, RandomResizedCropFlip(SIZE).box, flip_p=0.0)
+    encoded, labels = collate_encoded([reader.read(i) for i in range(4)])
+    normalize = lambda x: x  # noqa: E731
+    with pytest.raises(CorruptRecordError, match=r"split 'train' index 2 of .*does not decode"):
+        encoded_batch_to_images((encoded, labels), SIZE, torch.device("cpu"), normalize)
+    skipped: list[Exception] = []
+    index = torch.arange(4)
+    images, kept_labels, kept_index = encoded_batch_to_images(
+        (encoded, labels, index), SIZE, torch.device("cpu"), normalize, skip=skipped.append
+    )
+    assert images.shape == (3, 3, SIZE, SIZE)
+    assert kept_index.tolist() == [0, 1, 3]
+    assert kept_labels.tolist() == [labels[i].item() for i in (0, 1, 3)]
+    assert len(skipped) == 1
+    assert "index 2" in str(skipped[0])
+
+
+def test_device_decode_checks_the_decoded_size_against_the_record(databases: dict[str, Path], tmp_path) -> None:
+    """A record whose JPEG decodes to another size than its header says is an error naming it."""
+    other = LmdbImageDataset(databases["plain"], "train").read_record(0)[1]
+    db = _damaged_copy(databases["jpeg"], tmp_path, 1, payload=bytes(other))
+    reader = EncodedCropDataset(LmdbImageDataset(db, "train"), CenterCropResize(SIZE).box, flip_p=0.0)
+    header = LmdbImageDataset(db, "train").read_record(1)[0]
+    other_header = LmdbImageDataset(databases["plain"], "train").read_record(0)[0]
+    assert (header.height, header.width) != (other_header.height, other_header.width)
+    encoded, _ = collate_encoded([reader.read(i) for i in range(2)])
+    with pytest.raises(CorruptRecordError, match=r"index 1 of .*decoded size"):
+        decode_crop(encoded, SIZE, torch.device("cpu"))
+
+
+def test_datamodule_device_decode_skips_and_counts(databases: dict[str, Path], tmp_path) -> None:
+    """Through the DataModule, ``on_bad_sample="skip"`` covers images that fail to decode on the device."""
+    db = _damaged_copy(databases["plain"], tmp_path, 0)
+    dm = _dm(db, decode="device", on_bad_sample="skip", val_fraction=0)
+    dm.trainer = _fake_trainer(torch.device("cpu"))
+    reader = EncodedCropDataset(LmdbImageDataset(db, "train"), CenterCropResize(SIZE).box, flip_p=0.0)
+    batch = collate_encoded([reader.read(i) for i in range(4)])
+    with pytest.warns(UserWarning, match="skipping a bad sample"):
+        images, labels = dm.to_model_input(batch)
+    assert images.shape == (3, 3, SIZE, SIZE)
+    assert len(labels) == 3
+    assert dm.skipped_samples == 1
+
+
+def test_encoded_reads_apply_target_transform(databases: dict[str, Path]) -> None:
+    """``target_transform`` applies to labels read for device decoding, as on the CPU path."""
+    dataset = LmdbImageDataset(databases["jpeg"], "train", target_transform=lambda y: f"class-{y}")
+    reader = EncodedCropDataset(dataset, CenterCropResize(SIZE).box, flip_p=0.0)
+    _, labels = collate_encoded([reader.read(i) for i in range(3)])
+    assert labels == [f"class-{dataset.targets[i]}" for i in range(3)]

@@ -99,7 +99,12 @@ class _FaultyModule(FastImageDataModule):
 
 
 def _faulty_module(
-    db: Path, tmp_path: Path, bad: frozenset[str] | None, on_bad_sample: str, num_workers: int = 2
+    db: Path,
+    tmp_path: Path,
+    bad: frozenset[str] | None,
+    on_bad_sample: str,
+    num_workers: int = 2,
+    engine: str = "processes",
 ) -> _FaultyModule:
     dm = _FaultyModule(
         str(db),
@@ -107,6 +112,7 @@ def _faulty_module(
         image_size=32,
         batch_size=4,
         num_workers=num_workers,
+        engine=engine,  # type: ignore[arg-type]
         val_fraction=0,
         drop_last=False,
         on_bad_sample=on_bad_sample,  # type: ignore[arg-type]
@@ -153,13 +159,14 @@ def test_transform_error_in_a_worker_names_split_index_and_cause(fault_db: Path,
     gc.collect()
 
 
-@pytest.mark.parametrize("context", ["fork", "spawn"])
+@pytest.mark.parametrize("context", ["fork", "spawn", "threads"])
 def test_skip_leaves_the_failing_sample_out_and_counts_it(fault_db: Path, tmp_path: Path, context: str) -> None:
     """Under ``on_bad_sample="skip"`` an epoch finishes without the failing sample, counted once across workers."""
-    dm = _faulty_module(fault_db, tmp_path, _bad_image(fault_db), "skip")
+    engine = "threads" if context == "threads" else "processes"
+    dm = _faulty_module(fault_db, tmp_path, _bad_image(fault_db), "skip", engine=engine)
     loader = dm.train_dataloader()
-    # the DataModule has no start-method option; a DataLoader's is settable until its workers start
-    loader.multiprocessing_context = context
+    if engine == "processes":  # the DataModule has no start-method option; a DataLoader's is settable until then
+        loader.multiprocessing_context = context
     seen = _seen_indices(loader)
     assert sorted(seen) == [i for i in range(40) if i != BAD_INDEX]
     assert dm.skipped_samples == 1
@@ -222,7 +229,8 @@ _KILL_SCRIPT = textwrap.dedent(
         def build_dataset(self, split, transform):
             return KillOne(self.database_path, split=split, transform=transform)
 
-    dm = KillingModule(sys.argv[1], cache_dir=sys.argv[2], image_size=32, batch_size=4, num_workers=2, val_fraction=0)
+    dm = KillingModule(sys.argv[1], cache_dir=sys.argv[2], image_size=32, batch_size=4, num_workers=2, val_fraction=0,
+                      engine="processes")
     try:
         for epoch in range(3):
             for batch in dm.train_dataloader():
@@ -631,6 +639,7 @@ def test_persistent_workers_memory_is_flat_over_twenty_epochs(tmp_path: Path) ->
         image_size=32,
         batch_size=8,
         num_workers=2,
+        engine="processes",
         persistent_workers=True,
         val_fraction=0,
         on_bad_sample="skip",

@@ -385,7 +385,7 @@ def test_datamodule_on_cpu_gives_plain_loaders(
         train = dm.train_dataloader()
         assert isinstance(train, ResumableLoader)
         assert not train.prefetching
-        assert type(dm.val_dataloader()) is DataLoader
+        assert not dm.val_dataloader().prefetching
 
 
 def test_datamodule_on_cuda_prefetches_by_default(database: Path) -> None:
@@ -410,7 +410,7 @@ def test_datamodule_prefetch_false_disables_it_on_cuda(database: Path) -> None:
     dm.trainer = _fake_trainer(torch.device("cuda", 0))
     assert not dm.uses_prefetch()
     assert not dm.train_dataloader().prefetching
-    assert type(dm.val_dataloader()) is DataLoader
+    assert not dm.val_dataloader().prefetching
 
 
 def test_datamodule_batches_through_patched_prefetch(
@@ -525,7 +525,7 @@ def test_ddp_through_prefetch_loader_covers_the_training_set(ddp_run: list[dict[
     for rank, record in enumerate(ddp_run):
         assert record["rank"] == record["sampler_rank"] == rank
         assert record["world_size"] == record["num_replicas"] == 2
-        assert record["loader"] == "ResumableLoader"  # a DevicePrefetchLoader that also saves its position
+        assert record["loader"] == "FastLoader"  # a DevicePrefetchLoader that also saves its position
         assert record["dtypes"] == ["torch.float32"]
         assert record["sampler_epochs"] == [0, 1]
     n = rank0["train_size"]

@@ -3,7 +3,6 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
-import statistics
 import time
 import warnings
 from pathlib import Path
@@ -138,6 +137,7 @@ def test_to_dict_has_every_measurement_best_and_pick():
         (2, 4, 900.0),
     ]
     assert set(data["measurements"][0]) == {
+        "engine",
         "num_workers",
         "batch_size",
         "prefetch_factor",
@@ -147,8 +147,20 @@ def test_to_dict_has_every_measurement_best_and_pick():
         "batches",
         "seconds",
     }
-    assert data["best"] == {"num_workers": 2, "batch_size": 64, "prefetch_factor": None, "pin_memory": False}
-    assert data["pick"] == {"num_workers": 1, "batch_size": 64, "prefetch_factor": None, "pin_memory": False}
+    assert data["best"] == {
+        "num_workers": 2,
+        "batch_size": 64,
+        "prefetch_factor": None,
+        "pin_memory": False,
+        "engine": "processes",
+    }
+    assert data["pick"] == {
+        "num_workers": 1,
+        "batch_size": 64,
+        "prefetch_factor": None,
+        "pin_memory": False,
+        "engine": "processes",
+    }
     assert data["tolerance"] == 0.05
     assert data["usable_cpus"] == 4
     assert data["notes"] == ["a note"]
@@ -462,46 +474,38 @@ def test_plot_sweep_writes_a_png(tmp_path):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def test_datamodule_tune_is_within_10_percent_of_the_exhaustive_best(tmp_path, monkeypatch):
-    """The tuned worker count loads at least 90% as fast as the best of an exhaustive sweep, and is cached."""
+def test_datamodule_tune_picks_the_cheapest_count_within_5_percent_and_caches_it(tmp_path, monkeypatch):
+    """`num_workers="tune"` measures 0 up to the budget on the training loader, keeps the cheapest count within 5%.
+
+    The rates are scripted (a timed assertion flakes on a loaded machine); the real tuned-vs-exhaustive comparison
+    is ``benchmarks/bench_tune.py``.
+    """
+    rates = {0: 100.0, 1: 180.0, 2: 190.0, 3: 195.0}
+    seen = []
+
+    def scripted(dataset, config, seconds=1.0, **kwargs):
+        seen.append((type(dataset).__name__, config.engine, config.num_workers))
+        return tuning.Measurement(config, rates[config.num_workers], None, 5, seconds)
+
+    monkeypatch.setattr(tuning, "measure", scripted)
+    monkeypatch.setattr(FastImageDataModule, "worker_budget", lambda self: 3)
     src = make_image_folder(
-        tmp_path / "src", num_classes=2, train_per_class=150, val_per_class=0, min_size=64, max_size=160
+        tmp_path / "src", num_classes=2, train_per_class=4, val_per_class=0, min_size=40, max_size=48
     )
     settings = {"cache_dir": str(tmp_path / "cache"), "num_workers": "tune", "batch_size": 32}
     dm = FastImageDataModule(str(src), **settings)
     dm.prepare_data()
     dm.setup("fit")
-    budget = dm.worker_budget()
     tuned = dm.resolved_num_workers()
-    assert 0 <= tuned <= budget
+    assert tuned == 2  # 195 is the best; 190 is within 5% of it, 180 is not
+    assert seen == [("BatchReader", "threads", n) for n in range(4)]  # the loader training will use
+    assert dm.train_dataloader().workers == 2
 
     cache_file = tmp_path / "cache" / "tune.json"
     assert dm.cache_root / "tune.json" == cache_file
     entry = json.loads(cache_file.read_text())[dm._tune_key()]
     assert entry["num_workers"] == tuned
-    measured = [p["num_workers"] for p in entry["measurements"]]
-    assert measured == list(range(len(measured)))
-    assert max(measured) <= budget
-
-    dataset = dm.build_dataset("train", dm.train_transform())
-    exhaustive = sweep(
-        dataset,
-        batch_sizes=(dm.batch_size,),
-        max_workers=budget,
-        prefetch_factors=(),
-        pin_memory=(False,),
-        seconds=1.0,
-        early_stop=1.0,
-    )
-    assert [m.config.num_workers for m in exhaustive.measurements] == list(range(budget + 1))
-    best = exhaustive.best.config
-    tuned_rates, best_rates = [], []
-    for _ in range(3):  # interleaved, so both see the same load from anything else running on the machine
-        tuned_rates.append(measure(dataset, LoaderConfig(tuned, dm.batch_size), seconds=1.0).images_per_sec)
-        best_rates.append(measure(dataset, best, seconds=1.0).images_per_sec)
-    assert statistics.median(tuned_rates) >= 0.9 * statistics.median(best_rates), (
-        f"tuned num_workers={tuned}: {tuned_rates}; best {best}: {best_rates}\n{exhaustive.format_table()}"
-    )
+    assert [p["num_workers"] for p in entry["measurements"]] == [0, 1, 2, 3]
 
     def no_sweep(*args, **kwargs):
         raise AssertionError("the cached pick should have been used")

@@ -1,0 +1,350 @@
+"""Tests for ``lightning_fastdata.loader``: the fused batch path, its engines, correct pixels, no per-batch copies."""
+
+from __future__ import annotations
+
+import math
+import random
+from pathlib import Path
+from typing import Any
+
+import lmdb
+import numpy as np
+import pytest
+import torch
+from torchvision.transforms import RandomResizedCrop
+from torchvision.transforms.v2 import functional as TF
+
+from lightning_fastdata import LmdbImageDataset, SampleError, _format, convert_dataset
+from lightning_fastdata.errors import CorruptRecordError
+from lightning_fastdata.loader import BatchReader, FastLoader
+from lightning_fastdata.resumable import ResumableSampler
+from lightning_fastdata.skipping import SkipCounter
+from lightning_fastdata.transforms import CenterCropResize, Normalizer, RandomResizedCropFlip, crop_resize_into
+
+MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+SIZE = 24
+
+
+def _smooth(height: int, width: int, seed: int = 0) -> np.ndarray:
+    """A smooth RGB uint8 image with distinct channels (so a channel swap or a flip shows)."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width].astype(np.float32)
+    phase = rng.uniform(0, 2 * np.pi, 3)
+    channels = [127 + 100 * np.sin(x / (9 + 4 * c) + y / (13 + 3 * c) + phase[c]) for c in range(3)]
+    channels[0] = channels[0] * 0.5 + 120 * (x / width)  # red grows to the right: a flip is visible
+    return np.clip(np.stack(channels, -1), 0, 255).astype(np.uint8)
+
+
+def _loader(dataset, engine: str, batch_size: int = 5, **kwargs: Any) -> FastLoader:
+    sampler = ResumableSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=3)
+    workers = {"threads": 2} if engine == "threads" else {"num_workers": 2} if engine == "processes" else {}
+    return FastLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=False, **workers, **kwargs)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Correct images
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("box", "tolerance"),
+    [
+        ((10, 20, 150, 170), 1.5),  # downscaled on both sides: antialiased (INTER_AREA vs antialiased bilinear)
+        ((30, 5, 17, 20), 1.0),  # upscaled: bilinear, as torchvision
+        ((0, 0, 160, 200), 2.0),  # the whole image, 7x smaller: the filters' shapes differ most
+    ],
+)
+def test_crop_resize_matches_torchvision_resized_crop(box: tuple[int, int, int, int], tolerance: float) -> None:
+    """A fixed box gives torchvision's ``resized_crop(antialias=True)`` within a mean of `tolerance` levels (of 255).
+
+    Tolerances: OpenCV's box filter and torchvision's antialiased triangle filter weigh the same source pixels a little
+    differently when downscaling; upscaling differs by rounding only. Channels stay in RGB order.
+    """
+    image = _smooth(160, 200)
+    out = np.empty((SIZE, SIZE, 3), np.uint8)
+    crop_resize_into(image, box, SIZE, False, out)
+    ours = torch.from_numpy(out).permute(2, 0, 1).float()
+    reference = TF.resized_crop(torch.from_numpy(image).permute(2, 0, 1), *box, [SIZE, SIZE], antialias=True).float()
+    assert (ours - reference).abs().mean() <= tolerance
+    assert (ours - reference).abs().max() <= 12
+    flipped = np.empty_like(out)
+    crop_resize_into(image, box, SIZE, True, flipped)
+    np.testing.assert_array_equal(flipped, out[:, ::-1])
+
+
+def test_crop_resize_keeps_rgb_order() -> None:
+    """Channels come out in the order they went in (no BGR swap anywhere in the OpenCV kernel)."""
+    image = np.empty((50, 60, 3), np.uint8)
+    image[...] = (200, 90, 10)
+    out = np.empty((SIZE, SIZE, 3), np.uint8)
+    for box in ((0, 0, 50, 60), (5, 5, 10, 12)):
+        crop_resize_into(image, box, SIZE, True, out)
+        assert out.reshape(-1, 3).tolist() == [[200, 90, 10]] * SIZE * SIZE
+
+
+def test_crop_boxes_follow_torchvision_random_resized_crop() -> None:
+    """Box areas, aspect ratios and positions have the distribution of torchvision's ``get_params``."""
+    height, width, n = 256, 341, 4000
+    ours_t, theirs_t = RandomResizedCropFlip(SIZE), RandomResizedCrop(SIZE)
+    random.seed(0)
+    torch.manual_seed(0)
+    ours = np.array([ours_t.box(height, width) for _ in range(n)], dtype=np.float64)
+    image = torch.empty(3, height, width)
+    theirs = np.array([theirs_t.get_params(image, theirs_t.scale, theirs_t.ratio) for _ in range(n)], np.float64)
+
+    def summary(boxes: np.ndarray) -> np.ndarray:
+        top, left, h, w = boxes.T
+        area, aspect = h * w / (height * width), np.log(w / h)
+        centre_y, centre_x = (top + h / 2) / height, (left + w / 2) / width
+        return np.array([np.quantile(v, q) for v in (area, aspect, centre_y, centre_x) for q in (0.1, 0.5, 0.9)])
+
+    np.testing.assert_allclose(summary(ours), summary(theirs), atol=0.04)
+
+
+def test_crop_transform_on_a_tensor_is_the_fused_kernel() -> None:
+    """The transforms' tensor path (for a user's own dataset) gives the same pixels as the fused batch path."""
+    image = _smooth(90, 120)
+    transform = CenterCropResize(SIZE)
+    out = np.empty((SIZE, SIZE, 3), np.uint8)
+    crop_resize_into(image, transform.box(90, 120), SIZE, False, out)
+    tensor = transform(torch.from_numpy(image).permute(2, 0, 1))
+    assert tensor.shape == (3, SIZE, SIZE)
+    np.testing.assert_array_equal(tensor.permute(1, 2, 0).numpy(), out)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The fused batch path
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def dataset(database: Path) -> LmdbImageDataset:
+    return LmdbImageDataset(database, transform=RandomResizedCropFlip(SIZE))
+
+
+def test_fused_batches_match_the_per_sample_path(dataset: LmdbImageDataset) -> None:
+    """With the same random draws, the fused batch equals the per-sample transform's output up to decode rounding."""
+    reader = BatchReader(dataset, output="uint8")
+    assert reader.fused
+    random.seed(5)
+    images, labels = reader.read_batch([0, 3, 7])
+    random.seed(5)
+    expected = torch.stack([dataset[i][0] for i in (0, 3, 7)])
+    assert images.dtype == torch.uint8
+    assert images.shape == (3, 3, SIZE, SIZE)
+    assert images.is_contiguous(memory_format=torch.channels_last)
+    assert labels.tolist() == [dataset.targets[i] for i in (0, 3, 7)]
+    # the batch path decodes with libjpeg-turbo's fast DCT and upsampling: a few levels here and there
+    assert (images.float() - expected.float()).abs().mean() < 2.0
+
+
+def test_float_batches_are_the_normalized_uint8_batches(dataset: LmdbImageDataset) -> None:
+    """``output="float"`` normalizes in the reading thread exactly as the device would; CHW or channels_last."""
+    normalizer = Normalizer(MEAN, STD)
+    random.seed(1)
+    uint8, _ = BatchReader(dataset, output="uint8").read_batch(range(6))
+    for channels_last in (False, True):
+        random.seed(1)
+        floats, _ = BatchReader(dataset, "float", normalizer, channels_last=channels_last).read_batch(range(6))
+        fmt = torch.channels_last if channels_last else torch.contiguous_format
+        assert floats.dtype == torch.float32
+        assert floats.is_contiguous(memory_format=fmt)
+        torch.testing.assert_close(floats, normalizer.batch(uint8.contiguous()), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("engine", ["main", "threads", "processes"])
+def test_every_engine_gives_the_same_batches_in_order(database: Path, engine: str) -> None:
+    """Threads and worker processes hand out the same batches, in sampler order, as the calling thread does."""
+    dataset = LmdbImageDataset(database, transform=CenterCropResize(SIZE))  # deterministic pixels
+    reference = list(_loader(BatchReader(dataset), "main"))
+    loader = _loader(BatchReader(dataset), engine)
+    assert loader.engine == engine
+    batches = list(loader)
+    assert len(batches) == len(reference) == math.ceil(len(dataset) / 5)
+    for (images, labels), (ref_images, ref_labels) in zip(batches, reference, strict=True):
+        torch.testing.assert_close(images, ref_images, rtol=0, atol=0)
+        assert labels.tolist() == ref_labels.tolist()
+
+
+def test_threads_stop_cleanly_when_the_consumer_stops_early(dataset: LmdbImageDataset) -> None:
+    """Leaving an epoch after one batch leaves no thread running, and the next epoch is whole."""
+    import threading
+
+    loader = _loader(BatchReader(dataset), "threads", batch_size=2)
+    iterator = iter(loader)
+    next(iterator)
+    del iterator
+    deadline = __import__("time").monotonic() + 10
+    while any(t.name.startswith("lightning_fastdata") for t in threading.enumerate()):
+        assert __import__("time").monotonic() < deadline, "loader threads still running"
+        __import__("time").sleep(0.01)
+    assert sum(len(labels) for _, labels in loader) == len(dataset)
+
+
+def test_a_custom_transform_takes_the_per_sample_path(database: Path) -> None:
+    """A user's own transform (or a subclass that changes ``__call__``) still works, through ``dataset[i]``."""
+
+    class Darker(RandomResizedCropFlip):
+        def __call__(self, image: torch.Tensor) -> torch.Tensor:
+            return super().__call__(image) // 2
+
+    reader = BatchReader(LmdbImageDataset(database, transform=Darker(SIZE)))
+    assert not reader.fused
+    images, labels = next(iter(_loader(reader, "threads", batch_size=4)))
+    assert images.shape == (4, 3, SIZE, SIZE)
+    assert images.max() <= 127
+    assert len(labels) == 4
+
+
+def test_a_dataset_subclass_with_its_own_getitem_takes_the_per_sample_path(database: Path) -> None:
+    """A ``build_dataset`` returning a subclass that overrides ``__getitem__`` is called, not bypassed."""
+
+    class Marked(LmdbImageDataset):
+        def __getitem__(self, index: int) -> Any:
+            image, label = super().__getitem__(index)
+            return image, label + 100
+
+    reader = BatchReader(Marked(database, transform=CenterCropResize(SIZE)))
+    assert not reader.fused
+    _, labels = reader.read_batch([0, 1])
+    assert min(labels.tolist()) >= 100
+
+
+def test_target_transform_applies_on_the_fused_path(database: Path) -> None:
+    """``target_transform`` runs on every label of a fused batch."""
+    dataset = LmdbImageDataset(database, transform=CenterCropResize(SIZE), target_transform=lambda y: y + 10)
+    _, labels = BatchReader(dataset).read_batch([0, 1])
+    assert labels.tolist() == [dataset.targets[0] + 10, dataset.targets[1] + 10]
+
+
+def _damaged(database_copy: Path, index: int) -> Path:
+    env = lmdb.open(str(database_copy), map_size=1 << 26)
+    with env.begin(write=True) as txn:
+        key = _format.record_key("train", index)
+        header, payload = _format.unpack_record(txn.get(key))
+        broken = bytes(payload[: len(payload) // 3])  # a JPEG cut short
+        txn.put(key, _format.pack_record(header.encoding, header.label, header.height, header.width, broken))
+    env.close()
+    return database_copy
+
+
+def test_a_bad_record_raises_naming_it_or_is_skipped_and_counted(database_copy: Path) -> None:
+    """Without the skip policy the error names split and index; with it the sample leaves its batch and is counted."""
+    dataset = LmdbImageDataset(_damaged(database_copy, 2), transform=CenterCropResize(SIZE))
+    with pytest.raises(CorruptRecordError, match="split 'train' index 2"):
+        BatchReader(dataset).read_batch([1, 2, 3])
+    counter = SkipCounter()
+    images, labels = BatchReader(dataset, skip_counter=counter).read_batch([1, 2, 3])
+    assert images.shape[0] == len(labels) == 2
+    assert counter.value == 1
+    with pytest.raises(SampleError, match="all 1 samples"):
+        BatchReader(dataset, skip_counter=counter).read_batch([2])
+
+
+def test_raw_records_take_the_fused_path(tmp_path: Path) -> None:
+    """A raw-pixel database is read without decoding and cropped like a JPEG one."""
+    images = [(_smooth(40, 50, seed=i), i % 2) for i in range(4)]
+    from PIL import Image
+
+    convert_dataset([(Image.fromarray(a), y) for a, y in images], tmp_path / "raw", encoding="raw", progress=False)
+    reader = BatchReader(LmdbImageDataset(tmp_path / "raw", transform=CenterCropResize(SIZE)))
+    batch, labels = reader.read_batch(range(4))
+    assert labels.tolist() == [0, 1, 0, 1]
+    out = np.empty((SIZE, SIZE, 3), np.uint8)
+    crop_resize_into(images[1][0], CenterCropResize(SIZE).box(40, 50), SIZE, False, out)
+    np.testing.assert_array_equal(batch[1].permute(1, 2, 0).numpy(), out)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# No per-batch host-to-device copies
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def copies(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
+    """The shapes of the CPU tensors copied to another device (``Tensor.to``) while the test runs."""
+    seen: list[tuple[int, ...]] = []
+    real_to = torch.Tensor.to
+
+    def counting_to(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        out = real_to(self, *args, **kwargs)
+        if self.device.type == "cpu" and out.device.type != "cpu":
+            seen.append(tuple(self.shape))
+        return out
+
+    monkeypatch.setattr(torch.Tensor, "to", counting_to)
+    return seen
+
+
+def test_normalizing_on_a_device_copies_the_constants_once(copies: list[tuple[int, ...]]) -> None:
+    """Mean and std reach a device once per (device, dtype): no CPU tensor is copied to the device per batch.
+
+    The ``meta`` device stands in for a GPU; every ``Tensor.to`` from the CPU to it is counted.
+    """
+    normalizer = Normalizer(MEAN, STD)
+    for _ in range(5):
+        out = normalizer.batch(torch.empty(4, 3, 8, 8, dtype=torch.uint8, device="meta"), torch.float16)
+        assert out.dtype == torch.float16
+        assert out.device.type == "meta"
+    assert copies == [(1, 3, 1, 1), (1, 3, 1, 1)]  # scale and shift, once
+    for _ in range(3):
+        normalizer.float_(torch.empty(2, 3, 8, 8, dtype=torch.float64, device="meta"))
+    assert len(copies) == 4  # a new dtype: once more, then cached
+
+
+def test_datamodule_to_model_input_copies_nothing_per_batch(copies: list[tuple[int, ...]]) -> None:
+    """``FastImageDataModule.to_model_input`` (run on the side stream per batch) copies no CPU tensor to the device."""
+    from lightning_fastdata import FastImageDataModule
+
+    dm = FastImageDataModule("unused")
+    for _ in range(4):
+        images = torch.empty(2, 3, 8, 8, dtype=torch.uint8, device="meta")
+        out, _labels = dm.to_model_input((images, torch.empty(2, dtype=torch.int64, device="meta")))
+        assert out.dtype == torch.float32
+    assert len(copies) == 2
+
+
+def test_device_decode_runs_nvjpeg_on_its_own_stream(monkeypatch: pytest.MonkeyPatch) -> None:
+    """nvJPEG decodes under a dedicated current stream; the caller's stream waits for it and records the outputs."""
+    from lightning_fastdata import device_decode
+
+    log: list[str] = []
+
+    class Stream:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def wait_stream(self, other: Stream) -> None:
+            log.append(f"{self.name} waits {other.name}")
+
+    caller = Stream("caller")
+    current = [caller]
+
+    class Context:
+        def __init__(self, stream: Stream) -> None:
+            self.stream = stream
+
+        def __enter__(self) -> None:
+            current.append(self.stream)
+
+        def __exit__(self, *exc: Any) -> None:
+            current.pop()
+
+    class Output:
+        def record_stream(self, stream: Stream) -> None:
+            log.append(f"record {stream.name}")
+
+    def fake_decode(inputs: list[Any], mode: Any, device: Any) -> list[Output]:
+        log.append(f"decode on {current[-1].name}")
+        return [Output() for _ in inputs]
+
+    monkeypatch.setattr(device_decode, "_DECODE_STREAMS", {})
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: Stream("decode"))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[-1])
+    monkeypatch.setattr(torch.cuda, "stream", Context)
+    monkeypatch.setattr(device_decode, "decode_jpeg", fake_decode)
+    outputs = device_decode._decode_on_device([object(), object()], torch.device("cuda", 0))
+    assert len(outputs) == 2
+    assert log == ["decode waits caller", "decode on decode", "caller waits decode", "record caller", "record caller"]
+    device_decode._decode_on_device([object()], torch.device("cuda", 0))
+    assert log.count("decode on decode") == 2  # the same stream again, not one per batch
