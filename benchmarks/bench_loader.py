@@ -1,156 +1,395 @@
-"""Loader throughput, side by side in one run on the same images (issue 3's benchmark).
+"""Loader throughput against the peers, side by side in one run, on the same images and the same cores.
 
-(a) torchvision ImageFolder + DataLoader with the standard transforms
-    (RandomResizedCrop(224), RandomHorizontalFlip, ToTensor, Normalize);
-(b) FastImageDataModule on the converted database: same batch size and workers, same output
-    (normalized float32 [B, 3, 224, 224]; the normalization is inside the timing);
-(c) the machine's limit: one core's read + decode + crop rate on the database, times the usable cores.
-(b-raw) and (c-raw): the same on a database converted with encoding="raw" (uint8 pixels, no decode).
+Every loader reads the same photo-like JPEGs (stored at short side 256, quality 90), does the same work —
+RandomResizedCrop(224) + horizontal flip, batch 64, one shuffled epoch — with the same number of workers or threads,
+each in its own process, interleaved over rounds (the median is reported):
 
-    python benchmarks/bench_loader.py --images 3000
+* torchvision ``ImageFolder`` + PIL transforms (the baseline), normalized float32;
+* ``FastImageDataModule`` (threads), normalized float32 and uint8 (what a GPU trainer receives); and with
+  ``engine="processes"``, to show the engine choice;
+* FFCV 1.0.2 (float32 and uint8, channels_last as FFCV gives them) and NVIDIA DALI (CPU-only, float32), when
+  installed (``bash benchmarks/install_peers.sh``, then run this with ``.venv-peers/bin/python``);
+* limit B: ``simplejpeg`` (fast DCT and upsampling) + an OpenCV crop-resize, one core, times the usable cores.
+
+Each row reports images/s and CPU-seconds per 1,000 images (the process and its children): the second figure says
+how many cores it takes to feed a GPU at a given rate. The timed epoch is the second one (worker start-up, JIT
+compilation and pipeline building are left out for every loader).
+
+    python benchmarks/bench_loader.py --images 3000 --rounds 3
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import os
 import platform
+import shutil
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
-import torch
-from torch.utils.data import DataLoader
-from torchvision import datasets, transforms
-
-from lightning_fastdata import FastImageDataModule, LmdbImageDataset, convert, make_image_folder, usable_cpu_count
-from lightning_fastdata.transforms import RandomResizedCropFlip
+MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+SIZE = 224
 
 
-def throughput(batches, warmup: int, measure: int, finish=lambda b: b) -> float:
-    """Images/s over `measure` batches after `warmup` batches (worker start-up left out)."""
-    it = iter(batches)
-    for _ in range(warmup):
-        finish(next(it))
-    start, count = time.perf_counter(), 0
-    for _ in range(measure):
-        images = finish(next(it))[0]
-        count += images.shape[0]
-    return count / (time.perf_counter() - start)
+# ---------------------------------------------------------------------------------------------------------------
+# One loader, in its own process
+# ---------------------------------------------------------------------------------------------------------------
 
 
-def single_core_rate(db: Path, size: int, samples: int) -> float:
-    """Read + decode + crop rate of one core (this process, one thread)."""
-    torch.set_num_threads(1)
-    dataset = LmdbImageDataset(db, split="train", transform=RandomResizedCropFlip(size))
-    n = min(samples, len(dataset))
-    for i in range(20):
-        dataset[i]
-    start = time.perf_counter()
-    for i in range(n):
-        dataset[i]
-    return n / (time.perf_counter() - start)
+def _cpu_seconds() -> float:
+    import psutil
+
+    proc = psutil.Process()
+    total = sum(proc.cpu_times()[:2])
+    for child in proc.children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            total += sum(child.cpu_times()[:2])
+    return total
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workdir", default=".bench", help="where the generated images and database go")
-    parser.add_argument("--images", type=int, default=3000, help="images to generate (300-640 px JPEGs)")
-    parser.add_argument(
-        "--noise", type=float, default=8.0, help="photo-like grain of the generated JPEGs (0 = smooth, decodes fast)"
-    )
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--batches", type=int, default=25, help="batches measured per round (after warm-up)")
-    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds; the median is reported")
-    parser.add_argument(
-        "--main-threads",
-        type=int,
-        default=1,
-        help="intra-op threads of this (the consuming) process; it only normalizes, and with more threads OpenMP"
-        " spin-waits take cores from the workers (measured: 1 thread is fastest on 2 cores)",
-    )
-    args = parser.parse_args()
-    torch.set_num_threads(args.main_threads)
+def _timed_epoch(make_epoch, check) -> dict[str, float]:
+    """Run one warm-up epoch, then time the second: images/s and CPU-seconds per 1,000 images."""
+    for batch in make_epoch(0):
+        check(batch)
+    start, cpu, images = time.perf_counter(), _cpu_seconds(), 0
+    for batch in make_epoch(1):
+        images += check(batch)
+    seconds = time.perf_counter() - start
+    return {"images_per_sec": images / seconds, "cpu_per_1000": (_cpu_seconds() - cpu) / images * 1000}
 
-    workdir = Path(args.workdir)
-    folder = workdir / f"images-{args.images}-noise{args.noise:g}"
-    db = folder.with_suffix(".lmdb")
-    classes = 10
-    if not folder.is_dir():
-        t = time.perf_counter()
-        make_image_folder(
-            folder, num_classes=classes, train_per_class=args.images // classes, val_per_class=0, noise=args.noise
-        )
-        print(f"generated {args.images} JPEGs (300-640 px, noise {args.noise:g}) in {time.perf_counter() - t:.1f} s")
-    print(convert(folder, db, progress=False).format())
-    raw_db = folder.with_suffix(".raw.lmdb")
-    print(convert(folder, raw_db, encoding="raw", progress=False).format())
 
-    mean, std = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+def _checker(dtype):
+    import torch
+
+    def check(batch) -> int:
+        images = batch[0]
+        assert images.dtype == dtype, images.dtype
+        assert tuple(images.shape[1:]) == (3, SIZE, SIZE), images.shape
+        return int(images.shape[0])
+
+    return check, torch
+
+
+def run_imagefolder(args) -> dict[str, float]:
+    import torch
+    from torch.utils.data import DataLoader
+    from torchvision import datasets, transforms
+
     standard = transforms.Compose(
         [
-            transforms.RandomResizedCrop(224),
+            transforms.RandomResizedCrop(SIZE),
             transforms.RandomHorizontalFlip(),
             transforms.ToTensor(),
-            transforms.Normalize(mean, std),
+            transforms.Normalize(MEAN, STD),
         ]
     )
-    loader_a = DataLoader(
-        datasets.ImageFolder(folder, transform=standard),
+    loader = DataLoader(
+        datasets.ImageFolder(args.resized, transform=standard),
         batch_size=args.batch_size,
         shuffle=True,
         num_workers=args.workers,
         persistent_workers=True,
         drop_last=True,
     )
+    check, _ = _checker(torch.float32)
+    return _timed_epoch(lambda epoch: loader, check)
 
-    def fast_loader(database: Path) -> tuple[FastImageDataModule, DataLoader]:
-        dm = FastImageDataModule(str(database), batch_size=args.batch_size, num_workers=args.workers, val_fraction=0)
+
+def run_fast(args, output: str, engine: str) -> dict[str, float]:
+    import torch
+
+    from lightning_fastdata import FastImageDataModule, LmdbImageDataset
+    from lightning_fastdata.loader import BatchReader, FastLoader
+    from lightning_fastdata.resumable import ResumableSampler
+    from lightning_fastdata.transforms import RandomResizedCropFlip
+
+    if output == "float":  # as a user gets it: the DataModule on a CPU hands out normalized float32 batches
+        dm = FastImageDataModule(
+            args.db, batch_size=args.batch_size, num_workers=args.workers, engine=engine, val_fraction=0
+        )
         dm.setup("fit")
-        return dm, dm.train_dataloader()
+        loader = dm.train_dataloader()
+    else:  # what the DataModule hands a CUDA trainer before the device copy: uint8, NHWC memory
+        reader = BatchReader(LmdbImageDataset(args.db, transform=RandomResizedCropFlip(SIZE)), output="uint8")
+        sampler = ResumableSampler(reader, num_replicas=1, rank=0, shuffle=True)
+        workers = {"threads": args.workers} if engine == "threads" else {"num_workers": args.workers}
+        loader = FastLoader(reader, batch_size=args.batch_size, sampler=sampler, drop_last=True, **workers)
 
-    def finisher(dm: FastImageDataModule):
-        def finish(batch):
-            out = dm.on_after_batch_transfer(batch, 0)
-            assert out[0].dtype == torch.float32
-            assert out[0].shape == (args.batch_size, 3, 224, 224)
-            return out
+    def epoch(k: int):
+        loader.sampler.set_epoch(k)
+        return loader
 
-        return finish
+    check, _ = _checker(torch.float32 if output == "float" else torch.uint8)
+    return _timed_epoch(epoch, check)
 
-    dm_b, loader_b = fast_loader(db)
-    dm_r, loader_r = fast_loader(raw_db)
-    rates: dict[str, list[float]] = {"a": [], "b": [], "r": []}
-    for epoch in range(args.rounds):
-        loader_b.sampler.set_epoch(epoch)
-        loader_r.sampler.set_epoch(epoch)
-        rates["a"].append(throughput(loader_a, warmup=3, measure=args.batches))
-        rates["b"].append(throughput(loader_b, warmup=3, measure=args.batches, finish=finisher(dm_b)))
-        rates["r"].append(throughput(loader_r, warmup=3, measure=args.batches, finish=finisher(dm_r)))
-        print("round {}: (a) {:.0f}  (b) {:.0f}  (b-raw) {:.0f} img/s".format(epoch, *(r[-1] for r in rates.values())))
+
+def run_ffcv(args, output: str) -> dict[str, float]:
+    import numpy as np
+    import torch
+    from ffcv.fields.decoders import IntDecoder, RandomResizedCropRGBImageDecoder
+    from ffcv.loader import Loader, OrderOption
+    from ffcv.transforms import NormalizeImage, RandomHorizontalFlip, Squeeze, ToTensor, ToTorchImage
+
+    image = [RandomResizedCropRGBImageDecoder((SIZE, SIZE)), RandomHorizontalFlip()]
+    if output == "float":
+        image.append(NormalizeImage(np.array(MEAN) * 255, np.array(STD) * 255, np.float32))
+    image += [ToTensor(), ToTorchImage()]
+    loader = Loader(
+        args.beton,
+        batch_size=args.batch_size,
+        num_workers=args.workers,
+        order=OrderOption.RANDOM,
+        drop_last=True,
+        os_cache=True,
+        pipelines={"image": image, "label": [IntDecoder(), ToTensor(), Squeeze()]},
+    )
+    check, _ = _checker(torch.float32 if output == "float" else torch.uint8)
+    return _timed_epoch(lambda epoch: loader, check)
+
+
+def run_dali(args) -> dict[str, float]:
+    import torch
+    from nvidia.dali import fn, pipeline_def, types
+    from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
+
+    @pipeline_def(batch_size=args.batch_size, num_threads=args.workers, device_id=None, seed=0)
+    def pipe():
+        jpegs, labels = fn.readers.file(file_root=args.resized, random_shuffle=True, name="reader")
+        images = fn.decoders.image_random_crop(jpegs, device="cpu", output_type=types.RGB)
+        images = fn.resize(images, resize_x=SIZE, resize_y=SIZE)
+        images = fn.crop_mirror_normalize(
+            images,
+            dtype=types.FLOAT,
+            output_layout="CHW",
+            mean=[m * 255 for m in MEAN],
+            std=[s * 255 for s in STD],
+            mirror=fn.random.coin_flip(),
+        )
+        return images, labels
+
+    p = pipe()
+    p.build()
+    loader = DALIGenericIterator(
+        p, ["images", "labels"], reader_name="reader", last_batch_policy=LastBatchPolicy.DROP, auto_reset=True
+    )
+    check, _ = _checker(torch.float32)
+    return _timed_epoch(lambda epoch: ((b[0]["images"], b[0]["labels"]) for b in loader), check)
+
+
+def run_limit_b(args) -> dict[str, float]:
+    """Limit B: one core's simplejpeg (fast) decode + OpenCV crop-resize rate on the stored JPEGs, times the cores."""
+    import random
+
+    import cv2
+    import numpy as np
+    import simplejpeg
+
+    from lightning_fastdata import usable_cpu_count
+    from lightning_fastdata.transforms import RandomResizedCropFlip, crop_resize_into
+
+    cv2.setNumThreads(1)
+    files = sorted(Path(args.resized).rglob("*.jpg"))[: args.limit_samples]
+    blobs = [f.read_bytes() for f in files]
+    crop, out = RandomResizedCropFlip(SIZE), np.empty((SIZE, SIZE, 3), np.uint8)
+    random.seed(0)
+
+    def one(blob: bytes) -> None:
+        image = simplejpeg.decode_jpeg(blob, "RGB", fastdct=True, fastupsample=True)
+        crop_resize_into(image, crop.box(*image.shape[:2]), SIZE, crop.flip(), out)
+
+    for blob in blobs[:20]:
+        one(blob)
+    start, cpu = time.perf_counter(), time.process_time()
+    for blob in blobs:
+        one(blob)
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     cores = usable_cpu_count()
-    core, core_raw = single_core_rate(db, 224, samples=600), single_core_rate(raw_db, 224, samples=600)
-    a, b, r = (statistics.median(v) for v in rates.values())
-    c, c_raw = core * cores, core_raw * cores
+    return {"images_per_sec": len(blobs) / seconds * cores, "cpu_per_1000": cpu / len(blobs) * 1000}
+
+
+RUNNERS = {
+    "imagefolder": ("torchvision ImageFolder + PIL transforms, normalized float32", run_imagefolder),
+    "fast-float": ("**FastImageDataModule, normalized float32**", lambda a: run_fast(a, "float", "threads")),
+    "fast-uint8": (
+        "**FastImageDataModule, uint8 (what a GPU trainer receives)**",
+        lambda a: run_fast(a, "uint8", "threads"),
+    ),
+    "fast-float-processes": (
+        'FastImageDataModule, float32, `engine="processes"`',
+        lambda a: run_fast(a, "float", "processes"),
+    ),
+    "fast-uint8-processes": (
+        'FastImageDataModule, uint8, `engine="processes"`',
+        lambda a: run_fast(a, "uint8", "processes"),
+    ),
+    "ffcv-float": ("FFCV 1.0.2, normalized float32 (channels_last)", lambda a: run_ffcv(a, "float")),
+    "ffcv-uint8": ("FFCV 1.0.2, uint8", lambda a: run_ffcv(a, "uint8")),
+    "dali-float": ("NVIDIA DALI, CPU-only, normalized float32", run_dali),
+    "limit-b": ("limit B: simplejpeg (fast) + OpenCV crop-resize, one core x usable cores", run_limit_b),
+}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The driver: data, conversions, interleaved rounds, table
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _available(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+def _resize_folder(src: Path, dst: Path, short_side: int, quality: int) -> None:
+    """The images at short side ``short_side``, quality ``quality``: what ImageFolder, DALI and limit B read."""
+    from PIL import Image
+
+    tmp = dst.with_name(dst.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    for path in sorted(src.rglob("*.jpg")):
+        with Image.open(path) as im:
+            im = im.convert("RGB")
+            scale = short_side / min(im.size)
+            if scale < 1:
+                im = im.resize((round(im.width * scale), round(im.height * scale)), Image.Resampling.BILINEAR)
+            out = tmp / path.relative_to(src)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            im.save(out, quality=quality)
+    os.replace(tmp, dst)
+
+
+def _write_beton(src: Path, beton: Path, workers: int) -> float:
+    """FFCV's file from the original photos, resized to short side 256 in its writer workers (as we convert)."""
+    from ffcv.fields import IntField, RGBImageField
+    from ffcv.writer import DatasetWriter
+    from torchvision import datasets, transforms
+
+    dataset = datasets.ImageFolder(src, transform=transforms.Resize(256))
+    start = time.perf_counter()
+    writer = DatasetWriter(
+        str(beton),
+        {"image": RGBImageField(write_mode="jpg", jpeg_quality=90), "label": IntField()},
+        num_workers=workers,
+    )
+    writer.from_indexed_dataset(dataset)
+    return time.perf_counter() - start
+
+
+def _dir_bytes(path: Path) -> int:
+    return path.stat().st_size if path.is_file() else sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workdir", default=".bench", help="where the generated images and stores go")
+    parser.add_argument("--images", type=int, default=3000, help="photo-like JPEGs to generate (300-640 px)")
+    parser.add_argument("--noise", type=float, default=8.0, help="grain of the generated JPEGs (photo-like entropy)")
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--workers", type=int, default=2, help="workers or threads, for every loader")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the median is reported")
+    parser.add_argument("--only", nargs="*", help="run these loaders only (names: " + ", ".join(RUNNERS) + ")")
+    parser.add_argument("--json", help="also write the results to this file")
+    parser.add_argument("--run", help=argparse.SUPPRESS)
+    parser.add_argument("--db", help=argparse.SUPPRESS)
+    parser.add_argument("--resized", help=argparse.SUPPRESS)
+    parser.add_argument("--beton", help=argparse.SUPPRESS)
+    parser.add_argument("--limit-samples", type=int, default=1000, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+
+    if args.run:  # a child: one loader, one round; prints its JSON line
+        import torch
+
+        torch.set_num_threads(1)  # the consuming process only takes batches; its cores belong to the loader
+        print(json.dumps(RUNNERS[args.run][1](args)))
+        return
+
+    from lightning_fastdata import convert, make_image_folder, usable_cpu_count
+
+    workdir = Path(args.workdir)
+    folder = workdir / f"images-{args.images}-noise{args.noise:g}"
+    if not folder.is_dir():
+        make_image_folder(
+            folder, num_classes=10, train_per_class=args.images // 10, val_per_class=0, noise=args.noise, seed=0
+        )
+    resized = folder.with_name(folder.name + "-256")
+    if not resized.is_dir():
+        _resize_folder(folder, resized, 256, 90)
+    db = folder.with_name(folder.name + ".bench.lmdb")
+    summary = convert(folder, db, short_side=256, quality=90, force=True, progress=False)
+    source_bytes = _dir_bytes(folder)
+    stores = {
+        "lightning_fastdata": (_dir_bytes(db), summary.seconds),
+        "same JPEGs as plain files": (_dir_bytes(resized), None),
+    }
+    names = [n for n in RUNNERS if not args.only or n in args.only]
+    notes = []
+    if not _available("ffcv"):
+        names = [n for n in names if not n.startswith("ffcv")]
+        notes.append("FFCV is not installed (bash benchmarks/install_peers.sh): its rows are left out.")
+    else:
+        beton = workdir / f"{folder.name}.beton"
+        beton.unlink(missing_ok=True)
+        stores["FFCV .beton"] = (0, _write_beton(folder, beton, args.workers))
+        stores["FFCV .beton"] = (_dir_bytes(beton), stores["FFCV .beton"][1])
+        args.beton = str(beton)
+    if not _available("nvidia.dali"):
+        names = [n for n in names if not n.startswith("dali")]
+        notes.append("NVIDIA DALI is not installed (bash benchmarks/install_peers.sh): its row is left out.")
+
+    results: dict[str, list[dict[str, float]]] = {n: [] for n in names}
+    child = [sys.executable, __file__, "--db", str(db), "--resized", str(resized), "--beton", str(args.beton)]
+    child += ["--batch-size", str(args.batch_size), "--workers", str(args.workers)]
+    for r in range(args.rounds):
+        for name in names:
+            out = subprocess.run([*child, "--run", name], capture_output=True, text=True, check=False)
+            if out.returncode != 0:
+                raise SystemExit(f"{name} failed:\n{out.stderr[-3000:]}")
+            results[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
+            print(f"round {r}: {name:22s} {results[name][-1]['images_per_sec']:7.0f} img/s", flush=True)
+
+    med = {n: {k: statistics.median(m[k] for m in ms) for k in ms[0]} for n, ms in results.items()}
+    base = med.get("imagefolder", {}).get("images_per_sec")
+    cores = usable_cpu_count()
     print()
-    print(f"machine: {platform.machine()}, {cores} usable CPUs ({os.cpu_count()} online), torch {torch.__version__}")
+    machine = f"{platform.machine()}, {cores} usable CPUs ({os.cpu_count()} online)"
+    print(f"machine: {machine}, Python {platform.python_version()}")
     print(
-        f"{args.images} JPEGs of 300-640 px, noise {args.noise:g}; batch_size={args.batch_size},"
-        f" num_workers={args.workers}, {args.main_threads} main-process thread(s), median of {args.rounds} rounds"
+        f"{args.images} photo-like JPEGs (300-640 px, noise {args.noise:g}) stored at short side 256, q90;"
+        f" batch {args.batch_size}, {args.workers} workers or threads each, RandomResizedCrop({SIZE}) + flip,"
+        f" second epoch timed, median of {args.rounds} interleaved rounds, each loader in its own process"
     )
-    print("| pipeline | images/s | vs (a) |")
-    print("|---|---:|---:|")
-    print(f"| (a) ImageFolder + standard transforms | {a:.0f} | 1.00x |")
-    print(f"| (b) FastImageDataModule, JPEG database (default) | {b:.0f} | {b / a:.2f}x |")
-    print(f"| (c) limit: JPEG read + decode + crop, {core:.0f}/s on one core x {cores} | {c:.0f} | {c / a:.2f}x |")
-    print(f'| (b-raw) FastImageDataModule, `encoding="raw"` database | {r:.0f} | {r / a:.2f}x |')
-    print(
-        f"| (c-raw) limit: raw read + crop, {core_raw:.0f}/s on one core x {cores} | {c_raw:.0f} | {c_raw / a:.2f}x |"
-    )
-    print(
-        f"(b)/(a) = {b / a:.2f}x  (b)/(c) = {b / c:.2f}  (b-raw)/(a) = {r / a:.2f}x  (b-raw)/(c-raw) = {r / c_raw:.2f}"
-    )
+    print()
+    print("| loader | images/s | vs ImageFolder | CPU-s per 1,000 images |")
+    print("|---|---:|---:|---:|")
+    for name, m in sorted(med.items(), key=lambda item: item[1]["images_per_sec"]):
+        ratio = f"{m['images_per_sec'] / base:.2f}x" if base else "-"
+        print(f"| {RUNNERS[name][0]} | {m['images_per_sec']:.0f} | {ratio} | {m['cpu_per_1000']:.2f} |")
+    print()
+
+    def ratio(a: str, b: str) -> str:
+        if a in med and b in med:
+            return f"{med[a]['images_per_sec'] / med[b]['images_per_sec']:.2f}x"
+        return "n/a"
+
+    print(f"float32: FastImageDataModule / FFCV = {ratio('fast-float', 'ffcv-float')}")
+    print(f"uint8:   FastImageDataModule / FFCV = {ratio('fast-uint8', 'ffcv-uint8')}")
+    print(f"uint8:   FastImageDataModule / limit B = {ratio('fast-uint8', 'limit-b')}")
+    print(f"float32: FastImageDataModule / DALI = {ratio('fast-float', 'dali-float')}")
+    print()
+    print(f"| store | size | vs source ({source_bytes / 2**20:.1f} MiB) | conversion |")
+    print("|---|---:|---:|---:|")
+    for store, (size, seconds) in stores.items():
+        rate = f"{args.images / seconds:.0f} images/s" if seconds else "-"
+        print(f"| {store} | {size / 2**20:.1f} MiB | {size / source_bytes:.2f}x | {rate} |")
+    for note in notes:
+        print(f"note: {note}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"median": med, "rounds": results, "stores": stores}, indent=1))
 
 
 if __name__ == "__main__":
