@@ -30,7 +30,13 @@ from tqdm.auto import tqdm
 from lightning_fastdata import _format
 from lightning_fastdata.__about__ import __version__
 from lightning_fastdata.cpus import usable_cpu_count
-from lightning_fastdata.errors import ConversionError, DatasetFormatError, DestinationError, SourceLayoutError
+from lightning_fastdata.errors import (
+    ConversionError,
+    DatasetFormatError,
+    DestinationError,
+    SampleError,
+    SourceLayoutError,
+)
 
 try:  # advisory lock so two converters never build the same target at once (POSIX only)
     import fcntl
@@ -375,6 +381,39 @@ def _nonempty_classes(split_roots: dict[str, Path], per_split: dict[str, list[st
     """The class names (sorted, across splits) whose folder holds an image file in at least one split."""
     names = sorted(set().union(*per_split.values()))
     return [n for n in names if any(n in per_split[s] and _has_image(root / n) for s, root in split_roots.items())]
+
+
+def train_folder(src: str | os.PathLike[str]) -> Path:
+    """The ImageFolder tree of ``src``'s training split (``src`` itself when it has no split folders).
+
+    Raises:
+        SourceLayoutError: ``src`` is missing or not an image folder, or has split folders but no training split.
+
+    """
+    path = Path(src).expanduser()
+    split_roots, _ = _split_folders(path)
+    if "train" not in split_roots:
+        raise SourceLayoutError(f"`src` {str(path)!r} has split folders but no training split (train/, training/).")
+    return split_roots["train"]
+
+
+def open_image_file(path: str, data: bytes | None = None) -> Image.Image:
+    """Open an image file (or its bytes, already read) as RGB, as ``ImageFolder`` does, with errors naming the file.
+
+    Raises:
+        SampleError: the file cannot be read or decoded.
+
+    """
+    try:
+        if data is None:
+            with open(path, "rb") as fh:
+                data = fh.read()
+        return Image.open(io.BytesIO(data)).convert("RGB")
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
+        raise SampleError(
+            f"{path!r} cannot be read as an image ({type(err).__name__}: {err}). Fix or remove it, or convert the"
+            " folder with `lightning-fastdata convert` (it skips and lists bad files) and use the database."
+        ) from None
 
 
 def folder_classes(src: str | os.PathLike[str]) -> list[str]:
