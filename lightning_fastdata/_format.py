@@ -236,6 +236,7 @@ with env.begin(buffers=True) as txn:
         sys.exit(0)  # not ours, incomplete or unreadable metadata: load_meta says which, clearly
     for name, length in lengths.items():
         txn.get(f"__labels__/{name}".encode())
+        txn.get(f"__sources__/{name}".encode())
         for i in range(length):
             txn.get(f"{name}/{i:010d}".encode())  # a view: walks the pages, reads no record bytes
 """
