@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader
 from torchvision import datasets, transforms
 
 from lightning_fastdata import FastImageDataModule, LoaderMonitor, make_image_folder, usable_cpu_count
+from lightning_fastdata.convert import train_folder
 from lightning_fastdata.datamodule import IMAGENET_MEAN, IMAGENET_STD
 
 
@@ -74,7 +75,7 @@ def train_imagefolder(
             transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD),
         ]
     )
-    train = datasets.ImageFolder(str(images), transform=standard)
+    train = datasets.ImageFolder(str(train_folder(images)), transform=standard)  # images/train/ when it has splits
     loader = DataLoader(
         train,
         batch_size=batch_size,

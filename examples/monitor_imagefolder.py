@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader
 from torchvision import datasets, transforms
 
 from lightning_fastdata import LoaderMonitor, make_image_folder
+from lightning_fastdata.convert import train_folder
 
 
 def main() -> None:
@@ -31,7 +32,7 @@ def main() -> None:
             transforms.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)),
         ]
     )
-    train = datasets.ImageFolder(root, transform=standard)
+    train = datasets.ImageFolder(train_folder(root), transform=standard)
     loader = DataLoader(train, batch_size=32, shuffle=True, num_workers=0)  # the usual first attempt
     monitor = LoaderMonitor(report_dir=Path(args.workdir) / "imagefolder_report", verbose=False)
     trainer = Trainer(
