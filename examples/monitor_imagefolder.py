@@ -8,31 +8,13 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import torch
-from lightning.pytorch import LightningModule, Trainer
+from demo import TinyNet
+from lightning.pytorch import Trainer
 from torch.utils.data import DataLoader
 from torchvision import datasets, transforms
 
 from lightning_fastdata import LoaderMonitor, make_image_folder
-
-
-class SmallNet(LightningModule):
-    def __init__(self, num_classes: int) -> None:
-        super().__init__()
-        self.net = torch.nn.Sequential(
-            torch.nn.Conv2d(3, 16, 5, stride=4),
-            torch.nn.ReLU(),
-            torch.nn.AdaptiveAvgPool2d(1),
-            torch.nn.Flatten(),
-            torch.nn.Linear(16, num_classes),
-        )
-
-    def training_step(self, batch, batch_idx):
-        images, labels = batch
-        return torch.nn.functional.cross_entropy(self.net(images), labels)
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.05)
+from lightning_fastdata.convert import train_folder
 
 
 def main() -> None:
@@ -40,8 +22,8 @@ def main() -> None:
     parser.add_argument("--workdir", default=".demo")
     args = parser.parse_args()
     root = Path(args.workdir) / "images"
-    if not (root / "train").is_dir():
-        make_image_folder(root, num_classes=4, train_per_class=80, val_per_class=20)
+    if not root.is_dir():  # the folder `make demo` generates
+        make_image_folder(root, num_classes=4, train_per_class=250, val_per_class=0, noise=8)
     standard = transforms.Compose(
         [
             transforms.RandomResizedCrop(224),
@@ -50,7 +32,7 @@ def main() -> None:
             transforms.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)),
         ]
     )
-    train = datasets.ImageFolder(root / "train", transform=standard)
+    train = datasets.ImageFolder(train_folder(root), transform=standard)
     loader = DataLoader(train, batch_size=32, shuffle=True, num_workers=0)  # the usual first attempt
     monitor = LoaderMonitor(report_dir=Path(args.workdir) / "imagefolder_report", verbose=False)
     trainer = Trainer(
@@ -63,7 +45,7 @@ def main() -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(SmallNet(len(train.classes)), loader)
+    trainer.fit(TinyNet(len(train.classes)), loader)
     print(monitor.format_table())
 
 

@@ -1,29 +1,65 @@
-"""Input-fast image training for PyTorch Lightning."""
+"""Input-fast image training for PyTorch Lightning.
 
-from lightning_fastdata import presets
+Names other than the conversion functions are imported on first use (PEP 562), so ``lightning-fastdata --help``
+starts without importing torch or Lightning. Importing any Lightning-facing name also registers the
+``ddp_fastdata`` strategies.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from lightning_fastdata.__about__ import __version__
-from lightning_fastdata._format import read_meta
+
+# eager: the submodule `convert` shares its name with the function, which must win (about 0.1 s: numpy, PIL, lmdb)
 from lightning_fastdata.convert import ConversionSummary, SkippedFile, convert, convert_dataset
-from lightning_fastdata.cpus import usable_cpu_count
-from lightning_fastdata.datamodule import FastImageDataModule
-from lightning_fastdata.dataset import LmdbImageDataset
-from lightning_fastdata.errors import (
-    ConversionError,
-    CorruptRecordError,
-    DatasetFormatError,
-    FastDataError,
-    SampleError,
-    SourceLayoutError,
-)
-from lightning_fastdata.monitor import LoaderMonitor
-from lightning_fastdata.prefetch import DevicePrefetchLoader
-from lightning_fastdata.synthetic import make_image_folder
+
+if TYPE_CHECKING:
+    from lightning_fastdata import presets
+    from lightning_fastdata._format import read_meta, read_sources
+    from lightning_fastdata.cpus import usable_cpu_count
+    from lightning_fastdata.datamodule import FastImageDataModule
+    from lightning_fastdata.dataset import LmdbImageDataset
+    from lightning_fastdata.errors import (
+        ConversionError,
+        CorruptRecordError,
+        DatasetFormatError,
+        DestinationError,
+        FastDataError,
+        SampleError,
+        SourceLayoutError,
+    )
+    from lightning_fastdata.monitor import LoaderMonitor
+    from lightning_fastdata.prefetch import DevicePrefetchLoader
+    from lightning_fastdata.synthetic import make_image_folder
+
+#: public name -> the module that defines it
+_HOMES = {
+    "ConversionError": "errors",
+    "CorruptRecordError": "errors",
+    "DatasetFormatError": "errors",
+    "DestinationError": "errors",
+    "DevicePrefetchLoader": "prefetch",
+    "FastDataError": "errors",
+    "FastImageDataModule": "datamodule",
+    "LmdbImageDataset": "dataset",
+    "LoaderMonitor": "monitor",
+    "SampleError": "errors",
+    "SourceLayoutError": "errors",
+    "make_image_folder": "synthetic",
+    "read_meta": "_format",
+    "read_sources": "_format",
+    "usable_cpu_count": "cpus",
+}
+_LIGHTNING_MODULES = ("datamodule", "monitor", "prefetch")
 
 __all__ = [
     "ConversionError",
     "ConversionSummary",
     "CorruptRecordError",
     "DatasetFormatError",
+    "DestinationError",
     "DevicePrefetchLoader",
     "FastDataError",
     "FastImageDataModule",
@@ -38,5 +74,23 @@ __all__ = [
     "make_image_folder",
     "presets",
     "read_meta",
+    "read_sources",
     "usable_cpu_count",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "presets":
+        return importlib.import_module("lightning_fastdata.presets")
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'lightning_fastdata' has no attribute {name!r}")
+    if home in _LIGHTNING_MODULES:
+        importlib.import_module("lightning_fastdata.presets")  # registers the ddp_fastdata strategies, as before
+    value = getattr(importlib.import_module(f"lightning_fastdata.{home}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

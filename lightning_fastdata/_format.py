@@ -5,6 +5,8 @@ A database is an LMDB environment directory (``data.mdb`` + ``lock.mdb``) holdin
 * one record per image under the key ``b"<split>/<index:010d>"``: a fixed 20-byte little-endian header followed
   by the encoded image bytes (see :data:`HEADER`);
 * the labels of each split as a packed ``int32`` array under ``b"__labels__/<split>"``;
+* where each record came from, as a UTF-8 JSON list of strings under ``b"__sources__/<split>"`` (the path relative to
+  the source folder, the path as listed, or the index in a dataset), in record order;
 * the dataset metadata as UTF-8 JSON under ``b"__meta__"``, written in the last transaction with
   ``"complete": true``.
 
@@ -49,6 +51,11 @@ def record_key(split: str, index: int) -> bytes:
 def labels_key(split: str) -> bytes:
     """The LMDB key of the packed ``int32`` label array of ``split``."""
     return f"__labels__/{split}".encode()
+
+
+def sources_key(split: str) -> bytes:
+    """The LMDB key of the JSON list of ``split``'s source names (relative paths, listed paths or dataset indices)."""
+    return f"__sources__/{split}".encode()
 
 
 @dataclass(frozen=True)
@@ -168,7 +175,7 @@ def open_readonly(path: str | os.PathLike[str]) -> lmdb.Environment:
         DatasetFormatError: ``path`` is not an LMDB database directory.
 
     """
-    path = Path(path).absolute()
+    path = Path(path).expanduser().absolute()
     if not path.exists():
         raise FileNotFoundError(
             f"{str(path)!r} does not exist. Create a database with `lightning-fastdata convert SRC {path}`."
@@ -229,6 +236,7 @@ with env.begin(buffers=True) as txn:
         sys.exit(0)  # not ours, incomplete or unreadable metadata: load_meta says which, clearly
     for name, length in lengths.items():
         txn.get(f"__labels__/{name}".encode())
+        txn.get(f"__sources__/{name}".encode())
         for i in range(length):
             txn.get(f"{name}/{i:010d}".encode())  # a view: walks the pages, reads no record bytes
 """
@@ -283,3 +291,33 @@ def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
     except lmdb.Error as err:
         raise DatasetFormatError(f"reading the metadata of {os.fspath(path)!r} failed: {err}") from err
     return load_meta(raw, path)
+
+
+def read_sources(path: str | os.PathLike[str], split: str = "train") -> list[str] | None:
+    """Where each record of ``split`` came from, in record order; ``None`` for databases written before sources.
+
+    Each entry is the record's path relative to the converted folder, its path as written in a list file, or its index
+    in a converted dataset. Convert an older database again to add them.
+
+    Raises:
+        ValueError: ``split`` is not in the database.
+        DatasetFormatError: the database is not usable, or its list of sources is damaged.
+
+    """
+    splits = read_meta(path)["splits"]
+    if split not in splits:
+        raise ValueError(f"`split` {split!r} is not in {os.fspath(path)!r}; it holds {sorted(splits)}.")
+    try:
+        with open_readonly(path).begin() as txn:
+            raw = txn.get(sources_key(split))
+    except lmdb.Error as err:
+        raise DatasetFormatError(f"reading the sources of {os.fspath(path)!r} failed: {err}") from err
+    if raw is None:
+        return None
+    try:
+        sources = json.loads(bytes(raw).decode())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise DatasetFormatError(f"the sources of split {split!r} of {os.fspath(path)!r} are damaged: {err}") from err
+    if not isinstance(sources, list) or len(sources) != int(splits[split]["length"]):
+        raise DatasetFormatError(f"the sources of split {split!r} of {os.fspath(path)!r} are damaged.")
+    return [str(item) for item in sources]

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from lightning_fastdata.__about__ import __version__
-from lightning_fastdata.errors import ConversionError, FastDataError
+from lightning_fastdata.errors import ConversionError, DestinationError, FastDataError
 
 if TYPE_CHECKING:
     from lightning.pytorch.cli import LightningCLI
@@ -24,12 +24,17 @@ def _add_convert(sub: argparse._SubParsersAction) -> None:
         "convert",
         help="convert an image folder into an LMDB image database",
         description=(
-            "Convert SRC, an ImageFolder tree (SRC/<class>/<image>) or a root of split trees (SRC/train/<class>/...,"
-            " SRC/val/<class>/...), into the database DST, in parallel. Unchanged sources are not converted twice."
+            "Convert SRC, an ImageFolder tree (SRC/<class>/<image>), a root of split trees (SRC/train/<class>/...,"
+            " SRC/val/<class>/..., SRC/test/<class>/...; also training, valid, validation, dev, testing, any case) or"
+            " a list file (CSV with a path,label[,split] header, or JSON), into the database DST, in parallel."
+            " Unchanged sources are not converted twice."
         ),
     )
-    p.add_argument("src", help="the image folder to read")
-    p.add_argument("dst", help="the database directory to write (created, or replaced if it is one of ours)")
+    p.add_argument("src", help="the image folder, or a .csv/.json list of path,label[,split] rows, to read")
+    p.add_argument(
+        "dst",
+        help="the database directory to write (created, or replaced if it is ours and made from the same SRC)",
+    )
     p.add_argument(
         "--short-side",
         type=int,
@@ -52,7 +57,11 @@ def _add_convert(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--workers", type=int, default=None, metavar="N", help="worker processes (default: the usable CPUs)")
     p.add_argument("--strict", action="store_true", help="fail, writing nothing, if any file has to be skipped")
-    p.add_argument("--force", action="store_true", help="convert even if DST is up to date")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="convert even if DST is up to date, or replace a DST converted from another source",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -218,16 +227,18 @@ def _profile(args: argparse.Namespace) -> int:
     return 0
 
 
-def lightning_cli(args: Sequence[str], run: bool = True, **kwargs: Any) -> LightningCLI:
+def lightning_cli(args: Sequence[str] | None, run: bool = True, **kwargs: Any) -> LightningCLI:
     """LightningCLI with a model and a :class:`~lightning_fastdata.FastImageDataModule`, both in subclass mode.
 
     Classes are named by ``class_path`` in the config; the working directory is importable, so a user's own
     ``my_model.MyModel`` and ``my_data.MyDataModule`` (a FastImageDataModule subclass whose ``**kwargs`` pass the
-    parent's arguments through) work without installing anything.
+    parent's arguments through) work without installing anything. ``args=None`` reads ``sys.argv[1:]`` (the
+    console script); a list is parsed as if typed on the command line.
     """
     from lightning.pytorch import LightningModule
     from lightning.pytorch.cli import LightningCLI
 
+    from lightning_fastdata import presets  # noqa: F401 - registers the `ddp_fastdata` strategies for the configs
     from lightning_fastdata.datamodule import FastImageDataModule
 
     if os.getcwd() not in sys.path:
@@ -238,28 +249,43 @@ def lightning_cli(args: Sequence[str], run: bool = True, **kwargs: Any) -> Light
         FastImageDataModule,
         subclass_mode_model=True,
         subclass_mode_data=True,
-        args=list(args),
+        args=None if args is None else list(args),
         run=run,
         **kwargs,
     )
 
 
+def _message(err: BaseException) -> str:
+    """The error's own message; for one re-raised from a DataLoader worker, without the worker's traceback."""
+    text = str(err)
+    if "Original Traceback" in text:
+        last = [line for line in text.splitlines() if line.strip()][-1]
+        text = last.split(": ", 1)[1] if last.split(": ", 1)[0].endswith("Error") else last
+    return text
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``lightning-fastdata`` console script."""
+    from_console = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in LIGHTNING_COMMANDS:
-        lightning_cli(argv)
+        # LightningCLI reads sys.argv itself when run from the console: passing it as `args` as well makes it warn
+        # that `args` "is intended to run from within Python" on every run
+        lightning_cli(None if from_console else argv)
         return 0
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     handlers = {"convert": _convert, "synth": _synth, "bench": _bench, "profile": _profile}
     try:
         return handlers[args.command](args)
+    except DestinationError as err:  # bad input: a `dst` that must not be replaced
+        print(f"error: {_message(err)}", file=sys.stderr)
+        return 2
     except ConversionError as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(f"error: {_message(err)}", file=sys.stderr)
         return 1
     except (FastDataError, FileNotFoundError, ValueError) as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(f"error: {_message(err)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted: nothing was published; run the same command again to start over", file=sys.stderr)

@@ -6,6 +6,7 @@ The writer mirrors :class:`~lightning_fastdata.dataset.LmdbImageDataset`; both s
 from __future__ import annotations
 
 import contextlib
+import csv
 import hashlib
 import io
 import json
@@ -14,6 +15,7 @@ import multiprocessing
 import os
 import shutil
 import time
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
@@ -28,7 +30,13 @@ from tqdm.auto import tqdm
 from lightning_fastdata import _format
 from lightning_fastdata.__about__ import __version__
 from lightning_fastdata.cpus import usable_cpu_count
-from lightning_fastdata.errors import ConversionError, DatasetFormatError, SourceLayoutError
+from lightning_fastdata.errors import (
+    ConversionError,
+    DatasetFormatError,
+    DestinationError,
+    SampleError,
+    SourceLayoutError,
+)
 
 try:  # advisory lock so two converters never build the same target at once (POSIX only)
     import fcntl
@@ -40,12 +48,28 @@ log = logging.getLogger(__name__)
 #: File extensions read as images (matched case-insensitively), as torchvision's ``ImageFolder``.
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 
+#: Folder names (matched case-insensitively) read as splits, and the split name each is stored under.
+SPLIT_ALIASES = {
+    "train": "train",
+    "training": "train",
+    "val": "val",
+    "valid": "val",
+    "validation": "val",
+    "dev": "val",
+    "test": "test",
+    "testing": "test",
+}
+
+#: Files accepted as a list source: ``path,label`` rows (CSV with a header) or a JSON list of objects.
+LIST_EXTENSIONS = (".csv", ".json")
+
 _LAYOUT_HELP = """Expected an ImageFolder tree:
     SRC/<class_a>/<image>.jpg
     SRC/<class_b>/<image>.png
-or a root holding one such tree per split:
+or a root holding one such tree per split (train/training, val/valid/validation/dev, test/testing, any case):
     SRC/train/<class>/<image>.jpg
-    SRC/val/<class>/<image>.jpg"""
+    SRC/val/<class>/<image>.jpg
+or a list file SRC.csv (header `path,label`, optional `split`) or SRC.json ([{"path": ..., "label": ...}, ...])."""
 
 _INITIAL_MAP_SIZE = 1 << 28  # 256 MiB; doubled whenever the database fills it
 _TXN_RECORDS = 512
@@ -67,6 +91,7 @@ class ConversionSummary:
     destination: str
     written: int = 0
     skipped: list[SkippedFile] = field(default_factory=list)
+    ignored: list[SkippedFile] = field(default_factory=list)
     splits: dict[str, int] = field(default_factory=dict)
     bytes_in: int = 0
     bytes_out: int = 0
@@ -98,10 +123,13 @@ class ConversionSummary:
             + (f" ({self.bytes_out / self.bytes_in:.0%} of the source)" if self.bytes_in else ""),
             f"  time      {self.seconds:.1f} s, {self.images_per_sec:.0f} images/s ({self.workers} worker processes)",
         ]
-        for item in self.skipped[:max_skipped]:
-            lines.append(f"  skipped {item.path}: {item.reason}")
-        if len(self.skipped) > max_skipped:
-            lines.append(f"  ... and {len(self.skipped) - max_skipped} more, listed in {_format.REPORT_FILE}")
+        if self.ignored:
+            lines.insert(2, f"  ignored   {len(self.ignored)} (not images: other files, empty class folders)")
+        for kind, items in (("skipped", self.skipped), ("ignored", self.ignored)):
+            for item in items[:max_skipped]:
+                lines.append(f"  {kind} {item.path}: {item.reason}")
+            if len(items) > max_skipped:
+                lines.append(f"  ... and {len(items) - max_skipped} more, listed in {_format.REPORT_FILE}")
         return "\n".join(lines)
 
 
@@ -261,30 +289,54 @@ def _work(task: tuple[str, str | int, int]) -> tuple[int, int, int, int, int, by
 
 @dataclass
 class _Plan:
-    """Everything to convert: ``tasks[split]`` lists ``(split, path-or-index, label)``."""
+    """Everything to convert: ``tasks[split]`` lists ``(split, path-or-index, label)``.
+
+    ``names[split]`` holds, in the same order, what identifies each input to the user (a path relative to the source,
+    a path as listed, or a dataset index): it is stored beside the records so predictions map back to their files.
+    """
 
     classes: list[str] | None
     tasks: dict[str, list[tuple[str, str | int, int]]]
     fingerprint: str | None
     source: str
+    names: dict[str, list[str]] = field(default_factory=dict)
+    skipped: list[SkippedFile] = field(default_factory=list)
+    ignored: list[SkippedFile] = field(default_factory=list)
+
+
+def canonical_split(name: str) -> str | None:
+    """The split a folder or list entry named ``name`` is stored as (``"train"``, ``"val"``, ``"test"``), else None."""
+    return SPLIT_ALIASES.get(name.strip().lower())
 
 
 def _class_dirs(root: Path) -> list[str]:
     return sorted(e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith("."))
 
 
-def _image_files(folder: Path) -> list[str]:
-    files = []
+def _walk_files(folder: Path) -> Iterator[str]:
+    """Every file under ``folder`` (following links), sorted, skipping hidden files and folders."""
     for dirpath, dirnames, filenames in os.walk(folder, followlinks=True):
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
         for name in sorted(filenames):
-            if not name.startswith(".") and name.lower().endswith(IMG_EXTENSIONS):
-                files.append(os.path.join(dirpath, name))
-    return files
+            if not name.startswith("."):
+                yield os.path.join(dirpath, name)
+
+
+def _is_image_name(path: str) -> bool:
+    return path.lower().endswith(IMG_EXTENSIONS)
+
+
+def _has_image(folder: Path) -> bool:
+    return any(_is_image_name(path) for path in _walk_files(folder))
 
 
 def _split_folders(src: Path) -> tuple[dict[str, Path], dict[str, list[str]]]:
-    """The split roots of ``src`` and the class folders of each; raises ``SourceLayoutError`` on a bad layout."""
+    """The split roots of ``src`` and the class folders of each; raises ``SourceLayoutError`` on a bad layout.
+
+    ``src`` is a root of splits when one of its folders has a split name (:data:`SPLIT_ALIASES`, any case) and holds
+    class folders; otherwise it is one ImageFolder tree, stored as split ``train``, and a top-level folder with a split
+    name is read as a class, with a warning.
+    """
     if not src.exists():
         raise SourceLayoutError(f"`src` {str(src)!r} does not exist.\n{_LAYOUT_HELP}")
     if not src.is_dir():
@@ -292,46 +344,199 @@ def _split_folders(src: Path) -> tuple[dict[str, Path], dict[str, list[str]]]:
     top = _class_dirs(src)
     if not top:
         raise SourceLayoutError(f"`src` {str(src)!r} has no sub-folders (one per class are needed).\n{_LAYOUT_HELP}")
-    split_mode = "train" in top and bool(_class_dirs(src / "train"))
-    split_roots = {name: src / name for name in top} if split_mode else {"train": src}
+    split_like = [name for name in top if canonical_split(name)]
+    split_mode = any(_class_dirs(src / name) for name in split_like)
+    if not split_mode:
+        for name in split_like:
+            warnings.warn(
+                f"`src` {str(src)!r}: the folder {name!r} has a split name but holds no class folders, so it is read"
+                f" as a class of images. If it is a split, put its images in {name}/<class>/; otherwise rename it.",
+                UserWarning,
+                stacklevel=3,
+            )
+        split_roots = {"train": src}
+    else:
+        split_roots = {}
+        for name in top:
+            split = canonical_split(name) or name
+            if split in split_roots:
+                raise SourceLayoutError(
+                    f"`src` {str(src)!r} holds two folders for split {split!r}: {split_roots[split].name!r} and"
+                    f" {name!r}. Merge them, or move one out of `src`."
+                )
+            split_roots[split] = src / name
     per_split = {}
     for split, root in split_roots.items():
         classes = _class_dirs(root)
         if not classes:
             raise SourceLayoutError(
                 f"split folder {str(root)!r} has no class sub-folders, but {str(src)!r} looks like a root of"
-                f" splits because it holds `train/`.\n{_LAYOUT_HELP}"
+                f" splits because it holds {', '.join(repr(n + '/') for n in split_like)}.\n{_LAYOUT_HELP}"
             )
         per_split[split] = classes
     return split_roots, per_split
 
 
+def _nonempty_classes(split_roots: dict[str, Path], per_split: dict[str, list[str]]) -> list[str]:
+    """The class names (sorted, across splits) whose folder holds an image file in at least one split."""
+    names = sorted(set().union(*per_split.values()))
+    return [n for n in names if any(n in per_split[s] and _has_image(root / n) for s, root in split_roots.items())]
+
+
+def train_folder(src: str | os.PathLike[str]) -> Path:
+    """The ImageFolder tree of ``src``'s training split (``src`` itself when it has no split folders).
+
+    Raises:
+        SourceLayoutError: ``src`` is missing or not an image folder, or has split folders but no training split.
+
+    """
+    path = Path(src).expanduser()
+    split_roots, _ = _split_folders(path)
+    if "train" not in split_roots:
+        raise SourceLayoutError(f"`src` {str(path)!r} has split folders but no training split (train/, training/).")
+    return split_roots["train"]
+
+
+def open_image_file(path: str, data: bytes | None = None) -> Image.Image:
+    """Open an image file (or its bytes, already read) as RGB, as ``ImageFolder`` does, with errors naming the file.
+
+    Raises:
+        SampleError: the file cannot be read or decoded.
+
+    """
+    try:
+        if data is None:
+            with open(path, "rb") as fh:
+                data = fh.read()
+        return Image.open(io.BytesIO(data)).convert("RGB")
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
+        raise SampleError(
+            f"{path!r} cannot be read as an image ({type(err).__name__}: {err}). Fix or remove it, or convert the"
+            " folder with `lightning-fastdata convert` (it skips and lists bad files) and use the database."
+        ) from None
+
+
 def folder_classes(src: str | os.PathLike[str]) -> list[str]:
-    """The class names a conversion of ``src`` will have (sorted, across splits), from folder names alone."""
-    _, per_split = _split_folders(Path(src))
-    return sorted(set().union(*per_split.values()))
+    """The class names a conversion of ``src`` will have (sorted, across splits; empty class folders left out)."""
+    path = Path(src).expanduser()
+    if path.is_file() and path.suffix.lower() in LIST_EXTENSIONS:
+        return list(_scan_list(path.absolute()).classes or [])
+    return _nonempty_classes(*_split_folders(path))
+
+
+class _Scan:
+    """Collects tasks, the source fingerprint, and the inputs skipped before conversion (unreadable paths)."""
+
+    def __init__(self) -> None:
+        self.tasks: dict[str, list[tuple[str, str | int, int]]] = {}
+        self.names: dict[str, list[str]] = {}
+        self.skipped: list[SkippedFile] = []
+        self.ignored: list[SkippedFile] = []
+        self.digest = hashlib.sha256()
+
+    def add(self, split: str, path: str, label: int, name: str) -> None:
+        self.tasks.setdefault(split, [])
+        self.names.setdefault(split, [])
+        try:
+            st = os.stat(path)
+        except OSError as err:
+            dangling = os.path.islink(path)
+            reason = "dangling symbolic link (its target does not exist)" if dangling else f"cannot read file: {err}"
+            self.skipped.append(SkippedFile(path, reason))
+            return
+        self.tasks[split].append((split, path, label))
+        self.names[split].append(name)
+        self.digest.update(f"{name}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+
+    def plan(self, src: Path, classes: list[str]) -> _Plan:
+        if not any(self.tasks.values()) and not self.skipped:
+            exts = " ".join(IMG_EXTENSIONS)
+            raise SourceLayoutError(
+                f"found no image files under {str(src)!r} (looked for {exts}, any case, in the class folders).\n"
+                f"{_LAYOUT_HELP}"
+            )
+        return _Plan(
+            classes=classes,
+            tasks=self.tasks,
+            fingerprint=self.digest.hexdigest(),
+            source=str(src),
+            names=self.names,
+            skipped=self.skipped,
+            ignored=self.ignored,
+        )
 
 
 def _scan_folder(src: Path) -> _Plan:
     split_roots, per_split = _split_folders(src)
-    classes = sorted(set().union(*per_split.values()))
+    classes = _nonempty_classes(split_roots, per_split)
+    scan = _Scan()
+    for name in sorted(set().union(*per_split.values())):
+        if name not in classes:
+            folders = [str(root / name) for split, root in split_roots.items() if name in per_split[split]]
+            scan.ignored.append(SkippedFile(folders[0], "empty class folder: no image files in it; left out"))
     class_to_idx = {name: i for i, name in enumerate(classes)}
-    tasks: dict[str, list[tuple[str, str | int, int]]] = {}
-    digest = hashlib.sha256()
     for split, root in split_roots.items():
-        tasks[split] = []
+        scan.tasks[split], scan.names[split] = [], []
         for name in per_split[split]:
-            for path in _image_files(root / name):
-                tasks[split].append((split, path, class_to_idx[name]))
-                st = os.stat(path)
-                digest.update(f"{os.path.relpath(path, src)}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
-    if not any(tasks.values()):
-        exts = " ".join(IMG_EXTENSIONS)
+            if name not in class_to_idx:
+                continue
+            for path in _walk_files(root / name):
+                if not _is_image_name(path):
+                    reason = f"not an image file name (looked for {' '.join(IMG_EXTENSIONS)})"
+                    scan.ignored.append(SkippedFile(path, reason))
+                    continue
+                scan.add(split, path, class_to_idx[name], Path(os.path.relpath(path, src)).as_posix())
+    return scan.plan(src, classes)
+
+
+def _read_list(src: Path) -> list[dict[str, Any]]:
+    """The rows of a CSV (with a header) or JSON (a list of objects) list file, keys lower-cased."""
+    try:
+        text = src.read_text(encoding="utf-8-sig")
+    except (OSError, UnicodeDecodeError) as err:
+        raise SourceLayoutError(f"`src` {str(src)!r} cannot be read as a UTF-8 list file: {err}") from None
+    if src.suffix.lower() == ".json":
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise SourceLayoutError(f"`src` {str(src)!r} is not valid JSON: {err}.\n{_LAYOUT_HELP}") from None
+        if not isinstance(rows, list) or not all(isinstance(row, dict) for row in rows):
+            raise SourceLayoutError(f"`src` {str(src)!r} must hold a JSON list of objects.\n{_LAYOUT_HELP}")
+    else:
+        rows = list(csv.DictReader(io.StringIO(text)))
+    rows = [{str(k).strip().lower(): v for k, v in row.items() if k is not None} for row in rows]
+    if not rows:
+        raise SourceLayoutError(f"`src` {str(src)!r} lists no images.\n{_LAYOUT_HELP}")
+    missing = {"path", "label"} - set(rows[0])
+    if missing:
         raise SourceLayoutError(
-            f"found no image files under {str(src)!r} (looked for {exts}, any case, in the class folders).\n"
-            f"{_LAYOUT_HELP}"
+            f"`src` {str(src)!r} has no {' or '.join(sorted(missing))} column; its columns are {sorted(rows[0])}."
+            f" Name the columns `path` and `label` (and optionally `split`).\n{_LAYOUT_HELP}"
         )
-    return _Plan(classes=classes, tasks=tasks, fingerprint=digest.hexdigest(), source=str(src))
+    return rows
+
+
+def _scan_list(src: Path) -> _Plan:
+    """A plan from a list of ``path,label[,split]`` rows; relative paths are relative to the list file's folder."""
+    rows = _read_list(src)
+    labels = [str(row.get("label", "")).strip() for row in rows]
+    if all(label.isdigit() for label in labels):  # numeric labels keep their value as the class index
+        classes = [str(i) for i in range(max(int(label) for label in labels) + 1)]
+        index = {label: int(label) for label in labels}
+    else:
+        classes = sorted(set(labels))
+        index = {name: i for i, name in enumerate(classes)}
+    scan = _Scan()
+    scan.digest.update(src.read_bytes())
+    for line, (row, label) in enumerate(zip(rows, labels, strict=True), start=2):
+        listed = str(row.get("path") or "").strip()
+        split_name = str(row.get("split") or "train").strip()
+        split = canonical_split(split_name) or split_name
+        if not listed or not label:
+            scan.skipped.append(SkippedFile(f"{src} row {line - 1}", "row without a path or a label"))
+            continue
+        scan.add(split, str(src.parent / Path(listed).expanduser()), index[label], listed)
+    return scan.plan(src, classes)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -385,7 +590,7 @@ def _existing_meta(dst: Path) -> dict[str, Any] | None:
     except DatasetFormatError as err:
         if (dst / _format.DATA_FILE).is_file() and _has_meta_record(dst):
             return None  # our own incomplete or outdated database: safe to replace
-        raise ConversionError(
+        raise DestinationError(
             f"`dst` {str(dst)!r} exists and is not a lightning_fastdata database; refusing to replace it."
             " Pass a new or empty path."
         ) from err
@@ -405,7 +610,16 @@ def _target_lock(dst: Path) -> Iterator[None]:
     lock_path = dst.parent / f".{dst.name}.lock"
     with open(lock_path, "a+") as fh:
         if fcntl is not None:
-            fcntl.flock(fh, fcntl.LOCK_EX)
+            try:
+                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                log.warning(
+                    "waiting for another conversion to %s to finish (it holds %s); this one then reuses or replaces"
+                    " its result",
+                    dst,
+                    lock_path,
+                )
+                fcntl.flock(fh, fcntl.LOCK_EX)
         try:
             yield
         finally:
@@ -434,10 +648,19 @@ def _run(
     workers = usable_cpu_count() if num_workers is None else num_workers
     if workers < 0:
         raise ValueError(f"`num_workers` must be >= 0 (0 converts in this process), got {workers}.")
-    summary = ConversionSummary(destination=str(dst), workers=workers)
+    summary = ConversionSummary(destination=str(dst), workers=workers, ignored=list(plan.ignored))
     start = time.perf_counter()
     with _target_lock(dst):
         old = _existing_meta(dst)
+        old_source = old.get("source", {}).get("path") if old is not None else None
+        # a dataset's source is only its type name: two datasets cannot be told apart, and re-running must work
+        both_datasets = str(old_source).startswith("<") and plan.source.startswith("<")
+        if old is not None and not force and old_source != plan.source and not both_datasets:
+            raise DestinationError(
+                f"`dst` {str(dst)!r} holds a database converted from {old_source!r}, not from {plan.source!r};"
+                " refusing to replace it (it may be the only copy of that data). Choose another `dst`, or pass"
+                " --force (`force=True`) to replace it."
+            )
         if (
             old is not None
             and not force
@@ -454,6 +677,7 @@ def _run(
         shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted run
         shutil.rmtree(dst.parent / f".{dst.name}.old", ignore_errors=True)
         tmp.mkdir()
+        summary.skipped.extend(plan.skipped)
         try:
             try:
                 meta = _write(plan, tmp, datasets, opts, workers, progress, initial_map_size, summary)
@@ -518,7 +742,11 @@ def _write(
         "source": {"path": plan.source, "fingerprint": plan.fingerprint},
     }
     all_tasks = [task for split_tasks in plan.tasks.values() for task in split_tasks]
+    all_names = [name for split in plan.tasks for name in plan.names.get(split, [])]
+    if len(all_names) != len(all_tasks):
+        all_names = [f"{task[0]}[{task[1]}]" for task in all_tasks]
     labels: dict[str, list[int]] = {split: [] for split in plan.tasks}
+    sources: dict[str, list[str]] = {split: [] for split in plan.tasks}
     bar = tqdm(total=len(all_tasks), unit="img", desc=f"convert {Path(plan.source).name}", disable=not progress)
     # The pool starts before the LMDB environment opens: a forked child must never inherit an open environment.
     with bar, _results(all_tasks, datasets, opts, workers) as results:
@@ -526,17 +754,19 @@ def _write(
         try:
             writer.put(_format.META_KEY, _format.dump_meta(meta))  # complete=False until the very end
             writer.flush()
-            for task, (label, size, encoding, height, width, payload, reason) in zip(all_tasks, results, strict=True):
+            for task, name, result in zip(all_tasks, all_names, results, strict=True):
+                label, size, encoding, height, width, payload, reason = result
                 split = task[0]
                 summary.bytes_in += size
                 if reason is not None or payload is None:
-                    name = task[1] if isinstance(task[1], str) else f"{split}[{task[1]}]"
-                    summary.skipped.append(SkippedFile(str(name), str(reason)))
+                    shown = task[1] if isinstance(task[1], str) else f"{split}[{task[1]}]"
+                    summary.skipped.append(SkippedFile(str(shown), str(reason)))
                     bar.set_postfix(skipped=len(summary.skipped), refresh=False)
                 else:
                     record = _format.pack_record(encoding, label, height, width, payload)
                     writer.put(_format.record_key(split, len(labels[split])), record)
                     labels[split].append(label)
+                    sources[split].append(name)
                 bar.update()
             classes = plan.classes
             if classes is None:
@@ -546,6 +776,7 @@ def _write(
                 raise ConversionError(f"a label is >= the number of classes ({len(classes)}); pass the full `classes`.")
             for split, split_labels in labels.items():
                 writer.put(_format.labels_key(split), np.asarray(split_labels, dtype="<i4").tobytes())
+                writer.put(_format.sources_key(split), json.dumps(sources[split]).encode())
             meta["classes"] = classes
             meta["splits"] = {
                 split: {"length": len(ls), "class_counts": np.bincount(ls, minlength=len(classes)).tolist()}
@@ -606,15 +837,24 @@ def convert(
     progress: bool = True,
     initial_map_size: int = _INITIAL_MAP_SIZE,
 ) -> ConversionSummary:
-    """Convert an ImageFolder tree (or a root of ``train/``, ``val/``, ... trees) into an LMDB image database.
+    """Convert an ImageFolder tree, a root of split trees, or a ``path,label`` list file into an LMDB image database.
+
+    Split folders are recognised by name, in any case: ``train``/``training``, ``val``/``valid``/``validation``/``dev``
+    and ``test``/``testing`` are stored as ``train``, ``val`` and ``test``. Each record's path relative to ``src`` is
+    stored too (:func:`~lightning_fastdata.read_sources`). Non-image files and empty class folders are left out and
+    listed in ``ConversionSummary.ignored``; unreadable paths (a dangling link) are skipped and listed.
 
     The conversion runs once: re-running on an unchanged source with the same options does nothing. It writes into a
     hidden sibling of ``dst`` and renames it into place at the end, so an interruption never leaves anything that
     reads as a complete database; running again starts over.
 
     Args:
-        src: an ImageFolder root (``src/<class>/<image>``) or a root of split trees (``src/train/<class>/<image>``).
-        dst: the database directory to create or replace (only a lightning_fastdata database is ever replaced).
+        src: an ImageFolder root (``src/<class>/<image>``), a root of split trees (``src/train/<class>/<image>``),
+            or a list file: ``.csv`` with a header holding ``path`` and ``label`` (and optionally ``split``), or
+            ``.json``, a list of such objects. Listed paths are relative to the list file's folder; labels are class
+            names, or class indices when all are non-negative integers. ``~`` is expanded.
+        dst: the database directory to create or replace. Only a lightning_fastdata database converted from the same
+            ``src`` is replaced; one converted from another source needs ``force``.
         short_side: downscale images whose short side is larger to this many pixels (256 fits training at 224) and
             store them as JPEG; ``None`` or ``0`` keeps the original size. Smaller images are never upscaled.
         quality: JPEG quality of re-encoded images.
@@ -625,16 +865,17 @@ def convert(
         num_workers: worker processes; default: the CPUs this process may use (affinity and cgroup quota). ``0``
             converts in this process.
         strict: fail, writing nothing, if any file is skipped (corrupt, truncated, empty, not an image).
-        force: rebuild even if ``dst`` is up to date.
+        force: rebuild even if ``dst`` is up to date, or replace a database converted from another source.
         progress: show a progress bar with images/s and ETA.
         initial_map_size: the first LMDB map size in bytes; it doubles by itself whenever the database fills it.
 
     Returns:
-        A :class:`ConversionSummary`; skipped files are also listed in ``dst/convert_report.json``.
+        A :class:`ConversionSummary`; skipped and ignored files are also listed in ``dst/convert_report.json``.
 
     Raises:
-        SourceLayoutError: ``src`` is missing, empty, or not laid out as an image folder.
-        ConversionError: nothing could be converted, a file was skipped under ``strict``, or ``dst`` holds other data.
+        SourceLayoutError: ``src`` is missing, empty, or not laid out as an image folder or a list file.
+        DestinationError: ``dst`` holds other data, or (without ``force``) a database of another source.
+        ConversionError: nothing could be converted, or a file was skipped under ``strict``.
 
     Example:
         >>> from lightning_fastdata import convert
@@ -643,14 +884,72 @@ def convert(
 
     """
     opts = _check_options(short_side, quality, keep_original, encoding)
-    src_path, dst_path = Path(src).absolute(), Path(dst).absolute()
-    if dst_path == src_path or src_path.is_relative_to(dst_path) or dst_path.is_relative_to(src_path):
+    src_path, dst_path = Path(src).expanduser().absolute(), Path(dst).expanduser().absolute()
+    is_list = src_path.is_file() and src_path.suffix.lower() in LIST_EXTENSIONS
+    if dst_path == src_path:
+        raise ValueError(f"`dst` {str(dst)!r} and `src` {str(src)!r} are the same path. Choose another `dst`.")
+    if not is_list and dst_path.is_relative_to(src_path):
         raise ValueError(
-            f"`dst` {str(dst)!r} must be outside `src` {str(src)!r} (inside it, it would be read as a class or a"
-            " split on the next run). Choose a path beside the image folder, e.g. `data/images.lmdb`."
+            f"`dst` {str(dst)!r} is inside `src` {str(src)!r}; it must be outside (inside, it would be read as a class"
+            " or a split on the next run). Choose a path beside the image folder, e.g. `data/images.lmdb`."
         )
-    plan = _scan_folder(src_path)
+    if src_path.is_relative_to(dst_path):
+        raise ValueError(
+            f"`src` {str(src)!r} is inside `dst` {str(dst)!r}: converting would replace the folder holding the source."
+            " Choose a `dst` outside it, e.g. `data/images.lmdb` beside the image folder."
+        )
+    plan = _scan_list(src_path) if is_list else _scan_folder(src_path)
     return _run(plan, dst_path, None, opts, num_workers, strict, force, progress, initial_map_size)
+
+
+class _Rows:
+    """A dataset seen as ``(image, label)`` pairs.
+
+    Tuples pass through; mapping rows (Hugging Face ``datasets``) are read by column, and an undecoded ``Image``
+    feature (``{"bytes": ..., "path": ...}``) gives its stored bytes.
+    """
+
+    def __init__(self, dataset: Any, image_column: str | None, label_column: str | None) -> None:
+        self.dataset = dataset
+        self.image_column = image_column
+        self.label_column = label_column
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> tuple[Any, Any]:
+        row = self.dataset[index]
+        if not isinstance(row, Mapping):
+            image, label = row
+            return image, label
+        image_key = self.image_column or next((k for k in ("image", "img") if k in row), None)
+        label_key = self.label_column or next((k for k in ("label", "labels") if k in row), None)
+        if image_key not in row or label_key not in row:
+            raise KeyError(
+                f"the row has columns {sorted(row)}; pass `image_column` and `label_column` to `convert_dataset`"
+            )
+        image = row[image_key]
+        if isinstance(image, Mapping):  # datasets.Image(decode=False): the stored bytes, or the file they came from
+            if image.get("bytes"):
+                image = image["bytes"]
+            elif image.get("path"):
+                with open(image["path"], "rb") as fh:
+                    image = fh.read()
+        return image, row[label_key]
+
+
+def _dataset_classes(dataset: Any, label_column: str | None) -> list[str] | None:
+    """``dataset.classes``, or the names of a Hugging Face ``ClassLabel`` label column."""
+    classes = getattr(dataset, "classes", None)
+    if classes is not None:
+        return list(classes)
+    features = getattr(dataset, "features", None)
+    if isinstance(features, Mapping):
+        feature = features.get(label_column or next((k for k in ("label", "labels") if k in features), ""))
+        names = getattr(feature, "names", None)
+        if names:
+            return [str(name) for name in names]
+    return None
 
 
 def convert_dataset(
@@ -667,13 +966,21 @@ def convert_dataset(
     force: bool = False,
     progress: bool = True,
     initial_map_size: int = _INITIAL_MAP_SIZE,
+    image_column: str | None = None,
+    label_column: str | None = None,
 ) -> ConversionSummary:
-    """Convert any indexed dataset yielding ``(PIL image or encoded image bytes, int label)`` into a database.
+    """Convert any indexed dataset of ``(PIL image or encoded image bytes, int label)`` into a database.
+
+    Also takes a Hugging Face ``datasets.Dataset`` (or a ``DatasetDict`` of splits) with an image and a label column:
+    rows are read by column, class names come from a ``ClassLabel`` label feature, and an ``Image(decode=False)``
+    column is stored from its encoded bytes without decoding. Split names are stored as :func:`convert` stores split
+    folders (``validation`` becomes ``val``, ...); each record's index in its dataset is stored as its source.
 
     Args:
         dataset: one dataset (stored as split ``"train"``) or a mapping of split name to dataset.
         dst: the database directory to create or replace.
-        classes: the class names; default: the first dataset's ``classes`` attribute, else ``"0"``, ``"1"``, ...
+        classes: the class names; default: the first dataset's ``classes`` attribute, or its ``ClassLabel`` names,
+            else ``"0"``, ``"1"``, ...
         short_side: as in :func:`convert`.
         quality: as in :func:`convert`.
         keep_original: as in :func:`convert`.
@@ -685,22 +992,38 @@ def convert_dataset(
         force: as in :func:`convert`.
         progress: as in :func:`convert`.
         initial_map_size: as in :func:`convert`.
+        image_column: for rows that are mappings: the image column; default ``"image"`` or ``"img"``.
+        label_column: for rows that are mappings: the label column; default ``"label"`` or ``"labels"``.
 
     Returns:
         A :class:`ConversionSummary`.
 
+    Example:
+        >>> import datasets  # pip install 'lightning-fastdata[hf]'
+        >>> from lightning_fastdata import convert_dataset
+        >>> splits = datasets.load_dataset("imagefolder", data_dir="data/pets")  # doctest: +SKIP
+        >>> convert_dataset(splits, "data/pets.lmdb")  # doctest: +SKIP
+
     """
     opts = _check_options(short_side, quality, keep_original, encoding)
-    datasets = dict(dataset) if isinstance(dataset, Mapping) else {"train": dataset}
-    if not datasets or not all(len(ds) for ds in datasets.values()):
+    given = dict(dataset) if isinstance(dataset, Mapping) else {"train": dataset}
+    if not given or not all(len(ds) for ds in given.values()):
         raise SourceLayoutError("every dataset passed to `convert_dataset` must be non-empty.")
+    datasets: dict[str, _Rows] = {}
+    for name, ds in given.items():
+        split = canonical_split(str(name)) or str(name)
+        if split in datasets:
+            raise SourceLayoutError(f"`dataset` has two splits stored as {split!r}; rename one of them.")
+        datasets[split] = _Rows(ds, image_column, label_column)
+    first = next(iter(given.values()))
     if classes is None:
-        classes = getattr(next(iter(datasets.values())), "classes", None)
+        classes = _dataset_classes(first, label_column)
     tasks = {split: [(split, i, -1) for i in range(len(ds))] for split, ds in datasets.items()}
     plan = _Plan(
         classes=list(classes) if classes is not None else None,
         tasks=tasks,  # type: ignore[arg-type]
         fingerprint=fingerprint,
-        source=f"<{type(next(iter(datasets.values()))).__name__}>",
+        source=f"<{type(first).__name__}>",
+        names={split: [str(i) for i in range(len(ds))] for split, ds in datasets.items()},
     )
-    return _run(plan, dst, datasets, opts, num_workers, strict, force, progress, initial_map_size)
+    return _run(plan, Path(dst).expanduser(), datasets, opts, num_workers, strict, force, progress, initial_map_size)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import hashlib
+import json
+import math
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -16,7 +18,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from typing_extensions import override
 
 from lightning_fastdata import _format
-from lightning_fastdata.convert import convert, folder_classes
+from lightning_fastdata.convert import canonical_split, convert, folder_classes
 from lightning_fastdata.cpus import processes_per_node, usable_cpu_count
 from lightning_fastdata.dataset import LmdbImageDataset
 from lightning_fastdata.device_decode import EncodedImages, encoded_batch_to_images
@@ -89,10 +91,11 @@ class FastImageDataModule(LightningDataModule):
     :meth:`build_dataset`.
 
     Args:
-        data_dir: an ImageFolder root with ``train/`` (and optionally ``val/``) trees, a plain ImageFolder root, or a
-            database made by ``lightning-fastdata convert``.
-        cache_dir: where the conversion of a folder goes; default ``$LIGHTNING_FASTDATA_CACHE`` or
-            ``~/.cache/lightning_fastdata``. Never inside ``data_dir``.
+        data_dir: an ImageFolder root with split trees (``train/``, ``val/``, ``test/`` or their aliases, any case), a
+            plain ImageFolder root, a ``path,label`` list file (``.csv``/``.json``), or a database made by
+            ``lightning-fastdata convert``. ``~`` is expanded.
+        cache_dir: where the conversion of a folder goes, one database per source and conversion settings; default
+            ``$LIGHTNING_FASTDATA_CACHE`` or ``~/.cache/lightning_fastdata``. Never inside ``data_dir``.
         image_size: side length of the square training and validation crops.
         batch_size: samples per batch (per process under DDP).
         num_workers: loader threads (or worker processes, see ``engine``) per training process; ``"auto"`` budgets
@@ -112,7 +115,9 @@ class FastImageDataModule(LightningDataModule):
         std: per-channel standard deviation on the 0-1 scale.
         scale: ``RandomResizedCrop`` area range for training.
         crop_fraction: validation centre crop as a share of the short side (0.875 = 224 of 256).
-        short_side: conversion: downscale stored images to this short side (0 keeps the original size).
+        short_side: conversion: downscale stored images to this short side (0 keeps the original size); ``None``
+            follows ``image_size``: ``max(256, ceil(image_size / crop_fraction))``, so crops are never upsampled
+            from a smaller store. A store smaller than that warns.
         quality: conversion: JPEG quality of re-encoded images.
         encoding: conversion: ``"jpeg"`` (compact) or ``"raw"`` uint8 pixels (about 10x larger, no decoding in
             the workers: the fastest CPU path when the database fits in the page cache).
@@ -126,6 +131,8 @@ class FastImageDataModule(LightningDataModule):
         on_bad_sample: ``"raise"`` stops on a sample that fails to read, decode or transform, with an error naming
             the split, index and cause; ``"skip"`` leaves such samples out of their batch, logs the first few and
             counts them in :attr:`skipped_samples`.
+        predict_split: the split ``predict_dataloader`` reads, in order; default ``"test"``, else ``"val"``, else
+            ``"train"``. :meth:`predict_sources` names the source file of each prediction.
 
     Example:
         >>> from lightning.pytorch import Trainer
@@ -152,7 +159,7 @@ class FastImageDataModule(LightningDataModule):
         std: Sequence[float] = IMAGENET_STD,
         scale: tuple[float, float] = (0.08, 1.0),
         crop_fraction: float = 0.875,
-        short_side: int = 256,
+        short_side: int | None = None,
         quality: int = 90,
         encoding: Literal["jpeg", "raw"] = "jpeg",
         channels_last: bool = False,
@@ -160,6 +167,7 @@ class FastImageDataModule(LightningDataModule):
         prefetch_to_device: bool | None = None,
         decode: Literal["cpu", "device"] = "cpu",
         on_bad_sample: Literal["raise", "skip"] = "raise",
+        predict_split: str | None = None,
     ) -> None:
         super().__init__()
         if image_size < 1 or batch_size < 1:
@@ -203,9 +211,13 @@ class FastImageDataModule(LightningDataModule):
         self.prefetch_to_device = prefetch_to_device
         self.decode = decode
         self.on_bad_sample = on_bad_sample
+        self.predict_split = predict_split
         self._skip_counter = SkipCounter()
         self.train_dataset: Dataset | None = None
         self.val_dataset: Dataset | None = None
+        self.test_dataset: Dataset | None = None
+        self.predict_dataset: Dataset | None = None
+        self._splits: list[str] | None = None
         self._warned_workers = False
         self._warned_decode = False
         self._tuned: int | None = None
@@ -217,7 +229,7 @@ class FastImageDataModule(LightningDataModule):
     @property
     def is_database(self) -> bool:
         """Whether ``data_dir`` already is a converted database (then nothing is converted)."""
-        return (Path(self.data_dir) / _format.DATA_FILE).is_file()
+        return (Path(self.data_dir).expanduser() / _format.DATA_FILE).is_file()
 
     @property
     def cache_root(self) -> Path:
@@ -230,8 +242,29 @@ class FastImageDataModule(LightningDataModule):
         source = Path(self.data_dir).expanduser().absolute()
         if self.is_database:
             return source
-        digest = hashlib.sha256(str(source).encode()).hexdigest()[:10]
+        # keyed by the source and the conversion settings: changing `short_side` converts into a new slot, and
+        # switching back finds the earlier conversion up to date
+        key = json.dumps([str(source), self.store_short_side(), self.quality, self.encoding])
+        digest = hashlib.sha256(key.encode()).hexdigest()[:10]
         return self.cache_root / f"{source.name}-{digest}.lmdb"
+
+    def store_short_side(self) -> int | None:
+        """The short side a conversion stores (``None``: original sizes): ``short_side``, or one fit for the crops."""
+        if self.short_side is None:
+            return max(256, math.ceil(self.image_size / self.crop_fraction))
+        return self.short_side or None
+
+    def _check_store_size(self, stored: int | None) -> None:
+        """Warn when the stored images are too small for ``image_size``: every crop would be upsampled."""
+        needed = math.ceil(self.image_size / self.crop_fraction)
+        if stored is None or stored >= needed:
+            return
+        rank_zero_warn(
+            f"The database stores images with a short side of at most {stored} px, but `image_size={self.image_size}`"
+            f" with `crop_fraction={self.crop_fraction}` needs {needed} px: every crop is upsampled. Pass"
+            f" `short_side={needed}` (or leave it at None, which follows `image_size`; 0 keeps original sizes)"
+            + (", or convert the source again with `--short-side`." if self.is_database else ".")
+        )
 
     @property
     def classes(self) -> list[str]:
@@ -258,7 +291,7 @@ class FastImageDataModule(LightningDataModule):
     def prepare_data(self) -> None:
         """Convert ``data_dir`` once (runs on one process per node; an up-to-date database is reused)."""
         if self.is_database:
-            _format.read_meta(self.data_dir)  # fail early with a clear message if it is not usable
+            _format.read_meta(self.database_path)  # fail early with a clear message if it is not usable
             if self.num_workers == "tune":
                 self._tune_num_workers()
             return
@@ -266,33 +299,93 @@ class FastImageDataModule(LightningDataModule):
         target = self.database_path
         if target == source or target.is_relative_to(source):
             raise ValueError(f"`cache_dir` {self.cache_dir!r} must not be inside `data_dir` {self.data_dir!r}.")
-        summary = convert(source, target, short_side=self.short_side, quality=self.quality, encoding=self.encoding)
+        summary = convert(
+            source, target, short_side=self.store_short_side(), quality=self.quality, encoding=self.encoding
+        )
         rank_zero_info(summary.format())
         if self.num_workers == "tune":  # measured here, on one process per node, so the ranks read the cache
             self._tune_num_workers()
 
     @override
     def setup(self, stage: str) -> None:
-        """Open the database's splits; hold out ``val_fraction`` of ``train`` when there is no ``val`` split."""
-        if self.train_dataset is not None:
-            return
+        """Open the database's splits; hold out ``val_fraction`` of ``train`` when there is no ``val`` split.
+
+        Splits are found by their canonical names (``train``, ``val``, ``test``; databases written before split
+        names were canonical may say ``valid``, ``validation``, ``testing``...). Only ``fit`` needs ``train``.
+        """
+        if self._splits is None and self.train_dataset is None:
+            self._open_splits()
+        if stage == "fit" and self.train_dataset is None:
+            raise ValueError(
+                f"{str(self.database_path)!r} has no `train` split; it holds {self._splits}. Put training images in"
+                " `train/<class>/` (or `training/`) under `data_dir`, or run validate/test/predict only."
+            )
+
+    def _open_splits(self) -> None:
         meta = _format.read_meta(self.database_path)
+        self._check_store_size(meta.get("encoding", {}).get("short_side"))
         splits = meta["splits"]
-        if "train" not in splits:
-            raise ValueError(f"{str(self.database_path)!r} has no `train` split; it holds {sorted(splits)}.")
-        val_split = next((name for name in ("val", "valid", "validation") if name in splits), None)
-        train = self.build_dataset("train", self.train_transform())
+        self._splits = sorted(splits)
+        by_role: dict[str, str] = {}
+        for name in sorted(splits, key=lambda n: (n != canonical_split(n), n)):  # an exact "val" beats "valid"
+            by_role.setdefault(canonical_split(name) or name, name)
+        val_split, test_split = by_role.get("val"), by_role.get("test")
+        if "train" in by_role:
+            train = self.build_dataset(by_role["train"], self.train_transform())
+            if val_split is not None:
+                self.train_dataset = train
+            elif self.val_fraction > 0:
+                n = len(train)  # type: ignore[arg-type]
+                order = np.random.default_rng(self.seed).permutation(n)
+                n_val = max(1, round(n * self.val_fraction))
+                self.val_dataset = _IndexView(
+                    self.build_dataset(by_role["train"], self.val_transform()), np.sort(order[:n_val])
+                )
+                self.train_dataset = _IndexView(train, np.sort(order[n_val:]))
+            else:
+                self.train_dataset = train
         if val_split is not None:
-            self.train_dataset = train
             self.val_dataset = self.build_dataset(val_split, self.val_transform())
-        elif self.val_fraction > 0:
-            n = len(train)  # type: ignore[arg-type]
-            order = np.random.default_rng(self.seed).permutation(n)
-            n_val = max(1, round(n * self.val_fraction))
-            self.val_dataset = _IndexView(self.build_dataset("train", self.val_transform()), np.sort(order[:n_val]))
-            self.train_dataset = _IndexView(train, np.sort(order[n_val:]))
-        else:
-            self.train_dataset = train
+        if test_split is not None:
+            self.test_dataset = self.build_dataset(test_split, self.val_transform())
+
+    def resolved_predict_split(self, splits: Sequence[str] | None = None) -> str:
+        """The split ``predict_dataloader`` reads: ``predict_split``, else ``test``, else ``val``, else ``train``."""
+        names = list(_format.read_meta(self.database_path)["splits"]) if splits is None else list(splits)
+        if self.predict_split is not None:
+            if self.predict_split not in names:
+                raise ValueError(
+                    f"`predict_split` {self.predict_split!r} is not in {str(self.database_path)!r}; it holds"
+                    f" {sorted(names)}."
+                )
+            return self.predict_split
+        for role in ("test", "val", "train"):
+            match = next((n for n in sorted(names) if canonical_split(n) == role), None)
+            if match is not None:
+                return match
+        return sorted(names)[0]
+
+    def predict_sources(self) -> list[str]:
+        """Where each sample of :meth:`predict_dataloader` came from, in its order (on one device).
+
+        Each entry is the path relative to the converted folder, the path as listed in a list file, or the index in a
+        converted dataset.
+
+        Under DDP each rank predicts every ``world_size``-th sample (``DistributedSampler`` without shuffling); rank
+        ``r``'s ``i``-th prediction is ``predict_sources()[r + i * world_size]`` (the last few may repeat).
+
+        Raises:
+            ValueError: the database predates stored sources; convert it again (``--force``) to store them.
+
+        """
+        split = self.resolved_predict_split()
+        sources = _format.read_sources(self.database_path, split)
+        if sources is None:
+            raise ValueError(
+                f"{str(self.database_path)!r} was converted before source paths were stored; convert it again"
+                " (`lightning-fastdata convert --force`) to map predictions back to files."
+            )
+        return sources
 
     # ------------------------------------------------------------------------------------------------------------
     # Extension points
@@ -487,6 +580,30 @@ class FastImageDataModule(LightningDataModule):
         if self.val_dataset is None:
             return []
         return self._loader(self.val_dataset, shuffle=False, drop_last=False)
+
+    @override
+    def test_dataloader(self) -> DataLoader:
+        """Batches of the ``test`` split (a ``test/``, ``testing/``, ... folder), in order, with validation transforms.
+
+        Raises:
+            ValueError: the database has no test split.
+
+        """
+        if self._splits is None:
+            self.setup("test")
+        if self.test_dataset is None:
+            raise ValueError(
+                f"{str(self.database_path)!r} has no test split; it holds {self._splits}. Put test images in"
+                " `test/<class>/` (or `testing/`) beside `train/` under `data_dir`, then run again."
+            )
+        return self._loader(self.test_dataset, shuffle=False, drop_last=False)
+
+    @override
+    def predict_dataloader(self) -> DataLoader:
+        """Batches of :meth:`resolved_predict_split`, in order; :meth:`predict_sources` maps them back to files."""
+        if self.predict_dataset is None:
+            self.predict_dataset = self.build_dataset(self.resolved_predict_split(), self.val_transform())
+        return self._loader(self.predict_dataset, shuffle=False, drop_last=False)
 
     # ------------------------------------------------------------------------------------------------------------
     # On the device

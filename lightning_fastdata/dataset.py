@@ -32,7 +32,8 @@ class LmdbImageDataset(Dataset):
     Args:
         path: the database directory.
         split: which split to read (``"train"``, ``"val"``, ...).
-        transform: applied to the image (a ``uint8`` CHW tensor, or a PIL image with ``output="pil"``).
+        transform: applied to the image (a ``uint8`` CHW tensor, or a PIL image with ``output="pil"``: classic PIL
+            transforms such as ``Compose([RandomResizedCrop(224), ToTensor(), Normalize(...)])`` need ``"pil"``).
         target_transform: applied to the label.
         output: ``"tensor"`` decodes (libjpeg-turbo through ``simplejpeg``) to a ``uint8`` RGB tensor of shape
             ``(3, H, W)`` (a view of HWC memory);
@@ -69,7 +70,7 @@ class LmdbImageDataset(Dataset):
         splits = meta["splits"]
         if split not in splits:
             raise ValueError(f"`split` {split!r} is not in {os.fspath(path)!r}; it holds {sorted(splits)}.")
-        self.path = str(Path(path).absolute())
+        self.path = str(Path(path).expanduser().absolute())
         self.split = split
         self.transform = transform
         self.target_transform = target_transform
@@ -211,7 +212,15 @@ class LmdbImageDataset(Dataset):
             try:
                 image = self.transform(image)
             except Exception as err:
-                raise SampleError(f"{self._where(index)}: the transform raised {type(err).__name__}: {err}") from err
+                hint = ""
+                if self.output == "tensor" and isinstance(err, TypeError) and "PIL" in str(err):
+                    hint = (
+                        " This transform expects a PIL image (classic torchvision transforms such as ToTensor), but"
+                        " images are uint8 tensors by default: pass `output='pil'` to LmdbImageDataset."
+                    )
+                raise SampleError(
+                    f"{self._where(index)}: the transform raised {type(err).__name__}: {err}.{hint}"
+                ) from err
         if self.target_transform is not None:
             label = self.target_transform(label)
         return image, label

@@ -25,3 +25,7 @@ class ConversionError(FastDataError, RuntimeError):
 
 class SampleError(FastDataError, RuntimeError):
     """A sample could not be produced (its transform raised); the message names the split, index and cause."""
+
+
+class DestinationError(ConversionError, ValueError):
+    """A conversion's destination holds data this package will not replace (another source's database needs force)."""

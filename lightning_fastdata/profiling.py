@@ -7,7 +7,6 @@ Measured in this process, one thread, stage by stage on the same samples, for an
 
 from __future__ import annotations
 
-import io
 import os
 import random
 import time
@@ -17,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from PIL import Image
 from torch.utils.data import default_collate
 
 from lightning_fastdata import _format
@@ -51,17 +49,20 @@ class PipelineProfile:
         stage = self.dominant
         share = self.stages[stage] / self.total_ms if self.total_ms else 0.0
         database = self.name == "database"
+        gpu = torch.cuda.is_available()
         advice = {
             "read": "storage is the bottleneck: put the data on a local SSD or in the page cache"
             + ("" if database else ", or convert it to one LMDB file (`lightning-fastdata convert`)"),
             "decode": (
-                "decode dominates: `--encoding raw` removes it (10x the disk), or `decode='device'` moves it to the GPU"
+                "decode dominates: `--encoding raw` removes it (10x the disk)"
+                + (", or `decode='device'` moves it to the GPU" if gpu else "")
                 if database
                 else "decoding full-size files dominates: convert with `lightning-fastdata convert --short-side 256`"
                 " to decode ~3x fewer pixels"
             ),
             "transforms": (
-                "the crop/resize dominates: a smaller `image_size`, or `decode='device'` to do it on the GPU"
+                "the crop/resize dominates: a smaller `image_size`"
+                + (", or `decode='device'` to do it on the GPU" if gpu else "")
                 if database
                 else "PIL transforms and float conversion dominate: FastImageDataModule crops uint8 before it resizes"
                 " and normalizes on the device"
@@ -138,8 +139,9 @@ def profile_folder(
     """Profile torchvision ``ImageFolder`` with RandomResizedCrop, flip, ToTensor and Normalize."""
     from torchvision import datasets, transforms
 
-    folder = Path(root)
-    train = folder / "train" if (folder / "train").is_dir() else folder
+    from lightning_fastdata.convert import open_image_file, train_folder
+
+    train = train_folder(root)
     dataset = datasets.ImageFolder(str(train))
     indices = random.Random(seed).sample(range(len(dataset)), min(samples, len(dataset)))
     augment = transforms.Compose(
@@ -151,14 +153,14 @@ def profile_folder(
         ]
     )
 
-    def read(index: int) -> tuple[bytes, int]:
+    def read(index: int) -> tuple[bytes, int, int]:
         path, label = dataset.samples[index]
         with open(path, "rb") as fh:
-            return fh.read(), label
+            return fh.read(), label, index
 
     stages = [
         ("read", read),
-        ("decode", lambda pair: (Image.open(io.BytesIO(pair[0])).convert("RGB"), pair[1])),
+        ("decode", lambda read: (open_image_file(dataset.samples[read[2]][0], read[0]), read[1])),
         ("transforms", lambda pair: (augment(pair[0]), pair[1])),
     ]
     return PipelineProfile("folder", str(train), _profile_samples(indices, stages, batch_size, False), len(indices))
@@ -191,7 +193,12 @@ def profile(
     The counterpart of a database is its source folder (from its metadata); of a folder, ``database`` if given, else
     the conversion ``FastImageDataModule`` would use (under the default cache directory).
     """
-    path = Path(data)
+    path = Path(data).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(
+            f"`data` {str(path)!r} does not exist. Pass an image folder or a database made by"
+            " `lightning-fastdata convert`."
+        )
     torch_threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a worker's view: one thread per process
     try:

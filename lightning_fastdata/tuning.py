@@ -130,8 +130,28 @@ def measure(
     """Images/s of ``dataset`` through a fresh DataLoader with ``config``, after ``warmup_batches``.
 
     Samples are drawn at random with replacement, so a small dataset never runs out. Timing stops after ``seconds``
-    (or ``max_batches``); CPU use counts this process and its workers, as a share of the usable CPUs.
+    (or ``max_batches``); CPU use counts this process and its workers, as a share of the usable CPUs. With
+    ``num_workers=0`` the loading runs in this process with one intra-op thread, as in a worker: with all of them,
+    OpenMP spin-waits made that row slow and erratic on a loaded machine.
     """
+    if config.num_workers == 0:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return _measure(dataset, config, seconds, warmup_batches, max_batches, seed)
+        finally:
+            torch.set_num_threads(threads)
+    return _measure(dataset, config, seconds, warmup_batches, max_batches, seed)
+
+
+def _measure(
+    dataset: Dataset,
+    config: LoaderConfig,
+    seconds: float,
+    warmup_batches: int,
+    max_batches: int | None,
+    seed: int,
+) -> Measurement:
     generator = torch.Generator().manual_seed(seed)
     total = (warmup_batches + (max_batches or 10**6)) * config.batch_size
     sampler = RandomSampler(dataset, replacement=True, num_samples=total, generator=generator)  # type: ignore[arg-type]
@@ -289,10 +309,11 @@ def sweep_dataset(data: str | os.PathLike[str], image_size: int = 224) -> tuple[
     one (RandomResizedCrop, flip, ToTensor, Normalize).
     """
     from lightning_fastdata import _format
+    from lightning_fastdata.convert import open_image_file, train_folder
     from lightning_fastdata.dataset import LmdbImageDataset
     from lightning_fastdata.transforms import RandomResizedCropFlip
 
-    path = Path(data)
+    path = Path(data).expanduser()
     if (path / _format.DATA_FILE).is_file():
         return LmdbImageDataset(path, split="train", transform=RandomResizedCropFlip(image_size)), "database"
     if not path.is_dir():
@@ -307,8 +328,8 @@ def sweep_dataset(data: str | os.PathLike[str], image_size: int = 224) -> tuple[
             transforms.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)),
         ]
     )
-    root = path / "train" if (path / "train").is_dir() else path
-    return datasets.ImageFolder(str(root), transform=standard), "image folder"
+    root = train_folder(path)
+    return datasets.ImageFolder(str(root), transform=standard, loader=open_image_file), "image folder"
 
 
 def plot_sweep(result: SweepResult, path: str | os.PathLike[str]) -> None:

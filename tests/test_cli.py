@@ -1,11 +1,17 @@
 from __future__ import annotations
 
 import importlib
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from lightning_fastdata import LmdbImageDataset, __version__, convert, read_meta
+from lightning_fastdata import LmdbImageDataset, __version__, convert, make_image_folder, read_meta
 from lightning_fastdata.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _convert_args(src, dst, *extra: str) -> list[str]:
@@ -95,12 +101,12 @@ def test_convert_keyboard_interrupt_returns_130(split_folder, tmp_path, capsys, 
     assert "nothing was published" in capsys.readouterr().err
 
 
-def test_convert_into_foreign_folder_returns_1(split_folder, tmp_path, capsys):
-    """A ``dst`` that holds other files exits 1 and is left alone."""
+def test_convert_into_foreign_folder_returns_2(split_folder, tmp_path, capsys):
+    """A ``dst`` that holds other files is bad input: exit 2, and it is left alone."""
     dst = tmp_path / "mine"
     dst.mkdir()
     (dst / "keep.txt").write_text("keep")
-    assert main(_convert_args(split_folder, dst)) == 1
+    assert main(_convert_args(split_folder, dst)) == 2
     assert "refusing to replace it" in capsys.readouterr().err
     assert [p.name for p in dst.iterdir()] == ["keep.txt"]
 
@@ -148,3 +154,53 @@ def test_version_and_usage_errors(capsys):
         with pytest.raises(SystemExit) as info:
             main(argv)
         assert info.value.code == 2
+
+
+def test_convert_onto_another_sources_database_returns_2(split_folder, tmp_path, capsys):
+    """Converting another folder onto a database exits 2 saying ``--force`` replaces it; with it, exit 0."""
+    other = tmp_path / "other"
+    make_image_folder(other, num_classes=2, train_per_class=2, val_per_class=0, min_size=16, max_size=24)
+    dst = tmp_path / "db"
+    assert main(_convert_args(split_folder, dst)) == 0
+    capsys.readouterr()
+    assert main(_convert_args(other, dst)) == 2
+    err = capsys.readouterr().err
+    assert f"holds a database converted from {str(split_folder)!r}" in err
+    assert "--force" in err
+    assert main(_convert_args(other, dst, "--force")) == 0
+
+
+def test_convert_waits_for_a_held_lock_and_says_so(split_folder, tmp_path, caplog):
+    """A second conversion to the same ``dst`` logs that it waits for the first, then completes."""
+    import fcntl
+    import threading
+
+    dst = tmp_path / "db"
+    with open(tmp_path / ".db.lock", "a+") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        threading.Timer(0.5, fcntl.flock, (held, fcntl.LOCK_UN)).start()
+        with caplog.at_level("WARNING", logger="lightning_fastdata.convert"):
+            summary = convert(split_folder, dst, num_workers=0, progress=False)
+    assert summary.written == 33
+    assert f"waiting for another conversion to {dst} to finish" in caplog.text
+
+
+def test_help_imports_neither_torch_nor_lightning():
+    """``lightning-fastdata --help`` starts without importing torch or Lightning (they cost seconds)."""
+    code = (
+        "import sys\n"
+        "from lightning_fastdata.cli import main\n"
+        "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+        "print(sorted(m for m in ('torch', 'lightning', 'torchvision') if m in sys.modules))"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
+    assert out.strip().splitlines()[-1] == "[]"
+
+
+def test_fit_from_the_console_does_not_warn_about_args(monkeypatch, recwarn):
+    """``lightning-fastdata fit`` hands LightningCLI no ``args`` of its own: no "args parameter" warning."""
+    monkeypatch.setattr(sys, "argv", ["lightning-fastdata", "fit", "--help"])
+    with pytest.raises(SystemExit):
+        main()
+    assert not [w for w in recwarn if "args parameter is intended" in str(w.message)]

@@ -81,3 +81,65 @@ def test_profile_missing_path_returns_2(tmp_path, capsys):
     """A missing path exits 2 with ``error:``."""
     assert main(["profile", str(tmp_path / "missing"), "--samples", "4"]) == 2
     assert capsys.readouterr().err.startswith("error: ")
+
+
+def test_bench_and_profile_name_a_damaged_file(tmp_path, capsys):
+    """A damaged file in the folder: ``bench`` and ``profile`` exit 2 with an error naming it, no traceback."""
+    root = make_image_folder(
+        tmp_path / "src", num_classes=2, train_per_class=3, val_per_class=0, min_size=20, max_size=30
+    )
+    bad = root / "class_0" / "00001.jpg"
+    bad.write_bytes(b"not a jpeg")
+    assert main(["bench", str(root), "--seconds", "0.1", "--max-workers", "1", "--batch-sizes", "6"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {str(bad)!r} cannot be read as an image")
+    assert "Traceback" not in err
+    assert main(["profile", str(root), "--db", str(tmp_path / "none"), "--samples", "6"]) == 2
+    assert "is not a database" in capsys.readouterr().err
+    assert main(["profile", str(root), "--samples", "6"]) == 2
+    assert capsys.readouterr().err.startswith(f"error: {str(bad)!r} cannot be read as an image")
+
+
+def test_profile_missing_path_names_it(tmp_path, capsys):
+    """A missing path: a sentence naming it and what to pass, not a bare errno."""
+    assert main(["profile", str(tmp_path / "missing")]) == 2
+    assert f"`data` {str(tmp_path / 'missing')!r} does not exist. Pass an image folder" in capsys.readouterr().err
+
+
+def test_profile_advice_mentions_device_decode_only_with_cuda(monkeypatch):
+    """The database conclusion suggests ``decode='device'`` only when CUDA is available."""
+    import torch
+
+    from lightning_fastdata.profiling import PipelineProfile
+
+    profile = PipelineProfile("database", "db", {"read": 0.1, "decode": 1.0, "transforms": 0.2})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert "decode='device'" not in profile.conclusion()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert "decode='device'" in profile.conclusion()
+
+
+def test_bench_num_workers_0_runs_with_one_intra_op_thread():
+    """The ``num_workers=0`` row loads with one intra-op thread (as a worker does), and restores the count after."""
+    import torch
+
+    from lightning_fastdata.tuning import LoaderConfig, measure
+
+    seen: set[int] = set()
+
+    class Threads(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return 8
+
+        def __getitem__(self, index: int) -> torch.Tensor:
+            seen.add(torch.get_num_threads())
+            return torch.zeros(1)
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        measure(Threads(), LoaderConfig(num_workers=0, batch_size=2), seconds=0.05, max_batches=3)
+        assert seen == {1}
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

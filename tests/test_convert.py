@@ -688,13 +688,13 @@ def test_invalid_options_raise_value_error(split_folder, tmp_path, kwargs, match
 
 
 def test_dst_must_be_outside_src(split_folder_copy):
-    """``dst`` equal to ``src``, a parent of it, or inside it is refused with ``ValueError``, writing nothing."""
-    for src, dst in [
-        (split_folder_copy, split_folder_copy),
-        (split_folder_copy / "train", split_folder_copy),
-        (split_folder_copy, split_folder_copy / "db.lmdb"),
+    """``dst`` equal to ``src``, a parent of it, or inside it is refused with a ``ValueError`` that says which."""
+    for src, dst, message in [
+        (split_folder_copy, split_folder_copy, "are the same path"),
+        (split_folder_copy / "train", split_folder_copy, "`src` .* is inside `dst`"),
+        (split_folder_copy, split_folder_copy / "db.lmdb", "`dst` .* is inside `src`"),
     ]:
-        with pytest.raises(ValueError, match="must be outside `src`"):
+        with pytest.raises(ValueError, match=message):
             _run(src, dst)
     assert not (split_folder_copy / "db.lmdb").exists()
 
@@ -986,3 +986,200 @@ def test_in_process_conversion_keeps_the_callers_thread_count(split_folder_copy,
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Sources people have: split names, list files, datasets; bad paths; replacing another source's database
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _tree(root: Path, layout: dict[str, int]) -> Path:
+    """Write ``root/<relative folder>/<n>.jpg`` for each ``{relative folder: image count}``."""
+    for folder, count in layout.items():
+        for n in range(count):
+            _save(root / folder / f"{n}.jpg", seed=n)
+    return root
+
+
+@pytest.mark.parametrize(
+    ("train", "val", "test"),
+    [("Train", "Val", "Test"), ("training", "validation", "testing"), ("TRAIN", "dev", "test"), ("train", "valid", "")],
+)
+def test_split_folder_names_are_recognised_in_any_case(tmp_path, train, val, test):
+    """Split folders in any common spelling and case are splits (stored as train/val/test), never classes."""
+    layout = {f"{train}/cat": 2, f"{train}/dog": 2, f"{val}/cat": 1, f"{val}/dog": 1}
+    if test:
+        layout.update({f"{test}/cat": 1, f"{test}/dog": 1})
+    _tree(tmp_path / "src", layout)
+    summary = _run(tmp_path / "src", tmp_path / "db")
+    assert summary.splits == {"train": 4, "val": 2, **({"test": 2} if test else {})}
+    assert LmdbImageDataset(tmp_path / "db", split="val").classes == ["cat", "dog"]
+
+
+def test_a_root_of_only_val_is_a_val_split(tmp_path):
+    """A root holding only ``val/<class>/`` converts to a ``val`` split, not a one-class dataset."""
+    _tree(tmp_path / "src", {"val/cat": 2, "val/dog": 1})
+    summary = _run(tmp_path / "src", tmp_path / "db")
+    assert summary.splits == {"val": 3}
+    assert read_meta(tmp_path / "db")["classes"] == ["cat", "dog"]
+
+
+def test_a_split_named_class_folder_warns(tmp_path):
+    """A top-level folder named like a split but holding images directly is read as a class, with a warning."""
+    _tree(tmp_path / "src", {"cat": 2, "test": 2})
+    with pytest.warns(UserWarning, match="'test' has a split name but holds no class folders"):
+        summary = _run(tmp_path / "src", tmp_path / "db")
+    assert summary.splits == {"train": 4}
+    assert read_meta(tmp_path / "db")["classes"] == ["cat", "test"]
+
+
+def test_two_folders_for_one_split_are_refused(tmp_path):
+    """``val/`` and ``validation/`` side by side are ambiguous: ``SourceLayoutError`` naming both."""
+    _tree(tmp_path / "src", {"train/a": 1, "val/a": 1, "validation/a": 1})
+    with pytest.raises(SourceLayoutError, match="two folders for split 'val'"):
+        _run(tmp_path / "src", tmp_path / "db")
+
+
+def test_sources_map_each_record_to_its_file(split_folder, tmp_path):
+    """Each record's path relative to ``src`` is stored, in record order, and matches the stored image."""
+    from lightning_fastdata import read_sources
+
+    _run(split_folder, tmp_path / "db", short_side=0)
+    val = LmdbImageDataset(tmp_path / "db", split="val", output="pil")
+    sources = read_sources(tmp_path / "db", "val")
+    assert len(sources) == len(val) == 9
+    assert sources[0] == "val/class_0/00000.jpg"
+    for index in (0, 4, 8):
+        image, label = val[index]
+        assert sources[index].split("/")[1] == val.classes[label]
+        assert image.size == Image.open(split_folder / sources[index]).size
+
+
+def test_dangling_link_non_image_files_and_empty_classes_are_listed(tmp_path):
+    """A dangling symlink is skipped (not a crash), other files and empty class folders are listed as ignored."""
+    src = _tree(tmp_path / "src", {"cat": 2, "dog": 2})
+    (src / "empty").mkdir()
+    (src / "cat" / "notes.txt").write_text("not an image")
+    os.symlink(tmp_path / "gone.jpg", src / "dog" / "link.jpg")
+    summary = _run(src, tmp_path / "db")
+    assert summary.written == 4
+    assert [(Path(s.path).name, s.reason) for s in summary.skipped] == [
+        ("link.jpg", "dangling symbolic link (its target does not exist)")
+    ]
+    ignored = {Path(s.path).name: s.reason for s in summary.ignored}
+    assert set(ignored) == {"notes.txt", "empty"}
+    assert "empty class folder" in ignored["empty"]
+    assert read_meta(tmp_path / "db")["classes"] == ["cat", "dog"]
+    text = summary.format()
+    assert "link.jpg: dangling symbolic link" in text
+    assert "ignored" in text
+    assert "notes.txt: not an image file name" in text
+    with pytest.raises(ConversionError, match="strict"):
+        _run(src, tmp_path / "strict", strict=True)
+
+
+def test_replacing_another_sources_database_needs_force(split_folder, tmp_path):
+    """Converting folder B onto folder A's database is refused (``DestinationError``), unless ``force``."""
+    from lightning_fastdata import DestinationError
+
+    other = _tree(tmp_path / "other", {"a": 1, "b": 1})
+    _run(split_folder, tmp_path / "db")
+    with pytest.raises(DestinationError, match=r"converted from .*src.*refusing to replace it.*--force"):
+        _run(other, tmp_path / "db")
+    assert read_meta(tmp_path / "db")["source"]["path"] == str(split_folder)
+    assert _run(other, tmp_path / "db", force=True).written == 2
+    assert read_meta(tmp_path / "db")["classes"] == ["a", "b"]
+
+
+def test_tilde_is_expanded(tmp_path, monkeypatch):
+    """``~`` in ``src`` and ``dst`` (convert) and in a database path (LmdbImageDataset, read_meta) is the home."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    _tree(tmp_path / "src", {"a": 1, "b": 1})
+    assert convert("~/src", "~/db", num_workers=0, progress=False).written == 2
+    assert (tmp_path / "db" / "data.mdb").is_file()
+    assert len(LmdbImageDataset("~/db")) == 2
+    assert read_meta("~/db")["splits"]["train"]["length"] == 2
+
+
+@pytest.mark.parametrize("kind", ["csv", "json"])
+def test_list_file_source(tmp_path, kind):
+    """A ``path,label[,split]`` list (CSV or JSON) converts: names become classes, paths are stored as listed."""
+    from lightning_fastdata import read_sources
+
+    _tree(tmp_path / "images", {"x": 4})
+    rows = [
+        {"path": "images/x/0.jpg", "label": "dog", "split": "train"},
+        {"path": "images/x/1.jpg", "label": "cat", "split": "Train"},
+        {"path": "images/x/2.jpg", "label": "dog", "split": "validation"},
+        {"path": "images/x/missing.jpg", "label": "cat", "split": "train"},
+    ]
+    src = tmp_path / f"list.{kind}"
+    if kind == "csv":
+        src.write_text("path,label,split\n" + "".join(f"{r['path']},{r['label']},{r['split']}\n" for r in rows))
+    else:
+        src.write_text(json.dumps(rows))
+    summary = _run(src, tmp_path / "db")
+    assert summary.splits == {"train": 2, "val": 1}
+    assert [Path(s.path).name for s in summary.skipped] == ["missing.jpg"]
+    train = LmdbImageDataset(tmp_path / "db")
+    assert train.classes == ["cat", "dog"]
+    assert train.targets == [1, 0]
+    assert read_sources(tmp_path / "db", "train") == ["images/x/0.jpg", "images/x/1.jpg"]
+
+
+def test_list_file_numeric_labels_and_missing_columns(tmp_path):
+    """Integer labels keep their value as the class index; a list without ``label`` is a clear error."""
+    _tree(tmp_path / "images", {"x": 2})
+    src = tmp_path / "list.csv"
+    src.write_text("path,label\nimages/x/0.jpg,2\nimages/x/1.jpg,0\n")
+    _run(src, tmp_path / "db")
+    train = LmdbImageDataset(tmp_path / "db")
+    assert train.classes == ["0", "1", "2"]
+    assert train.targets == [2, 0]
+    src.write_text("file,class\nimages/x/0.jpg,2\n")
+    with pytest.raises(SourceLayoutError, match="no label or path column; its columns are"):
+        _run(src, tmp_path / "db2")
+
+
+class _HfLike:
+    """A duck-typed stand-in for a Hugging Face ``datasets.Dataset``: mapping rows and a ``ClassLabel`` feature."""
+
+    def __init__(self, rows: list[dict], names: list[str]) -> None:
+        self.rows = rows
+        self.features = {"image": object(), "label": type("ClassLabel", (), {"names": names})()}
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> dict:
+        return self.rows[index]
+
+
+def test_convert_dataset_hugging_face_stand_in(tmp_path):
+    """Rows as mappings with a ``ClassLabel``: classes from the feature, bytes stored, ``validation`` -> ``val``."""
+    from lightning_fastdata import read_sources
+
+    pil_rows = [{"image": Image.fromarray(_smooth(40, 30, i)), "label": i % 2} for i in range(3)]
+    byte_rows = [{"image": {"bytes": _jpeg_bytes(seed=7), "path": None}, "label": 1}]
+    splits = {"train": _HfLike(pil_rows, ["ant", "bee"]), "validation": _HfLike(byte_rows, ["ant", "bee"])}
+    summary = convert_dataset(splits, tmp_path / "db", num_workers=0, progress=False)
+    assert summary.splits == {"train": 3, "val": 1}
+    val = LmdbImageDataset(tmp_path / "db", split="val")
+    assert val.classes == ["ant", "bee"]
+    _header, data = val.read_record(0)
+    assert bytes(data) == _jpeg_bytes(seed=7)  # a small JPEG is stored untouched
+    assert read_sources(tmp_path / "db", "train") == ["0", "1", "2"]
+
+
+def test_convert_dataset_real_hugging_face_dataset(tmp_path):
+    """A real ``datasets.Dataset`` with ``Image`` and ``ClassLabel`` features converts (skipped without datasets)."""
+    datasets = pytest.importorskip("datasets")
+
+    features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=["ant", "bee"])})
+    images = [Image.fromarray(_smooth(40, 30, i)) for i in range(4)]
+    ds = datasets.Dataset.from_dict({"image": images, "label": [0, 1, 1, 0]}, features=features)
+    summary = convert_dataset(ds.train_test_split(test_size=0.5, seed=0), tmp_path / "db", progress=False)
+    assert summary.splits == {"train": 2, "test": 2}
+    test = LmdbImageDataset(tmp_path / "db", split="test")
+    assert test.classes == ["ant", "bee"]
+    assert sorted(test.targets + LmdbImageDataset(tmp_path / "db").targets) == [0, 0, 1, 1]

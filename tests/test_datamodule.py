@@ -493,3 +493,105 @@ def test_fit_example_classifier(split_root: Path, tmp_path: Path, monkeypatch: p
     assert np.isfinite(float(trainer.callback_metrics["train/loss"]))
     assert "val/loss" in trainer.callback_metrics
     assert (dm.database_path / "data.mdb").is_file()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Test and predict loaders, paths with ~, settings that must agree
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class _TinyNet(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = torch.nn.Linear(3, 3)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.head(images.mean(dim=(2, 3)))
+
+
+def _tiny_module() -> Any:
+    from lightning.pytorch import LightningModule
+
+    class Tiny(LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = _TinyNet()
+            self.tested: list[int] = []
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return torch.nn.functional.cross_entropy(self.net(batch[0]), batch[1])
+
+        def test_step(self, batch: Any, batch_idx: int) -> None:
+            self.tested.append(len(batch[1]))
+
+        def predict_step(self, batch: Any, batch_idx: int) -> Any:
+            return batch[1]
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    return Tiny()
+
+
+def _trainer() -> Trainer:
+    quiet = {"enable_checkpointing": False, "enable_progress_bar": False, "enable_model_summary": False}
+    return Trainer(accelerator="cpu", logger=False, **quiet)
+
+
+def test_test_and_predict_loaders_follow_the_test_split(tmp_path: Path) -> None:
+    """``trainer.test`` and ``trainer.predict`` read ``Test/`` in order; ``predict_sources`` names each file."""
+    root = tmp_path / "data"
+    for split, count in (("Train", 4), ("Val", 2), ("Test", 3)):
+        make_image_folder(root / "tmp", num_classes=2, train_per_class=count, val_per_class=0, min_size=20, max_size=30)
+        (root / "tmp").rename(root / split)
+    dm = FastImageDataModule(str(root), cache_dir=str(tmp_path / "cache"), image_size=16, batch_size=4, num_workers=0)
+    model = _tiny_module()
+    _trainer().test(model, datamodule=dm)
+    assert model.tested == [4, 2]  # 6 test images, the last batch kept
+    labels = torch.cat(_trainer().predict(model, datamodule=dm)).tolist()
+    sources = dm.predict_sources()
+    assert sources == [f"Test/class_{k}/{n:05d}.jpg" for k in range(2) for n in range(3)]
+    assert labels == [int(path.split("/")[1][-1]) for path in sources]
+
+
+def test_test_loader_without_test_split_says_so(split_root: Path, shared_cache: Path) -> None:
+    """A database without a test split: ``test_dataloader`` raises naming the splits it has; predict falls to val."""
+    dm = _dm(split_root, shared_cache)
+    with pytest.raises(ValueError, match=r"has no test split; it holds \['train', 'val'\]"):
+        dm.test_dataloader()
+    assert dm.resolved_predict_split() == "val"
+    assert len(dm.predict_dataloader().dataset) == SPLIT_VAL
+    assert len(dm.predict_sources()) == SPLIT_VAL
+
+
+def test_tilde_data_dir_and_cache_dir(split_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``~`` in ``data_dir`` (a folder or a database) and ``cache_dir`` is the home directory."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    convert(split_root, tmp_path / "x.lmdb", short_side=64, num_workers=0, progress=False)
+    dm = _dm(Path("~/x.lmdb"), Path("~/cache"))
+    assert dm.is_database
+    assert len(dm.train_dataset) == SPLIT_TRAIN
+    folder = _dm(split_root, Path("~/cache"))
+    assert folder.database_path.parent == tmp_path / "cache"
+
+
+def test_store_follows_image_size_and_cache_keys_settings(split_root: Path, tmp_path: Path) -> None:
+    """``short_side=None`` stores enough pixels for ``image_size``; each setting has its own cache slot."""
+    cache = str(tmp_path / "cache")
+    big = FastImageDataModule(str(split_root), cache_dir=cache, image_size=384)
+    assert big.store_short_side() == 439  # 384 / 0.875, rounded up
+    assert FastImageDataModule(str(split_root), cache_dir=cache).store_short_side() == 256
+    paths = {
+        FastImageDataModule(str(split_root), cache_dir=cache, **kw).database_path
+        for kw in ({}, {"short_side": 128}, {"quality": 80}, {"encoding": "raw"}, {"short_side": 256})
+    }
+    assert len(paths) == 4  # the default (None -> 256) and an explicit 256 share one slot
+
+
+def test_a_store_too_small_for_image_size_warns(split_root: Path, tmp_path: Path) -> None:
+    """An explicit ``short_side`` below what ``image_size`` needs warns once, naming both and the fix."""
+    with pytest.warns(UserWarning, match=r"short side of at most 20 px, but `image_size=32`.*needs 37 px"):
+        _dm(split_root, tmp_path / "cache", image_size=32, short_side=20)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _dm(split_root, tmp_path / "cache", image_size=32, short_side=37)

@@ -465,3 +465,16 @@ def test_raw_record_of_the_wrong_length_raises_even_unverified(tmp_path, output)
     assert ds[0][1] == 0
     with pytest.raises(CorruptRecordError, match=r"split 'train' index 1 of .*needs 72 bytes, found 67"):
         ds[1]
+
+
+def test_classic_pil_transform_error_points_to_output_pil(database):
+    """A classic ``ToTensor`` pipeline on tensor output fails with a message pointing to ``output='pil'``."""
+    from torchvision import transforms
+
+    from lightning_fastdata import SampleError
+
+    classic = transforms.Compose([transforms.RandomResizedCrop(24), transforms.ToTensor()])
+    with pytest.raises(SampleError, match=r"pass `output='pil'` to LmdbImageDataset"):
+        LmdbImageDataset(database, transform=classic)[0]
+    image, _ = LmdbImageDataset(database, transform=classic, output="pil")[0]
+    assert image.shape == (3, 24, 24)

@@ -88,7 +88,6 @@ def _hand_made(name: str, dominant: str) -> PipelineProfile:
     [
         ("folder", "decode", "--short-side"),
         ("database", "decode", "--encoding raw"),
-        ("database", "decode", "decode='device'"),
         ("folder", "read", "storage"),
         ("folder", "read", "lightning-fastdata convert"),
         ("database", "read", "storage"),
