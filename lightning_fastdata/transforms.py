@@ -36,16 +36,13 @@ def crop_resize_into(image: np.ndarray, box: Box, size: int, flip: bool, out: np
     """
     top, left, h, w = box
     crop = image[top : top + h, left : left + w]
-    interpolation = cv2.INTER_AREA if h >= size and w >= size else cv2.INTER_LINEAR
     if (h, w) == (size, size):
-        resized = crop
-    elif flip:
-        resized = cv2.resize(crop, (size, size), interpolation=interpolation)
+        out[...] = crop
     else:
-        return cv2.resize(crop, (size, size), dst=out, interpolation=interpolation)
+        interpolation = cv2.INTER_AREA if h >= size and w >= size else cv2.INTER_LINEAR
+        cv2.resize(crop, (size, size), dst=out, interpolation=interpolation)
     if flip:
-        return cv2.flip(resized, 1, dst=out)
-    out[...] = resized
+        cv2.flip(out, 1, dst=out)  # in place (OpenCV swaps columns pairwise)
     return out
 
 
