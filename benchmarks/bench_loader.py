@@ -45,8 +45,9 @@ def _cpu_seconds() -> float:
     import psutil
 
     proc = psutil.Process()
-    total = sum(proc.cpu_times()[:2])
-    for child in proc.children(recursive=True):
+    times = proc.cpu_times()  # this process, and its children that have exited (per-epoch DataLoader workers)
+    total = times.user + times.system + times.children_user + times.children_system
+    for child in proc.children(recursive=True):  # and the ones still running
         with contextlib.suppress(psutil.Error):
             total += sum(child.cpu_times()[:2])
     return total
