@@ -206,7 +206,10 @@ class BatchReader(Dataset):
 
         self._each(indices, sample)
         images = images[: len(labels)]
-        return self._as_nchw(images), self._labels(labels)
+        labels_tensor = self._labels(labels)
+        if images.is_pinned() and isinstance(labels_tensor, Tensor):  # so its copy to the GPU is asynchronous too
+            labels_tensor = labels_tensor.pin_memory()
+        return self._as_nchw(images), labels_tensor
 
     # -- one sample ------------------------------------------------------------------------------------------------
 

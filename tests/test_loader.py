@@ -365,3 +365,29 @@ def test_batch_buffers_are_reused_only_after_the_consumer_drops_the_batch(datase
     third, _ = reader.read_batch(range(8, 12))
     assert third.data_ptr() == address  # free again: reused, no fresh allocation
     assert second.data_ptr() != third.data_ptr()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_training_steps_never_synchronize(database: Path) -> None:
+    """On CUDA, steps fed by the DataModule's loader (threads, pinned uint8, side-stream copy and normalization)
+    run under ``torch.cuda.set_sync_debug_mode("error")``: no host-device synchronization per step."""
+    from lightning_fastdata import FastImageDataModule
+
+    dm = FastImageDataModule(str(database), image_size=32, batch_size=4, num_workers=2, val_fraction=0)
+    dm.setup("fit")
+    loader = dm.train_dataloader()
+    assert loader.prefetching
+    model = torch.nn.Conv2d(3, 4, 3).cuda()
+    batches = iter(loader)
+    images, labels = next(batches)  # the first batch copies the normalization constants once
+    assert images.is_cuda and images.dtype == torch.float32
+    steps = 0
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for images, labels in batches:
+            loss = model(images).float().mean() + labels.float().mean() * 0
+            loss.backward()
+            steps += 1
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert steps == len(loader) - 1
