@@ -17,11 +17,11 @@ from typing import Any
 import numpy as np
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightning_fastdata.cpus import CpuMeter, processes_per_node, usable_cpu_count
+from lightning_fastdata.cpus import CpuMeter, cpu_sharing_processes, processes_per_node, usable_cpu_count
 
 log = logging.getLogger(__name__)
 
@@ -120,21 +120,31 @@ def _nvml_handles(device_index: int) -> tuple[Any, list[Any]] | str:
 class LoaderMonitor(Callback):
     r"""Measures how long training waits for data, and says whether the input pipeline is the bottleneck.
 
-    Works with any LightningModule and any dataloader. Per training batch it measures the **data wait** — from the
-    end of one batch to the start of the next, which in Lightning is the dataloader fetch plus the host-to-device
-    transfer — and the **step** time — batch start to batch end (forward, backward, optimizer). On CUDA the step is
-    timed with CUDA events, read once per logging interval, never with a per-step ``synchronize()``.
+    Works with any LightningModule and any dataloader. Per training batch it measures the **data wait** — the time
+    the fit loop spends getting the batch: the ``next()`` on the dataloader's iterator plus the host-to-device
+    transfer (``batch_to_device``) — and the **step** time — batch start to batch end (forward, backward, optimizer).
+    The wait is read from the fetch and transfer that Lightning's loops report to ``trainer.profiler`` for every
+    batch, whatever the profiler (the monitor wraps its ``start``/``stop`` during the fit and restores them after),
+    so it is the loader's time only: other callbacks, logging, checkpoint saving and validation between two batches
+    are in neither the wait nor the step, wherever the monitor sits in the callback list.
+
+    On the CPU both are host times. On CUDA both are GPU times, from CUDA events read once per logging interval (never
+    a per-step ``synchronize()``): the step from batch start to batch end, the wait from the start of the fetch to
+    the end of the transfer on the compute stream — the time the GPU sat idle because the batch was not there. A
+    fetch that returns while the GPU still works through queued kernels costs no GPU time, so it is no stall.
 
     The first epoch is warmup (worker start-up, cold page cache): it is logged but left out of the verdict.
 
-    **Logged Metrics** (every ``Trainer(log_every_n_steps)`` training batches, through the Trainer's loggers):
+    **Logged Metrics** (through ``LightningModule.log``, so at the same steps and in the same rows as the model's own
+    ``self.log`` metrics: every ``Trainer(log_every_n_steps)`` optimizer steps):
 
-    - ``loader/data_wait_ms``, ``loader/step_ms``: means over the interval
-    - ``loader/data_fraction``: wait / (wait + step)
+    - ``loader/data_wait_ms``, ``loader/step_ms``: means over the training batches since the last log
+    - ``loader/data_fraction``: wait / (wait + step), 0-1
     - ``loader/samples_per_sec``: samples over wall time
-    - ``loader/gpu_util``, ``loader/gpu_mem_gb``: NVML averages (only on CUDA with NVML)
-    - ``loader/cpu_util``: CPU use of this process and its workers, % of the usable CPUs
-    - ``loader/val_data_wait_ms``, ``loader/val_step_ms``: the same for validation, once per validation run
+    - ``loader/gpu_util`` (0-1), ``loader/gpu_mem_gb``: NVML averages (only on CUDA with NVML)
+    - ``loader/cpu_util``: CPU use of this process and its workers as a share of the usable CPUs, 0-1
+    - ``loader/val_data_wait_ms``, ``loader/val_step_ms``: the same for validation, once per validation run (host
+      times)
 
     At the end of each epoch (one line) and of fit (a table), rank zero reports p50/p90 wait and step, the data
     fraction, throughput, GPU utilization, a verdict (input-bound, balanced, compute-bound), the speedup available if
@@ -181,6 +191,9 @@ class LoaderMonitor(Callback):
         self.report_dir = Path(report_dir) if report_dir is not None else None
         self.gpu_poll_interval = gpu_poll_interval
         self.verbose = verbose
+        self._profiler: Any = None
+        self._profiler_methods: dict[str, Any] = {}
+        self._warned_no_fetch = False
         self._reset()
 
     def _reset(self) -> None:
@@ -192,17 +205,22 @@ class LoaderMonitor(Callback):
         self.warmup = array("b")
         self.gpu_util = array("d")
         self.cpu_util = array("d")
-        self._mark: float | None = None
+        # the batch being fetched ("train" or "val"), when its fetch started, and the wait so far per kind (seconds)
+        self._fetching: str | None = None
+        self._since = 0.0
+        self._wait: dict[str, float | None] = {"train": None, "val": None}
         self._start: float | None = None
+        self._step_at_start = 0
         self._cuda = False
-        self._events: list[tuple[int, Any, Any]] = []
+        self._wait_events: tuple[Any, Any] | None = None  # (fetch start, transfer end) of the pending batch
+        self._step_event: Any = None
+        self._events: list[tuple[int, Any, Any, Any, Any]] = []  # index, wait start/end, step start/end
         self._interval_start: float | None = None
         self._interval_first = 0
         self._gpu: _GpuSampler | None = None
         self._cpu: CpuMeter | None = None
         self._val_wait = array("d")
         self._val_step = array("d")
-        self._val_mark: float | None = None
         self._val_start: float | None = None
         self._epoch_first = 0
         self.summary: dict[str, Any] = {}
@@ -217,6 +235,7 @@ class LoaderMonitor(Callback):
         device = pl_module.device
         self._cuda = device.type == "cuda"
         self._cpu = CpuMeter()
+        self._watch_fetches(trainer)
         if self._cuda:
             found = _nvml_handles(device.index if device.index is not None else torch.cuda.current_device())
             if isinstance(found, str):
@@ -230,9 +249,8 @@ class LoaderMonitor(Callback):
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._stop()
         self._flush_events()
-        if self._gpu is not None:
-            self._gpu.stop()
         self.summary = self._summarize(trainer)
         self.summary["ranks"] = ranks = self._gather_ranks(trainer, pl_module)
         if len(ranks) > 1:
@@ -244,8 +262,92 @@ class LoaderMonitor(Callback):
 
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._stop()
+
+    @override
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        # a fit that raised ends here: Lightning calls `on_exception`, not `on_train_end` or `teardown`
+        self._stop()
+
+    def _stop(self) -> None:
+        """Stop the NVML thread and give the profiler its own methods back (both idempotent)."""
         if self._gpu is not None:
             self._gpu.stop()
+        self._unwatch_fetches()
+
+    # ------------------------------------------------------------------------------------------------------------
+    # The fetches, as Lightning's loops report them to the profiler
+    # ------------------------------------------------------------------------------------------------------------
+
+    def _watch_fetches(self, trainer: Trainer) -> None:
+        """Wrap ``trainer.profiler.start``/``stop`` to time the loops' fetch and transfer actions."""
+        profiler = getattr(trainer, "profiler", None)
+        if profiler is None or profiler is self._profiler:
+            return
+        self._unwatch_fetches()
+        start, stop = profiler.start, profiler.stop
+        self._profiler_methods = {name: vars(profiler)[name] for name in ("start", "stop") if name in vars(profiler)}
+
+        def timed_start(action_name: str) -> None:
+            start(action_name)
+            self._action(action_name, starting=True)
+
+        def timed_stop(action_name: str) -> None:
+            self._action(action_name, starting=False)
+            stop(action_name)
+
+        profiler.start, profiler.stop = timed_start, timed_stop
+        self._profiler = profiler
+
+    def _unwatch_fetches(self) -> None:
+        profiler, self._profiler = self._profiler, None
+        if profiler is None:
+            return
+        for name in ("start", "stop"):
+            if name in self._profiler_methods:
+                setattr(profiler, name, self._profiler_methods[name])
+            else:
+                vars(profiler).pop(name, None)
+        self._profiler_methods = {}
+
+    def _action(self, name: str, starting: bool) -> None:
+        """A profiled action began or ended: add the loaders' fetches and the batch transfers to the pending wait."""
+        if name.endswith("].train_dataloader_next"):
+            kind: str | None = "train"
+        elif name.endswith("].val_next"):
+            kind = "val"
+        elif name.startswith("[Strategy]") and name.endswith(".batch_to_device"):
+            kind = self._fetching  # the transfer of the batch just fetched
+        else:
+            return
+        if kind is None:
+            return
+        fetch = not name.startswith("[Strategy]")
+        now = time.perf_counter()
+        if starting:
+            if fetch:  # a new batch: whatever was pending belonged to a batch that was never run (an epoch skip)
+                self._fetching, self._wait[kind] = kind, 0.0
+                if kind == "train" and self._cuda:
+                    self._wait_events = (_record_event(), None)
+            self._since = now
+            return
+        self._wait[kind] = (self._wait[kind] or 0.0) + now - self._since
+        if kind == "train" and self._cuda and self._wait_events is not None:
+            self._wait_events = (self._wait_events[0], _record_event())
+
+    def _take_wait(self, kind: str) -> float:
+        """The pending batch's wait in ms (0 when Lightning reported no fetch, with one warning per run)."""
+        wait, self._wait[kind] = self._wait[kind], None
+        if wait is None:
+            if kind == "train" and not self._warned_no_fetch:
+                self._warned_no_fetch = True
+                rank_zero_warn(
+                    "LoaderMonitor: Lightning reported no dataloader fetch to `trainer.profiler` for this batch"
+                    " (a `training_step` that takes `dataloader_iter`, or a Lightning version that names the fetch"
+                    " differently), so its data wait is recorded as 0 and the verdict can be too optimistic."
+                )
+            return 0.0
+        return 1000.0 * wait
 
     # ------------------------------------------------------------------------------------------------------------
     # Training batches
@@ -253,20 +355,16 @@ class LoaderMonitor(Callback):
 
     @override
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._mark = time.perf_counter()
         self._epoch_first = len(self.wait_ms)
         if self._interval_start is None:
-            self._interval_start = self._mark
+            self._interval_start = time.perf_counter()
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        now = time.perf_counter()
-        self.wait_ms.append(1000.0 * (now - self._mark) if self._mark is not None else 0.0)
-        self._start = now
+        self._start = time.perf_counter()
+        self._step_at_start = trainer.global_step
         if self._cuda:
-            start = torch.cuda.Event(enable_timing=True)
-            start.record()
-            self._events.append((len(self.step_ms), start, None))
+            self._step_event = _record_event()
 
     @override
     def on_train_batch_end(
@@ -274,33 +372,41 @@ class LoaderMonitor(Callback):
     ) -> None:
         now = time.perf_counter()
         index = len(self.step_ms)
+        self.wait_ms.append(self._take_wait("train"))
         self.step_ms.append(1000.0 * (now - self._start) if self._start is not None else 0.0)
-        if self._cuda and self._events and self._events[-1][0] == index:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            self._events[-1] = (index, self._events[-1][1], end)
+        if self._cuda and self._step_event is not None:
+            waits = self._wait_events or (None, None)
+            self._events.append((index, *waits, self._step_event, _record_event()))
+        self._wait_events = self._step_event = None
         size = self.batch_size_fn(batch) if self.batch_size_fn is not None else _batch_size(batch)
         self.samples.append(int(size))
         self.epochs.append(trainer.current_epoch)
         warm = trainer.current_epoch < self.warmup_epochs or index < self.warmup_steps
         self.warmup.append(1 if warm else 0)
-        if (index + 1) % max(1, trainer.log_every_n_steps) == 0:
-            self._log_interval(trainer)
-        self._mark = time.perf_counter()
+        # Lightning writes the model's step metrics after this hook when (batches that stepped before this one + 1)
+        # is a multiple of `log_every_n_steps`: logged through the module, these go in that write, at its step. With
+        # automatic optimization those batches are the optimizer steps, and with gradient accumulation the interval
+        # is logged at the batch that steps; with manual optimization every batch counts.
+        every = trainer.log_every_n_steps
+        if pl_module.automatic_optimization:
+            done, stepped = self._step_at_start, trainer.global_step > self._step_at_start
+        else:
+            done, stepped = index, True
+        if every > 0 and stepped and (done + 1) % every == 0:
+            self._log_interval(pl_module)
 
     def _flush_events(self) -> None:
-        """Replace the host step times of finished CUDA steps by their GPU times (one synchronize per call)."""
+        """Replace the host times of finished CUDA batches by their GPU times (one synchronize per call)."""
         if not self._events:
             return
-        last_end = next((end for _, _, end in reversed(self._events) if end is not None), None)
-        if last_end is not None:
-            last_end.synchronize()
-        for index, start, end in self._events:
-            if end is not None:
-                self.step_ms[index] = float(start.elapsed_time(end))
+        self._events[-1][-1].synchronize()
+        for index, wait_start, wait_end, step_start, step_end in self._events:
+            if wait_start is not None and wait_end is not None:
+                self.wait_ms[index] = float(wait_start.elapsed_time(wait_end))
+            self.step_ms[index] = float(step_start.elapsed_time(step_end))
         self._events.clear()
 
-    def _log_interval(self, trainer: Trainer) -> None:
+    def _log_interval(self, pl_module: LightningModule) -> None:
         self._flush_events()
         now = time.perf_counter()
         first, last = self._interval_first, len(self.step_ms)
@@ -319,15 +425,14 @@ class LoaderMonitor(Callback):
         if self._gpu is not None:
             gpu = self._gpu.take()
             if gpu is not None:
-                metrics["loader/gpu_util"], metrics["loader/gpu_mem_gb"] = gpu
-                self.gpu_util.append(gpu[0])
+                metrics["loader/gpu_util"], metrics["loader/gpu_mem_gb"] = gpu[0] / 100.0, gpu[1]
+                self.gpu_util.append(gpu[0] / 100.0)
         if self._cpu is not None:
             cpu = self._cpu.take()
             if cpu is not None:
-                metrics["loader/cpu_util"] = cpu
-                self.cpu_util.append(cpu)
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.global_step)
+                metrics["loader/cpu_util"] = cpu / 100.0
+                self.cpu_util.append(cpu / 100.0)
+        pl_module.log_dict(metrics, on_step=True, on_epoch=False)
 
     @override
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -349,17 +454,13 @@ class LoaderMonitor(Callback):
 
     @override
     def on_validation_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._val_mark = time.perf_counter()
         self._val_wait, self._val_step = array("d"), array("d")
 
     @override
     def on_validation_batch_start(
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
     ) -> None:
-        now = time.perf_counter()
-        if self._val_mark is not None:
-            self._val_wait.append(1000.0 * (now - self._val_mark))
-        self._val_start = now
+        self._val_start = time.perf_counter()
 
     @override
     def on_validation_batch_end(
@@ -372,9 +473,9 @@ class LoaderMonitor(Callback):
         dataloader_idx: int = 0,
     ) -> None:
         now = time.perf_counter()
-        if self._val_start is not None:
+        if self._val_start is not None and self._profiler is not None and not trainer.sanity_checking:
+            self._val_wait.append(self._take_wait("val"))
             self._val_step.append(1000.0 * (now - self._val_start))
-        self._val_mark = time.perf_counter()
 
     @override
     def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -384,10 +485,7 @@ class LoaderMonitor(Callback):
             "loader/val_data_wait_ms": float(np.mean(self._val_wait)),
             "loader/val_step_ms": float(np.mean(self._val_step)),
         }
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.global_step)
-        # the time spent validating is not data wait of the next training batch
-        self._mark = time.perf_counter()
+        pl_module.log_dict(metrics, on_step=False, on_epoch=True, sync_dist=True)
 
     # ------------------------------------------------------------------------------------------------------------
     # Summary, verdict, advice
@@ -431,13 +529,13 @@ class LoaderMonitor(Callback):
         if loader is None:
             return ["the training dataloader is not a torch DataLoader; time its fetch to find the slow stage"]
         advice = []
-        processes = processes_per_node(trainer.world_size, trainer.num_nodes)
+        processes = cpu_sharing_processes(processes_per_node(trainer.world_size, trainer.num_nodes))
         budget = usable_cpu_count() // processes
         workers = loader.num_workers
         if workers == 0:
             advice.append(
                 f"num_workers=0 loads every batch in the training process; set num_workers={max(1, budget)}"
-                f" (the budget: {usable_cpu_count()} usable CPUs / {processes} process(es) on this node)"
+                f" (the budget: {usable_cpu_count()} usable CPUs / {processes} process(es) sharing them)"
             )
         elif workers < budget:
             advice.append(f"num_workers={workers} is below the budget of {budget}; raise it to {budget}")
@@ -462,9 +560,9 @@ class LoaderMonitor(Callback):
                 f"{type(dataset).__name__} decodes full-size image files on every read; convert once with"
                 " `lightning-fastdata convert SRC DST` and read DST with LmdbImageDataset or FastImageDataModule"
             )
-        if "gpu_util" in summary and summary["gpu_util"] < 50:
+        if "gpu_util" in summary and summary["gpu_util"] < 0.5:
             advice.append(
-                f"the GPU was {summary['gpu_util']:.0f}% busy while {summary['data_fraction']:.0%} of the time went to"
+                f"the GPU was {summary['gpu_util']:.0%} busy while {summary['data_fraction']:.0%} of the time went to"
                 " waiting for data: the input pipeline, not the model, sets the speed"
             )
         prefetch = getattr(loader, "prefetch_factor", None)
@@ -545,9 +643,9 @@ class LoaderMonitor(Callback):
             ("throughput", f"{s['samples_per_sec']:.1f} samples/s"),
         ]
         if "gpu_util" in s:
-            rows.append(("GPU utilization", f"{s['gpu_util']:.0f}%"))
+            rows.append(("GPU utilization", f"{s['gpu_util']:.0%}"))
         if "cpu_util" in s:
-            rows.append(("CPU utilization", f"{s['cpu_util']:.0f}% of {usable_cpu_count()} usable CPUs"))
+            rows.append(("CPU utilization", f"{s['cpu_util']:.0%} of {usable_cpu_count()} usable CPUs"))
         waits = {r["rank"]: r["wait_mean_ms"] for r in s.get("ranks", []) if r["wait_mean_ms"] is not None}
         if len(waits) > 1:
             slowest = max(waits, key=waits.__getitem__)
@@ -580,6 +678,13 @@ class LoaderMonitor(Callback):
                 "LoaderMonitor: no chart written: matplotlib is not installed (`pip install matplotlib` or"
                 " `pip install 'lightning-fastdata[plot]'`)."
             )
+
+
+def _record_event() -> Any:
+    """A timing CUDA event recorded now on the current stream."""
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
 
 
 def _finite(value: float) -> float | None:
