@@ -89,7 +89,8 @@ def hook_cost_us(calls: int, epoch_len: int = 64) -> float:
         with trainer.profiler.profile("[Strategy]SingleDeviceStrategy.batch_to_device"):
             pass
         monitor.on_train_batch_start(trainer, module, batch, i)
-        trainer.global_step += 1
+        with trainer.profiler.profile("run_training_batch"):
+            trainer.global_step += 1
         monitor.on_train_batch_end(trainer, module, None, batch, i)
         if i % epoch_len == epoch_len - 1:
             monitor.on_train_epoch_end(trainer, module)

@@ -122,16 +122,16 @@ class LoaderMonitor(Callback):
 
     Works with any LightningModule and any dataloader. Per training batch it measures the **data wait** — the time
     the fit loop spends getting the batch: the ``next()`` on the dataloader's iterator plus the host-to-device
-    transfer (``batch_to_device``) — and the **step** time — batch start to batch end (forward, backward, optimizer).
-    The wait is read from the fetch and transfer that Lightning's loops report to ``trainer.profiler`` for every
-    batch, whatever the profiler (the monitor wraps its ``start``/``stop`` during the fit and restores them after),
-    so it is the loader's time only: other callbacks, logging, checkpoint saving and validation between two batches
-    are in neither the wait nor the step, wherever the monitor sits in the callback list.
+    transfer (``batch_to_device``) — and the **step** time — forward, backward and optimizer step
+    (``run_training_batch``). Both are read from the actions Lightning's loops report to ``trainer.profiler`` for
+    every batch, whatever the profiler (the monitor wraps its ``start``/``stop`` during the fit and gives them back
+    after), so the wait is the loader's time only: the batch hooks of any callback, logging, checkpoint saving and
+    validation are in neither the wait nor the step, wherever the monitor sits in the callback list.
 
-    On the CPU both are host times. On CUDA both are GPU times, from CUDA events read once per logging interval (never
-    a per-step ``synchronize()``): the step from batch start to batch end, the wait from the start of the fetch to
-    the end of the transfer on the compute stream — the time the GPU sat idle because the batch was not there. A
-    fetch that returns while the GPU still works through queued kernels costs no GPU time, so it is no stall.
+    On the CPU both are host times. On CUDA both are GPU times, from CUDA events on the compute stream read once per
+    logging interval (never a per-step ``synchronize()``): the wait runs from the start of the fetch to the end of the
+    transfer — the time the GPU sat idle because the batch was not there; a fetch that returns while the GPU still
+    works through queued kernels costs no GPU time, so it is no stall.
 
     The first epoch is warmup (worker start-up, cold page cache): it is logged but left out of the verdict.
 
@@ -143,8 +143,8 @@ class LoaderMonitor(Callback):
     - ``loader/samples_per_sec``: samples over wall time
     - ``loader/gpu_util`` (0-1), ``loader/gpu_mem_gb``: NVML averages (only on CUDA with NVML)
     - ``loader/cpu_util``: CPU use of this process and its workers as a share of the usable CPUs, 0-1
-    - ``loader/val_data_wait_ms``, ``loader/val_step_ms``: the same for validation, once per validation run (host
-      times)
+    - ``loader/val_data_wait_ms``, ``loader/val_step_ms``: the same for validation (fetch plus transfer, and
+      ``validation_step``), once per validation run, host times
 
     At the end of each epoch (one line) and of fit (a table), rank zero reports p50/p90 wait and step, the data
     fraction, throughput, GPU utilization, a verdict (input-bound, balanced, compute-bound), the speedup available if
@@ -205,15 +205,14 @@ class LoaderMonitor(Callback):
         self.warmup = array("b")
         self.gpu_util = array("d")
         self.cpu_util = array("d")
-        # the batch being fetched ("train" or "val"), when its fetch started, and the wait so far per kind (seconds)
-        self._fetching: str | None = None
-        self._since = 0.0
-        self._wait: dict[str, float | None] = {"train": None, "val": None}
+        # per ("train" | "val", "wait" | "step"): the pending batch's time so far (seconds) and its last start
+        self._pending: dict[tuple[str, str], float | None] = {}
+        self._since: dict[tuple[str, str], float] = {}
+        self._fetching: str | None = None  # whose batch was fetched last: its transfer is part of its wait
         self._start: float | None = None
         self._step_at_start = 0
         self._cuda = False
-        self._wait_events: tuple[Any, Any] | None = None  # (fetch start, transfer end) of the pending batch
-        self._step_event: Any = None
+        self._marks: dict[str, list[Any]] = {}  # CUDA events of the pending training batch: "wait", "step"
         self._events: list[tuple[int, Any, Any, Any, Any]] = []  # index, wait start/end, step start/end
         self._interval_start: float | None = None
         self._interval_first = 0
@@ -310,44 +309,61 @@ class LoaderMonitor(Callback):
                 vars(profiler).pop(name, None)
         self._profiler_methods = {}
 
-    def _action(self, name: str, starting: bool) -> None:
-        """A profiled action began or ended: add the loaders' fetches and the batch transfers to the pending wait."""
-        if name.endswith("].train_dataloader_next"):
-            kind: str | None = "train"
-        elif name.endswith("].val_next"):
-            kind = "val"
-        elif name.startswith("[Strategy]") and name.endswith(".batch_to_device"):
-            kind = self._fetching  # the transfer of the batch just fetched
-        else:
-            return
-        if kind is None:
-            return
-        fetch = not name.startswith("[Strategy]")
-        now = time.perf_counter()
-        if starting:
-            if fetch:  # a new batch: whatever was pending belonged to a batch that was never run (an epoch skip)
-                self._fetching, self._wait[kind] = kind, 0.0
-                if kind == "train" and self._cuda:
-                    self._wait_events = (_record_event(), None)
-            self._since = now
-            return
-        self._wait[kind] = (self._wait[kind] or 0.0) + now - self._since
-        if kind == "train" and self._cuda and self._wait_events is not None:
-            self._wait_events = (self._wait_events[0], _record_event())
+    def _classify(self, name: str) -> tuple[str, str, bool] | None:
+        """``(phase, what, opens)`` of a profiled action that is a fetch, a transfer or a step; ``None`` for others.
 
-    def _take_wait(self, kind: str) -> float:
-        """The pending batch's wait in ms (0 when Lightning reported no fetch, with one warning per run)."""
-        wait, self._wait[kind] = self._wait[kind], None
-        if wait is None:
-            if kind == "train" and not self._warned_no_fetch:
-                self._warned_no_fetch = True
-                rank_zero_warn(
-                    "LoaderMonitor: Lightning reported no dataloader fetch to `trainer.profiler` for this batch"
-                    " (a `training_step` that takes `dataloader_iter`, or a Lightning version that names the fetch"
-                    " differently), so its data wait is recorded as 0 and the verdict can be too optimistic."
-                )
-            return 0.0
-        return 1000.0 * wait
+        ``opens``: the action starts a new measurement (a fetch, a step) rather than adding to one (a transfer).
+        """
+        if name.endswith("].train_dataloader_next"):
+            return "train", "wait", True
+        if name.endswith("].val_next"):
+            return "val", "wait", True
+        if name == "run_training_batch":  # forward, backward and optimizer step, without the batch hooks
+            return "train", "step", True
+        if name.startswith("[Strategy]"):
+            if name.endswith(".batch_to_device") and self._fetching is not None:
+                return self._fetching, "wait", False
+            if name.endswith(".validation_step"):
+                return "val", "step", True
+        return None
+
+    def _action(self, name: str, starting: bool) -> None:
+        """A profiled action began or ended: time the fetches, transfers and steps of the pending batches."""
+        found = self._classify(name)
+        if found is None:
+            return
+        phase, what, opens = found
+        key = (phase, what)
+        now = time.perf_counter()
+        cuda = self._cuda and phase == "train"
+        if starting:
+            if opens:  # a new batch's: what was pending belonged to a batch that was never run (an epoch skip)
+                self._pending[key] = 0.0
+                if what == "wait":
+                    self._fetching = phase
+                if cuda:
+                    self._marks[what] = [_record_event(), None]
+            self._since[key] = now
+            return
+        if self._pending.get(key) is None or key not in self._since:
+            return
+        self._pending[key] = self._pending[key] + now - self._since.pop(key)  # type: ignore[operator]
+        if cuda and what in self._marks:
+            self._marks[what][1] = _record_event()
+
+    def _take(self, phase: str, what: str) -> float | None:
+        """The pending batch's measured time in ms, or ``None`` when Lightning reported none."""
+        seconds = self._pending.pop((phase, what), None)
+        return None if seconds is None else 1000.0 * seconds
+
+    def _warn_no_fetch(self) -> None:
+        if not self._warned_no_fetch:
+            self._warned_no_fetch = True
+            rank_zero_warn(
+                "LoaderMonitor: Lightning reported no dataloader fetch to `trainer.profiler` for this batch"
+                " (a `training_step` that takes `dataloader_iter`, or a Lightning version that names the fetch"
+                " differently), so its data wait is recorded as 0 and the verdict can be too optimistic."
+            )
 
     # ------------------------------------------------------------------------------------------------------------
     # Training batches
@@ -361,23 +377,25 @@ class LoaderMonitor(Callback):
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        self._start = time.perf_counter()
+        self._start = time.perf_counter()  # the step's fallback start, should Lightning not report the step
         self._step_at_start = trainer.global_step
-        if self._cuda:
-            self._step_event = _record_event()
 
     @override
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        now = time.perf_counter()
         index = len(self.step_ms)
-        self.wait_ms.append(self._take_wait("train"))
-        self.step_ms.append(1000.0 * (now - self._start) if self._start is not None else 0.0)
-        if self._cuda and self._step_event is not None:
-            waits = self._wait_events or (None, None)
-            self._events.append((index, *waits, self._step_event, _record_event()))
-        self._wait_events = self._step_event = None
+        wait, step = self._take("train", "wait"), self._take("train", "step")
+        if wait is None:
+            self._warn_no_fetch()
+        self.wait_ms.append(wait or 0.0)
+        if step is None:
+            step = 1000.0 * (time.perf_counter() - self._start) if self._start is not None else 0.0
+        self.step_ms.append(step)
+        marks, self._marks = self._marks, {}
+        if self._cuda and None not in marks.get("step", [None]):
+            waits = marks["wait"] if None not in marks.get("wait", [None]) else [None, None]
+            self._events.append((index, *waits, *marks["step"]))
         size = self.batch_size_fn(batch) if self.batch_size_fn is not None else _batch_size(batch)
         self.samples.append(int(size))
         self.epochs.append(trainer.current_epoch)
@@ -460,7 +478,7 @@ class LoaderMonitor(Callback):
     def on_validation_batch_start(
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
     ) -> None:
-        self._val_start = time.perf_counter()
+        self._val_start = time.perf_counter()  # the step's fallback start, should Lightning not report the step
 
     @override
     def on_validation_batch_end(
@@ -472,10 +490,10 @@ class LoaderMonitor(Callback):
         batch_idx: int,
         dataloader_idx: int = 0,
     ) -> None:
-        now = time.perf_counter()
         if self._val_start is not None and self._profiler is not None and not trainer.sanity_checking:
-            self._val_wait.append(self._take_wait("val"))
-            self._val_step.append(1000.0 * (now - self._val_start))
+            wait, step = self._take("val", "wait"), self._take("val", "step")
+            self._val_wait.append(wait or 0.0)
+            self._val_step.append(step if step is not None else 1000.0 * (time.perf_counter() - self._val_start))
 
     @override
     def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
