@@ -645,6 +645,27 @@ def test_cuda_wait_and_step_come_from_events_synchronized_once_per_interval():
     assert not monitor._gpu._thread.is_alive()
 
 
+class _BusyGpuModel(_TinyModel):
+    """``_TinyModel`` that queues about 100 ms of matrix products on the GPU per step, none of which it waits for."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        busy = torch.randn(4096, 4096, device=self.device)
+        for _ in range(30):
+            busy = torch.tanh(busy @ busy)
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_fetch_overlapping_queued_gpu_work_is_no_wait():
+    """On a real GPU, a 20 ms host fetch while the GPU still runs the last step's kernels is (almost) no wait."""
+    monitor = LoaderMonitor(warmup_epochs=0, warmup_steps=2)
+    _fit(monitor, _SlowDataset(16, delay=0.01), _BusyGpuModel(), max_epochs=1, accelerator="gpu")
+    summary = monitor.summary
+    assert summary["measured_steps"] == 6
+    assert summary["step_p50_ms"] > 20.0  # the queued kernels are GPU step time
+    assert summary["wait_p50_ms"] < 10.0, list(monitor.wait_ms)  # each host fetch took 20 ms
+
+
 def test_gpu_sampler_averages_and_resets():
     """`take()` averages the samples over time and over GPUs, in GiB, then starts again from nothing."""
     util = {"a": 20.0, "b": 60.0}

@@ -181,6 +181,16 @@ def test_order_is_the_epoch_set_after_the_iterator_was_created(workers: int, per
     assert _ids(batches) == _reference(8, 2)[2:]
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_order_is_the_epoch_set_after_the_iterator_was_created_on_cuda() -> None:
+    """With device look-ahead on a real GPU and workers, too, the batches follow the epoch set after ``iter()``."""
+    loader = _loader(seed=8, num_workers=2, persistent_workers=True, pin_memory=True, device="cuda")
+    assert loader.prefetching
+    batches = iter(loader)
+    loader.sampler.set_epoch(1)
+    assert [batch[0].cpu().tolist() for batch in batches] == _reference(8, 1)
+
+
 def test_ranks_resume_from_rank_zero_state() -> None:
     """Under DDP the checkpoint holds rank zero's state: every rank resumes its own shard from it."""
     state = _take(_loader(seed=1, num_replicas=2, rank=0), 2)
