@@ -275,11 +275,14 @@ class LoaderMonitor(Callback):
         self._unwatch_fetches()
 
     # ------------------------------------------------------------------------------------------------------------
-    # The fetches, as Lightning's loops report them to the profiler
+    # Fetches, transfers and steps, as Lightning's loops report them to the profiler
     # ------------------------------------------------------------------------------------------------------------
 
     def _watch_fetches(self, trainer: Trainer) -> None:
-        """Wrap ``trainer.profiler.start``/``stop`` to time the loops' fetch and transfer actions."""
+        """Wrap ``trainer.profiler.start``/``stop`` to time the loops' fetch, transfer and step actions.
+
+        The wrappers are instance attributes: the profiler's class, and what it records, stay as they were.
+        """
         profiler = getattr(trainer, "profiler", None)
         if profiler is None or profiler is self._profiler:
             return
