@@ -18,6 +18,7 @@ from types import SimpleNamespace
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.profilers import PassThroughProfiler
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_fastdata import LoaderMonitor
@@ -65,12 +66,17 @@ class _NullLogger:
 
 
 def hook_cost_us(calls: int, epoch_len: int = 64) -> float:
-    """Per-batch cost of every monitor hook, the logging interval (CPU meter, logger) and epoch ends included."""
+    """Per-batch cost of every monitor hook and of the timed fetch, the logging interval and epoch ends included."""
     monitor = LoaderMonitor(warmup_epochs=0, verbose=False)
-    trainer = SimpleNamespace(current_epoch=0, log_every_n_steps=50, loggers=[_NullLogger()], global_step=0)
-    module = SimpleNamespace(device=torch.device("cpu"))
+    trainer = SimpleNamespace(
+        current_epoch=0, log_every_n_steps=50, loggers=[_NullLogger()], global_step=0, profiler=PassThroughProfiler()
+    )
+    module = SimpleNamespace(
+        device=torch.device("cpu"), automatic_optimization=True, log_dict=lambda *args, **kwargs: None
+    )
     monitor._reset()
     monitor._cpu = CpuMeter()
+    monitor._watch_fetches(trainer)  # the fetch and transfer timing, as in a fit
     batch = (torch.zeros(32, 3, 32, 32), torch.zeros(32, dtype=torch.long))
     logging.getLogger("lightning_fastdata").setLevel(logging.WARNING)
     start = time.perf_counter()
@@ -78,9 +84,14 @@ def hook_cost_us(calls: int, epoch_len: int = 64) -> float:
         if i % epoch_len == 0:
             trainer.current_epoch = i // epoch_len
             monitor.on_train_epoch_start(trainer, module)
+        trainer.profiler.start("[_TrainingEpochLoop].train_dataloader_next")
+        trainer.profiler.stop("[_TrainingEpochLoop].train_dataloader_next")
+        with trainer.profiler.profile("[Strategy]SingleDeviceStrategy.batch_to_device"):
+            pass
         monitor.on_train_batch_start(trainer, module, batch, i)
+        with trainer.profiler.profile("run_training_batch"):
+            trainer.global_step += 1
         monitor.on_train_batch_end(trainer, module, None, batch, i)
-        trainer.global_step += 1
         if i % epoch_len == epoch_len - 1:
             monitor.on_train_epoch_end(trainer, module)
     return 1e6 * (time.perf_counter() - start) / calls

@@ -58,6 +58,67 @@ def processes_per_node(world_size: int, num_nodes: int) -> int:
     return max(1, world_size // max(1, num_nodes))
 
 
+def _parse_cpu_list(text: str) -> set[int]:
+    """A kernel CPU list (``"0-3,8,10-11"``) as a set of CPU ids; empty when unreadable."""
+    cpus: set[int] = set()
+    for part in text.strip().split(","):
+        first, _, last = part.strip().partition("-")
+        try:
+            cpus.update(range(int(first), int(last or first) + 1))
+        except ValueError:
+            return set()
+    return cpus
+
+
+def _cgroup_cpuset(root: Path) -> set[int]:
+    """The CPUs this cgroup (the container, the batch job) may run on: cgroup v2, then v1; empty when unknown."""
+    for path in ("cpuset.cpus.effective", "cpuset/cpuset.effective_cpus", "cpuset/cpuset.cpus"):
+        text = _read(root / path)
+        if text:
+            return _parse_cpu_list(text)
+    return set()
+
+
+def _slurm_tasks_per_node() -> int:
+    """Tasks per node of this SLURM job (``SLURM_NTASKS_PER_NODE``, or the first count of ``SLURM_TASKS_PER_NODE``)."""
+    text = os.environ.get("SLURM_NTASKS_PER_NODE") or os.environ.get("SLURM_TASKS_PER_NODE", "")
+    digits = text.split("(")[0].split(",")[0]
+    return int(digits) if digits.isdigit() else 0
+
+
+def pinned_to_own_cpus(processes: int, cgroup_root: str | os.PathLike[str] = _CGROUP_ROOT) -> bool:
+    """Whether a launcher pinned this process to its own share of the node's CPUs (then it is not shared again).
+
+    SLURM ``--cpus-per-task`` with CPU binding and ``numactl`` / ``taskset`` per rank give each training process an
+    affinity of its own; dividing that by the processes per node would count the other ranks twice. Without talking
+    to the other ranks this is known when:
+
+    - SLURM runs one task per training process (``SLURM_NTASKS_PER_NODE`` >= ``processes``) and the affinity is at
+      most ``SLURM_CPUS_PER_TASK`` CPUs: the task's own CPUs (without binding it would be the whole allocation); or
+    - the affinity is a strict subset of the CPUs the cgroup may use (``cpuset.cpus.effective``; the host's CPUs
+      when unknown) and ``processes`` such shares fit in them: ranks inheriting one affinity (``docker --cpuset-cpus``,
+      a plain ``taskset`` of the launcher) have an affinity equal to the cgroup's CPUs, or too large to be a share.
+
+    Args:
+        processes: training processes on this node.
+        cgroup_root: where the cgroup file system is mounted.
+
+    """
+    if processes <= 1 or not hasattr(os, "sched_getaffinity"):
+        return False
+    affinity = os.sched_getaffinity(0)
+    per_task = os.environ.get("SLURM_CPUS_PER_TASK", "")
+    if per_task.isdigit() and _slurm_tasks_per_node() >= processes and len(affinity) <= int(per_task):
+        return True
+    pool = _cgroup_cpuset(Path(cgroup_root)) or set(range(os.cpu_count() or len(affinity)))
+    return affinity < pool and len(affinity) * processes <= len(pool)
+
+
+def cpu_sharing_processes(processes: int, cgroup_root: str | os.PathLike[str] = _CGROUP_ROOT) -> int:
+    """The training processes that share this process's usable CPUs: ``processes``, or 1 when pinned to its own."""
+    return 1 if pinned_to_own_cpus(processes, cgroup_root) else max(1, processes)
+
+
 def usable_cpu_count(cgroup_root: str | os.PathLike[str] = _CGROUP_ROOT) -> int:
     """The CPUs this process may use: its CPU affinity, capped by the cgroup quota (rounded up), at least 1.
 

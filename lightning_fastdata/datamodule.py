@@ -19,7 +19,7 @@ from typing_extensions import override
 
 from lightning_fastdata import _format
 from lightning_fastdata.convert import canonical_split, convert, folder_classes
-from lightning_fastdata.cpus import processes_per_node, usable_cpu_count
+from lightning_fastdata.cpus import cpu_sharing_processes, processes_per_node, usable_cpu_count
 from lightning_fastdata.dataset import LmdbImageDataset
 from lightning_fastdata.device_decode import EncodedImages, encoded_batch_to_images
 from lightning_fastdata.loader import BatchReader, FastLoader
@@ -412,8 +412,12 @@ class FastImageDataModule(LightningDataModule):
         return 1 if trainer is None else processes_per_node(trainer.world_size, trainer.num_nodes)
 
     def worker_budget(self) -> int:
-        """Workers per process that the usable CPUs allow: usable CPUs // training processes on this node."""
-        return usable_cpu_count() // self._processes_per_node()
+        """Workers per process that the usable CPUs allow: usable CPUs // training processes sharing them.
+
+        The processes sharing them are the training processes on this node, or only this one when a launcher pinned
+        each rank to its own CPUs (see :func:`~lightning_fastdata.cpus.pinned_to_own_cpus`).
+        """
+        return usable_cpu_count() // cpu_sharing_processes(self._processes_per_node())
 
     def resolved_num_workers(self) -> int:
         """The worker count the loaders use (``"auto"`` resolved; a value above the budget warns once)."""
@@ -426,8 +430,8 @@ class FastImageDataModule(LightningDataModule):
             self._warned_workers = True
             rank_zero_warn(
                 f"`num_workers={self.num_workers}` is above this process's budget of {budget}: {usable_cpu_count()}"
-                f" usable CPUs shared by {self._processes_per_node()} training process(es) on this node. Workers"
-                " beyond the budget compete for cores and usually slow loading; use `num_workers='auto'`."
+                f" usable CPUs shared by {cpu_sharing_processes(self._processes_per_node())} training process(es)."
+                " Workers beyond the budget compete for cores and usually slow loading; use `num_workers='auto'`."
             )
         return int(self.num_workers)
 

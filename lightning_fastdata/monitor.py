@@ -17,11 +17,11 @@ from typing import Any
 import numpy as np
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightning_fastdata.cpus import CpuMeter, processes_per_node, usable_cpu_count
+from lightning_fastdata.cpus import CpuMeter, cpu_sharing_processes, processes_per_node, usable_cpu_count
 
 log = logging.getLogger(__name__)
 
@@ -120,21 +120,31 @@ def _nvml_handles(device_index: int) -> tuple[Any, list[Any]] | str:
 class LoaderMonitor(Callback):
     r"""Measures how long training waits for data, and says whether the input pipeline is the bottleneck.
 
-    Works with any LightningModule and any dataloader. Per training batch it measures the **data wait** — from the
-    end of one batch to the start of the next, which in Lightning is the dataloader fetch plus the host-to-device
-    transfer — and the **step** time — batch start to batch end (forward, backward, optimizer). On CUDA the step is
-    timed with CUDA events, read once per logging interval, never with a per-step ``synchronize()``.
+    Works with any LightningModule and any dataloader. Per training batch it measures the **data wait** — the time
+    the fit loop spends getting the batch: the ``next()`` on the dataloader's iterator plus the host-to-device
+    transfer (``batch_to_device``) — and the **step** time — forward, backward and optimizer step
+    (``run_training_batch``). Both are read from the actions Lightning's loops report to ``trainer.profiler`` for
+    every batch, whatever the profiler (the monitor wraps its ``start``/``stop`` during the fit and gives them back
+    after), so the wait is the loader's time only: the batch hooks of any callback, logging, checkpoint saving and
+    validation are in neither the wait nor the step, wherever the monitor sits in the callback list.
+
+    On the CPU both are host times. On CUDA both are GPU times, from CUDA events on the compute stream read once per
+    logging interval (never a per-step ``synchronize()``): the wait runs from the start of the fetch to the end of the
+    transfer — the time the GPU sat idle because the batch was not there; a fetch that returns while the GPU still
+    works through queued kernels costs no GPU time, so it is no stall.
 
     The first epoch is warmup (worker start-up, cold page cache): it is logged but left out of the verdict.
 
-    **Logged Metrics** (every ``Trainer(log_every_n_steps)`` training batches, through the Trainer's loggers):
+    **Logged Metrics** (through ``LightningModule.log``, so at the same steps and in the same rows as the model's own
+    ``self.log`` metrics: every ``Trainer(log_every_n_steps)`` optimizer steps):
 
-    - ``loader/data_wait_ms``, ``loader/step_ms``: means over the interval
-    - ``loader/data_fraction``: wait / (wait + step)
+    - ``loader/data_wait_ms``, ``loader/step_ms``: means over the training batches since the last log
+    - ``loader/data_fraction``: wait / (wait + step), 0-1
     - ``loader/samples_per_sec``: samples over wall time
-    - ``loader/gpu_util``, ``loader/gpu_mem_gb``: NVML averages (only on CUDA with NVML)
-    - ``loader/cpu_util``: CPU use of this process and its workers, % of the usable CPUs
-    - ``loader/val_data_wait_ms``, ``loader/val_step_ms``: the same for validation, once per validation run
+    - ``loader/gpu_util`` (0-1), ``loader/gpu_mem_gb``: NVML averages (only on CUDA with NVML)
+    - ``loader/cpu_util``: CPU use of this process and its workers as a share of the usable CPUs, 0-1
+    - ``loader/val_data_wait_ms``, ``loader/val_step_ms``: the same for validation (fetch plus transfer, and
+      ``validation_step``), once per validation run, host times
 
     At the end of each epoch (one line) and of fit (a table), rank zero reports p50/p90 wait and step, the data
     fraction, throughput, GPU utilization, a verdict (input-bound, balanced, compute-bound), the speedup available if
@@ -181,6 +191,9 @@ class LoaderMonitor(Callback):
         self.report_dir = Path(report_dir) if report_dir is not None else None
         self.gpu_poll_interval = gpu_poll_interval
         self.verbose = verbose
+        self._profiler: Any = None
+        self._profiler_methods: dict[str, Any] = {}
+        self._warned_no_fetch = False
         self._reset()
 
     def _reset(self) -> None:
@@ -192,17 +205,21 @@ class LoaderMonitor(Callback):
         self.warmup = array("b")
         self.gpu_util = array("d")
         self.cpu_util = array("d")
-        self._mark: float | None = None
+        # per ("train" | "val", "wait" | "step"): the pending batch's time so far (seconds) and its last start
+        self._pending: dict[tuple[str, str], float | None] = {}
+        self._since: dict[tuple[str, str], float] = {}
+        self._fetching: str | None = None  # whose batch was fetched last: its transfer is part of its wait
         self._start: float | None = None
+        self._step_at_start = 0
         self._cuda = False
-        self._events: list[tuple[int, Any, Any]] = []
+        self._marks: dict[str, list[Any]] = {}  # CUDA events of the pending training batch: "wait", "step"
+        self._events: list[tuple[int, Any, Any, Any, Any]] = []  # index, wait start/end, step start/end
         self._interval_start: float | None = None
         self._interval_first = 0
         self._gpu: _GpuSampler | None = None
         self._cpu: CpuMeter | None = None
         self._val_wait = array("d")
         self._val_step = array("d")
-        self._val_mark: float | None = None
         self._val_start: float | None = None
         self._epoch_first = 0
         self.summary: dict[str, Any] = {}
@@ -217,6 +234,7 @@ class LoaderMonitor(Callback):
         device = pl_module.device
         self._cuda = device.type == "cuda"
         self._cpu = CpuMeter()
+        self._watch_fetches(trainer)
         if self._cuda:
             found = _nvml_handles(device.index if device.index is not None else torch.cuda.current_device())
             if isinstance(found, str):
@@ -230,9 +248,8 @@ class LoaderMonitor(Callback):
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._stop()
         self._flush_events()
-        if self._gpu is not None:
-            self._gpu.stop()
         self.summary = self._summarize(trainer)
         self.summary["ranks"] = ranks = self._gather_ranks(trainer, pl_module)
         if len(ranks) > 1:
@@ -244,8 +261,112 @@ class LoaderMonitor(Callback):
 
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._stop()
+
+    @override
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        # a fit that raised ends here: Lightning calls `on_exception`, not `on_train_end` or `teardown`
+        self._stop()
+
+    def _stop(self) -> None:
+        """Stop the NVML thread and give the profiler its own methods back (both idempotent)."""
         if self._gpu is not None:
             self._gpu.stop()
+        self._unwatch_fetches()
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Fetches, transfers and steps, as Lightning's loops report them to the profiler
+    # ------------------------------------------------------------------------------------------------------------
+
+    def _watch_fetches(self, trainer: Trainer) -> None:
+        """Wrap ``trainer.profiler.start``/``stop`` to time the loops' fetch, transfer and step actions.
+
+        The wrappers are instance attributes: the profiler's class, and what it records, stay as they were.
+        """
+        profiler = getattr(trainer, "profiler", None)
+        if profiler is None or profiler is self._profiler:
+            return
+        self._unwatch_fetches()
+        start, stop = profiler.start, profiler.stop
+        self._profiler_methods = {name: vars(profiler)[name] for name in ("start", "stop") if name in vars(profiler)}
+
+        def timed_start(action_name: str) -> None:
+            start(action_name)
+            self._action(action_name, starting=True)
+
+        def timed_stop(action_name: str) -> None:
+            self._action(action_name, starting=False)
+            stop(action_name)
+
+        profiler.start, profiler.stop = timed_start, timed_stop
+        self._profiler = profiler
+
+    def _unwatch_fetches(self) -> None:
+        profiler, self._profiler = self._profiler, None
+        if profiler is None:
+            return
+        for name in ("start", "stop"):
+            if name in self._profiler_methods:
+                setattr(profiler, name, self._profiler_methods[name])
+            else:
+                vars(profiler).pop(name, None)
+        self._profiler_methods = {}
+
+    def _classify(self, name: str) -> tuple[str, str, bool] | None:
+        """``(phase, what, opens)`` of a profiled action that is a fetch, a transfer or a step; ``None`` for others.
+
+        ``opens``: the action starts a new measurement (a fetch, a step) rather than adding to one (a transfer).
+        """
+        if name.endswith("].train_dataloader_next"):
+            return "train", "wait", True
+        if name.endswith("].val_next"):
+            return "val", "wait", True
+        if name == "run_training_batch":  # forward, backward and optimizer step, without the batch hooks
+            return "train", "step", True
+        if name.startswith("[Strategy]"):
+            if name.endswith(".batch_to_device") and self._fetching is not None:
+                return self._fetching, "wait", False
+            if name.endswith(".validation_step"):
+                return "val", "step", True
+        return None
+
+    def _action(self, name: str, starting: bool) -> None:
+        """A profiled action began or ended: time the fetches, transfers and steps of the pending batches."""
+        found = self._classify(name)
+        if found is None:
+            return
+        phase, what, opens = found
+        key = (phase, what)
+        now = time.perf_counter()
+        cuda = self._cuda and phase == "train"
+        if starting:
+            if opens:  # a new batch's: what was pending belonged to a batch that was never run (an epoch skip)
+                self._pending[key] = 0.0
+                if what == "wait":
+                    self._fetching = phase
+                if cuda:
+                    self._marks[what] = [_record_event(), None]
+            self._since[key] = now
+            return
+        if self._pending.get(key) is None or key not in self._since:
+            return
+        self._pending[key] = self._pending[key] + now - self._since.pop(key)  # type: ignore[operator]
+        if cuda and what in self._marks:
+            self._marks[what][1] = _record_event()
+
+    def _take(self, phase: str, what: str) -> float | None:
+        """The pending batch's measured time in ms, or ``None`` when Lightning reported none."""
+        seconds = self._pending.pop((phase, what), None)
+        return None if seconds is None else 1000.0 * seconds
+
+    def _warn_no_fetch(self) -> None:
+        if not self._warned_no_fetch:
+            self._warned_no_fetch = True
+            rank_zero_warn(
+                "LoaderMonitor: Lightning reported no dataloader fetch to `trainer.profiler` for this batch"
+                " (a `training_step` that takes `dataloader_iter`, or a Lightning version that names the fetch"
+                " differently), so its data wait is recorded as 0 and the verdict can be too optimistic."
+            )
 
     # ------------------------------------------------------------------------------------------------------------
     # Training batches
@@ -253,54 +374,60 @@ class LoaderMonitor(Callback):
 
     @override
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._mark = time.perf_counter()
         self._epoch_first = len(self.wait_ms)
         if self._interval_start is None:
-            self._interval_start = self._mark
+            self._interval_start = time.perf_counter()
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        now = time.perf_counter()
-        self.wait_ms.append(1000.0 * (now - self._mark) if self._mark is not None else 0.0)
-        self._start = now
-        if self._cuda:
-            start = torch.cuda.Event(enable_timing=True)
-            start.record()
-            self._events.append((len(self.step_ms), start, None))
+        self._start = time.perf_counter()  # the step's fallback start, should Lightning not report the step
+        self._step_at_start = trainer.global_step
 
     @override
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        now = time.perf_counter()
         index = len(self.step_ms)
-        self.step_ms.append(1000.0 * (now - self._start) if self._start is not None else 0.0)
-        if self._cuda and self._events and self._events[-1][0] == index:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            self._events[-1] = (index, self._events[-1][1], end)
+        wait, step = self._take("train", "wait"), self._take("train", "step")
+        if wait is None:
+            self._warn_no_fetch()
+        self.wait_ms.append(wait or 0.0)
+        if step is None:
+            step = 1000.0 * (time.perf_counter() - self._start) if self._start is not None else 0.0
+        self.step_ms.append(step)
+        marks, self._marks = self._marks, {}
+        if self._cuda and None not in marks.get("step", [None]):
+            waits = marks["wait"] if None not in marks.get("wait", [None]) else [None, None]
+            self._events.append((index, *waits, *marks["step"]))
         size = self.batch_size_fn(batch) if self.batch_size_fn is not None else _batch_size(batch)
         self.samples.append(int(size))
         self.epochs.append(trainer.current_epoch)
         warm = trainer.current_epoch < self.warmup_epochs or index < self.warmup_steps
         self.warmup.append(1 if warm else 0)
-        if (index + 1) % max(1, trainer.log_every_n_steps) == 0:
-            self._log_interval(trainer)
-        self._mark = time.perf_counter()
+        # Lightning writes the model's step metrics after this hook when (batches that stepped before this one + 1)
+        # is a multiple of `log_every_n_steps`: logged through the module, these go in that write, at its step. With
+        # automatic optimization those batches are the optimizer steps, and with gradient accumulation the interval
+        # is logged at the batch that steps; with manual optimization every batch counts.
+        every = trainer.log_every_n_steps
+        if pl_module.automatic_optimization:
+            done, stepped = self._step_at_start, trainer.global_step > self._step_at_start
+        else:
+            done, stepped = index, True
+        if every > 0 and stepped and (done + 1) % every == 0:
+            self._log_interval(pl_module)
 
     def _flush_events(self) -> None:
-        """Replace the host step times of finished CUDA steps by their GPU times (one synchronize per call)."""
+        """Replace the host times of finished CUDA batches by their GPU times (one synchronize per call)."""
         if not self._events:
             return
-        last_end = next((end for _, _, end in reversed(self._events) if end is not None), None)
-        if last_end is not None:
-            last_end.synchronize()
-        for index, start, end in self._events:
-            if end is not None:
-                self.step_ms[index] = float(start.elapsed_time(end))
+        self._events[-1][-1].synchronize()
+        for index, wait_start, wait_end, step_start, step_end in self._events:
+            if wait_start is not None and wait_end is not None:
+                self.wait_ms[index] = float(wait_start.elapsed_time(wait_end))
+            self.step_ms[index] = float(step_start.elapsed_time(step_end))
         self._events.clear()
 
-    def _log_interval(self, trainer: Trainer) -> None:
+    def _log_interval(self, pl_module: LightningModule) -> None:
         self._flush_events()
         now = time.perf_counter()
         first, last = self._interval_first, len(self.step_ms)
@@ -319,15 +446,14 @@ class LoaderMonitor(Callback):
         if self._gpu is not None:
             gpu = self._gpu.take()
             if gpu is not None:
-                metrics["loader/gpu_util"], metrics["loader/gpu_mem_gb"] = gpu
-                self.gpu_util.append(gpu[0])
+                metrics["loader/gpu_util"], metrics["loader/gpu_mem_gb"] = gpu[0] / 100.0, gpu[1]
+                self.gpu_util.append(gpu[0] / 100.0)
         if self._cpu is not None:
             cpu = self._cpu.take()
             if cpu is not None:
-                metrics["loader/cpu_util"] = cpu
-                self.cpu_util.append(cpu)
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.global_step)
+                metrics["loader/cpu_util"] = cpu / 100.0
+                self.cpu_util.append(cpu / 100.0)
+        pl_module.log_dict(metrics, on_step=True, on_epoch=False)
 
     @override
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -349,17 +475,13 @@ class LoaderMonitor(Callback):
 
     @override
     def on_validation_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._val_mark = time.perf_counter()
         self._val_wait, self._val_step = array("d"), array("d")
 
     @override
     def on_validation_batch_start(
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
     ) -> None:
-        now = time.perf_counter()
-        if self._val_mark is not None:
-            self._val_wait.append(1000.0 * (now - self._val_mark))
-        self._val_start = now
+        self._val_start = time.perf_counter()  # the step's fallback start, should Lightning not report the step
 
     @override
     def on_validation_batch_end(
@@ -371,10 +493,10 @@ class LoaderMonitor(Callback):
         batch_idx: int,
         dataloader_idx: int = 0,
     ) -> None:
-        now = time.perf_counter()
-        if self._val_start is not None:
-            self._val_step.append(1000.0 * (now - self._val_start))
-        self._val_mark = time.perf_counter()
+        if self._val_start is not None and self._profiler is not None and not trainer.sanity_checking:
+            wait, step = self._take("val", "wait"), self._take("val", "step")
+            self._val_wait.append(wait or 0.0)
+            self._val_step.append(step if step is not None else 1000.0 * (time.perf_counter() - self._val_start))
 
     @override
     def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -384,10 +506,7 @@ class LoaderMonitor(Callback):
             "loader/val_data_wait_ms": float(np.mean(self._val_wait)),
             "loader/val_step_ms": float(np.mean(self._val_step)),
         }
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.global_step)
-        # the time spent validating is not data wait of the next training batch
-        self._mark = time.perf_counter()
+        pl_module.log_dict(metrics, on_step=False, on_epoch=True, sync_dist=True)
 
     # ------------------------------------------------------------------------------------------------------------
     # Summary, verdict, advice
@@ -431,13 +550,13 @@ class LoaderMonitor(Callback):
         if loader is None:
             return ["the training dataloader is not a torch DataLoader; time its fetch to find the slow stage"]
         advice = []
-        processes = processes_per_node(trainer.world_size, trainer.num_nodes)
+        processes = cpu_sharing_processes(processes_per_node(trainer.world_size, trainer.num_nodes))
         budget = usable_cpu_count() // processes
         workers = loader.num_workers
         if workers == 0:
             advice.append(
                 f"num_workers=0 loads every batch in the training process; set num_workers={max(1, budget)}"
-                f" (the budget: {usable_cpu_count()} usable CPUs / {processes} process(es) on this node)"
+                f" (the budget: {usable_cpu_count()} usable CPUs / {processes} process(es) sharing them)"
             )
         elif workers < budget:
             advice.append(f"num_workers={workers} is below the budget of {budget}; raise it to {budget}")
@@ -462,9 +581,9 @@ class LoaderMonitor(Callback):
                 f"{type(dataset).__name__} decodes full-size image files on every read; convert once with"
                 " `lightning-fastdata convert SRC DST` and read DST with LmdbImageDataset or FastImageDataModule"
             )
-        if "gpu_util" in summary and summary["gpu_util"] < 50:
+        if "gpu_util" in summary and summary["gpu_util"] < 0.5:
             advice.append(
-                f"the GPU was {summary['gpu_util']:.0f}% busy while {summary['data_fraction']:.0%} of the time went to"
+                f"the GPU was {summary['gpu_util']:.0%} busy while {summary['data_fraction']:.0%} of the time went to"
                 " waiting for data: the input pipeline, not the model, sets the speed"
             )
         prefetch = getattr(loader, "prefetch_factor", None)
@@ -545,9 +664,9 @@ class LoaderMonitor(Callback):
             ("throughput", f"{s['samples_per_sec']:.1f} samples/s"),
         ]
         if "gpu_util" in s:
-            rows.append(("GPU utilization", f"{s['gpu_util']:.0f}%"))
+            rows.append(("GPU utilization", f"{s['gpu_util']:.0%}"))
         if "cpu_util" in s:
-            rows.append(("CPU utilization", f"{s['cpu_util']:.0f}% of {usable_cpu_count()} usable CPUs"))
+            rows.append(("CPU utilization", f"{s['cpu_util']:.0%} of {usable_cpu_count()} usable CPUs"))
         waits = {r["rank"]: r["wait_mean_ms"] for r in s.get("ranks", []) if r["wait_mean_ms"] is not None}
         if len(waits) > 1:
             slowest = max(waits, key=waits.__getitem__)
@@ -580,6 +699,13 @@ class LoaderMonitor(Callback):
                 "LoaderMonitor: no chart written: matplotlib is not installed (`pip install matplotlib` or"
                 " `pip install 'lightning-fastdata[plot]'`)."
             )
+
+
+def _record_event() -> Any:
+    """A timing CUDA event recorded now on the current stream."""
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
 
 
 def _finite(value: float) -> float | None:

@@ -8,6 +8,11 @@ with exactly the samples it had not yet seen, in the order an uninterrupted run 
 
 The order itself needs no saving: it is a function of ``seed``, the epoch and the rank (``DistributedSampler``).
 Under DDP the ranks run in lockstep, so the one state in the checkpoint (rank zero's batch count) is every rank's.
+
+From an end-of-epoch checkpoint (``ModelCheckpoint``'s default, saved in ``on_train_epoch_end``) Lightning does not
+restart the epoch: it calls no ``load_state_dict``, sets the sampler to the next epoch with ``set_epoch`` and starts
+it from the beginning. It creates the loader's iterator before that ``set_epoch``, though, so the loader draws an
+epoch's order only when its first batch is asked for (see :meth:`ResumableLoader.__iter__`).
 """
 
 from __future__ import annotations
@@ -60,14 +65,19 @@ class ResumableLoader(DevicePrefetchLoader):
         self._resume_at = 0
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
-        """Iterate the epoch, counting the batches handed out."""
-        batches = super().__iter__()
+        """Iterate the epoch, counting the batches handed out; the epoch's order is drawn at its first batch."""
         if not isinstance(self.sampler, ResumableSampler):
-            return batches
-        self._handed_out, self._resume_at = self._resume_at, 0
-        return self._counted(batches)
+            return super().__iter__()
+        return self._epoch()
 
-    def _counted(self, batches: Iterator[Any]) -> Iterator[Any]:
+    def _epoch(self) -> Iterator[Any]:
+        # A generator: nothing below runs until the first batch is asked for. Lightning creates the iterator before it
+        # calls `set_epoch` (for the first epoch of a fit, and of a fit resumed from an end-of-epoch checkpoint, where
+        # it does not call `load_state_dict` either), and DataLoader workers draw their indices as soon as the
+        # DataLoader's own iterator exists. Drawn here, the order is that of the epoch the sampler is set to when
+        # training really starts, whoever set it and in whatever order.
+        batches = super().__iter__()
+        self._handed_out, self._resume_at = self._resume_at, 0
         for batch in batches:
             self._handed_out += 1
             yield batch

@@ -1,13 +1,16 @@
 """Training runs for the exact mid-epoch resume tests, run as a script by ``test_resumable.py``.
 
-Usage: ``python resume_script.py MODE DATA_DIR OUT_DIR SEED DEVICES WORKERS EVERY SLOW_AFTER CKPT [LIMIT]``.
+Usage: ``python resume_script.py MODE DATA_DIR OUT_DIR SEED DEVICES WORKERS EVERY SLOW_AFTER CKPT [LIMIT [VAL]]``.
 
 ``MODE`` is ``fit`` (train from scratch) or ``resume`` (``trainer.fit(..., ckpt_path=CKPT)``). Two epochs of a tiny
 model on ``FastImageDataModule`` whose items carry their sample index; ``DEVICES`` > 1 is DDP on CPU (Lightning
 re-executes this script for the other ranks). ``ModelCheckpoint`` saves ``OUT_DIR/ckpt/step=<n>.ckpt`` every
-``EVERY`` steps. Each rank appends one JSON line per training batch to ``OUT_DIR/rank<r>.jsonl`` (flushed at once):
-``{"step", "epoch", "batch_idx", "indices"}``. After step ``SLOW_AFTER`` (``0``: never) each step sleeps 0.2 s, so
+``EVERY`` steps, or with ``EVERY`` ``0`` at the end of every epoch (its default). Each rank appends one JSON
+line per training batch to ``OUT_DIR/rank<r>.jsonl`` (flushed at once): ``{"step", "epoch", "batch_idx",
+"indices"}``. After step ``SLOW_AFTER`` (``0``: never) each step sleeps 0.2 s, so
 the harness can kill the run a few steps later. ``LIMIT`` is ``Trainer(limit_train_batches)`` (default ``1.0``).
+``VAL`` ``1`` holds out a fifth of the images and validates at the end of every epoch, so ``ModelCheckpoint``
+saves in ``on_validation_end`` instead of ``on_train_epoch_end`` (default ``0``: no validation).
 """
 
 from __future__ import annotations
@@ -37,6 +40,10 @@ class RecordingModel(LightningModule):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         images, labels, _ = batch
         return F.cross_entropy(self.layer(images.mean(dim=(2, 3))), labels)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        images, labels, _ = batch
+        F.cross_entropy(self.layer(images.mean(dim=(2, 3))), labels)
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self._file is None:
@@ -81,15 +88,22 @@ def main(
     slow_after: int,
     ckpt: str,
     limit: int | float = 1.0,
+    val: bool = False,
 ) -> None:
     if mode not in ("fit", "resume"):
         raise ValueError(f"MODE must be 'fit' or 'resume', got {mode!r}")
     torch.set_num_threads(1)
     dm = IndexedDataModule(
-        data_dir, image_size=16, batch_size=4, num_workers=workers, val_fraction=0, seed=seed, drop_last=False
+        data_dir,
+        image_size=16,
+        batch_size=4,
+        num_workers=workers,
+        val_fraction=0.2 if val else 0,
+        seed=seed,
+        drop_last=False,
     )
     checkpoint = ModelCheckpoint(
-        dirpath=Path(out_dir, "ckpt"), filename="{step}", every_n_train_steps=every, save_top_k=-1
+        dirpath=Path(out_dir, "ckpt"), filename="{step}", every_n_train_steps=every or None, save_top_k=-1
     )
     trainer = Trainer(
         accelerator="cpu",
@@ -97,7 +111,7 @@ def main(
         strategy="ddp" if devices > 1 else "auto",
         max_epochs=2,
         limit_train_batches=limit,
-        limit_val_batches=0,
+        limit_val_batches=1.0 if val else 0,
         num_sanity_val_steps=0,
         logger=False,
         enable_progress_bar=False,
@@ -110,6 +124,7 @@ def main(
 if __name__ == "__main__":
     mode, data_dir, out_dir, seed, devices, workers, every, slow_after, ckpt = sys.argv[1:10]
     limit = sys.argv[10] if len(sys.argv) > 10 else "1.0"
+    val = len(sys.argv) > 11 and sys.argv[11] == "1"
     main(
         mode,
         data_dir,
@@ -121,4 +136,5 @@ if __name__ == "__main__":
         int(slow_after),
         ckpt,
         float(limit) if "." in limit else int(limit),
+        val,
     )

@@ -111,3 +111,83 @@ def test_usable_cpu_count_on_this_machine():
     """On the real machine the count is between 1 and the affinity."""
     count = usable_cpu_count()
     assert 1 <= count <= len(os.sched_getaffinity(0))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Ranks pinned to their own CPUs (SLURM binding, numactl / taskset per rank)
+# ----------------------------------------------------------------------------------------------------------------
+
+_SLURM_VARS = ("SLURM_CPUS_PER_TASK", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
+
+
+@pytest.fixture
+def node(tmp_path, monkeypatch):
+    """A 32-CPU node: set this process's affinity with ``node(cpus, cpuset=...)``; no SLURM variables, no quota."""
+    for name in _SLURM_VARS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 32)
+
+    def configure(affinity, cpuset="0-31"):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(affinity), raising=False)
+        root = tmp_path / "cgroup"
+        if cpuset is not None:
+            _write(root / "cpuset.cpus.effective", cpuset)
+        return root
+
+    return configure
+
+
+@pytest.mark.parametrize(
+    ("affinity", "cpuset", "processes", "pinned"),
+    [
+        (range(8, 16), "0-31", 4, True),  # numactl / taskset per rank: a quarter of the node each
+        (range(32), "0-31", 4, False),  # every rank sees the whole node: shared
+        (range(8), "0-7", 2, False),  # docker --cpuset-cpus=0-7: both ranks inherit the container's CPUs
+        (range(8), None, 2, True),  # no cpuset file: the host's CPUs (os.cpu_count) are the pool
+        (range(20), "0-31", 2, False),  # larger than a share: inherited, not pinned
+        (range(8), "0-31", 1, False),  # one process: nothing to share
+        ([0, 1], "0-3,8-11", 4, True),  # the kernel's list syntax
+    ],
+)
+def test_pinned_to_own_cpus_from_affinity_and_cpuset(node, affinity, cpuset, processes, pinned):
+    """An affinity that is a strict subset of the cgroup's CPUs, small enough to be one rank's share, is pinned."""
+    root = node(affinity, cpuset)
+    assert cpus.pinned_to_own_cpus(processes, root) is pinned
+    assert cpus.cpu_sharing_processes(processes, root) == (1 if pinned else processes)
+
+
+@pytest.mark.parametrize(
+    ("env", "affinity", "pinned"),
+    [
+        ({"SLURM_CPUS_PER_TASK": "8", "SLURM_NTASKS_PER_NODE": "4"}, range(8), True),  # srun --cpu-bind
+        ({"SLURM_CPUS_PER_TASK": "8", "SLURM_TASKS_PER_NODE": "4(x2)"}, range(8), True),
+        ({"SLURM_CPUS_PER_TASK": "8", "SLURM_NTASKS_PER_NODE": "4"}, range(32), False),  # no binding: whole job
+        ({"SLURM_CPUS_PER_TASK": "8", "SLURM_NTASKS_PER_NODE": "1"}, range(8), False),  # one task, ranks spawned
+    ],
+)
+def test_pinned_to_own_cpus_under_slurm(node, monkeypatch, env, affinity, pinned):
+    """Under SLURM, one task per rank with an affinity of at most ``--cpus-per-task`` CPUs is that task's own share.
+
+    The cgroup is the task's own (SLURM's task/cgroup plugin), so the cpuset alone cannot tell.
+    """
+    root = node(affinity, cpuset=f"0-{max(affinity)}")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert cpus.pinned_to_own_cpus(4, root) is pinned
+
+
+def test_datamodule_budget_is_not_divided_twice_for_pinned_ranks(node, monkeypatch):
+    """4 ranks pinned to 8 CPUs each of a 32-CPU node get 8 workers each, not 8 / 4 = 2."""
+    from unittest.mock import Mock
+
+    from lightning_fastdata import FastImageDataModule
+
+    root = node(range(8, 16))
+    cpuset = cpus._cgroup_cpuset
+    monkeypatch.setattr(cpus, "_cgroup_cpuset", lambda _root: cpuset(root))  # the default root is the real one
+    monkeypatch.setattr(cpus, "cgroup_cpu_quota", lambda *args: None)
+    dm = FastImageDataModule("unused")
+    dm.trainer = Mock(world_size=4, num_nodes=1)
+    assert dm.worker_budget() == 8
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(32)), raising=False)
+    assert dm.worker_budget() == 8  # every rank sees the whole node: 32 CPUs shared by 4

@@ -380,7 +380,8 @@ def test_cuda_training_steps_never_synchronize(database: Path) -> None:
     model = torch.nn.Conv2d(3, 4, 3).cuda()
     batches = iter(loader)
     images, labels = next(batches)  # the first batch copies the normalization constants once
-    assert images.is_cuda and images.dtype == torch.float32
+    assert images.is_cuda
+    assert images.dtype == torch.float32
     steps = 0
     torch.cuda.set_sync_debug_mode("error")
     try:

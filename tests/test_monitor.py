@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -15,8 +17,9 @@ from unittest.mock import Mock, patch
 import numpy as np
 import pytest
 import torch
-from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.profilers import SimpleProfiler
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.profilers import PassThroughProfiler, SimpleProfiler
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
 from torchvision.datasets import ImageFolder
@@ -54,8 +57,16 @@ class _Clock:
         self.now += ms / 1000.0
 
 
+#: the actions Lightning's loops report to ``trainer.profiler`` around a batch's fetch and its transfer
+TRAIN_FETCH = "[_TrainingEpochLoop].train_dataloader_next"
+VAL_FETCH = "[_EvaluationLoop].val_next"
+TRANSFER = "[Strategy]SingleDeviceStrategy.batch_to_device"
+TRAIN_STEP = "run_training_batch"
+VAL_STEP = "[Strategy]SingleDeviceStrategy.validation_step"
+
+
 def _mock_trainer(**kwargs: Any) -> Mock:
-    """A Mock trainer with the attributes the monitor reads."""
+    """A Mock trainer with the attributes the monitor reads (and a real, pass-through profiler)."""
     defaults = {
         "current_epoch": 0,
         "log_every_n_steps": 50,
@@ -65,23 +76,35 @@ def _mock_trainer(**kwargs: Any) -> Mock:
         "num_nodes": 1,
         "is_global_zero": True,
         "max_epochs": 2,
+        "sanity_checking": False,
+        "profiler": PassThroughProfiler(),
     }
     return Mock(**{**defaults, **kwargs})
 
 
 def _cpu_module() -> Mock:
-    return Mock(device=torch.device("cpu"))
+    return Mock(device=torch.device("cpu"), automatic_optimization=True)
+
+
+def _fetch(trainer: Mock, clock: _Clock, wait: float, action: str = TRAIN_FETCH) -> None:
+    """What the loop does before a batch: the fetch takes ``wait`` ms on the fake clock (the transfer none)."""
+    trainer.profiler.start(action)
+    clock.advance(wait)
+    trainer.profiler.stop(action)
+    with trainer.profiler.profile(TRANSFER):
+        pass
 
 
 def _drive(
     monitor: LoaderMonitor, trainer: Mock, module: Mock, clock: _Clock, batches: list[tuple[float, float]]
 ) -> None:
-    """Run training batches through the hooks: each ``(wait_ms, step_ms)`` on the fake clock."""
+    """Run training batches through the fetch and the hooks: each ``(wait_ms, step_ms)`` on the fake clock."""
     for wait, step in batches:
         batch = (torch.zeros(2, 4), torch.zeros(2))
-        clock.advance(wait)
+        _fetch(trainer, clock, wait)
         monitor.on_train_batch_start(trainer, module, batch, 0)
-        clock.advance(step)
+        with trainer.profiler.profile(TRAIN_STEP):
+            clock.advance(step)
         trainer.global_step += 1
         monitor.on_train_batch_end(trainer, module, None, batch, 0)
 
@@ -138,9 +161,10 @@ def _fit(
     max_epochs: int = 2,
     batch_size: int = 2,
     val_dataset: Dataset | None = None,
+    callbacks: list[Callback] | None = None,
     **kwargs: Any,
 ) -> Trainer:
-    """Fit a tiny model on ``dataset`` with ``monitor`` on the CPU (no workers) and return the Trainer."""
+    """Fit a tiny model on ``dataset`` on the CPU (no workers) with ``monitor`` or ``callbacks``; return the Trainer."""
     options: dict[str, Any] = {
         "max_epochs": max_epochs,
         "logger": False,
@@ -153,7 +177,7 @@ def _fit(
         "num_sanity_val_steps": 0,
         **kwargs,
     }
-    trainer = Trainer(callbacks=[monitor], **options)
+    trainer = Trainer(callbacks=[monitor] if callbacks is None else callbacks, **options)
     val = DataLoader(val_dataset, batch_size=batch_size) if val_dataset is not None else None
     trainer.fit(model or _TinyModel(), DataLoader(dataset, batch_size=batch_size), val)
     return trainer
@@ -189,23 +213,34 @@ def image_folder(tmp_path: Path) -> Path:
 
 
 def test_exact_timing_and_interval_metrics():
-    """Waits, steps and the metrics logged at the `log_every_n_steps` boundary follow the clock exactly."""
-    logger = Mock()
-    trainer = _mock_trainer(log_every_n_steps=2, loggers=[logger])
+    """Waits (fetch + transfer), steps and the metrics logged at the `log_every_n_steps` boundary follow the clock."""
+    trainer = _mock_trainer(log_every_n_steps=2)
     module = _cpu_module()
     monitor = LoaderMonitor(warmup_epochs=0)
     times = [
         100.000,  # epoch start
-        100.010,  # batch 0 start: 10 ms wait
-        100.040,  # batch 0 end: 30 ms step
-        100.041,  # mark
-        100.061,  # batch 1 start: 20 ms wait
-        100.111,  # batch 1 end: 50 ms step
-        100.112,  # interval logged: 112 ms since the epoch start
-        100.113,  # mark
-        100.118,  # batch 2 start: 5 ms wait
-        100.125,  # batch 2 end: 7 ms step
-        100.126,  # mark
+        100.002,  # batch 0 fetch start
+        100.010,  # fetch end: 8 ms
+        100.011,  # transfer start
+        100.013,  # transfer end: 2 ms, so a 10 ms wait
+        100.014,  # batch 0 start (the monitor's hook)
+        100.015,  # step start
+        100.045,  # step end: 30 ms
+        100.050,  # batch 1 fetch start (the 5 ms before it are batch hooks, other callbacks, the loop: neither)
+        100.070,  # fetch end: 20 ms
+        100.071,  # transfer start
+        100.071,  # transfer end
+        100.075,  # batch 1 start
+        100.080,  # step start
+        100.130,  # step end: 50 ms
+        100.131,  # interval logged: 131 ms since the epoch start
+        100.135,  # batch 2 fetch start
+        100.140,  # fetch end: 5 ms
+        100.141,  # transfer start
+        100.141,  # transfer end
+        100.145,  # batch 2 start
+        100.150,  # step start
+        100.157,  # step end: 7 ms
     ]
     batches = [
         (torch.zeros(4, 3), torch.zeros(4)),
@@ -220,30 +255,37 @@ def test_exact_timing_and_interval_metrics():
         monitor.on_train_start(trainer, module)
         monitor.on_train_epoch_start(trainer, module)
         for index, batch in enumerate(batches):
+            trainer.profiler.start(TRAIN_FETCH)
+            trainer.profiler.stop(TRAIN_FETCH)
+            with trainer.profiler.profile(TRANSFER):
+                pass
             monitor.on_train_batch_start(trainer, module, batch, index)
-            trainer.global_step = index + 1
+            with trainer.profiler.profile(TRAIN_STEP):
+                trainer.global_step = index + 1
             monitor.on_train_batch_end(trainer, module, None, batch, index)
             if index == 0:
-                logger.log_metrics.assert_not_called()  # not a boundary yet
+                module.log_dict.assert_not_called()  # not a boundary yet
             if index == 1:
-                logger.log_metrics.assert_called_once()
+                module.log_dict.assert_called_once()
+        monitor.teardown(trainer, module, "fit")
     assert perf_counter.call_count == len(times)
     assert list(monitor.wait_ms) == pytest.approx([10.0, 20.0, 5.0])
     assert list(monitor.step_ms) == pytest.approx([30.0, 50.0, 7.0])
     assert list(monitor.samples) == [4, 4, 6]
     assert list(monitor.warmup) == [0, 0, 0]
-    logger.log_metrics.assert_called_once()  # batch 2 is not a boundary
-    metrics, kwargs = logger.log_metrics.call_args.args[0], logger.log_metrics.call_args.kwargs
-    assert kwargs == {"step": 2}
+    module.log_dict.assert_called_once()  # batch 2 is not a boundary
+    metrics, kwargs = module.log_dict.call_args.args[0], module.log_dict.call_args.kwargs
+    assert kwargs == {"on_step": True, "on_epoch": False}  # Lightning picks the step: the model's
     assert metrics == pytest.approx(
         {
             "loader/data_wait_ms": 15.0,
             "loader/step_ms": 40.0,
             "loader/data_fraction": 15.0 / 55.0,
-            "loader/samples_per_sec": 8 / 0.112,
-            "loader/cpu_util": 37.5,
+            "loader/samples_per_sec": 8 / 0.131,
+            "loader/cpu_util": 0.375,  # a share, 0-1, like the data fraction
         }
     )
+    assert "start" not in vars(trainer.profiler)  # the profiler has its own methods back
 
 
 def test_batch_size_fn_overrides_the_batch_search():
@@ -254,9 +296,26 @@ def test_batch_size_fn_overrides_the_batch_search():
         monitor.on_train_start(trainer, module)
     monitor.on_train_epoch_start(trainer, module)
     batch = {"n": 5, "mask": torch.zeros(1, 3)}
+    _fetch(trainer, _Clock(), 1.0)
     monitor.on_train_batch_start(trainer, module, batch, 0)
     monitor.on_train_batch_end(trainer, module, None, batch, 0)
     assert list(monitor.samples) == [5]
+
+
+def test_batches_without_a_reported_fetch_warn_once():
+    """Batches whose fetch Lightning did not report (a `dataloader_iter` step) count no wait, with one warning."""
+    trainer, module = _mock_trainer(), _cpu_module()
+    monitor = LoaderMonitor(warmup_epochs=0)
+    with patch("lightning_fastdata.monitor.CpuMeter"):
+        monitor.on_train_start(trainer, module)
+    monitor.on_train_epoch_start(trainer, module)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for index in range(3):
+            monitor.on_train_batch_start(trainer, module, torch.zeros(2), index)
+            monitor.on_train_batch_end(trainer, module, None, torch.zeros(2), index)
+    assert len([w for w in record if "reported no dataloader fetch" in str(w.message)]) == 1
+    assert list(monitor.wait_ms) == [0.0, 0.0, 0.0]
 
 
 @pytest.mark.parametrize(
@@ -440,7 +499,7 @@ def test_pin_memory_advice_only_on_cuda(cuda, pin_memory, advised):
         (4, 1, "num_workers=4 exceeds the budget of 2 (2 usable CPUs / 1 process(es)): workers fight over cores"),
         (1, 1, "num_workers=1 is below the budget of 2; raise it to 2"),
         (2, 2, "num_workers=2 exceeds the budget of 1 (2 usable CPUs / 2 process(es))"),
-        (0, 2, "set num_workers=1 (the budget: 2 usable CPUs / 2 process(es) on this node)"),
+        (0, 2, "set num_workers=1 (the budget: 2 usable CPUs / 2 process(es) sharing them)"),
     ],
 )
 def test_worker_advice_against_the_cpu_budget(workers, world_size, expected):
@@ -473,7 +532,7 @@ def test_epoch_restart_bursty_waits_and_idle_gpu_advice():
     monitor.epochs.extend([0, 0, 0, 1, 1, 1])
     monitor.wait_ms.extend([400.0, 10.0, 10.0, 300.0, 10.0, 10.0])
     trainer = _mock_trainer(train_dataloader=DataLoader(_in_memory(4), num_workers=2), max_epochs=3)
-    summary = {"wait_p50_ms": 10.0, "wait_p90_ms": 40.0, "data_fraction": 0.6, "gpu_util": 30.0}
+    summary = {"wait_p50_ms": 10.0, "wait_p90_ms": 40.0, "data_fraction": 0.6, "gpu_util": 0.3}
     with patch("lightning_fastdata.monitor.usable_cpu_count", return_value=2):
         advice = monitor._advice(trainer, summary)
     assert any("300 ms wait while workers restart; set persistent_workers=True" in item for item in advice)
@@ -523,15 +582,19 @@ def _fake_nvml(util: dict[str, float], used: dict[str, float]) -> SimpleNamespac
     )
 
 
-def test_cuda_steps_come_from_events_synchronized_once_per_interval():
-    """On CUDA the step times are the events' elapsed times, read with one synchronize per logging interval."""
-    logger = Mock()
-    trainer = _mock_trainer(log_every_n_steps=2, loggers=[logger])
-    module = Mock(device=torch.device("cuda", 0))
+def test_cuda_wait_and_step_come_from_events_synchronized_once_per_interval():
+    """On CUDA, wait and step are the events' GPU times, read with one synchronize per logging interval.
+
+    The wait runs from the fetch's start to the transfer's end on the compute stream: a fetch that returns while the
+    GPU still works through queued kernels (batch 1: 20 ms on the host, none on the GPU) is no stall.
+    """
+    trainer = _mock_trainer(log_every_n_steps=2)
+    module = Mock(device=torch.device("cuda", 0), automatic_optimization=True)
     clock, cuda = _Clock(), _FakeCuda()
     nvml = _fake_nvml({"gpu0": 55.0}, {"gpu0": 3 * 2**30})
     monitor = LoaderMonitor(warmup_epochs=0, gpu_poll_interval=0.005)
-    host_and_gpu_steps = [(30.0, 12.0), (30.0, 14.0), (30.0, 16.0)]
+    # (host wait, GPU wait, host step, GPU step), ms
+    batches = [(5.0, 5.0, 30.0, 12.0), (20.0, 0.0, 30.0, 14.0), (8.0, 3.0, 30.0, 16.0)]
     with (
         patch("lightning_fastdata.monitor.CpuMeter"),
         patch("lightning_fastdata.monitor._nvml_handles", return_value=(nvml, ["gpu0"])) as handles,
@@ -544,30 +607,63 @@ def test_cuda_steps_come_from_events_synchronized_once_per_interval():
         assert monitor._gpu is not None
         monitor._gpu.sample()  # at least one sample before the first interval, whatever the thread does
         monitor.on_train_epoch_start(trainer, module)
-        for index, (host, gpu) in enumerate(host_and_gpu_steps):
+        for index, (host_wait, gpu_wait, host_step, gpu_step) in enumerate(batches):
             batch = torch.zeros(2, 4)
-            clock.advance(1.0)
-            cuda.now += 1.0
+            trainer.profiler.start(TRAIN_FETCH)
+            clock.advance(host_wait)
+            cuda.now += gpu_wait
+            trainer.profiler.stop(TRAIN_FETCH)
+            with trainer.profiler.profile(TRANSFER):
+                cuda.now += 1.0  # the copy
+            clock.advance(3.0)  # other callbacks' batch-start hooks
+            cuda.now += 3.0
             monitor.on_train_batch_start(trainer, module, batch, index)
-            clock.advance(host)
-            cuda.now += gpu
+            with trainer.profiler.profile(TRAIN_STEP):
+                clock.advance(host_step)
+                cuda.now += gpu_step
+                trainer.global_step = index + 1
+            clock.advance(4.0)  # other callbacks' batch-end hooks
+            cuda.now += 4.0
             monitor.on_train_batch_end(trainer, module, None, batch, index)
             if index == 0:
                 assert cuda.synchronized == 0  # no synchronize per step
-                assert monitor.step_ms[0] == pytest.approx(30.0)  # host time until the interval is read
+                assert (monitor.wait_ms[0], monitor.step_ms[0]) == pytest.approx((5.0, 30.0))  # host, until read
             if index == 1:
                 assert cuda.synchronized == 1
         monitor.on_train_epoch_end(trainer, module)
         monitor.teardown(trainer, module, "fit")
     assert cuda.synchronized == 2  # one interval + the partial one flushed at the epoch end
+    assert list(monitor.wait_ms) == pytest.approx([6.0, 1.0, 4.0])  # GPU wait + the 1 ms copy
     assert list(monitor.step_ms) == pytest.approx([12.0, 14.0, 16.0])
     assert not monitor._events
-    metrics = logger.log_metrics.call_args.args[0]
+    metrics = module.log_dict.call_args.args[0]
     assert metrics["loader/step_ms"] == pytest.approx(13.0)
-    assert metrics["loader/gpu_util"] == pytest.approx(55.0)
+    assert metrics["loader/data_wait_ms"] == pytest.approx(3.5)
+    assert metrics["loader/gpu_util"] == pytest.approx(0.55)
     assert metrics["loader/gpu_mem_gb"] == pytest.approx(3.0)
-    assert list(monitor.gpu_util) == pytest.approx([55.0])
+    assert list(monitor.gpu_util) == pytest.approx([0.55])
     assert not monitor._gpu._thread.is_alive()
+
+
+class _BusyGpuModel(_TinyModel):
+    """``_TinyModel`` that queues about 100 ms of matrix products on the GPU per step, none of which it waits for."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        busy = torch.randn(4096, 4096, device=self.device)
+        for _ in range(30):
+            busy = torch.tanh(busy @ busy)
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_fetch_overlapping_queued_gpu_work_is_no_wait():
+    """On a real GPU, a 20 ms host fetch while the GPU still runs the last step's kernels is (almost) no wait."""
+    monitor = LoaderMonitor(warmup_epochs=0, warmup_steps=2)
+    _fit(monitor, _SlowDataset(16, delay=0.01), _BusyGpuModel(), max_epochs=1, accelerator="gpu")
+    summary = monitor.summary
+    assert summary["measured_steps"] == 6
+    assert summary["step_p50_ms"] > 20.0  # the queued kernels are GPU step time
+    assert summary["wait_p50_ms"] < 10.0, list(monitor.wait_ms)  # each host fetch took 20 ms
 
 
 def test_gpu_sampler_averages_and_resets():
@@ -656,28 +752,34 @@ def test_runs_without_a_logger():
 
 
 def test_validation_timing_is_exact_and_sanity_checks_are_not_logged():
-    """Validation wait and step follow the clock; a sanity-check run logs nothing."""
-    logger = Mock()
-    trainer, module, clock = _mock_trainer(loggers=[logger], global_step=7), _cpu_module(), _Clock()
+    """Validation wait (its fetch) and step follow the clock; a sanity-check run logs nothing."""
+    trainer, module, clock = _mock_trainer(global_step=7), _cpu_module(), _Clock()
     monitor = LoaderMonitor()
-    with patch("lightning_fastdata.monitor.time.perf_counter", side_effect=clock):
+    with (
+        patch("lightning_fastdata.monitor.CpuMeter"),
+        patch("lightning_fastdata.monitor.time.perf_counter", side_effect=clock),
+    ):
+        monitor.on_train_start(trainer, module)
         for sanity in (True, False):
             trainer.sanity_checking = sanity
             monitor.on_validation_epoch_start(trainer, module)
             for index, (wait, step) in enumerate([(3.0, 7.0), (4.0, 9.0)]):
-                clock.advance(wait)
+                _fetch(trainer, clock, wait, VAL_FETCH)
+                clock.advance(50.0)  # other callbacks' validation hooks: neither wait nor step
                 monitor.on_validation_batch_start(trainer, module, None, index)
-                clock.advance(step)
+                with trainer.profiler.profile(VAL_STEP):
+                    clock.advance(step)
+                clock.advance(50.0)
                 monitor.on_validation_batch_end(trainer, module, None, None, index)
             monitor.on_validation_epoch_end(trainer, module)
             if sanity:
-                logger.log_metrics.assert_not_called()
-    logger.log_metrics.assert_called_once()
-    assert logger.log_metrics.call_args.args[0] == pytest.approx(
+                module.log_dict.assert_not_called()
+    module.log_dict.assert_called_once()
+    assert module.log_dict.call_args.args[0] == pytest.approx(
         {"loader/val_data_wait_ms": 3.5, "loader/val_step_ms": 8.0}
     )
-    assert logger.log_metrics.call_args.kwargs == {"step": 7}
-    assert monitor._mark == clock.now  # the next training batch's wait starts after validation
+    assert module.log_dict.call_args.kwargs == {"on_step": False, "on_epoch": True, "sync_dist": True}
+    assert not monitor.wait_ms  # validation batches are not training batches
 
 
 def test_validation_batches_are_measured_but_not_sanity_checks():
@@ -696,16 +798,17 @@ def test_validation_batches_are_measured_but_not_sanity_checks():
         val_check_interval=2,
     )
     assert model.val_batches == 2 + 2 * 2  # the sanity check ran, then validation after batches 2 and 4
-    val_calls = [c for c in logger.log_metrics.call_args_list if "loader/val_step_ms" in c.args[0]]
+    calls = [c.kwargs for c in logger.log_metrics.call_args_list]
+    val_calls = [c for c in calls if "loader/val_step_ms" in c["metrics"]]
     assert len(val_calls) == 2  # one per validation run, none for the sanity check
-    assert [c.kwargs["step"] for c in val_calls] == [2, 4]
+    assert [c["step"] for c in val_calls] == [1, 3]  # Lightning's step for validation metrics
     for call in val_calls:
-        metrics = call.args[0]
-        assert set(metrics) == {"loader/val_data_wait_ms", "loader/val_step_ms"}
+        metrics = call["metrics"]
+        assert set(metrics) == {"loader/val_data_wait_ms", "loader/val_step_ms", "epoch"}
         assert metrics["loader/val_step_ms"] >= 5.0
         assert 0.0 <= metrics["loader/val_data_wait_ms"] < metrics["loader/val_step_ms"]
-    train_calls = [c for c in logger.log_metrics.call_args_list if "loader/step_ms" in c.args[0]]
-    assert len(train_calls) == 4  # log_every_n_steps=1
+    train_calls = [c for c in calls if "loader/step_ms" in c["metrics"]]
+    assert [c["step"] for c in train_calls] == [0, 1, 2, 3]  # log_every_n_steps=1
     # the 10 ms validation run after batch 2 is not counted as data wait of batch 3
     assert monitor.wait_ms[2] < 5.0
 
@@ -740,6 +843,133 @@ def test_report_without_matplotlib_says_how_to_install(tmp_path, monkeypatch):
     assert len(messages) == 1
     assert "no chart written" in messages[0]
     assert "pip install matplotlib" in messages[0]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Real fits: only the loader's time is data wait; epoch skips; failed fits; metric rows
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class _SlowHooks(Callback):
+    """Sleeps ``seconds`` in the hooks around batches that other callbacks use (progress bars, checkpoints)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        time.sleep(self.seconds)
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        time.sleep(self.seconds)
+
+    def on_validation_end(self, *args: Any) -> None:  # where ModelCheckpoint saves after mid-epoch validation
+        time.sleep(self.seconds)
+
+
+class _SkippingModel(_ValModel):
+    """``_ValModel`` with a 40 ms step that skips the rest of epoch 1 at its batch ``skip_at``."""
+
+    def __init__(self, skip_at: int | None) -> None:
+        super().__init__()
+        self.step_sleep = 0.04
+        self.skip_at = skip_at
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> int | None:
+        return -1 if self.current_epoch == 1 and batch_idx == self.skip_at else None
+
+
+def test_epoch_skip_from_on_train_batch_start_is_left_out():
+    """A batch skipped by `on_train_batch_start` returning -1 (the rest of its epoch too) is not recorded."""
+    monitor = LoaderMonitor(warmup_epochs=0)
+    _fit(monitor, _in_memory(8), _SkippingModel(skip_at=1))
+    assert list(monitor.epochs) == [0, 0, 0, 0, 1]
+    assert len(monitor.wait_ms) == len(monitor.step_ms) == len(monitor.samples) == len(monitor.warmup) == 5
+    assert monitor.summary["steps"] == monitor.summary["measured_steps"] == 5
+
+
+@pytest.mark.parametrize("skip", [False, True], ids=["full-epochs", "epoch-skip"])
+@pytest.mark.parametrize("position", ["first", "last"])
+def test_other_callbacks_are_not_data_wait(position, skip):
+    """Free data and 40 ms callbacks around every batch and after validation: not input-bound, waits far below 40 ms.
+
+    Wherever the monitor sits, with mid-epoch validation, gradient accumulation, and with or without an epoch skip.
+    """
+    monitor, slow = LoaderMonitor(warmup_epochs=0), _SlowHooks(0.04)
+    model = _SkippingModel(skip_at=3 if skip else None)
+    callbacks = [monitor, slow] if position == "first" else [slow, monitor]
+    _fit(
+        monitor,
+        _in_memory(8),
+        model,
+        val_dataset=_in_memory(4),
+        callbacks=callbacks,
+        val_check_interval=2,
+        accumulate_grad_batches=2,
+    )
+    assert model.val_batches == 4 * 2 if not skip else 3 * 2  # validation every 2 batches (not after a skip)
+    assert len(monitor.step_ms) == (4 + 4 if not skip else 4 + 3)
+    summary = monitor.summary
+    assert 40.0 <= summary["step_p50_ms"] < 70.0  # the model's 40 ms, and not the callbacks' 40 ms
+    assert summary["wait_p50_ms"] < 10.0, list(monitor.wait_ms)  # 40 ms or more if the callbacks counted
+    assert summary["verdict"] != "input-bound"  # it would take a mean wait above 10 ms
+
+
+def test_nvml_thread_stops_when_the_fit_raises():
+    """A fit that raises calls `on_exception` (not `teardown`): the NVML polling thread stops there."""
+
+    class _FailingCudaModel(_TinyModel):
+        @property
+        def device(self) -> torch.device:  # looks like CUDA to the monitor; runs on the CPU
+            return torch.device("cuda", 0)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            raise RuntimeError("step failed")
+
+    monitor = LoaderMonitor(gpu_poll_interval=0.01)
+    nvml = _fake_nvml({"gpu0": 50.0}, {"gpu0": 2**30})
+    with (
+        patch("lightning_fastdata.monitor._nvml_handles", return_value=(nvml, ["gpu0"])),
+        patch("lightning_fastdata.monitor.torch.cuda.Event", side_effect=_FakeCuda().event),
+        pytest.raises(RuntimeError, match="step failed"),
+    ):
+        _fit(monitor, _in_memory(4), _FailingCudaModel())
+    assert monitor._gpu is not None
+    assert not monitor._gpu._thread.is_alive()
+    assert monitor._profiler is None  # the profiler has its own methods back
+
+
+class _LoggingModel(_TinyModel):
+    """``_TinyModel`` that logs its loss with ``self.log`` at every step."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.log("train_loss", loss)
+        return loss
+
+
+@pytest.mark.parametrize(("accumulate", "steps"), [(1, [4, 9, 14]), (2, [4])])
+def test_metrics_share_the_models_rows_and_steps(tmp_path, accumulate, steps):
+    """In the CSV, loader metrics are in the rows of the model's `self.log` metrics, at its steps; utilizations 0-1."""
+    monitor = LoaderMonitor(warmup_epochs=0)
+    logger = CSVLogger(tmp_path, name="run", version=0)
+    _fit(
+        monitor,
+        _in_memory(30),
+        _LoggingModel(),
+        max_epochs=1,
+        logger=logger,
+        log_every_n_steps=5,
+        accumulate_grad_batches=accumulate,
+    )
+    with open(tmp_path / "run" / "version_0" / "metrics.csv") as file:
+        rows = list(csv.DictReader(file))
+    loader_rows = [row for row in rows if row["loader/data_wait_ms"]]
+    assert [int(row["step"]) for row in loader_rows] == steps
+    assert all(row["train_loss"] for row in loader_rows)  # the same row as the model's metric
+    assert {int(row["step"]) for row in rows} == set(steps)  # no row of the monitor's own
+    for row in loader_rows:
+        assert 0.0 <= float(row["loader/cpu_util"]) <= 1.0
+        assert 0.0 <= float(row["loader/data_fraction"]) <= 1.0
 
 
 # ----------------------------------------------------------------------------------------------------------------

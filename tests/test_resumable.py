@@ -161,6 +161,36 @@ def test_resume_into_a_loader_with_live_persistent_workers() -> None:
     assert _ids(loader) == _reference(4, 1)[2:]
 
 
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_order_is_the_epoch_set_after_the_iterator_was_created(workers: int, persistent: bool) -> None:
+    """Lightning creates the iterator, then calls ``set_epoch``: the batches follow the epoch set last.
+
+    This is the first epoch of a fit resumed from an end-of-epoch checkpoint (no ``load_state_dict``); with workers,
+    which draw their indices when the DataLoader's iterator is made, it used to replay the stale epoch's order.
+    """
+    loader = _loader(seed=8, epoch=0, num_workers=workers, persistent_workers=persistent and workers > 0)
+    if persistent and workers:
+        assert _ids(loader) == _reference(8, 0)  # live persistent workers, as after a first epoch
+    batches = iter(loader)
+    loader.sampler.set_epoch(1)
+    assert _ids(batches) == _reference(8, 1)
+    assert loader.state_dict() == _state(1, NUM_BATCHES, seed=8)
+    loader.load_state_dict(_state(2, 2, seed=8))  # and a mid-epoch state still resumes after its batches
+    batches = iter(loader)
+    assert _ids(batches) == _reference(8, 2)[2:]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_order_is_the_epoch_set_after_the_iterator_was_created_on_cuda() -> None:
+    """With device look-ahead on a real GPU and workers, too, the batches follow the epoch set after ``iter()``."""
+    loader = _loader(seed=8, num_workers=2, persistent_workers=True, pin_memory=True, device="cuda")
+    assert loader.prefetching
+    batches = iter(loader)
+    loader.sampler.set_epoch(1)
+    assert [batch[0].cpu().tolist() for batch in batches] == _reference(8, 1)
+
+
 def test_ranks_resume_from_rank_zero_state() -> None:
     """Under DDP the checkpoint holds rank zero's state: every rank resumes its own shard from it."""
     state = _take(_loader(seed=1, num_replicas=2, rank=0), 2)
@@ -365,7 +395,7 @@ def _start(
     """Start ``resume_script.py`` in its own session (so the whole process group can be killed); output to a log."""
     out.mkdir(parents=True)
     args = [mode, str(database), str(out), str(SEED), str(devices), "2", str(every), str(slow_after)]
-    args += [str(opts.get("ckpt", "-")), str(opts.get("limit", "1.0"))]
+    args += [str(opts.get("ckpt", "-")), str(opts.get("limit", "1.0")), "1" if opts.get("val") else "0"]
     with open(out / "log.txt", "w") as log:
         return subprocess.Popen(
             [sys.executable, str(SCRIPT), *args],
@@ -493,6 +523,33 @@ def test_resume_at_epoch_end_under_limit_train_batches(resume_database: Path, tm
     assert _loader_state(checkpoint)[0]["batches"] == 10
     resumed = _train(resume_database, tmp_path / "c", "resume", devices=1, every=5, ckpt=checkpoint, limit=10)
     assert resumed[0] == full[0][10:]
+
+
+def _sampler_order(epoch: int, n: int) -> list[list[int]]:
+    """The batches of 4 that ``DistributedSampler(seed=SEED)`` gives one process in ``epoch``, over ``n`` samples."""
+    sampler = DistributedSampler(range(n), num_replicas=1, rank=0, shuffle=True, seed=SEED)  # type: ignore[arg-type]
+    sampler.set_epoch(epoch)
+    order = list(sampler)
+    return [order[i : i + 4] for i in range(0, n, 4)]
+
+
+@pytest.mark.parametrize("val", [False, True], ids=["on_train_epoch_end", "on_validation_end"])
+def test_resume_from_end_of_epoch_checkpoint(resume_database: Path, tmp_path: Path, val: bool) -> None:
+    """Resumed from ``ModelCheckpoint``'s default end-of-epoch checkpoint, epoch 1 is the uninterrupted run's epoch 1.
+
+    Without validation the checkpoint is saved in ``on_train_epoch_end`` (Lightning then does not restart the epoch
+    and calls no ``load_state_dict``); with validation in ``on_validation_end``. ``num_workers=2``.
+    """
+    images = NUM_IMAGES - (NUM_IMAGES // 5 if val else 0)
+    per_epoch = images // 4
+    full = _train(resume_database, tmp_path / "a", "fit", devices=1, every=0, val=val)[0]
+    assert [r["epoch"] for r in full] == [0] * per_epoch + [1] * per_epoch
+    if not val:  # the indices are the sampler's (no held-out split): each epoch in DistributedSampler's order
+        assert [r["indices"] for r in full] == _sampler_order(0, images) + _sampler_order(1, images)
+    checkpoint = tmp_path / "a" / "ckpt" / f"step={per_epoch}.ckpt"
+    assert _loader_state(checkpoint)[0]["batches"] == per_epoch
+    resumed = _train(resume_database, tmp_path / "c", "resume", devices=1, every=0, ckpt=checkpoint, val=val)[0]
+    assert resumed == full[per_epoch:]
 
 
 @pytest.fixture(scope="module")
