@@ -179,4 +179,6 @@ class CpuMeter:
         (then, before), self._last = self._last, (now, cpu)
         if now <= then:
             return None
-        return max(0.0, 100.0 * (cpu - before) / ((now - then) * self._cpus))
+        # Clamped: CPU time cannot exceed wall time x usable CPUs; a reading above that is the meter's own artefact
+        # (a worker found at a refresh brings CPU time from before the interval with it).
+        return min(100.0, max(0.0, 100.0 * (cpu - before) / ((now - then) * self._cpus)))
