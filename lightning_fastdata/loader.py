@@ -73,7 +73,7 @@ class _BufferPool:
     #: references to a free buffer seen by ``sys.getrefcount`` in :meth:`take`: the list, the loop variable, the call
     _FREE_REFS = 3
 
-    def __init__(self, limit: int = 32) -> None:
+    def __init__(self, limit: int = 16) -> None:
         self.limit = limit
         self._buffers: list[np.ndarray] = []
         self._reserved: set[int] = set()
