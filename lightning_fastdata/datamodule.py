@@ -44,11 +44,11 @@ def default_cache_dir() -> Path:
 
 
 def _worker_init(worker_id: int) -> None:
-    """One intra-op thread per worker (torch and OpenCV): the workers already use every core the budget gives them."""
-    import cv2
+    """One intra-op thread per worker: the workers already use every core the budget gives them.
 
+    OpenCV needs nothing here: :mod:`lightning_fastdata._cv` switched its thread pool off in the parent.
+    """
     torch.set_num_threads(1)
-    cv2.setNumThreads(1)
 
 
 def _describe(obj: Any) -> str:

@@ -18,10 +18,11 @@ from __future__ import annotations
 import math
 import random
 
-import cv2
 import numpy as np
 import torch
 from torch import Tensor
+
+from lightning_fastdata._cv import cv2
 
 #: ``(top, left, height, width)`` of a crop in source pixels
 Box = tuple[int, int, int, int]

@@ -1183,3 +1183,36 @@ def test_convert_dataset_real_hugging_face_dataset(tmp_path):
     test = LmdbImageDataset(tmp_path / "db", split="test")
     assert test.classes == ["ant", "bee"]
     assert sorted(test.targets + LmdbImageDataset(tmp_path / "db").targets) == [0, 0, 1, 1]
+
+
+_FORK_AFTER_OPENCV = """
+import sys
+import numpy as np
+from lightning_fastdata import convert, make_image_folder
+from lightning_fastdata._cv import cv2
+
+assert cv2.getNumThreads() == 1, cv2.getNumThreads()  # OpenCV's own pool is off once the package is imported
+big = np.random.default_rng(0).integers(0, 255, (3000, 3000, 3), dtype=np.uint8)
+for _ in range(3):  # with OpenCV's own thread pool on, this starts it in the parent
+    cv2.resize(big, (1000, 1000), interpolation=cv2.INTER_AREA)
+src = make_image_folder(sys.argv[1] + "/src", num_classes=2, train_per_class=6, val_per_class=0, min_size=300,
+                        max_size=400, num_workers=1)
+summary = convert(src, sys.argv[1] + "/db", short_side=64, num_workers=2, progress=False)
+print("converted", summary.written)
+"""
+
+
+def test_forked_conversion_workers_after_opencv_use_do_not_deadlock(tmp_path):
+    """A fork pool started after the parent ran OpenCV converts: importing the package turns OpenCV's pool off.
+
+    A pool thread holding its lock at the fork would deadlock the child's first OpenCV call (seen once in this suite,
+    when a conversion worker called ``cv2.setNumThreads`` after an in-process conversion had run OpenCV).
+    """
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-c", _FORK_AFTER_OPENCV, str(tmp_path)], capture_output=True, text=True, timeout=180
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "converted 12" in proc.stdout
