@@ -11,6 +11,7 @@ import hashlib
 import io
 import json
 import logging
+import math
 import multiprocessing
 import os
 import shutil
@@ -247,16 +248,19 @@ def _downscale_jpeg(raw: bytes, target: tuple[int, int], quality: int) -> tuple[
     """The common case, fast: an RGB or grayscale JPEG to ``target`` (width, height), re-encoded as JPEG.
 
     libjpeg-turbo decodes (at half scale in the DCT when the source is at least twice the target: exact and SIMD);
-    a Gaussian prefilter of sigma ``(ratio - 1) / 2`` (scikit-image's ``anti_aliasing`` rule) then a bilinear resize
-    shrink it, antialiased; libjpeg-turbo encodes with 4:2:0 chroma, as Pillow does. Measured on one core here,
-    per 300-640 px photo: 1.9 ms, against 4.8 ms with Pillow's decode, bicubic resize and encode (OpenCV's
-    ``INTER_AREA`` alone took 1.4 ms of a 2.7 ms total).
+    a Gaussian prefilter then a bilinear resize shrink it, antialiased; libjpeg-turbo encodes with 4:2:0 chroma, as
+    Pillow does. The prefilter's sigma, ``0.5 * sqrt(ratio**2 - 1)``, blurs about as much as an antialiased bilinear
+    (triangle) filter of the same ratio, Pillow's and torchvision's: files come out the size Pillow's give (16.3 vs
+    16.0 KiB per photo here), where scikit-image's weaker ``(ratio - 1) / 2`` kept grain that made them 20% larger,
+    and slower to decode in every epoch. Measured on one core here, per 300-640 px photo: 2.2 ms, against 4.8 ms
+    with Pillow's decode, bicubic resize and encode (3.1 ms with OpenCV's ``INTER_AREA``).
     """
     try:
         height, width, _, _ = simplejpeg.decode_jpeg_header(raw)
         half = min(height, width) >= 2 * min(target)
         image = simplejpeg.decode_jpeg(raw, "RGB", min_factor=2 if half else 1, strict=True)
-        sigma = (min(image.shape[:2]) / min(target) - 1) / 2
+        ratio = min(image.shape[:2]) / min(target)
+        sigma = 0.5 * math.sqrt(max(0.0, ratio * ratio - 1.0))
         if sigma > 0.05:
             image = cv2.GaussianBlur(image, (0, 0), sigmaX=sigma)
         resized = cv2.resize(image, target, interpolation=cv2.INTER_LINEAR)
