@@ -636,7 +636,7 @@ class FastImageDataModule(LightningDataModule):
                 self.image_size,
                 self._device(),
                 lambda x: self.normalizer.float_(x, dtype, channels_last),
-                skip=self._skip_decoded if self.on_bad_sample == "skip" else None,
+                skip=self._skip_counter.skip if self.on_bad_sample == "skip" else None,
             )
         if not isinstance(first, torch.Tensor):
             return batch
@@ -647,12 +647,6 @@ class FastImageDataModule(LightningDataModule):
         else:
             return batch
         return type(batch)([images, *batch[1:]]) if isinstance(batch, list) else (images, *batch[1:])
-
-    def _skip_decoded(self, err: Exception) -> None:
-        """``on_bad_sample="skip"`` for images that fail to decode on the device: count and log, as the loader does."""
-        total = self._skip_counter.add()
-        if total <= 10:
-            rank_zero_warn(f"skipping a bad sample ({total} so far): {err}")
 
     @override
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:

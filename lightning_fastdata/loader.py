@@ -25,7 +25,6 @@
 from __future__ import annotations
 
 import itertools
-import logging
 import sys
 import threading
 from collections import deque
@@ -44,11 +43,6 @@ from lightning_fastdata.errors import FastDataError, SampleError
 from lightning_fastdata.resumable import ResumableLoader
 from lightning_fastdata.skipping import SkipCounter
 from lightning_fastdata.transforms import Normalizer, crop_resize_into, is_crop_transform
-
-log = logging.getLogger(__name__)
-
-#: skipped samples logged one by one, per process, before the log goes quiet
-_LOGGED = 10
 
 Output = Literal["uint8", "float", "encoded"]
 
@@ -207,7 +201,7 @@ class BatchReader(Dataset):
         self._each(indices, sample)
         images = images[: len(labels)]
         labels_tensor = self._labels(labels)
-        if images.is_pinned() and isinstance(labels_tensor, Tensor):  # so its copy to the GPU is asynchronous too
+        if self._pinned() and isinstance(labels_tensor, Tensor):  # so its copy to the GPU is asynchronous too
             labels_tensor = labels_tensor.pin_memory()
         return self._as_nchw(images), labels_tensor
 
@@ -247,9 +241,7 @@ class BatchReader(Dataset):
             except FastDataError as err:
                 if self.skip_counter is None:
                     raise
-                total = self.skip_counter.add()
-                if total <= _LOGGED:
-                    log.warning("skipping a bad sample (%d so far): %s", total, err)
+                self.skip_counter.skip(err)
         if not results:
             raise SampleError(
                 f"all {len(indices)} samples of a batch failed and were skipped; the data is likely unreadable"
@@ -272,13 +264,17 @@ class BatchReader(Dataset):
             nbytes = int(np.prod(shape)) * (1 if dtype == torch.uint8 else 4)
             storage = torch.UntypedStorage._new_shared(nbytes)
             return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
-        if self.pin_memory and torch.cuda.is_available():  # torch's caching host allocator reuses pinned blocks safely
+        if self._pinned():  # torch's caching host allocator reuses pinned blocks safely
             return torch.empty(shape, dtype=dtype, pin_memory=True)
         buffer = self._pool.take(shape, np.uint8 if dtype == torch.uint8 else np.float32)
         try:
             return torch.from_numpy(buffer)  # the tensor's storage holds the buffer until the batch is dropped
         finally:
             self._pool.release(buffer)
+
+    def _pinned(self) -> bool:
+        """Whether this process builds batches in page-locked memory (not in a worker: those go through shm)."""
+        return self.pin_memory and get_worker_info() is None and torch.cuda.is_available()
 
     @staticmethod
     def _slot(images: Tensor, slots: np.ndarray | None, i: int) -> np.ndarray:

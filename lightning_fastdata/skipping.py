@@ -32,6 +32,12 @@ class SkipCounter:
             self._value.value += n
             return int(self._value.value)
 
+    def skip(self, err: Exception) -> None:
+        """Count a sample left out because of ``err``; the first few are logged, one by one, per process."""
+        total = self.add()
+        if total <= _LOGGED:
+            log.warning("skipping a bad sample (%d so far): %s", total, err)
+
     @property
     def value(self) -> int:
         """The count so far."""
@@ -56,9 +62,7 @@ class SkipBadSamples(Dataset):
         try:
             return self.dataset[index]
         except FastDataError as err:
-            total = self.counter.add()
-            if total <= _LOGGED:
-                log.warning("skipping a bad sample (%d so far): %s", total, err)
+            self.counter.skip(err)
             return None
 
 
