@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import io
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Literal
 
@@ -108,19 +110,38 @@ class LmdbImageDataset(Dataset):
             CorruptRecordError: the record is missing or damaged; the message names the split and index.
 
         """
+        with self.records() as read:
+            header, payload = read(index)
+            return header, bytearray(payload)  # one copy out of the memory map, writable for torch.frombuffer
+
+    @contextmanager
+    def records(self) -> Iterator[Callable[[int], tuple[_format.RecordHeader, memoryview]]]:
+        """Many records in one read transaction (the batch path's way): yields ``read(index) -> (header, payload)``.
+
+        ``payload`` is a view into the database's memory map, valid until the ``with`` block ends: decode it there, or
+        copy it. ``read`` raises as :meth:`read_record` does.
+        """
+        try:
+            txn = self._environment().begin(buffers=True)
+        except lmdb.Error as err:
+            raise CorruptRecordError(f"reading {self.path!r} failed: {err}") from err
+        try:
+            yield functools.partial(self._read, txn)
+        finally:
+            txn.abort()  # read-only: nothing to commit
+
+    def _read(self, txn: lmdb.Transaction, index: int) -> tuple[_format.RecordHeader, memoryview]:
         length = self._length
         if not -length <= index < length:
             raise IndexError(f"index {index} is out of range for split {self.split!r} of length {length}")
         index %= length
         try:
-            with self._environment().begin(buffers=True) as txn:
-                record = txn.get(_format.record_key(self.split, index))
-                if record is None:
-                    raise CorruptRecordError("the record is missing")
-                if len(record) > self._file_size:  # a damaged length: touching it would read past the file's end
-                    raise CorruptRecordError(f"the record claims {len(record)} bytes, more than the whole file")
-                header, payload = _format.unpack_record(record, verify=self.verify_checksums)
-                data = bytearray(payload)  # one copy out of the memory map, writable for torch.frombuffer
+            record = txn.get(_format.record_key(self.split, index))
+            if record is None:
+                raise CorruptRecordError("the record is missing")
+            if len(record) > self._file_size:  # a damaged length: touching it would read past the file's end
+                raise CorruptRecordError(f"the record claims {len(record)} bytes, more than the whole file")
+            header, payload = _format.unpack_record(record, verify=self.verify_checksums)
         except (CorruptRecordError, lmdb.Error) as err:
             raise CorruptRecordError(
                 f"{self._where(index)}: {err}. The database is damaged: convert the source again with"
@@ -130,7 +151,7 @@ class LmdbImageDataset(Dataset):
             raise CorruptRecordError(
                 f"{self._where(index)}: label {header.label} is outside the {len(self.classes)} classes"
             )
-        return header, data
+        return header, payload
 
     def decode(self, index: int, header: _format.RecordHeader, data: bytearray) -> Any:
         """Decode a record read by :meth:`read_record` into this dataset's ``output`` form (before ``transform``).
@@ -149,7 +170,7 @@ class LmdbImageDataset(Dataset):
         self,
         index: int,
         header: _format.RecordHeader,
-        data: bytearray,
+        data: bytearray | memoryview,
         buffer: np.ndarray | None = None,
         fast: bool = False,
     ) -> np.ndarray:
@@ -169,7 +190,7 @@ class LmdbImageDataset(Dataset):
             if header.encoding == _format.ENCODING_JPEG:
                 image = simplejpeg.decode_jpeg(data, "RGB", fastdct=fast, fastupsample=fast, buffer=buffer)
             else:
-                image = np.asarray(self._pil_image(index, header, data))
+                image = np.array(self._pil_image(index, header, data))  # writable, as decoded JPEGs are
         except (RuntimeError, OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
             raise CorruptRecordError(f"{self._where(index)}: the image does not decode: {err}") from err
         if image.shape[:2] != (header.height, header.width):
@@ -195,7 +216,7 @@ class LmdbImageDataset(Dataset):
             )
         return image
 
-    def _raw_image(self, index: int, header: _format.RecordHeader, data: bytearray) -> np.ndarray:
+    def _raw_image(self, index: int, header: _format.RecordHeader, data: bytearray | memoryview) -> np.ndarray:
         expected = header.height * header.width * 3
         if len(data) != expected or expected == 0:
             raise CorruptRecordError(

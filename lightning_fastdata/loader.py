@@ -37,12 +37,13 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset, default_collate, get_worker_info
 
+from lightning_fastdata._format import RecordHeader
 from lightning_fastdata.dataset import LmdbImageDataset
 from lightning_fastdata.device_decode import EncodedCropDataset, collate_encoded
 from lightning_fastdata.errors import FastDataError, SampleError
 from lightning_fastdata.resumable import ResumableLoader
 from lightning_fastdata.skipping import SkipCounter
-from lightning_fastdata.transforms import Normalizer, crop_resize_into, is_crop_transform
+from lightning_fastdata.transforms import Box, Normalizer, crop_resize_into, is_crop_transform
 
 Output = Literal["uint8", "float", "encoded"]
 
@@ -190,52 +191,71 @@ class BatchReader(Dataset):
             return collate_encoded(samples)
         if not self.fused:
             return default_collate(self._each(indices, self.dataset.__getitem__))
-        images = self._new_batch(len(indices))
+        return self._read_fused(indices)
+
+    # -- the fused path --------------------------------------------------------------------------------------------
+
+    def _read_fused(self, indices: Sequence[int]) -> tuple[Tensor, Any]:
+        """The fused path: read, crop boxes, then decode -> crop -> resize -> flip (-> normalize) into the batch.
+
+        Every record of the batch is read in one LMDB transaction and decoded straight from the memory map; the crop
+        boxes and flips are drawn for the whole batch at once (vectorized); each image then lands in its slot.
+        """
+        base, transform = self.base, self.transform
+        assert isinstance(base, LmdbImageDataset)
+        assert transform is not None
+        records = self.indices[np.asarray(indices)].tolist() if self.indices is not None else [int(i) for i in indices]
+        images = self._new_batch(len(records))
         slots = images.numpy() if images.dtype == torch.uint8 or self.channels_last else None
         labels: list[Any] = []
+        with base.records() as read:  # payloads are views of the memory map until this block ends
+            found = self._each(records, lambda record: (record, *read(record)))
+            boxes, flips = transform.boxes([f[1].height for f in found], [f[1].width for f in found])
 
-        def sample(index: int) -> None:
-            out = self._slot(images, slots, len(labels))
-            labels.append(self._fused_sample(index, out))
+            def crop_into(item: tuple[tuple[int, RecordHeader, memoryview], Box, bool]) -> None:
+                (record, header, payload), box, flip = item
+                self._crop_into(record, header, payload, box, flip, self._slot(images, slots, len(labels)))
+                labels.append(header.label)
 
-        self._each(indices, sample)
+            self._each(list(zip(found, boxes, flips, strict=True)), crop_into)
+        if base.target_transform is not None:
+            labels = [base.target_transform(label) for label in labels]
         images = images[: len(labels)]
         labels_tensor = self._labels(labels)
         if self._pinned() and isinstance(labels_tensor, Tensor):  # so its copy to the GPU is asynchronous too
             labels_tensor = labels_tensor.pin_memory()
         return self._as_nchw(images), labels_tensor
 
-    # -- one sample ------------------------------------------------------------------------------------------------
-
-    def _fused_sample(self, index: int, out: np.ndarray) -> Any:
-        """Read, decode, crop, resize, flip (and normalize) sample ``index`` into ``out``; returns its label."""
+    def _crop_into(
+        self, record: int, header: RecordHeader, payload: memoryview, box: Box, flip: bool, out: np.ndarray
+    ) -> None:
+        """Decode one record, crop, resize and flip it (and normalize it) into ``out``."""
         base, transform = self.base, self.transform
         assert isinstance(base, LmdbImageDataset)
         assert transform is not None
-        record = int(self.indices[index]) if self.indices is not None else index
-        header, data = base.read_record(record)
-        image = base.decode_hwc(record, header, data, self._decode_buffer(header.height * header.width * 3), fast=True)
-        box, flip = transform.box(header.height, header.width), transform.flip()
+        nbytes = header.height * header.width * 3
+        image = base.decode_hwc(record, header, payload, self._buffer("decode", nbytes), fast=True)
+        scratch = self._buffer("prefilter", nbytes)
         try:
             if self.output == "float":
                 assert self.normalizer is not None
-                crop = crop_resize_into(image, box, transform.size, flip, self._resize_buffer(transform.size))
+                crop = crop_resize_into(image, box, transform.size, flip, self._resize_buffer(transform.size), scratch)
                 self.normalizer.into(crop, out)
             else:
-                crop_resize_into(image, box, transform.size, flip, out)
+                crop_resize_into(image, box, transform.size, flip, out, scratch)
         except Exception as err:  # cv2.error and friends: name the sample
             raise SampleError(f"{base._where(record)}: cropping {box} failed: {err}") from err
-        label: Any = header.label
-        return base.target_transform(label) if base.target_transform is not None else label
+
+    # -- one sample ------------------------------------------------------------------------------------------------
 
     def _encoded_sample(self, index: int) -> Any:
         assert self._encoded is not None
         return self._encoded.read(int(self.indices[index]) if self.indices is not None else index)
 
-    def _each(self, indices: Sequence[int], read: Callable[[int], Any]) -> list[Any]:
-        """``read`` every index; under the skip policy a package error leaves that sample out."""
+    def _each(self, items: Sequence[Any], read: Callable[[Any], Any]) -> list[Any]:
+        """``read`` every item; under the skip policy a package error leaves that sample out."""
         results = []
-        for index in indices:
+        for index in items:
             try:
                 results.append(read(index))
             except FastDataError as err:
@@ -244,7 +264,7 @@ class BatchReader(Dataset):
                 self.skip_counter.skip(err)
         if not results:
             raise SampleError(
-                f"all {len(indices)} samples of a batch failed and were skipped; the data is likely unreadable"
+                f"all {len(items)} samples of a batch failed and were skipped; the data is likely unreadable"
                 " (see the warnings above). Check the database with `LmdbImageDataset` directly."
             )
         return results
@@ -290,11 +310,12 @@ class BatchReader(Dataset):
             return torch.tensor(labels, dtype=torch.int64)
         return default_collate(labels)
 
-    def _decode_buffer(self, nbytes: int) -> np.ndarray:
-        """This thread's reusable decode buffer (no allocation, no page faults per image)."""
-        buffer = getattr(self._scratch, "decode", None)
+    def _buffer(self, name: str, nbytes: int) -> np.ndarray:
+        """This thread's reusable flat buffer ``name`` (decoded image, prefiltered crop): no page faults per image."""
+        buffer = getattr(self._scratch, name, None)
         if buffer is None or buffer.size < nbytes:
-            buffer = self._scratch.decode = np.empty(max(nbytes, 1 << 20), dtype=np.uint8)
+            buffer = np.empty(max(nbytes, 1 << 20), dtype=np.uint8)
+            setattr(self._scratch, name, buffer)
         return buffer
 
     def _resize_buffer(self, size: int) -> np.ndarray:
