@@ -14,7 +14,7 @@ each in its own process, interleaved over rounds (the median is reported):
   and bilinear instead of ``INTER_AREA``: the ceiling our engine is measured against.
 
 Each row reports images/s and CPU-seconds per 1,000 images (the process and its children): the second figure says
-how many cores it takes to feed a GPU at a given rate. The timed epoch is the second one (worker start-up, JIT
+how many cores it takes to feed a GPU at a given rate. The timed epochs follow a warm-up one (worker start-up, JIT
 compilation and pipeline building are left out for every loader).
 
     python benchmarks/bench_loader.py --images 3000 --rounds 3
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import json
 import os
 import platform
@@ -55,13 +56,14 @@ def _cpu_seconds() -> float:
     return total
 
 
-def _timed_epoch(make_epoch, check) -> dict[str, float]:
-    """Run one warm-up epoch, then time the second: images/s and CPU-seconds per 1,000 images."""
+def _timed_epoch(make_epoch, check, epochs: int) -> dict[str, float]:
+    """Run one warm-up epoch, then time the next ``epochs``: images/s and CPU-seconds per 1,000 images."""
     for batch in make_epoch(0):
         check(batch)
     start, cpu, images = time.perf_counter(), _cpu_seconds(), 0
-    for batch in make_epoch(1):
-        images += check(batch)
+    for k in range(1, epochs + 1):
+        for batch in make_epoch(k):
+            images += check(batch)
     seconds = time.perf_counter() - start
     return {"images_per_sec": images / seconds, "cpu_per_1000": (_cpu_seconds() - cpu) / images * 1000}
 
@@ -100,7 +102,7 @@ def run_imagefolder(args) -> dict[str, float]:
         drop_last=True,
     )
     check, _ = _checker(torch.float32)
-    return _timed_epoch(lambda epoch: loader, check)
+    return _timed_epoch(lambda epoch: loader, check, args.epochs)
 
 
 def run_fast(args, output: str, engine: str) -> dict[str, float]:
@@ -128,7 +130,7 @@ def run_fast(args, output: str, engine: str) -> dict[str, float]:
         return loader
 
     check, _ = _checker(torch.float32 if output == "float" else torch.uint8)
-    return _timed_epoch(epoch, check)
+    return _timed_epoch(epoch, check, args.epochs)
 
 
 def run_ffcv(args, output: str) -> dict[str, float]:
@@ -152,7 +154,7 @@ def run_ffcv(args, output: str) -> dict[str, float]:
         pipelines={"image": image, "label": [IntDecoder(), ToTensor(), Squeeze()]},
     )
     check, _ = _checker(torch.float32 if output == "float" else torch.uint8)
-    return _timed_epoch(lambda epoch: loader, check)
+    return _timed_epoch(lambda epoch: loader, check, args.epochs)
 
 
 def run_dali(args) -> dict[str, float]:
@@ -181,7 +183,7 @@ def run_dali(args) -> dict[str, float]:
         p, ["images", "labels"], reader_name="reader", last_batch_policy=LastBatchPolicy.DROP, auto_reset=True
     )
     check, _ = _checker(torch.float32)
-    return _timed_epoch(lambda epoch: ((b[0]["images"], b[0]["labels"]) for b in loader), check)
+    return _timed_epoch(lambda epoch: ((b[0]["images"], b[0]["labels"]) for b in loader), check, args.epochs)
 
 
 def run_limit_b(args, kernel: str, parallel: bool = False) -> dict[str, float]:
@@ -206,8 +208,7 @@ def run_limit_b(args, kernel: str, parallel: bool = False) -> dict[str, float]:
     from lightning_fastdata.transforms import RandomResizedCropFlip, crop_resize_into
 
     cv2.setNumThreads(1)
-    files = sorted(Path(args.resized).rglob("*.jpg"))[: args.limit_samples]
-    blobs = [f.read_bytes() for f in files]
+    blobs = [f.read_bytes() for f in sorted(Path(args.resized).rglob("*.jpg"))] * args.epochs  # as many as loaders
     crop, out, scratch = RandomResizedCropFlip(SIZE), np.empty((SIZE, SIZE, 3), np.uint8), np.empty(1 << 20, np.uint8)
 
     def one(blob: bytes) -> None:
@@ -349,7 +350,7 @@ def main() -> None:
     parser.add_argument("--db", help=argparse.SUPPRESS)
     parser.add_argument("--resized", help=argparse.SUPPRESS)
     parser.add_argument("--beton", help=argparse.SUPPRESS)
-    parser.add_argument("--limit-samples", type=int, default=1000, help=argparse.SUPPRESS)
+    parser.add_argument("--epochs", type=int, default=2, help="epochs timed after the warm-up epoch, per loader")
     args = parser.parse_args()
 
     if args.run:  # a child: one loader, one round; prints its JSON line
@@ -379,7 +380,8 @@ def main() -> None:
         seconds["lightning_fastdata"].append(summary.seconds)
         if ffcv:
             beton.unlink(missing_ok=True)
-            seconds["FFCV .beton"].append(_write_beton(folder, beton, args.workers))
+            with contextlib.redirect_stderr(io.StringIO()):  # FFCV's writer draws a progress bar
+                seconds["FFCV .beton"].append(_write_beton(folder, beton, args.workers))
     source_bytes = _dir_bytes(folder)
     stores = {
         "lightning_fastdata": (_dir_bytes(db), statistics.median(seconds["lightning_fastdata"])),
@@ -399,7 +401,7 @@ def main() -> None:
 
     results: dict[str, list[dict[str, float]]] = {n: [] for n in names}
     child = [sys.executable, __file__, "--db", str(db), "--resized", str(resized), "--beton", str(args.beton)]
-    child += ["--batch-size", str(args.batch_size), "--workers", str(args.workers)]
+    child += ["--batch-size", str(args.batch_size), "--workers", str(args.workers), "--epochs", str(args.epochs)]
     for r in range(args.rounds):
         for name in names:
             out = subprocess.run([*child, "--run", name], capture_output=True, text=True, check=False)
@@ -417,7 +419,8 @@ def main() -> None:
     print(
         f"{args.images} photo-like JPEGs (300-640 px, noise {args.noise:g}) stored at short side 256, q90;"
         f" batch {args.batch_size}, {args.workers} workers or threads each, RandomResizedCrop({SIZE}) + flip,"
-        f" second epoch timed, median of {args.rounds} interleaved rounds, each loader in its own process"
+        f" {args.epochs} epochs timed after a warm-up one, median of {args.rounds} interleaved rounds, each loader in"
+        " its own process"
     )
     print()
     print("| loader | images/s | vs ImageFolder | CPU-s per 1,000 images |")
@@ -428,9 +431,14 @@ def main() -> None:
     print()
 
     def ratio(a: str, b: str) -> str:
-        if a in med and b in med:
-            return f"{med[a]['images_per_sec'] / med[b]['images_per_sec']:.2f}x"
-        return "n/a"
+        """Median of the per-round ratios (each round runs both within a minute: slow drifts of a shared host
+        cancel), and the ratio of the medians in the table."""
+        if a not in med or b not in med:
+            return "n/a"
+        rounds = zip(results[a], results[b], strict=True)
+        paired = statistics.median(x["images_per_sec"] / y["images_per_sec"] for x, y in rounds)
+        of_medians = med[a]["images_per_sec"] / med[b]["images_per_sec"]
+        return f"{paired:.2f}x per round (ratio of the medians above: {of_medians:.2f}x)"
 
     print(f"float32: FastImageDataModule / FFCV = {ratio('fast-float', 'ffcv-float')}")
     print(f"uint8:   FastImageDataModule / FFCV = {ratio('fast-uint8', 'ffcv-uint8')}")

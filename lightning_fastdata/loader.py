@@ -255,9 +255,9 @@ class BatchReader(Dataset):
     def _each(self, items: Sequence[Any], read: Callable[[Any], Any]) -> list[Any]:
         """``read`` every item; under the skip policy a package error leaves that sample out."""
         results = []
-        for index in items:
+        for item in items:
             try:
-                results.append(read(index))
+                results.append(read(item))
             except FastDataError as err:
                 if self.skip_counter is None:
                     raise
