@@ -8,11 +8,13 @@
    ``num_workers`` DataLoader worker processes. Threads share the process's memory: no worker start-up, no copy of
    the dataset per worker, no inter-process transfer of batches, and the decode and resize kernels below release the
    GIL, so they run in parallel.
-3. **Record to pixels** (:meth:`BatchReader.read_batch`). For each index: read the record (LMDB, opened lazily in the
-   process that reads, checksum verified), decode it (libjpeg-turbo through ``simplejpeg``), draw the crop box and
-   flip from the transform, then crop, resize and flip *straight into the sample's slot* of one preallocated
-   ``uint8`` NHWC batch buffer (OpenCV). For CPU training each sample is also normalized to ``float32`` in the same
-   thread. A user's own transform (or dataset) takes the per-sample path instead: ``dataset[i]``, then stacking.
+3. **Record to pixels** (:meth:`BatchReader.read_batch`). The batch's records are read in one LMDB transaction (the
+   environment opened lazily in the process that reads, checksums verified) and decoded straight from the memory map
+   (libjpeg-turbo through ``simplejpeg``); the batch's crop boxes and flips are drawn at once, from a seed the
+   consuming thread draws in batch order; each image is then cropped, resized (antialiased when shrinking) and
+   flipped *straight into its slot* of one preallocated ``uint8`` NHWC batch buffer (OpenCV). For CPU training each
+   sample is also normalized to ``float32`` in the same thread. A user's own transform (or dataset) takes the
+   per-sample path instead: ``dataset[i]``, then stacking.
 4. **Bad samples.** Under ``on_bad_sample="skip"`` a sample that fails with one of this package's errors is left
    out of its batch and counted; otherwise the error propagates with the split and index.
 5. **Device.** On CUDA the host batch (page-locked) is copied ``non_blocking`` on a side stream one batch ahead and
@@ -25,6 +27,7 @@
 from __future__ import annotations
 
 import itertools
+import random
 import sys
 import threading
 from collections import deque
@@ -178,8 +181,12 @@ class BatchReader(Dataset):
         """A whole batch (what a DataLoader worker process calls)."""
         return self.read_batch(indices)
 
-    def read_batch(self, indices: Sequence[int]) -> Any:
+    def read_batch(self, indices: Sequence[int], seed: int | None = None) -> Any:
         """The batch of samples ``indices``: ``(images, labels)``, bad samples left out under the skip policy.
+
+        ``seed`` seeds the batch's crop boxes and flips on the fused path (default: drawn from :mod:`random`); the
+        threaded engine draws it in the consuming thread, in batch order, so a seeded run crops the same way
+        whichever thread builds which batch.
 
         Raises:
             FastDataError: a sample failed (naming its split and index), without the skip policy.
@@ -191,11 +198,11 @@ class BatchReader(Dataset):
             return collate_encoded(samples)
         if not self.fused:
             return default_collate(self._each(indices, self.dataset.__getitem__))
-        return self._read_fused(indices)
+        return self._read_fused(indices, seed)
 
     # -- the fused path --------------------------------------------------------------------------------------------
 
-    def _read_fused(self, indices: Sequence[int]) -> tuple[Tensor, Any]:
+    def _read_fused(self, indices: Sequence[int], seed: int | None) -> tuple[Tensor, Any]:
         """The fused path: read, crop boxes, then decode -> crop -> resize -> flip (-> normalize) into the batch.
 
         Every record of the batch is read in one LMDB transaction and decoded straight from the memory map; the crop
@@ -210,7 +217,7 @@ class BatchReader(Dataset):
         labels: list[Any] = []
         with base.records() as read:  # payloads are views of the memory map until this block ends
             found = self._each(records, lambda record: (record, *read(record)))
-            boxes, flips = transform.boxes([f[1].height for f in found], [f[1].width for f in found])
+            boxes, flips = transform.boxes([f[1].height for f in found], [f[1].width for f in found], seed)
 
             def crop_into(item: tuple[tuple[int, RecordHeader, memoryview], Box, bool]) -> None:
                 (record, header, payload), box, flip = item
@@ -340,17 +347,27 @@ class BatchReader(Dataset):
 
 
 def _threaded_batches(
-    batch_indices: Iterator[Sequence[int]], read_batch: Callable[[Sequence[int]], Any], threads: int, ahead: int
+    batch_indices: Iterator[Sequence[int]],
+    read_batch: Callable[[Sequence[int], int], Any],
+    threads: int,
+    ahead: int,
 ) -> Iterator[Any]:
-    """Build batches on ``threads`` threads, each batch whole on one thread, ``ahead`` batches in flight, in order."""
+    """Build batches on ``threads`` threads, each batch whole on one thread, ``ahead`` batches in flight, in order.
+
+    Each batch's random seed is drawn here, in the consuming thread, in batch order: reproducible under a seed.
+    """
     pool = ThreadPoolExecutor(threads, thread_name_prefix="lightning_fastdata")
-    pending: deque[Future] = deque(pool.submit(read_batch, b) for b in itertools.islice(batch_indices, ahead))
+
+    def submit(indices: Sequence[int]) -> Future:
+        return pool.submit(read_batch, indices, random.getrandbits(64))
+
+    pending: deque[Future] = deque(submit(b) for b in itertools.islice(batch_indices, ahead))
     try:
         while pending:
             batch = pending.popleft().result()
             following = next(batch_indices, None)
             if following is not None:
-                pending.append(pool.submit(read_batch, following))
+                pending.append(submit(following))
             yield batch
     finally:  # the epoch ended, or the consumer stopped early: stop the queued batches, let running ones finish
         pool.shutdown(wait=False, cancel_futures=True)

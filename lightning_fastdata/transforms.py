@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -164,12 +165,14 @@ class RandomResizedCropFlip:
         """Whether the next image is flipped (drawn with probability ``flip_p``)."""
         return self.flip_p > 0 and random.random() < self.flip_p
 
-    def boxes(self, heights: np.ndarray, widths: np.ndarray) -> tuple[list[Box], list[bool]]:
+    def boxes(
+        self, heights: Sequence[int], widths: Sequence[int], seed: int | None = None
+    ) -> tuple[list[Box], list[bool]]:
         """Crop boxes and flips for a batch of images at once: :meth:`box` and :meth:`flip`, vectorized.
 
-        The same draw as :meth:`box` (ten tries, then the centre-crop fallback), from a NumPy generator seeded from
-        :mod:`random` once per batch: seeded by ``seed_everything`` and per DataLoader worker, as :meth:`box` is. A
-        subclass that overrides :meth:`box` or :meth:`flip` gets its own method called per image.
+        The same draw as :meth:`box` (ten tries, then the centre-crop fallback), from a NumPy generator seeded with
+        ``seed``, or else from :mod:`random` (seeded by ``seed_everything`` and per DataLoader worker, as :meth:`box`
+        is). A subclass that overrides :meth:`box` or :meth:`flip` gets its own method called per image.
         """
         cls = RandomResizedCropFlip
         if type(self).box is not cls.box or type(self).flip is not cls.flip:
@@ -177,7 +180,7 @@ class RandomResizedCropFlip:
                 self.flip() for _ in heights
             ]
         n, tries = len(heights), 10
-        rng = np.random.default_rng(random.getrandbits(64))
+        rng = np.random.default_rng(random.getrandbits(64) if seed is None else seed)
         height, width = np.asarray(heights, np.float64)[:, None], np.asarray(widths, np.float64)[:, None]
         target_area = height * width * rng.uniform(*self.scale, (n, tries))
         aspect = np.exp(rng.uniform(*self._log_ratio, (n, tries)))
@@ -237,7 +240,9 @@ class CenterCropResize:
         """Never: validation crops are not flipped."""
         return False
 
-    def boxes(self, heights: np.ndarray, widths: np.ndarray) -> tuple[list[Box], list[bool]]:
+    def boxes(
+        self, heights: Sequence[int], widths: Sequence[int], seed: int | None = None
+    ) -> tuple[list[Box], list[bool]]:
         """The centre crop boxes of a batch of images, and no flips (:meth:`box` and :meth:`flip` per image)."""
         return [self.box(int(h), int(w)) for h, w in zip(heights, widths, strict=True)], [self.flip() for _ in heights]
 

@@ -173,7 +173,7 @@ def test_fused_batches_match_the_per_sample_path(
     assert reader.fused
     drawn: list[tuple[list, list]] = []
     draw = dataset.transform.boxes
-    monkeypatch.setattr(dataset.transform, "boxes", lambda h, w: drawn.append(draw(h, w)) or drawn[-1])
+    monkeypatch.setattr(dataset.transform, "boxes", lambda h, w, seed: drawn.append(draw(h, w, seed)) or drawn[-1])
     images, labels = reader.read_batch([0, 3, 7])
     (boxes, flips), plain = drawn[0], LmdbImageDataset(database)
     expected = torch.stack(
@@ -213,6 +213,20 @@ def test_every_engine_gives_the_same_batches_in_order(database: Path, engine: st
     for (images, labels), (ref_images, ref_labels) in zip(batches, reference, strict=True):
         torch.testing.assert_close(images, ref_images, rtol=0, atol=0)
         assert labels.tolist() == ref_labels.tolist()
+
+
+def test_a_seeded_threaded_epoch_crops_the_same_way_twice(dataset: LmdbImageDataset) -> None:
+    """Each batch's seed is drawn in batch order by the consumer, not by whichever thread happens to build it."""
+    epochs = []
+    for _ in range(2):
+        random.seed(7)
+        epochs.append(list(_loader(BatchReader(dataset), "threads", batch_size=2)))
+    for (first, first_labels), (second, second_labels) in zip(*epochs, strict=True):
+        torch.testing.assert_close(first, second, rtol=0, atol=0)
+        assert first_labels.tolist() == second_labels.tolist()
+    random.seed(8)
+    other = list(_loader(BatchReader(dataset), "threads", batch_size=2))
+    assert any(not torch.equal(a, b) for (a, _), (b, _) in zip(epochs[0], other, strict=True))
 
 
 def test_threads_stop_cleanly_when_the_consumer_stops_early(dataset: LmdbImageDataset) -> None:
