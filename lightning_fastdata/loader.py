@@ -244,10 +244,11 @@ class BatchReader(Dataset):
         image = base.decode_hwc(record, header, payload, self._buffer("decode", nbytes), fast=True)
         scratch = self._buffer("prefilter", nbytes)
         try:
-            if self.output == "float":
+            if self.output == "float":  # the uint8 crop in a scratch buffer, then normalized into the batch
                 assert self.normalizer is not None
-                crop = crop_resize_into(image, box, transform.size, flip, self._resize_buffer(transform.size), scratch)
-                self.normalizer.into(crop, out)
+                size = transform.size
+                crop = self._buffer("resized", size * size * 3)[: size * size * 3].reshape(size, size, 3)
+                self.normalizer.into(crop_resize_into(image, box, size, flip, crop, scratch), out)
             else:
                 crop_resize_into(image, box, transform.size, flip, out, scratch)
         except Exception as err:  # cv2.error and friends: name the sample
@@ -323,12 +324,6 @@ class BatchReader(Dataset):
         if buffer is None or buffer.size < nbytes:
             buffer = np.empty(max(nbytes, 1 << 20), dtype=np.uint8)
             setattr(self._scratch, name, buffer)
-        return buffer
-
-    def _resize_buffer(self, size: int) -> np.ndarray:
-        buffer = getattr(self._scratch, "resize", None)
-        if buffer is None or buffer.shape[0] != size:
-            buffer = self._scratch.resize = np.empty((size, size, 3), dtype=np.uint8)
         return buffer
 
     def __getstate__(self) -> dict[str, Any]:

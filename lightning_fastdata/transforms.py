@@ -23,6 +23,7 @@ Normalization happens later: on the device, or in the loader's threads for CPU t
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 from collections.abc import Sequence
@@ -74,6 +75,7 @@ def crop_resize_into(
 _IDENTITY = np.ones((1, 1), np.float32)
 
 
+@functools.lru_cache(maxsize=4096)  # a few hundred crop sizes occur: no kernel allocated per image
 def _prefilter(source: int, size: int) -> np.ndarray | None:
     """The blur that, followed by bilinear sampling, antialiases a shrink of one axis from ``source`` to ``size``.
 
@@ -152,6 +154,10 @@ class RandomResizedCropFlip:
             h = round(math.sqrt(target_area / aspect))
             if 0 < w <= width and 0 < h <= height:
                 return random.randint(0, height - h), random.randint(0, width - w), h, w
+        return self._fallback(height, width)
+
+    def _fallback(self, height: int, width: int) -> Box:
+        """The box when no try fits: the whole image, cut to the nearest allowed aspect ratio, centred."""
         in_ratio = width / height
         if in_ratio < self.ratio[0]:
             w, h = width, round(width / self.ratio[0])
@@ -186,21 +192,16 @@ class RandomResizedCropFlip:
         aspect = np.exp(rng.uniform(*self._log_ratio, (n, tries)))
         w, h = np.rint(np.sqrt(target_area * aspect)), np.rint(np.sqrt(target_area / aspect))
         fits = (w > 0) & (w <= width) & (h > 0) & (h <= height)
-        first = fits.argmax(axis=1)[:, None]  # the first try that fits, as the loop in `box` takes it
-        h, w = np.take_along_axis(h, first, 1)[:, 0], np.take_along_axis(w, first, 1)[:, 0]
-        height, width = height[:, 0], width[:, 0]
-        # the fallback where no try fits: the whole image, cut to the nearest allowed aspect ratio
-        in_ratio = width / height
-        fallback_w = np.where(
-            in_ratio < self.ratio[0], width, np.where(in_ratio > self.ratio[1], np.rint(height * self.ratio[1]), width)
-        )
-        fallback_h = np.where(in_ratio < self.ratio[0], np.rint(width / self.ratio[0]), height)
-        fitted = fits.any(axis=1)
-        h, w = np.where(fitted, h, fallback_h).astype(np.int64), np.where(fitted, w, fallback_w).astype(np.int64)
-        top = np.where(fitted, rng.integers(0, height.astype(np.int64) - h + 1), (height.astype(np.int64) - h) // 2)
-        left = np.where(fitted, rng.integers(0, width.astype(np.int64) - w + 1), (width.astype(np.int64) - w) // 2)
+        first, fitted = fits.argmax(axis=1)[:, None], fits.any(axis=1)  # the first try that fits, as `box` takes it
+        h = np.where(fitted, np.take_along_axis(h, first, 1)[:, 0], 1).astype(np.int64)  # 1: a fallback follows
+        w = np.where(fitted, np.take_along_axis(w, first, 1)[:, 0], 1).astype(np.int64)
+        height, width = height[:, 0].astype(np.int64), width[:, 0].astype(np.int64)
+        top, left = rng.integers(0, height - h + 1), rng.integers(0, width - w + 1)
+        boxes = list(zip(top.tolist(), left.tolist(), h.tolist(), w.tolist(), strict=True))
+        for i in np.flatnonzero(~fitted).tolist():  # rare: only images far outside the allowed aspect ratios
+            boxes[i] = self._fallback(int(height[i]), int(width[i]))
         flips = (rng.random(n) < self.flip_p) if self.flip_p > 0 else np.zeros(n, bool)
-        return list(zip(top.tolist(), left.tolist(), h.tolist(), w.tolist(), strict=True)), flips.tolist()
+        return boxes, flips.tolist()
 
     def __call__(self, image: Tensor) -> Tensor:
         """Crop, maybe flip, and resize one uint8 CHW image."""
