@@ -95,15 +95,32 @@ class EncodedCropDataset(Dataset):
         if self.indices is not None:
             index = int(self.indices[index])
         header, data = self.dataset.read_record(index)
-        if header.encoding == _format.ENCODING_JPEG:
-            image = torch.frombuffer(data, dtype=torch.uint8)
-        else:  # not JPEG (raw pixels, PNG): nvJPEG cannot take it, so it travels decoded
-            image = torch.from_numpy(self.dataset.decode_hwc(index, header, data)).permute(2, 0, 1)
         box = self.box_fn(header.height, header.width)
         flip = self.flip_p > 0 and random.random() < self.flip_p
-        target_transform = self.dataset.target_transform
-        label = target_transform(header.label) if target_transform is not None else header.label
-        return (image, box, flip, (header.height, header.width, self.dataset._where(index))), label
+        return encoded_sample(self.dataset, index, header, data, box, flip)
+
+
+def encoded_sample(
+    dataset: LmdbImageDataset,
+    index: int,
+    header: _format.RecordHeader,
+    payload: bytes | bytearray | memoryview,
+    box: Box,
+    flip: bool,
+) -> tuple[tuple[Tensor, Box, bool, tuple[int, int, str]], Any]:
+    """One sample for device decode: ``(bytes or decoded pixels, box, flip, (height, width, where)), label``.
+
+    JPEG bytes are copied out of ``payload`` (which may be a view of the memory map); other encodings (raw pixels,
+    PNG), which nvJPEG cannot take, travel decoded.
+    """
+    data = bytearray(payload)
+    if header.encoding == _format.ENCODING_JPEG:
+        image = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+    else:
+        image = torch.from_numpy(dataset.decode_hwc(index, header, data)).permute(2, 0, 1)
+    target_transform = dataset.target_transform
+    label = target_transform(header.label) if target_transform is not None else header.label
+    return (image, box, flip, (header.height, header.width, dataset._where(index))), label
 
 
 def collate_encoded(samples: Sequence[tuple[tuple[Any, ...], Any]]) -> tuple[EncodedImages, Any]:
@@ -174,15 +191,17 @@ def _decode_all(encoded: EncodedImages, device: torch.device) -> list[Tensor | C
             return _decode_on_device(inputs, device)
         return [decode_jpeg(t, mode=ImageReadMode.RGB) for t in inputs]
 
-    try:
-        outputs: list[Tensor | CorruptRecordError] = list(decode([encoded.data[i] for i in jpeg]))
-    except RuntimeError:
-        outputs = []
-        for i in jpeg:
-            try:
-                outputs.append(decode([encoded.data[i]])[0])
-            except RuntimeError as err:
-                outputs.append(CorruptRecordError(f"{where[i]}: the JPEG does not decode on {device.type}: {err}"))
+    outputs: list[Tensor | CorruptRecordError] = []
+    if jpeg:  # a batch of raw or PNG records has nothing to decode (and batched nvJPEG rejects an empty list)
+        try:
+            outputs = list(decode([encoded.data[i] for i in jpeg]))
+        except RuntimeError:
+            outputs = []
+            for i in jpeg:
+                try:
+                    outputs.append(decode([encoded.data[i]])[0])
+                except RuntimeError as err:
+                    outputs.append(CorruptRecordError(f"{where[i]}: the JPEG does not decode on {device.type}: {err}"))
     for i, image in zip(jpeg, outputs, strict=True):
         decoded[i] = image
     if encoded.records is not None:

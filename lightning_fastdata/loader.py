@@ -38,12 +38,13 @@ from typing import Any, Literal
 import numpy as np
 import torch
 from torch import Tensor
-from torch.utils.data import Dataset, default_collate, get_worker_info
+from torch.utils.data import Dataset, DistributedSampler, default_collate, get_worker_info
 
 from lightning_fastdata._format import RecordHeader
 from lightning_fastdata.dataset import LmdbImageDataset
-from lightning_fastdata.device_decode import EncodedCropDataset, collate_encoded
+from lightning_fastdata.device_decode import collate_encoded, encoded_sample
 from lightning_fastdata.errors import FastDataError, SampleError
+from lightning_fastdata.keyed_random import AugmentKey, sample_key
 from lightning_fastdata.resumable import ResumableLoader
 from lightning_fastdata.skipping import SkipCounter
 from lightning_fastdata.transforms import Box, Normalizer, crop_resize_into, is_crop_transform
@@ -156,19 +157,18 @@ class BatchReader(Dataset):
             and type(self.base).__getitem__ is LmdbImageDataset.__getitem__
             and type(self.base).decode is LmdbImageDataset.decode
         )
-        self.transform = transform if self.fused else None
+        if output == "encoded" and (
+            not isinstance(self.base, LmdbImageDataset) or not callable(getattr(transform, "box", None))
+        ):
+            raise TypeError(
+                "`decode='device'` needs `build_dataset` to return an LmdbImageDataset and the transforms to be"
+                f" RandomResizedCropFlip / CenterCropResize (objects with a `box(height, width)` method); got"
+                f" {type(self.base).__name__} and {type(transform).__name__}. Use `decode='cpu'` for custom"
+                " pipelines."
+            )
+        self.transform = transform if self.fused or output == "encoded" else None
         self._scratch = threading.local()
         self._pool = _BufferPool()
-        self._encoded: EncodedCropDataset | None = None
-        if output == "encoded":
-            if not isinstance(self.base, LmdbImageDataset) or not callable(getattr(transform, "box", None)):
-                raise TypeError(
-                    "`decode='device'` needs `build_dataset` to return an LmdbImageDataset and the transforms to be"
-                    f" RandomResizedCropFlip / CenterCropResize (objects with a `box(height, width)` method); got"
-                    f" {type(self.base).__name__} and {type(transform).__name__}. Use `decode='cpu'` for custom"
-                    " pipelines."
-                )
-            self._encoded = EncodedCropDataset(self.base, transform.box, getattr(transform, "flip_p", 0.0))
 
     def __len__(self) -> int:
         return len(self.dataset)  # type: ignore[arg-type]
@@ -184,25 +184,40 @@ class BatchReader(Dataset):
     def read_batch(self, indices: Sequence[int], seed: int | None = None) -> Any:
         """The batch of samples ``indices``: ``(images, labels)``, bad samples left out under the skip policy.
 
-        ``seed`` seeds the batch's crop boxes and flips on the fused path (default: drawn from :mod:`random`); the
-        threaded engine draws it in the consuming thread, in batch order, so a seeded run crops the same way
-        whichever thread builds which batch.
+        Random crops and flips are a function of each sample's key (:mod:`lightning_fastdata.keyed_random`): the
+        loaders pass ``(seed, epoch)`` with the indices (:class:`KeyedIndices`), so a sample is augmented the same
+        way whichever thread or worker reads it, in any batch, after a resume. ``seed`` stands for the key
+        ``(seed, 0)`` when the indices carry none; without either, boxes are drawn from :mod:`random`.
 
         Raises:
             FastDataError: a sample failed (naming its split and index), without the skip policy.
             SampleError: every sample of the batch failed, under the skip policy.
 
         """
+        key = getattr(indices, "key", None)
+        if key is None and seed is not None:
+            key = (seed, 0)
         if self.output == "encoded":
-            samples = self._each(indices, self._encoded_sample)
-            return collate_encoded(samples)
+            return self._read_encoded(indices, key)
         if not self.fused:
-            return default_collate(self._each(indices, self.dataset.__getitem__))
-        return self._read_fused(indices, seed)
+            return default_collate(self._each(indices, lambda index: self._sample(index, key)))
+        return self._read_fused(indices, key)
+
+    def _sample(self, index: int, key: AugmentKey | None) -> Any:
+        """One sample through the wrapped dataset, its transforms drawing from its key (the per-sample path)."""
+        with sample_key(key, index):
+            return self.dataset[index]
+
+    def _records(self, indices: Sequence[int]) -> list[tuple[int, int]]:
+        """``(index, record)`` pairs: each index of the batch with its record in the base split."""
+        positions = [int(i) for i in indices]
+        if self.indices is None:
+            return list(zip(positions, positions, strict=True))
+        return list(zip(positions, self.indices[np.asarray(positions, dtype=np.int64)].tolist(), strict=True))
 
     # -- the fused path --------------------------------------------------------------------------------------------
 
-    def _read_fused(self, indices: Sequence[int], seed: int | None) -> tuple[Tensor, Any]:
+    def _read_fused(self, indices: Sequence[int], key: AugmentKey | None) -> tuple[Tensor, Any]:
         """The fused path: read, crop boxes, then decode -> crop -> resize -> flip (-> normalize) into the batch.
 
         Every record of the batch is read in one LMDB transaction and decoded straight from the memory map; the crop
@@ -211,16 +226,16 @@ class BatchReader(Dataset):
         base, transform = self.base, self.transform
         assert isinstance(base, LmdbImageDataset)
         assert transform is not None
-        records = self.indices[np.asarray(indices)].tolist() if self.indices is not None else [int(i) for i in indices]
-        images = self._new_batch(len(records))
+        pairs = self._records(indices)
+        images = self._new_batch(len(pairs))
         slots = images.numpy() if images.dtype == torch.uint8 or self.channels_last else None
         labels: list[Any] = []
         with base.records() as read:  # payloads are views of the memory map until this block ends
-            found = self._each(records, lambda record: (record, *read(record)))
-            boxes, flips = transform.boxes([f[1].height for f in found], [f[1].width for f in found], seed)
+            found = self._each(pairs, lambda pair: (pair, *read(pair[1])))
+            boxes, flips = self._boxes(found, key)
 
-            def crop_into(item: tuple[tuple[int, RecordHeader, memoryview], Box, bool]) -> None:
-                (record, header, payload), box, flip = item
+            def crop_into(item: tuple[tuple[tuple[int, int], RecordHeader, memoryview], Box, bool]) -> None:
+                ((_, record), header, payload), box, flip = item
                 self._crop_into(record, header, payload, box, flip, self._slot(images, slots, len(labels)))
                 labels.append(header.label)
 
@@ -228,10 +243,18 @@ class BatchReader(Dataset):
         if base.target_transform is not None:
             labels = [base.target_transform(label) for label in labels]
         images = images[: len(labels)]
-        labels_tensor = self._labels(labels)
-        if self._pinned() and isinstance(labels_tensor, Tensor):  # so its copy to the GPU is asynchronous too
-            labels_tensor = labels_tensor.pin_memory()
-        return self._as_nchw(images), labels_tensor
+        return self._as_nchw(images), self._pin_labels(self._labels(labels))
+
+    def _boxes(self, found: list[tuple[Any, ...]], key: AugmentKey | None) -> tuple[list[Box], list[bool]]:
+        """The crop boxes and flips of the records ``found`` (``((index, record), header, ...)``), from their keys."""
+        transform = self.transform
+        assert transform is not None
+        heights, widths = [item[1].height for item in found], [item[1].width for item in found]
+        if not callable(getattr(transform, "boxes", None)):  # a transform of one's own with only `box`
+            flip_p = getattr(transform, "flip_p", 0.0)
+            flips = [flip_p > 0 and random.random() < flip_p for _ in found]
+            return [transform.box(h, w) for h, w in zip(heights, widths, strict=True)], flips
+        return transform.boxes(heights, widths, key=key, samples=[item[0][0] for item in found])
 
     def _crop_into(
         self, record: int, header: RecordHeader, payload: memoryview, box: Box, flip: bool, out: np.ndarray
@@ -256,9 +279,19 @@ class BatchReader(Dataset):
 
     # -- one sample ------------------------------------------------------------------------------------------------
 
-    def _encoded_sample(self, index: int) -> Any:
-        assert self._encoded is not None
-        return self._encoded.read(int(self.indices[index]) if self.indices is not None else index)
+    def _read_encoded(self, indices: Sequence[int], key: AugmentKey | None) -> tuple[Any, Any]:
+        """Still-encoded JPEGs with their crop boxes and flips (``decode="device"``): no pixels on the CPU."""
+        base = self.base
+        assert isinstance(base, LmdbImageDataset)
+        with base.records() as read:
+            found = self._each(self._records(indices), lambda pair: (pair, *read(pair[1])))
+            boxes, flips = self._boxes(found, key)
+            samples = [
+                encoded_sample(base, record, header, payload, box, flip)
+                for ((_, record), header, payload), box, flip in zip(found, boxes, flips, strict=True)
+            ]
+        encoded, labels = collate_encoded(samples)
+        return encoded, self._pin_labels(labels)
 
     def _each(self, items: Sequence[Any], read: Callable[[Any], Any]) -> list[Any]:
         """``read`` every item; under the skip policy a package error leaves that sample out."""
@@ -299,6 +332,10 @@ class BatchReader(Dataset):
             return torch.from_numpy(buffer)  # the tensor's storage holds the buffer until the batch is dropped
         finally:
             self._pool.release(buffer)
+
+    def _pin_labels(self, labels: Any) -> Any:
+        """Labels in page-locked memory when batches are: their copy to the GPU is asynchronous too."""
+        return labels.pin_memory() if self._pinned() and isinstance(labels, Tensor) else labels
 
     def _pinned(self) -> bool:
         """Whether this process builds batches in page-locked memory (not in a worker: those go through shm)."""
@@ -341,28 +378,58 @@ class BatchReader(Dataset):
         return f"{type(self).__name__}({self.dataset!r}, output={self.output!r}, {path})"
 
 
+class KeyedIndices(list):
+    """A batch's sample indices with the key its augmentation is drawn from: ``(seed, epoch)``.
+
+    A list, so any dataset reads it as indices; it crosses to worker processes as one (pickled with its key).
+    """
+
+    def __init__(self, indices: Sequence[int], key: AugmentKey) -> None:
+        super().__init__(indices)
+        self.key = key
+
+
+class _KeyedBatches:
+    """A loader's batch sampler, each batch keyed with the epoch's ``(seed, epoch)``.
+
+    The key is read when an epoch's iteration starts, after Lightning's ``set_epoch``: the sampler's ``seed`` and
+    ``epoch`` (a ``DistributedSampler``), or else a seed drawn from :mod:`random` for the epoch. It holds the samplers,
+    not the loader: an iterator that kept its loader alive would be freed only by the garbage collector, and worker
+    processes would stop late.
+    """
+
+    def __init__(self, batch_sampler: Any, sampler: Any) -> None:
+        self.batch_sampler = batch_sampler
+        self.sampler = sampler
+
+    def __len__(self) -> int:
+        return len(self.batch_sampler)
+
+    def __iter__(self) -> Iterator[KeyedIndices]:
+        sampler = self.sampler
+        if isinstance(sampler, DistributedSampler):
+            key = (int(sampler.seed), int(sampler.epoch))
+        else:
+            key = (random.getrandbits(63), 0)
+        for indices in self.batch_sampler:
+            yield KeyedIndices(indices, key)
+
+
 def _threaded_batches(
     batch_indices: Iterator[Sequence[int]],
-    read_batch: Callable[[Sequence[int], int], Any],
+    read_batch: Callable[[Sequence[int]], Any],
     threads: int,
     ahead: int,
 ) -> Iterator[Any]:
-    """Build batches on ``threads`` threads, each batch whole on one thread, ``ahead`` batches in flight, in order.
-
-    Each batch's random seed is drawn here, in the consuming thread, in batch order: reproducible under a seed.
-    """
+    """Build batches on ``threads`` threads, each batch whole on one thread, ``ahead`` batches in flight, in order."""
     pool = ThreadPoolExecutor(threads, thread_name_prefix="lightning_fastdata")
-
-    def submit(indices: Sequence[int]) -> Future:
-        return pool.submit(read_batch, indices, random.getrandbits(64))
-
-    pending: deque[Future] = deque(submit(b) for b in itertools.islice(batch_indices, ahead))
+    pending: deque[Future] = deque(pool.submit(read_batch, b) for b in itertools.islice(batch_indices, ahead))
     try:
         while pending:
             batch = pending.popleft().result()
             following = next(batch_indices, None)
             if following is not None:
-                pending.append(submit(following))
+                pending.append(pool.submit(read_batch, following))
             yield batch
     finally:  # the epoch ended, or the consumer stopped early: stop the queued batches, let running ones finish
         pool.shutdown(wait=False, cancel_futures=True)
@@ -411,10 +478,17 @@ class FastLoader(ResumableLoader):
         """Threads or worker processes building batches (``0``: the calling thread builds them)."""
         return self.num_workers if self.num_workers > 0 else (self.threads if self.engine == "threads" else 0)
 
+    @property
+    def _index_sampler(self) -> Any:
+        # What every engine's iterator draws index batches from (torch's DataLoader reads this property): for a
+        # BatchReader, batches keyed with the epoch's augmentation key.
+        if isinstance(self.dataset, BatchReader) and self.batch_sampler is not None:
+            return _KeyedBatches(self.batch_sampler, self.sampler)
+        return super()._index_sampler
+
     def _get_iterator(self) -> Any:
         if self.engine != "threads":
             return super()._get_iterator()
         assert isinstance(self.dataset, BatchReader)
-        assert self.batch_sampler is not None
         ahead = self.prefetch_batches or 2 * self.threads
-        return _threaded_batches(iter(self.batch_sampler), self.dataset.read_batch, self.threads, ahead)
+        return _threaded_batches(iter(self._index_sampler), self.dataset.read_batch, self.threads, ahead)

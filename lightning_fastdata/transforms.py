@@ -33,9 +33,13 @@ import torch
 from torch import Tensor
 
 from lightning_fastdata._cv import cv2
+from lightning_fastdata.keyed_random import AugmentKey, current_uniforms, keyed_uniforms
 
 #: ``(top, left, height, width)`` of a crop in source pixels
 Box = tuple[int, int, int, int]
+
+#: tries at a box within the allowed area and aspect ratio before the centre-crop fallback (as torchvision)
+_TRIES = 10
 
 
 def crop_resize_into(
@@ -123,6 +127,9 @@ class RandomResizedCropFlip:
 
     """
 
+    #: random numbers per image: 10 tries of (area, aspect ratio), then top, left and flip
+    draws = 2 * _TRIES + 3
+
     def __init__(
         self,
         size: int,
@@ -147,7 +154,7 @@ class RandomResizedCropFlip:
     def box(self, height: int, width: int) -> Box:
         """A random crop box ``(top, left, height, width)`` for an image of the given size."""
         area = height * width
-        for _ in range(10):
+        for _ in range(_TRIES):
             target_area = area * random.uniform(*self.scale)
             aspect = math.exp(random.uniform(*self._log_ratio))
             w = round(math.sqrt(target_area * aspect))
@@ -172,40 +179,68 @@ class RandomResizedCropFlip:
         return self.flip_p > 0 and random.random() < self.flip_p
 
     def boxes(
-        self, heights: Sequence[int], widths: Sequence[int], seed: int | None = None
+        self,
+        heights: Sequence[int],
+        widths: Sequence[int],
+        seed: int | None = None,
+        key: AugmentKey | None = None,
+        samples: Sequence[int] | None = None,
     ) -> tuple[list[Box], list[bool]]:
         """Crop boxes and flips for a batch of images at once: :meth:`box` and :meth:`flip`, vectorized.
 
-        The same draw as :meth:`box` (ten tries, then the centre-crop fallback), from a NumPy generator seeded with
-        ``seed``, or else from :mod:`random` (seeded by ``seed_everything`` and per DataLoader worker, as :meth:`box`
-        is). A subclass that overrides :meth:`box` or :meth:`flip` gets its own method called per image.
+        The same draw as :meth:`box` (ten tries, then the centre-crop fallback). With ``key`` and ``samples`` each
+        image's numbers are its own (:mod:`lightning_fastdata.keyed_random`): a function of ``(seed, epoch, sample)``
+        only, the loaders' way. Otherwise from a NumPy generator seeded with ``seed``, or else from :mod:`random`
+        (seeded by ``seed_everything`` and per DataLoader worker, as :meth:`box` is). A subclass that overrides
+        :meth:`box` or :meth:`flip` gets its own method called per image.
         """
         cls = RandomResizedCropFlip
         if type(self).box is not cls.box or type(self).flip is not cls.flip:
             return [self.box(int(h), int(w)) for h, w in zip(heights, widths, strict=True)], [
                 self.flip() for _ in heights
             ]
-        n, tries = len(heights), 10
-        rng = np.random.default_rng(random.getrandbits(64) if seed is None else seed)
+        if key is not None and samples is not None:
+            uniforms = keyed_uniforms(key, samples, self.draws)
+        else:
+            rng = np.random.default_rng(random.getrandbits(64) if seed is None else seed)
+            uniforms = rng.random((len(heights), self.draws))
+        return self._boxes_from(heights, widths, uniforms)
+
+    def _boxes_from(
+        self, heights: Sequence[int], widths: Sequence[int], uniforms: np.ndarray
+    ) -> tuple[list[Box], list[bool]]:
+        """Boxes and flips from ``(n, draws)`` uniform numbers in ``[0, 1)``, one row per image."""
+        low, high = self.scale
+        log_low, log_high = self._log_ratio
         height, width = np.asarray(heights, np.float64)[:, None], np.asarray(widths, np.float64)[:, None]
-        target_area = height * width * rng.uniform(*self.scale, (n, tries))
-        aspect = np.exp(rng.uniform(*self._log_ratio, (n, tries)))
+        target_area = height * width * (low + (high - low) * uniforms[:, :_TRIES])
+        aspect = np.exp(log_low + (log_high - log_low) * uniforms[:, _TRIES : 2 * _TRIES])
         w, h = np.rint(np.sqrt(target_area * aspect)), np.rint(np.sqrt(target_area / aspect))
         fits = (w > 0) & (w <= width) & (h > 0) & (h <= height)
         first, fitted = fits.argmax(axis=1)[:, None], fits.any(axis=1)  # the first try that fits, as `box` takes it
         h = np.where(fitted, np.take_along_axis(h, first, 1)[:, 0], 1).astype(np.int64)  # 1: a fallback follows
         w = np.where(fitted, np.take_along_axis(w, first, 1)[:, 0], 1).astype(np.int64)
         height, width = height[:, 0].astype(np.int64), width[:, 0].astype(np.int64)
-        top, left = rng.integers(0, height - h + 1), rng.integers(0, width - w + 1)
+        top = np.floor(uniforms[:, 2 * _TRIES] * (height - h + 1)).astype(np.int64)
+        left = np.floor(uniforms[:, 2 * _TRIES + 1] * (width - w + 1)).astype(np.int64)
         boxes = list(zip(top.tolist(), left.tolist(), h.tolist(), w.tolist(), strict=True))
         for i in np.flatnonzero(~fitted).tolist():  # rare: only images far outside the allowed aspect ratios
             boxes[i] = self._fallback(int(height[i]), int(width[i]))
-        flips = (rng.random(n) < self.flip_p) if self.flip_p > 0 else np.zeros(n, bool)
+        flips = uniforms[:, 2 * _TRIES + 2] < self.flip_p if self.flip_p > 0 else np.zeros(len(boxes), bool)
         return boxes, flips.tolist()
 
     def __call__(self, image: Tensor) -> Tensor:
-        """Crop, maybe flip, and resize one uint8 CHW image."""
-        box = self.box(image.shape[-2], image.shape[-1])
+        """Crop, maybe flip, and resize one uint8 CHW image.
+
+        Inside a loader the box and flip are the sample's own (:func:`~lightning_fastdata.keyed_random.sample_key`):
+        the same the batch path draws for it.
+        """
+        height, width = image.shape[-2], image.shape[-1]
+        uniforms = current_uniforms(self.draws) if type(self).box is RandomResizedCropFlip.box else None
+        if uniforms is not None:
+            (box,), (flip,) = self._boxes_from([height], [width], uniforms)
+            return _apply(image, box, self.size, flip)
+        box = self.box(height, width)
         return _apply(image, box, self.size, self.flip())
 
     def __repr__(self) -> str:
@@ -222,6 +257,8 @@ class CenterCropResize:
     """
 
     flip_p = 0.0
+    #: random numbers per image: none
+    draws = 0
 
     def __init__(self, size: int, crop_fraction: float = 0.875) -> None:
         if size < 1:
@@ -242,7 +279,12 @@ class CenterCropResize:
         return False
 
     def boxes(
-        self, heights: Sequence[int], widths: Sequence[int], seed: int | None = None
+        self,
+        heights: Sequence[int],
+        widths: Sequence[int],
+        seed: int | None = None,
+        key: AugmentKey | None = None,
+        samples: Sequence[int] | None = None,
     ) -> tuple[list[Box], list[bool]]:
         """The centre crop boxes of a batch of images, and no flips (:meth:`box` and :meth:`flip` per image)."""
         return [self.box(int(h), int(w)) for h, w in zip(heights, widths, strict=True)], [self.flip() for _ in heights]

@@ -6,8 +6,20 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from lightning_fastdata import convert, make_image_folder
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``cuda`` run on a real GPU only: skipped, with the reason, on a machine without CUDA."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA (run `make test-gpu` on a GPU machine)")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
 
 #: The session database downscales to this short side: the source images (40-80 px) straddle it, so the
 #: database holds both untouched small JPEGs and downscaled, re-encoded ones.

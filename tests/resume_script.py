@@ -5,16 +5,18 @@ Usage: ``python resume_script.py MODE DATA_DIR OUT_DIR SEED DEVICES WORKERS EVER
 ``MODE`` is ``fit`` (train from scratch) or ``resume`` (``trainer.fit(..., ckpt_path=CKPT)``). Two epochs of a tiny
 model on ``FastImageDataModule`` whose items carry their sample index; ``DEVICES`` > 1 is DDP on CPU (Lightning
 re-executes this script for the other ranks). ``ModelCheckpoint`` saves ``OUT_DIR/ckpt/step=<n>.ckpt`` every
-``EVERY`` steps, or with ``EVERY`` ``0`` at the end of every epoch (its default). Each rank appends one JSON
-line per training batch to ``OUT_DIR/rank<r>.jsonl`` (flushed at once): ``{"step", "epoch", "batch_idx",
-"indices"}``. After step ``SLOW_AFTER`` (``0``: never) each step sleeps 0.2 s, so
-the harness can kill the run a few steps later. ``LIMIT`` is ``Trainer(limit_train_batches)`` (default ``1.0``).
-``VAL`` ``1`` holds out a fifth of the images and validates at the end of every epoch, so ``ModelCheckpoint``
-saves in ``on_validation_end`` instead of ``on_train_epoch_end`` (default ``0``: no validation).
+``EVERY`` steps, or with ``EVERY`` ``0`` at the end of every epoch (its default). Each rank appends one JSON line per
+training batch to ``OUT_DIR/rank<r>.jsonl`` (flushed at once): ``{"step", "epoch", "batch_idx", "indices", "pixels"}``
+(``pixels``: a SHA-256 of the batch's images, so runs are compared crop for crop). After step ``SLOW_AFTER`` (``0``:
+never) each step sleeps 0.2 s, so the harness can kill the run a few steps later. ``LIMIT`` is
+``Trainer(limit_train_batches)`` (default ``1.0``). ``VAL`` ``1`` holds out a fifth of the images and validates at
+the end of every epoch, so ``ModelCheckpoint`` saves in ``on_validation_end`` instead of ``on_train_epoch_end``
+(default ``0``: no validation).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
 import time
@@ -53,6 +55,7 @@ class RecordingModel(LightningModule):
             "epoch": self.current_epoch,
             "batch_idx": batch_idx,
             "indices": batch[2].tolist(),
+            "pixels": hashlib.sha256(batch[0].contiguous().cpu().numpy().tobytes()).hexdigest(),
         }
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()

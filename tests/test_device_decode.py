@@ -16,7 +16,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, Dataset
 from torchvision.io import ImageReadMode, decode_jpeg
 
-from lightning_fastdata import FastImageDataModule, LmdbImageDataset, convert, make_image_folder
+from lightning_fastdata import FastImageDataModule, LmdbImageDataset, convert, device_decode, make_image_folder
 from lightning_fastdata.datamodule import IMAGENET_MEAN, IMAGENET_STD
 from lightning_fastdata.device_decode import (
     EncodedCropDataset,
@@ -26,6 +26,7 @@ from lightning_fastdata.device_decode import (
     encoded_batch_to_images,
 )
 from lightning_fastdata.errors import CorruptRecordError
+from lightning_fastdata.loader import BatchReader
 from lightning_fastdata.prefetch import DevicePrefetchLoader
 from lightning_fastdata.transforms import CenterCropResize, RandomResizedCropFlip, normalize_float
 
@@ -34,8 +35,6 @@ TRAIN_SIZE, VAL_SIZE, PLAIN_SIZE = 20, 8, 20
 
 #: output side of the crops
 SIZE = 24
-
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 @pytest.fixture(scope="module")
@@ -189,6 +188,42 @@ def test_collate_encoded_through_a_dataloader(databases: dict[str, Path]) -> Non
     assert all(labels.shape == (len(images),) for images, labels in batches)
 
 
+def test_a_raw_batch_on_cuda_calls_no_jpeg_decoder(databases: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch without JPEGs (a raw database) never reaches batched nvJPEG, which rejects an empty list."""
+
+    def nvjpeg(inputs: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+        if not inputs:  # what torchvision.io.decode_jpeg(list, device="cuda") does
+            raise ValueError("Input list must contain at least one element")
+        return [decode_jpeg(t, mode=ImageReadMode.RGB) for t in inputs]
+
+    monkeypatch.setattr(device_decode, "_decode_on_device", nvjpeg)
+    encoded, _ = _encoded_batch(databases["raw"], 4)
+    decoded = device_decode._decode_all(encoded, torch.device("cuda", 0))
+    assert [tuple(image.shape) for image in decoded] == [tuple(t.shape) for t in encoded.data]
+    assert all(image is data for image, data in zip(decoded, encoded.data, strict=True))
+
+
+@pytest.mark.parametrize("encoding", ["jpeg", "raw"])
+def test_encoded_batches_crop_as_the_cpu_path_from_the_same_key(databases: dict[str, Path], encoding: str) -> None:
+    """``decode="device"`` batches carry the boxes and flips the CPU path draws for the same key and samples.
+
+    The same seed gives the same boxes twice (a seeded or resumed run crops the same way); another seed does not.
+    """
+    dataset = LmdbImageDataset(databases[encoding], "train", transform=RandomResizedCropFlip(SIZE))
+    encoded = BatchReader(dataset, output="encoded")
+    first, labels = encoded.read_batch(range(12), seed=7)
+    again, _ = encoded.read_batch(range(12), seed=7)
+    other, _ = encoded.read_batch(range(12), seed=8)
+    assert torch.equal(first.boxes, again.boxes)
+    assert torch.equal(first.flips, again.flips)
+    assert not torch.equal(first.boxes, other.boxes)
+    heights, widths = zip(*[(r[0], r[1]) for r in first.records], strict=True)
+    boxes, flips = dataset.transform.boxes(heights, widths, key=(7, 0), samples=range(12))
+    assert first.boxes.tolist() == [list(box) for box in boxes]
+    assert first.flips.tolist() == flips
+    assert labels.tolist() == [dataset[i][1] for i in range(12)]
+
+
 @pytest.mark.parametrize(("n_boxes", "n_flips"), [(1, 2), (2, 1), (3, 3)])
 def test_encoded_images_with_mismatched_lengths_raise(n_boxes: int, n_flips: int) -> None:
     """Two images need two boxes and two flips."""
@@ -307,8 +342,8 @@ def test_decode_device_on_cuda_reads_encoded_records(databases: dict[str, Path])
         reader = loader.dataset
         assert reader.output == "encoded"
         assert reader.base is source
-        assert reader._encoded.box_fn == source.transform.box
-        assert reader._encoded.flip_p == flip_p
+        assert reader.transform is source.transform
+        assert reader.transform.flip_p == flip_p
         assert reader.indices is None
     assert len(train.dataset) == TRAIN_SIZE
     assert len(val.dataset) == VAL_SIZE
@@ -326,7 +361,7 @@ def test_decode_device_carries_the_held_out_indices(databases: dict[str, Path]) 
         reader = loader.dataset
         assert reader.output == "encoded"
         assert np.array_equal(reader.indices, view.indices)
-        assert reader._encoded.box_fn == view.dataset.transform.box
+        assert reader.transform is view.dataset.transform
         assert len(reader) == len(view)
         encoded, _ = reader.read_batch(range(len(reader)))
         for k in range(len(reader)):
@@ -401,7 +436,7 @@ def test_unknown_decode_raises() -> None:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-@needs_cuda
+@pytest.mark.cuda
 @pytest.mark.parametrize("encoding", ["jpeg", "raw"])
 def test_decode_crop_on_gpu_matches_cpu(databases: dict[str, Path], encoding: str) -> None:
     """Batched nvJPEG decoding and GPU crops match the CPU decode within JPEG tolerance."""
@@ -417,7 +452,7 @@ def test_decode_crop_on_gpu_matches_cpu(databases: dict[str, Path], encoding: st
         assert diff.max() < 1.0
 
 
-@needs_cuda
+@pytest.mark.cuda
 def test_decode_device_datamodule_on_gpu(databases: dict[str, Path]) -> None:
     """On CUDA the training loader hands out normalized float batches decoded on the GPU."""
     dm = _dm(databases["jpeg"], decode="device", pin_memory=True)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import math
 import random
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +19,7 @@ from torchvision.transforms.v2 import functional as TF
 
 from lightning_fastdata import LmdbImageDataset, SampleError, _format, convert_dataset
 from lightning_fastdata.errors import CorruptRecordError
-from lightning_fastdata.loader import BatchReader, FastLoader
+from lightning_fastdata.loader import BatchReader, FastLoader, KeyedIndices
 from lightning_fastdata.resumable import ResumableSampler
 from lightning_fastdata.skipping import SkipCounter
 from lightning_fastdata.transforms import CenterCropResize, Normalizer, RandomResizedCropFlip, _apply, crop_resize_into
@@ -173,7 +175,7 @@ def test_fused_batches_match_the_per_sample_path(
     assert reader.fused
     drawn: list[tuple[list, list]] = []
     draw = dataset.transform.boxes
-    monkeypatch.setattr(dataset.transform, "boxes", lambda h, w, seed: drawn.append(draw(h, w, seed)) or drawn[-1])
+    monkeypatch.setattr(dataset.transform, "boxes", lambda h, w, **kw: drawn.append(draw(h, w, **kw)) or drawn[-1])
     images, labels = reader.read_batch([0, 3, 7])
     (boxes, flips), plain = drawn[0], LmdbImageDataset(database)
     expected = torch.stack(
@@ -216,17 +218,44 @@ def test_every_engine_gives_the_same_batches_in_order(database: Path, engine: st
 
 
 def test_a_seeded_threaded_epoch_crops_the_same_way_twice(dataset: LmdbImageDataset) -> None:
-    """Each batch's seed is drawn in batch order by the consumer, not by whichever thread happens to build it."""
+    """Crops follow the sampler's seed and epoch, not the global random state or which thread builds a batch."""
     epochs = []
-    for _ in range(2):
-        random.seed(7)
+    for global_seed in (7, 8):
+        random.seed(global_seed)
         epochs.append(list(_loader(BatchReader(dataset), "threads", batch_size=2)))
     for (first, first_labels), (second, second_labels) in zip(*epochs, strict=True):
         torch.testing.assert_close(first, second, rtol=0, atol=0)
         assert first_labels.tolist() == second_labels.tolist()
-    random.seed(8)
-    other = list(_loader(BatchReader(dataset), "threads", batch_size=2))
-    assert any(not torch.equal(a, b) for (a, _), (b, _) in zip(epochs[0], other, strict=True))
+
+
+def test_crops_are_a_function_of_seed_epoch_and_sample(dataset: LmdbImageDataset) -> None:
+    """A sample's crop and flip depend on ``(seed, epoch, sample)`` only: not on its batch or its place in it."""
+    reader = BatchReader(dataset, output="uint8")
+
+    def read(indices: list[int], key: tuple[int, int]) -> torch.Tensor:
+        return reader.read_batch(KeyedIndices(indices, key))[0].clone()
+
+    whole = read(list(range(6)), (3, 0))
+    torch.testing.assert_close(torch.cat([read([0, 1, 2], (3, 0)), read([3, 4, 5], (3, 0))]), whole, rtol=0, atol=0)
+    torch.testing.assert_close(read([5, 4, 3, 2, 1, 0], (3, 0)), whole.flip(0), rtol=0, atol=0)
+    assert not torch.equal(read(list(range(6)), (3, 1)), whole)  # another epoch
+    assert not torch.equal(read(list(range(6)), (4, 0)), whole)  # another seed
+    torch.testing.assert_close(reader.read_batch(list(range(6)), seed=3)[0], whole, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("engine", ["threads", "processes", "main"])
+def test_a_loader_is_freed_without_the_garbage_collector(dataset: LmdbImageDataset, engine: str) -> None:
+    """Nothing a loader's iterator holds refers back to the loader: dropping it frees it (and stops its workers) at
+    once, not at some later garbage collection (which took 10 s for persistent worker processes)."""
+    loader = _loader(BatchReader(dataset), engine, persistent_workers=engine == "processes")
+    assert sum(len(labels) for _, labels in loader) == len(dataset)
+    alive = weakref.ref(loader)
+    gc.disable()
+    try:
+        del loader
+        assert alive() is None
+    finally:
+        gc.enable()
 
 
 def test_threads_stop_cleanly_when_the_consumer_stops_early(dataset: LmdbImageDataset) -> None:
@@ -430,7 +459,7 @@ def test_batch_buffers_are_reused_only_after_the_consumer_drops_the_batch(datase
     assert second.data_ptr() != third.data_ptr()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.cuda
 def test_cuda_training_steps_never_synchronize(database: Path) -> None:
     """On CUDA, steps fed by the DataModule's loader (threads, pinned uint8, side-stream copy and normalization)
     run under ``torch.cuda.set_sync_debug_mode("error")``: no host-device synchronization per step."""

@@ -16,6 +16,7 @@ from unittest.mock import Mock
 
 import pytest
 import torch
+from fakes import fake_trainer
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
 
 from lightning_fastdata import FastImageDataModule, convert, make_image_folder
@@ -181,7 +182,7 @@ def test_order_is_the_epoch_set_after_the_iterator_was_created(workers: int, per
     assert _ids(batches) == _reference(8, 2)[2:]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.cuda
 def test_order_is_the_epoch_set_after_the_iterator_was_created_on_cuda() -> None:
     """With device look-ahead on a real GPU and workers, too, the batches follow the epoch set after ``iter()``."""
     loader = _loader(seed=8, num_workers=2, persistent_workers=True, pin_memory=True, device="cuda")
@@ -436,7 +437,7 @@ def _complete_lines(path: Path) -> list[str]:
 
 
 def _records(out: Path, rank: int) -> list[dict[str, Any]]:
-    """Rank ``rank``'s per-batch records: ``{"step", "epoch", "batch_idx", "indices"}``."""
+    """Rank ``rank``'s per-batch records: ``{"step", "epoch", "batch_idx", "indices", "pixels"}``."""
     return [json.loads(line) for line in _complete_lines(out / f"rank{rank}.jsonl")]
 
 
@@ -478,7 +479,11 @@ def _loader_state(checkpoint: Path) -> list[dict[str, Any]]:
 def _check_resumed(
     full: list[list[dict[str, Any]]], killed: list[list[dict[str, Any]]], resumed: list[list[dict[str, Any]]], k: int
 ) -> None:
-    """Per rank: the killed run's first ``k`` steps, then the resumed run's steps, are exactly the uninterrupted run."""
+    """Per rank: the killed run's first ``k`` steps, then the resumed run's steps, are exactly the uninterrupted run.
+
+    Exactly: the same samples, and the same pixels (``"pixels"``, a digest of each batch's images): the same crops
+    and flips.
+    """
     for a, b, c in zip(full, killed, resumed, strict=True):
         assert [r["step"] for r in b[:k]] == list(range(1, k + 1))
         assert len(b) >= k + 2  # the killed run went past the checkpoint: those steps are replayed by the resumed run
@@ -486,6 +491,7 @@ def _check_resumed(
         assert c[0]["step"] == k + 1
         assert b[:k] + c == a
         assert len({tuple(r["indices"]) for r in a}) == len(a)  # the comparison is of distinct batches
+        assert len({r["pixels"] for r in a}) == len(a)
 
 
 @pytest.fixture(scope="module")
@@ -585,3 +591,73 @@ def test_killed_ddp_run_resumes_exactly(
     _check_resumed(full, ddp_runs["killed"], resumed, k)
     for rank in resumed:
         assert (rank[0]["epoch"], rank[0]["batch_idx"]) == ((1, 0) if k == 8 else (0, k))
+
+
+def _epoch_batches(loader: Any, stop: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Copies of the batches of one epoch of ``loader`` (the first ``stop`` of them, when given)."""
+    batches = []
+    for images, labels in loader:
+        batches.append((images.clone(), labels.clone()))
+        if stop is not None and len(batches) == stop:
+            break
+    return batches
+
+
+def _resumed_against_full(
+    make: Any, k: int = 2, epoch: int = 1
+) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Epoch ``epoch`` of a fresh loader from ``make()``, and the same epoch interrupted after ``k`` batches (state
+    saved) and finished by another fresh loader that loaded that state: ``(full, head + tail)``."""
+    first = make()
+    first.sampler.set_epoch(epoch)
+    full = _epoch_batches(first)
+    interrupted = make()
+    interrupted.sampler.set_epoch(epoch)
+    head = _epoch_batches(interrupted, stop=k)
+    state = interrupted.state_dict()
+    resumed = make()
+    resumed.load_state_dict(state)
+    return full, head + _epoch_batches(resumed)
+
+
+def _assert_same_batches(batches: list[Any], expected: list[Any], what: str) -> None:
+    assert len(batches) == len(expected), what
+    for (images, labels), (expected_images, expected_labels) in zip(batches, expected, strict=True):
+        torch.testing.assert_close(images, expected_images, rtol=0, atol=0, msg=what)
+        assert labels.tolist() == expected_labels.tolist(), what
+
+
+def _resume_datamodule(database: Path, device: str, **kwargs: Any) -> FastImageDataModule:
+    dm = FastImageDataModule(str(database), image_size=16, batch_size=4, val_fraction=0, seed=5, **kwargs)
+    dm.trainer = fake_trainer(device)
+    dm.setup("fit")
+    return dm
+
+
+def test_a_resumed_epoch_is_bit_identical_on_every_engine(database: Path) -> None:
+    """Mid-epoch resume continues with the same samples *and the same crops and flips*, on every engine.
+
+    Every engine also builds the same batches as the others: a sample's augmentation is a function of the seed,
+    the epoch and the sample, not of the thread or worker that reads it.
+    """
+    full: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    for engine, workers in (("threads", 2), ("processes", 2), ("threads", 0)):
+        name = f"{engine}-{workers}"
+        full[name], resumed = _resumed_against_full(
+            lambda: _resume_datamodule(database, "cpu", num_workers=workers, engine=engine).train_dataloader()  # noqa: B023
+        )
+        assert len(full[name]) == 6
+        _assert_same_batches(resumed, full[name], name)
+    for name, batches in full.items():
+        _assert_same_batches(batches, full["threads-2"], name)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("decode", ["cpu", "device"])
+def test_a_resumed_epoch_is_bit_identical_on_cuda(database: Path, decode: str) -> None:
+    """On a GPU (prefetch to the device, and with ``decode="device"`` nvJPEG), a resumed epoch is bit-identical."""
+    full, resumed = _resumed_against_full(
+        lambda: _resume_datamodule(database, "cuda", num_workers=2, decode=decode).train_dataloader()
+    )
+    assert full[0][0].is_cuda
+    _assert_same_batches(resumed, full, decode)
