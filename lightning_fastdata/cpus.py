@@ -119,6 +119,15 @@ def cpu_sharing_processes(processes: int, cgroup_root: str | os.PathLike[str] = 
     return 1 if pinned_to_own_cpus(processes, cgroup_root) else max(1, processes)
 
 
+def worker_budget(world_size: int = 1, num_nodes: int = 1) -> int:
+    """Loader workers per training process that the usable CPUs allow: usable CPUs // processes sharing them.
+
+    The processes sharing them are the training processes on this node (``world_size / num_nodes``), or only this
+    one when a launcher pinned each rank to its own CPUs (see :func:`pinned_to_own_cpus`).
+    """
+    return usable_cpu_count() // cpu_sharing_processes(processes_per_node(world_size, num_nodes))
+
+
 def usable_cpu_count(cgroup_root: str | os.PathLike[str] = _CGROUP_ROOT) -> int:
     """The CPUs this process may use: its CPU affinity, capped by the cgroup quota (rounded up), at least 1.
 
@@ -133,13 +142,20 @@ def usable_cpu_count(cgroup_root: str | os.PathLike[str] = _CGROUP_ROOT) -> int:
 
 
 class CpuMeter:
-    """CPU time of this process and its children (the DataLoader workers), as a share of the usable CPUs.
+    """CPU time of this process and its descendants (DataLoader workers), as a share of the usable CPUs.
 
-    Listing the children scans ``/proc`` (about half a millisecond), so the list is refreshed every
-    ``refresh_every`` readings, or sooner when a child has gone; reading the cached processes' times is cheap.
+    Listing the descendants scans ``/proc`` (about half a millisecond), so the list is refreshed at most every
+    ``refresh_s`` seconds, and at the next reading after one has gone; reading the listed processes' times is cheap.
+    A process found at a later listing started after the previous one, so all its CPU time counts (none of it was
+    counted before); one running when the meter starts counts from then on. A process that exits loses its time
+    since the last reading.
+
+    Args:
+        refresh_s: seconds between listings of the descendants.
+
     """
 
-    def __init__(self, refresh_every: int = 10) -> None:
+    def __init__(self, refresh_s: float = 1.0) -> None:
         try:
             import psutil
         except ImportError:  # pragma: no cover - psutil is a dependency
@@ -147,38 +163,64 @@ class CpuMeter:
         else:
             self._proc = psutil.Process(os.getpid())
         self._cpus = usable_cpu_count()
-        self._refresh_every = refresh_every
-        self._reads = 0
-        self._children: list[Any] = []
-        self._last = self._read()
+        self._refresh_s = refresh_s
+        self._listed_at = -math.inf  # perf_counter of the last listing
+        #: pid -> (process, its CPU seconds at the last reading)
+        self._children: dict[int, tuple[Any, float]] = {}
+        self._own = self._seconds(self._proc) if self._proc is not None else 0.0
+        if self._proc is not None:
+            self._list(first=True)
+        self._last = time.perf_counter()
 
-    def _read(self) -> tuple[float, float]:
-        if self._proc is None:
-            return time.perf_counter(), 0.0
-        if self._reads % self._refresh_every == 0:
-            try:
-                self._children = self._proc.children(recursive=True)
-            except Exception:
-                self._children = []
-        self._reads += 1
-        total = 0.0
-        for proc in (self._proc, *self._children):
-            try:
-                times = proc.cpu_times()
-            except Exception:  # a worker that exited: list the children again next time
-                self._reads = 0
+    @staticmethod
+    def _seconds(proc: Any) -> float:
+        times = proc.cpu_times()
+        return float(times.user + times.system)
+
+    def _list(self, first: bool = False) -> None:
+        """List the descendants again: new ones count from their start (or, at the ``first`` listing, from now)."""
+        assert self._proc is not None
+        try:
+            found = self._proc.children(recursive=True)
+        except Exception:
+            found = []
+        for proc in found:
+            if proc.pid in self._children:
                 continue
-            total += times.user + times.system
-        return time.perf_counter(), total
+            try:
+                seconds = self._seconds(proc) if first else 0.0
+            except Exception:  # it exited meanwhile
+                continue
+            self._children[proc.pid] = (proc, seconds)
+        self._listed_at = time.perf_counter()
+
+    def _used(self) -> float:
+        """CPU seconds this process and its descendants used since the last reading."""
+        assert self._proc is not None
+        if time.perf_counter() - self._listed_at >= self._refresh_s:
+            self._list()
+        own = self._seconds(self._proc)
+        used, self._own = own - self._own, own
+        for pid, (proc, before) in list(self._children.items()):
+            try:
+                seconds = self._seconds(proc)
+            except Exception:  # it exited: list again at the next reading
+                del self._children[pid]
+                self._listed_at = -math.inf
+                continue
+            used += seconds - before
+            self._children[pid] = (proc, seconds)
+        return used
 
     def take(self) -> float | None:
         """Mean CPU use (% of the usable CPUs) since the last call."""
         if self._proc is None:
             return None
-        now, cpu = self._read()
-        (then, before), self._last = self._last, (now, cpu)
+        used = self._used()
+        now = time.perf_counter()
+        then, self._last = self._last, now
         if now <= then:
             return None
         # Clamped: CPU time cannot exceed wall time x usable CPUs; a reading above that is the meter's own artefact
-        # (a worker found at a refresh brings CPU time from before the interval with it).
-        return min(100.0, max(0.0, 100.0 * (cpu - before) / ((now - then) * self._cpus)))
+        # (a process found at a refresh brings CPU time from before the interval with it).
+        return min(100.0, max(0.0, 100.0 * used / ((now - then) * self._cpus)))

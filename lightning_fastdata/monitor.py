@@ -21,7 +21,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightning_fastdata.cpus import CpuMeter, cpu_sharing_processes, processes_per_node, usable_cpu_count
+from lightning_fastdata import cpus
 
 log = logging.getLogger(__name__)
 
@@ -128,17 +128,22 @@ class LoaderMonitor(Callback):
     after), so the wait is the loader's time only: the batch hooks of any callback, logging, checkpoint saving and
     validation are in neither the wait nor the step, wherever the monitor sits in the callback list.
 
-    On the CPU both are host times. On CUDA both are GPU times, from CUDA events on the compute stream read once per
-    logging interval (never a per-step ``synchronize()``): the wait runs from the start of the fetch to the end of the
-    transfer — the time the GPU sat idle because the batch was not there; a fetch that returns while the GPU still
-    works through queued kernels costs no GPU time, so it is no stall.
+    On the CPU both are host times. On CUDA both are GPU times, from CUDA events on the compute stream: the wait runs
+    from the start of the fetch to the end of the transfer — the time the GPU sat idle because the batch was not
+    there; a fetch that returns while the GPU still works through queued kernels costs no GPU time, so it is no
+    stall. The monitor never makes the host wait for the GPU during an epoch (that would drain the queue and turn the
+    next fetch into idle time it caused itself): at each logging point it reads only the events that have completed
+    (``Event.query()``) and leaves the rest for the next one, and logs its metrics as CPU tensors (a Python number
+    logged from a CUDA module is copied to the GPU, and that copy waits for the queue); one ``synchronize()`` at the
+    end of each epoch reads what is left.
 
     The first epoch is warmup (worker start-up, cold page cache): it is logged but left out of the verdict.
 
     **Logged Metrics** (through ``LightningModule.log``, so at the same steps and in the same rows as the model's own
     ``self.log`` metrics: every ``Trainer(log_every_n_steps)`` optimizer steps):
 
-    - ``loader/data_wait_ms``, ``loader/step_ms``: means over the training batches since the last log
+    - ``loader/data_wait_ms``, ``loader/step_ms``: means over the training batches timed since the last log (on
+      CUDA, those whose GPU work had completed; a few steps behind)
     - ``loader/data_fraction``: wait / (wait + step), 0-1
     - ``loader/samples_per_sec``: samples over wall time
     - ``loader/gpu_util`` (0-1), ``loader/gpu_mem_gb``: NVML averages (only on CUDA with NVML)
@@ -215,9 +220,10 @@ class LoaderMonitor(Callback):
         self._marks: dict[str, list[Any]] = {}  # CUDA events of the pending training batch: "wait", "step"
         self._events: list[tuple[int, Any, Any, Any, Any]] = []  # index, wait start/end, step start/end
         self._interval_start: float | None = None
-        self._interval_first = 0
+        self._interval_first = 0  # the first batch of the logging interval (for throughput)
+        self._timed_first = 0  # the first batch whose times are not logged yet (on CUDA they are final later)
         self._gpu: _GpuSampler | None = None
-        self._cpu: CpuMeter | None = None
+        self._cpu: cpus.CpuMeter | None = None
         self._val_wait = array("d")
         self._val_step = array("d")
         self._val_start: float | None = None
@@ -233,7 +239,7 @@ class LoaderMonitor(Callback):
         self._reset()
         device = pl_module.device
         self._cuda = device.type == "cuda"
-        self._cpu = CpuMeter()
+        self._cpu = cpus.CpuMeter()
         self._watch_fetches(trainer)
         if self._cuda:
             found = _nvml_handles(device.index if device.index is not None else torch.cuda.current_device())
@@ -249,7 +255,7 @@ class LoaderMonitor(Callback):
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._stop()
-        self._flush_events()
+        self._flush_events(wait=True)
         self.summary = self._summarize(trainer)
         self.summary["ranks"] = ranks = self._gather_ranks(trainer, pl_module)
         if len(ranks) > 1:
@@ -416,31 +422,49 @@ class LoaderMonitor(Callback):
         if every > 0 and stepped and (done + 1) % every == 0:
             self._log_interval(pl_module)
 
-    def _flush_events(self) -> None:
-        """Replace the host times of finished CUDA batches by their GPU times (one synchronize per call)."""
+    def _flush_events(self, wait: bool = False) -> None:
+        """Replace the host times of CUDA batches by their GPU times, oldest first.
+
+        Without ``wait`` only batches whose events have completed (``Event.query()``: the host never waits) are read;
+        the rest stay for a later call. Waiting for the GPU here would drain its queue, and the next fetch would then
+        be real idle time that the monitor itself caused. With ``wait`` (at the end of an epoch and of fit) one
+        ``synchronize()`` completes them all.
+        """
         if not self._events:
             return
-        self._events[-1][-1].synchronize()
+        if wait:
+            self._events[-1][-1].synchronize()
+        done = 0
         for index, wait_start, wait_end, step_start, step_end in self._events:
+            if not wait and not step_end.query():  # events complete in order on the compute stream
+                break
             if wait_start is not None and wait_end is not None:
                 self.wait_ms[index] = float(wait_start.elapsed_time(wait_end))
             self.step_ms[index] = float(step_start.elapsed_time(step_end))
-        self._events.clear()
+            done += 1
+        del self._events[:done]
+
+    def _timed(self) -> int:
+        """How many batches, from the first, have final wait and step times (on CUDA: whose events were read)."""
+        return self._events[0][0] if self._events else len(self.step_ms)
 
     def _log_interval(self, pl_module: LightningModule) -> None:
         self._flush_events()
         now = time.perf_counter()
         first, last = self._interval_first, len(self.step_ms)
         self._interval_first = last
-        wait = float(np.mean(self.wait_ms[first:last]))
-        step = float(np.mean(self.step_ms[first:last]))
         elapsed = now - (self._interval_start if self._interval_start is not None else now)
         self._interval_start = now
-        metrics = {
-            "loader/data_wait_ms": wait,
-            "loader/step_ms": step,
-            "loader/data_fraction": wait / (wait + step) if wait + step > 0 else 0.0,
-        }
+        metrics: dict[str, float] = {}
+        # wait and step of the batches timed since the last log: on CUDA those whose GPU work has completed
+        timed_first, timed_last = self._timed_first, self._timed()
+        if timed_last > timed_first:
+            self._timed_first = timed_last
+            wait = float(np.mean(self.wait_ms[timed_first:timed_last]))
+            step = float(np.mean(self.step_ms[timed_first:timed_last]))
+            metrics["loader/data_wait_ms"] = wait
+            metrics["loader/step_ms"] = step
+            metrics["loader/data_fraction"] = wait / (wait + step) if wait + step > 0 else 0.0
         if elapsed > 0:
             metrics["loader/samples_per_sec"] = sum(self.samples[first:last]) / elapsed
         if self._gpu is not None:
@@ -453,11 +477,15 @@ class LoaderMonitor(Callback):
             if cpu is not None:
                 metrics["loader/cpu_util"] = cpu / 100.0
                 self.cpu_util.append(cpu / 100.0)
-        pl_module.log_dict(metrics, on_step=True, on_epoch=False)
+        if metrics:
+            # CPU tensors: a Python number is copied to the module's device (on CUDA a blocking copy, which waits for
+            # every queued kernel), and read back when the logger writes it
+            values = {name: torch.tensor(value, dtype=torch.float32) for name, value in metrics.items()}
+            pl_module.log_dict(values, on_step=True, on_epoch=False)
 
     @override
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._flush_events()
+        self._flush_events(wait=True)
         first = self._epoch_first
         wait, step = np.asarray(self.wait_ms[first:]), np.asarray(self.step_ms[first:])
         if not len(step):
@@ -550,25 +578,33 @@ class LoaderMonitor(Callback):
         if loader is None:
             return ["the training dataloader is not a torch DataLoader; time its fetch to find the slow stage"]
         advice = []
-        processes = cpu_sharing_processes(processes_per_node(trainer.world_size, trainer.num_nodes))
-        budget = usable_cpu_count() // processes
-        workers = loader.num_workers
+        processes = cpus.cpu_sharing_processes(cpus.processes_per_node(trainer.world_size, trainer.num_nodes))
+        budget = cpus.worker_budget(trainer.world_size, trainer.num_nodes)
+        # a FastLoader builds batches on threads (`engine="threads"`) or worker processes; a DataLoader on processes
+        engine = getattr(loader, "engine", "processes" if loader.num_workers > 0 else "main")
+        workers = int(getattr(loader, "workers", loader.num_workers))
+        unit = "loader threads" if engine == "threads" else "worker processes"
         if workers == 0:
             advice.append(
                 f"num_workers=0 loads every batch in the training process; set num_workers={max(1, budget)}"
-                f" (the budget: {usable_cpu_count()} usable CPUs / {processes} process(es) sharing them)"
+                f" (the budget: {cpus.usable_cpu_count()} usable CPUs / {processes} process(es) sharing them)"
             )
         elif workers < budget:
-            advice.append(f"num_workers={workers} is below the budget of {budget}; raise it to {budget}")
+            advice.append(f"num_workers={workers} ({unit}) is below the budget of {budget}; raise it to {budget}")
         elif workers > budget:
             advice.append(
-                f"num_workers={workers} exceeds the budget of {budget} ({usable_cpu_count()} usable CPUs /"
-                f" {processes} process(es)): workers fight over cores; lower it to {max(1, budget)}"
+                f"num_workers={workers} ({unit}) exceeds the budget of {budget} ({cpus.usable_cpu_count()} usable"
+                f" CPUs / {processes} process(es)): they fight over cores; lower it to {max(1, budget)}"
+            )
+        elif engine == "threads" and workers > 2:
+            advice.append(
+                f"the {workers} loader threads use the whole budget, and their Python work per image shares the"
+                " training process's GIL with the training step: try engine='processes'"
             )
         if self._cuda and not loader.pin_memory:
             advice.append("pin_memory is off while training on CUDA; set pin_memory=True for asynchronous copies")
         epoch_batches = self._steps_per_epoch()
-        if workers > 0 and not loader.persistent_workers and epoch_batches and trainer.max_epochs != 1:
+        if engine == "processes" and not loader.persistent_workers and epoch_batches and trainer.max_epochs != 1:
             first_waits = [self.wait_ms[i] for i in self._epoch_starts()]
             if first_waits and np.mean(first_waits) > 5 * summary["wait_p50_ms"]:
                 advice.append(
@@ -588,7 +624,7 @@ class LoaderMonitor(Callback):
             )
         prefetch = getattr(loader, "prefetch_factor", None)
         if (
-            workers > 0
+            engine == "processes"
             and prefetch is not None
             and prefetch <= 2
             and summary["wait_p90_ms"] > 3 * summary["wait_p50_ms"]
@@ -666,7 +702,7 @@ class LoaderMonitor(Callback):
         if "gpu_util" in s:
             rows.append(("GPU utilization", f"{s['gpu_util']:.0%}"))
         if "cpu_util" in s:
-            rows.append(("CPU utilization", f"{s['cpu_util']:.0%} of {usable_cpu_count()} usable CPUs"))
+            rows.append(("CPU utilization", f"{s['cpu_util']:.0%} of {cpus.usable_cpu_count()} usable CPUs"))
         waits = {r["rank"]: r["wait_mean_ms"] for r in s.get("ranks", []) if r["wait_mean_ms"] is not None}
         if len(waits) > 1:
             slowest = max(waits, key=waits.__getitem__)

@@ -1,12 +1,15 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from lightning_fastdata import cpus
-from lightning_fastdata.cpus import cgroup_cpu_quota, usable_cpu_count
+from lightning_fastdata.cpus import CpuMeter, cgroup_cpu_quota, usable_cpu_count
 
 
 def _write(path: Path, text: str) -> None:
@@ -191,3 +194,52 @@ def test_datamodule_budget_is_not_divided_twice_for_pinned_ranks(node, monkeypat
     assert dm.worker_budget() == 8
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(32)), raising=False)
     assert dm.worker_budget() == 8  # every rank sees the whole node: 32 CPUs shared by 4
+
+
+_BURN = (
+    "import sys, time\n"
+    "end = time.process_time() + float(sys.argv[1])\n"
+    "while time.process_time() < end:\n"
+    "    pass\n"
+    "print('done', flush=True)\n"
+    "sys.stdin.read()\n"
+)
+
+
+def _burning_child(cpu_seconds: float) -> subprocess.Popen[str]:
+    """A child process that uses ``cpu_seconds`` of CPU, says ``done``, then idles until its stdin closes."""
+    return subprocess.Popen(
+        [sys.executable, "-c", _BURN, str(cpu_seconds)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+
+
+def test_cpu_meter_counts_workers_that_start_after_it():
+    """Worker processes started after the meter (persistent DataLoader workers) are in the next reading."""
+    meter = CpuMeter(refresh_s=0.0)
+    start = time.perf_counter()
+    child = _burning_child(0.5)
+    try:
+        assert child.stdout is not None
+        assert child.stdout.readline().strip() == "done"
+        share = meter.take()
+        elapsed = time.perf_counter() - start
+    finally:
+        child.communicate(timeout=30)
+    assert share is not None
+    # CPU time is measured, not estimated: the child's 0.5 s are in, whatever the load on the machine
+    assert share >= 0.9 * 100 * 0.5 / (elapsed * usable_cpu_count())
+
+
+def test_cpu_meter_counts_a_running_worker_from_when_it_was_first_seen():
+    """A process that ran before the meter existed counts only its CPU time from then on, not its whole history."""
+    child = _burning_child(0.5)
+    try:
+        assert child.stdout is not None
+        assert child.stdout.readline().strip() == "done"
+        meter = CpuMeter(refresh_s=0.0)
+        time.sleep(0.2)
+        share = meter.take()
+    finally:
+        child.communicate(timeout=30)
+    assert share is not None
+    assert share < 100 * 0.25 / (0.2 * usable_cpu_count())  # well below its 0.5 s burn

@@ -25,7 +25,8 @@ from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
 from torchvision.datasets import ImageFolder
 from torchvision.datasets.folder import default_loader
 
-from lightning_fastdata import LoaderMonitor
+from lightning_fastdata import LmdbImageDataset, LoaderMonitor
+from lightning_fastdata.loader import BatchReader, FastLoader
 from lightning_fastdata.monitor import _batch_size, _GpuSampler, _nvml_handles, _verdict
 
 DDP_SCRIPT = Path(__file__).with_name("monitor_ddp_script.py")
@@ -249,7 +250,7 @@ def test_exact_timing_and_interval_metrics():
     ]
     cpu = Mock(take=Mock(return_value=37.5))
     with (
-        patch("lightning_fastdata.monitor.CpuMeter", return_value=cpu),
+        patch("lightning_fastdata.cpus.CpuMeter", return_value=cpu),
         patch("lightning_fastdata.monitor.time.perf_counter", side_effect=times) as perf_counter,
     ):
         monitor.on_train_start(trainer, module)
@@ -292,7 +293,7 @@ def test_batch_size_fn_overrides_the_batch_search():
     """`batch_size_fn` counts the samples of a batch whose first tensor is not the batch."""
     trainer, module = _mock_trainer(), _cpu_module()
     monitor = LoaderMonitor(batch_size_fn=lambda batch: batch["n"])
-    with patch("lightning_fastdata.monitor.CpuMeter"):
+    with patch("lightning_fastdata.cpus.CpuMeter"):
         monitor.on_train_start(trainer, module)
     monitor.on_train_epoch_start(trainer, module)
     batch = {"n": 5, "mask": torch.zeros(1, 3)}
@@ -306,7 +307,7 @@ def test_batches_without_a_reported_fetch_warn_once():
     """Batches whose fetch Lightning did not report (a `dataloader_iter` step) count no wait, with one warning."""
     trainer, module = _mock_trainer(), _cpu_module()
     monitor = LoaderMonitor(warmup_epochs=0)
-    with patch("lightning_fastdata.monitor.CpuMeter"):
+    with patch("lightning_fastdata.cpus.CpuMeter"):
         monitor.on_train_start(trainer, module)
     monitor.on_train_epoch_start(trainer, module)
     with warnings.catch_warnings(record=True) as record:
@@ -344,7 +345,7 @@ def test_warmup_epoch_is_left_out_of_the_summary():
     trainer, module, clock = _mock_trainer(), _cpu_module(), _Clock()
     monitor = LoaderMonitor(warmup_epochs=1)
     with (
-        patch("lightning_fastdata.monitor.CpuMeter"),
+        patch("lightning_fastdata.cpus.CpuMeter"),
         patch("lightning_fastdata.monitor.time.perf_counter", side_effect=clock),
     ):
         monitor.on_train_start(trainer, module)
@@ -370,7 +371,7 @@ def test_warmup_steps_leave_out_the_first_batches():
     trainer, module, clock = _mock_trainer(), _cpu_module(), _Clock()
     monitor = LoaderMonitor(warmup_epochs=0, warmup_steps=2)
     with (
-        patch("lightning_fastdata.monitor.CpuMeter"),
+        patch("lightning_fastdata.cpus.CpuMeter"),
         patch("lightning_fastdata.monitor.time.perf_counter", side_effect=clock),
     ):
         monitor.on_train_start(trainer, module)
@@ -413,7 +414,7 @@ def test_invalid_arguments_raise(kwargs, match):
 def test_slow_dataset_is_input_bound_with_worker_advice():
     """A dataset that sleeps per sample feeding a tiny model is input-bound, and told to use the CPU budget."""
     monitor = LoaderMonitor(warmup_epochs=1)
-    with patch("lightning_fastdata.monitor.usable_cpu_count", return_value=3):
+    with patch("lightning_fastdata.cpus.usable_cpu_count", return_value=3):
         _fit(monitor, _SlowDataset(8, delay=0.02))
     summary = monitor.summary
     assert summary["measured_steps"] == 4
@@ -487,7 +488,7 @@ def test_convert_advice_sees_through_subset_and_skips_tensors(image_folder):
 )
 def test_pin_memory_advice_only_on_cuda(cuda, pin_memory, advised):
     """`pin_memory=False` is flagged only when training runs on CUDA."""
-    with patch("lightning_fastdata.monitor.usable_cpu_count", return_value=1):
+    with patch("lightning_fastdata.cpus.usable_cpu_count", return_value=1):
         advice = _advice(DataLoader(_in_memory(4), pin_memory=pin_memory), cuda=cuda)
     assert any("pin_memory" in item for item in advice) is advised
 
@@ -496,24 +497,51 @@ def test_pin_memory_advice_only_on_cuda(cuda, pin_memory, advised):
 @pytest.mark.parametrize(
     ("workers", "world_size", "expected"),
     [
-        (4, 1, "num_workers=4 exceeds the budget of 2 (2 usable CPUs / 1 process(es)): workers fight over cores"),
-        (1, 1, "num_workers=1 is below the budget of 2; raise it to 2"),
-        (2, 2, "num_workers=2 exceeds the budget of 1 (2 usable CPUs / 2 process(es))"),
+        (4, 1, "num_workers=4 (worker processes) exceeds the budget of 2 (2 usable CPUs / 1 process(es)): they fight"),
+        (1, 1, "num_workers=1 (worker processes) is below the budget of 2; raise it to 2"),
+        (2, 2, "num_workers=2 (worker processes) exceeds the budget of 1 (2 usable CPUs / 2 process(es))"),
         (0, 2, "set num_workers=1 (the budget: 2 usable CPUs / 2 process(es) sharing them)"),
     ],
 )
 def test_worker_advice_against_the_cpu_budget(workers, world_size, expected):
     """The num_workers advice compares the loader with the usable CPUs shared by the processes on the node."""
-    with patch("lightning_fastdata.monitor.usable_cpu_count", return_value=2):
+    with patch("lightning_fastdata.cpus.usable_cpu_count", return_value=2):
         advice = _advice(DataLoader(_in_memory(4), num_workers=workers), world_size=world_size)
     assert any(expected in item for item in advice), advice
     if workers > 2 // world_size:
         assert any(item.endswith(f"lower it to {max(1, 2 // world_size)}") for item in advice), advice
 
 
+@pytest.mark.parametrize(
+    ("threads", "expected", "not_expected"),
+    [
+        (1, "num_workers=1 (loader threads) is below the budget of 2; raise it to 2", "num_workers=0"),
+        (4, "num_workers=4 (loader threads) exceeds the budget of 2", "num_workers=0"),
+    ],
+)
+def test_worker_advice_counts_the_threads_of_a_threaded_loader(database, threads, expected, not_expected):
+    """A FastLoader that builds batches on threads has ``num_workers=0``: the advice counts its threads instead."""
+    loader = FastLoader(BatchReader(LmdbImageDataset(database)), batch_size=2, threads=threads)
+    assert (loader.num_workers, loader.engine) == (0, "threads")
+    with patch("lightning_fastdata.cpus.usable_cpu_count", return_value=2):
+        advice = _advice(loader)
+    assert any(expected in item for item in advice), advice
+    assert not any(not_expected in item or "persistent_workers" in item for item in advice), advice
+
+
+def test_threads_at_the_budget_are_told_about_the_processes_engine(database):
+    """Input-bound with every budgeted thread busy: the GIL-free engine is the next thing to try."""
+    loader = FastLoader(BatchReader(LmdbImageDataset(database)), batch_size=2, threads=4)
+    with patch("lightning_fastdata.cpus.usable_cpu_count", return_value=4):
+        advice = _advice(loader)
+    assert loader.engine == "threads"
+    assert any("engine='processes'" in item for item in advice), advice
+    assert not any("num_workers=" in item for item in advice), advice
+
+
 def test_loader_at_the_budget_gets_the_fallback_advice():
     """A loader that already matches the budget is told the per-sample work itself is the cost."""
-    with patch("lightning_fastdata.monitor.usable_cpu_count", return_value=2):
+    with patch("lightning_fastdata.cpus.usable_cpu_count", return_value=2):
         advice = _advice(DataLoader(_in_memory(4), num_workers=2, persistent_workers=True, prefetch_factor=4))
     assert len(advice) == 1
     assert advice[0].startswith("the loader settings look right for this machine")
@@ -533,7 +561,7 @@ def test_epoch_restart_bursty_waits_and_idle_gpu_advice():
     monitor.wait_ms.extend([400.0, 10.0, 10.0, 300.0, 10.0, 10.0])
     trainer = _mock_trainer(train_dataloader=DataLoader(_in_memory(4), num_workers=2), max_epochs=3)
     summary = {"wait_p50_ms": 10.0, "wait_p90_ms": 40.0, "data_fraction": 0.6, "gpu_util": 0.3}
-    with patch("lightning_fastdata.monitor.usable_cpu_count", return_value=2):
+    with patch("lightning_fastdata.cpus.usable_cpu_count", return_value=2):
         advice = monitor._advice(trainer, summary)
     assert any("300 ms wait while workers restart; set persistent_workers=True" in item for item in advice)
     assert any("prefetch_factor=2; raise prefetch_factor to 4" in item for item in advice)
@@ -546,10 +574,12 @@ def test_epoch_restart_bursty_waits_and_idle_gpu_advice():
 
 
 class _FakeCuda:
-    """A fake GPU clock (ms) whose ``event()`` stands in for ``torch.cuda.Event``."""
+    """A fake GPU (ms): ``now`` is the end of its queued work, ``done`` how far it has run; ``event()`` stands in
+    for ``torch.cuda.Event``."""
 
     def __init__(self) -> None:
         self.now = 0.0
+        self.done = 0.0
         self.synchronized = 0
 
     def event(self, enable_timing: bool = False) -> _FakeEvent:
@@ -565,12 +595,19 @@ class _FakeEvent:
     def record(self) -> None:
         self.at = self.cuda.now
 
+    def query(self) -> bool:
+        assert self.at is not None
+        return self.cuda.done >= self.at
+
     def synchronize(self) -> None:
+        assert self.at is not None
         self.cuda.synchronized += 1
+        self.cuda.done = max(self.cuda.done, self.at)
 
     def elapsed_time(self, end: _FakeEvent) -> float:
         assert self.at is not None
         assert end.at is not None
+        assert self.cuda.done >= end.at, "elapsed_time of an event that has not completed"
         return end.at - self.at
 
 
@@ -582,21 +619,25 @@ def _fake_nvml(util: dict[str, float], used: dict[str, float]) -> SimpleNamespac
     )
 
 
-def test_cuda_wait_and_step_come_from_events_synchronized_once_per_interval():
-    """On CUDA, wait and step are the events' GPU times, read with one synchronize per logging interval.
+def test_cuda_wait_and_step_come_from_completed_events_without_waiting_for_the_gpu():
+    """On CUDA, wait and step are the events' GPU times, read once their events have completed: the monitor never
+    makes the host wait for the GPU during an epoch (that would drain its queue), and synchronizes once at its end.
 
     The wait runs from the fetch's start to the transfer's end on the compute stream: a fetch that returns while the
-    GPU still works through queued kernels (batch 1: 20 ms on the host, none on the GPU) is no stall.
+    GPU still works through queued kernels (batch 1: 20 ms on the host, none on the GPU) is no stall. Logged every
+    step, each interval reports the batches whose GPU work had completed by then.
     """
-    trainer = _mock_trainer(log_every_n_steps=2)
+    trainer = _mock_trainer(log_every_n_steps=1)
     module = Mock(device=torch.device("cuda", 0), automatic_optimization=True)
     clock, cuda = _Clock(), _FakeCuda()
     nvml = _fake_nvml({"gpu0": 55.0}, {"gpu0": 3 * 2**30})
     monitor = LoaderMonitor(warmup_epochs=0, gpu_poll_interval=0.005)
     # (host wait, GPU wait, host step, GPU step), ms
     batches = [(5.0, 5.0, 30.0, 12.0), (20.0, 0.0, 30.0, 14.0), (8.0, 3.0, 30.0, 16.0)]
+    logged = []
+    module.log_dict.side_effect = lambda metrics, **kwargs: logged.append(dict(metrics))
     with (
-        patch("lightning_fastdata.monitor.CpuMeter"),
+        patch("lightning_fastdata.cpus.CpuMeter"),
         patch("lightning_fastdata.monitor._nvml_handles", return_value=(nvml, ["gpu0"])) as handles,
         patch("lightning_fastdata.monitor.time.perf_counter", side_effect=clock),
         patch("lightning_fastdata.monitor.torch.cuda.Event", side_effect=cuda.event),
@@ -607,6 +648,7 @@ def test_cuda_wait_and_step_come_from_events_synchronized_once_per_interval():
         assert monitor._gpu is not None
         monitor._gpu.sample()  # at least one sample before the first interval, whatever the thread does
         monitor.on_train_epoch_start(trainer, module)
+        previous_end = 0.0
         for index, (host_wait, gpu_wait, host_step, gpu_step) in enumerate(batches):
             batch = torch.zeros(2, 4)
             trainer.profiler.start(TRAIN_FETCH)
@@ -624,24 +666,24 @@ def test_cuda_wait_and_step_come_from_events_synchronized_once_per_interval():
                 trainer.global_step = index + 1
             clock.advance(4.0)  # other callbacks' batch-end hooks
             cuda.now += 4.0
+            cuda.done = previous_end  # the GPU is one batch behind the host: it has run the previous batch
             monitor.on_train_batch_end(trainer, module, None, batch, index)
-            if index == 0:
-                assert cuda.synchronized == 0  # no synchronize per step
-                assert (monitor.wait_ms[0], monitor.step_ms[0]) == pytest.approx((5.0, 30.0))  # host, until read
-            if index == 1:
-                assert cuda.synchronized == 1
+            assert cuda.synchronized == 0  # never during the epoch
+            previous_end = cuda.now
         monitor.on_train_epoch_end(trainer, module)
+        assert cuda.synchronized == 1  # the rest is read at the end of the epoch
         monitor.teardown(trainer, module, "fit")
-    assert cuda.synchronized == 2  # one interval + the partial one flushed at the epoch end
     assert list(monitor.wait_ms) == pytest.approx([6.0, 1.0, 4.0])  # GPU wait + the 1 ms copy
     assert list(monitor.step_ms) == pytest.approx([12.0, 14.0, 16.0])
     assert not monitor._events
-    metrics = module.log_dict.call_args.args[0]
-    assert metrics["loader/step_ms"] == pytest.approx(13.0)
-    assert metrics["loader/data_wait_ms"] == pytest.approx(3.5)
-    assert metrics["loader/gpu_util"] == pytest.approx(0.55)
-    assert metrics["loader/gpu_mem_gb"] == pytest.approx(3.0)
-    assert list(monitor.gpu_util) == pytest.approx([0.55])
+    assert "loader/step_ms" not in logged[0]  # batch 0's GPU work was still running at its own logging point
+    assert (logged[1]["loader/data_wait_ms"], logged[1]["loader/step_ms"]) == pytest.approx((6.0, 12.0))
+    assert (logged[2]["loader/data_wait_ms"], logged[2]["loader/step_ms"]) == pytest.approx((1.0, 14.0))
+    assert all(metrics["loader/samples_per_sec"] > 0 for metrics in logged)
+    # CPU tensors: a Python number logged from a CUDA module is copied to the GPU, a copy that waits for the queue
+    assert {(type(v), v.device.type) for metrics in logged for v in metrics.values()} == {(torch.Tensor, "cpu")}
+    assert logged[0]["loader/gpu_util"] == pytest.approx(0.55)
+    assert logged[0]["loader/gpu_mem_gb"] == pytest.approx(3.0)
     assert not monitor._gpu._thread.is_alive()
 
 
@@ -655,7 +697,7 @@ class _BusyGpuModel(_TinyModel):
         return super().training_step(batch, batch_idx)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.cuda
 def test_cuda_fetch_overlapping_queued_gpu_work_is_no_wait():
     """On a real GPU, a 20 ms host fetch while the GPU still runs the last step's kernels is (almost) no wait."""
     monitor = LoaderMonitor(warmup_epochs=0, warmup_steps=2)
@@ -728,7 +770,7 @@ def test_cuda_without_nvml_logs_the_reason():
     with (
         patch("lightning_fastdata.monitor.rank_zero_info") as info,
         patch("lightning_fastdata.monitor._nvml_handles", return_value="NVML is not usable here (test)"),
-        patch("lightning_fastdata.monitor.CpuMeter"),
+        patch("lightning_fastdata.cpus.CpuMeter"),
     ):
         monitor.on_train_start(_mock_trainer(), Mock(device=torch.device("cuda", 1)))
     info.assert_called_once_with("LoaderMonitor: GPU utilization is not logged: NVML is not usable here (test).")
@@ -756,7 +798,7 @@ def test_validation_timing_is_exact_and_sanity_checks_are_not_logged():
     trainer, module, clock = _mock_trainer(global_step=7), _cpu_module(), _Clock()
     monitor = LoaderMonitor()
     with (
-        patch("lightning_fastdata.monitor.CpuMeter"),
+        patch("lightning_fastdata.cpus.CpuMeter"),
         patch("lightning_fastdata.monitor.time.perf_counter", side_effect=clock),
     ):
         monitor.on_train_start(trainer, module)
