@@ -86,9 +86,10 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         "bench",
         help="measure loader throughput over num_workers (and batch size, prefetch_factor, pin_memory); pick the best",
         description=(
-            "Sweep DataLoader settings over DATA, a database made by `convert` (FastImageDataModule's pipeline) or an"
-            " ImageFolder tree (torchvision's standard transforms), and mark the cheapest configuration within 5% of"
-            " the fastest."
+            "Sweep loader settings over DATA, a database made by `convert` (timed through FastImageDataModule's"
+            " training loader, as `fit` builds it: the batch path, the engine, and on CUDA the copy and normalization"
+            " on the device) or an ImageFolder tree (torchvision's standard transforms), and mark the cheapest"
+            " configuration within 5% of the fastest."
         ),
     )
     p.add_argument("data", help="a database directory or an image folder")
@@ -96,6 +97,12 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-workers", type=int, default=None, metavar="N", help="default: usable CPUs + 1")
     p.add_argument("--seconds", type=float, default=1.0, help="timed seconds per point (default 1.0)")
     p.add_argument("--image-size", type=int, default=224, help="crop size (default 224)")
+    p.add_argument(
+        "--engine",
+        choices=("threads", "processes"),
+        default="threads",
+        help="a database's loader engine, as FastImageDataModule(engine=...) (default threads)",
+    )
     p.add_argument("--json", metavar="FILE", default=None, help="also write the measurements as JSON")
     p.add_argument("--plot", metavar="PNG", default=None, help="also plot images/s against workers (matplotlib)")
 
@@ -177,9 +184,15 @@ def _bench(args: argparse.Namespace) -> int:
 
     from lightning_fastdata.tuning import plot_sweep, sweep, sweep_dataset
 
-    dataset, kind = sweep_dataset(args.data, args.image_size)
-    print(f"bench: {kind} {args.data}, {len(dataset)} samples, {args.seconds:g} s per point")
-    result = sweep(dataset, batch_sizes=args.batch_sizes, max_workers=args.max_workers, seconds=args.seconds)
+    source, kind = sweep_dataset(args.data, args.image_size, engine=args.engine)
+    if kind == "database":  # the training loader as `fit` builds it
+        engine, how = args.engine, f"FastImageDataModule's training loader, engine={args.engine!r}"
+    else:
+        engine, how = "processes", "torchvision ImageFolder + standard transforms, DataLoader worker processes"
+    print(f"bench: {kind} {args.data} ({how}), {len(source)} samples, {args.seconds:g} s per point")
+    result = sweep(
+        source, batch_sizes=args.batch_sizes, max_workers=args.max_workers, seconds=args.seconds, engine=engine
+    )
     print(result.format_table())
     if args.json:
         with open(args.json, "w") as fh:

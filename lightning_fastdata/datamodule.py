@@ -6,27 +6,28 @@ import hashlib
 import json
 import math
 import os
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 import torch
+from lightning.fabric.utilities.warnings import PossibleUserWarning
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from typing_extensions import override
 
-from lightning_fastdata import _format
+from lightning_fastdata import _format, cpus
 from lightning_fastdata.convert import canonical_split, convert, folder_classes
-from lightning_fastdata.cpus import cpu_sharing_processes, processes_per_node, usable_cpu_count
 from lightning_fastdata.dataset import LmdbImageDataset
 from lightning_fastdata.device_decode import EncodedImages, encoded_batch_to_images
 from lightning_fastdata.loader import BatchReader, FastLoader
 from lightning_fastdata.resumable import ResumableSampler
 from lightning_fastdata.skipping import SkipCounter
 from lightning_fastdata.transforms import CenterCropResize, Normalizer, RandomResizedCropFlip
-from lightning_fastdata.tuning import TuneCache, quick_tune
+from lightning_fastdata.tuning import LoaderConfig, TuneCache, quick_tune
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -49,6 +50,20 @@ def _worker_init(worker_id: int) -> None:
     OpenCV needs nothing here: :mod:`lightning_fastdata._cv` switched its thread pool off in the parent.
     """
     torch.set_num_threads(1)
+
+
+def _quiet_lightning_worker_check() -> None:
+    """Silence Lightning's "does not have many workers" for this DataModule's loaders, when they build on threads.
+
+    Lightning reads ``DataLoader.num_workers``, which is 0 when batches are built on loader threads, and advises more
+    worker processes to a loader that already uses its whole budget. Only that warning, only for the named loaders of
+    a Trainer fed by a DataModule (which are all this DataModule's).
+    """
+    warnings.filterwarnings(
+        "ignore",
+        message=r"The '(train|val|test|predict)_dataloader' does not have many workers",
+        category=PossibleUserWarning,
+    )
 
 
 def _describe(obj: Any) -> str:
@@ -409,7 +424,7 @@ class FastImageDataModule(LightningDataModule):
 
     def _processes_per_node(self) -> int:
         trainer = self.trainer
-        return 1 if trainer is None else processes_per_node(trainer.world_size, trainer.num_nodes)
+        return 1 if trainer is None else cpus.processes_per_node(trainer.world_size, trainer.num_nodes)
 
     def worker_budget(self) -> int:
         """Workers per process that the usable CPUs allow: usable CPUs // training processes sharing them.
@@ -417,7 +432,10 @@ class FastImageDataModule(LightningDataModule):
         The processes sharing them are the training processes on this node, or only this one when a launcher pinned
         each rank to its own CPUs (see :func:`~lightning_fastdata.cpus.pinned_to_own_cpus`).
         """
-        return usable_cpu_count() // cpu_sharing_processes(self._processes_per_node())
+        trainer = self.trainer
+        return (
+            cpus.worker_budget(1, 1) if trainer is None else cpus.worker_budget(trainer.world_size, trainer.num_nodes)
+        )
 
     def resolved_num_workers(self) -> int:
         """The worker count the loaders use (``"auto"`` resolved; a value above the budget warns once)."""
@@ -428,9 +446,10 @@ class FastImageDataModule(LightningDataModule):
             return self._tune_num_workers()
         if self.num_workers > budget and not self._warned_workers:
             self._warned_workers = True
+            sharing = cpus.cpu_sharing_processes(self._processes_per_node())
             rank_zero_warn(
-                f"`num_workers={self.num_workers}` is above this process's budget of {budget}: {usable_cpu_count()}"
-                f" usable CPUs shared by {cpu_sharing_processes(self._processes_per_node())} training process(es)."
+                f"`num_workers={self.num_workers}` is above this process's budget of {budget}:"
+                f" {cpus.usable_cpu_count()} usable CPUs shared by {sharing} training process(es)."
                 " Workers beyond the budget compete for cores and usually slow loading; use `num_workers='auto'`."
             )
         return int(self.num_workers)
@@ -444,7 +463,7 @@ class FastImageDataModule(LightningDataModule):
             "source": meta.get("source", {}).get("fingerprint"),
             "transform": _describe(transform),
             "batch_size": self.batch_size,
-            "usable_cpus": usable_cpu_count(),
+            "usable_cpus": cpus.usable_cpu_count(),
             "processes_per_node": self._processes_per_node(),
             "decode": self.decode,
             "engine": self.engine,
@@ -461,12 +480,36 @@ class FastImageDataModule(LightningDataModule):
         if entry is not None and isinstance(entry.get("num_workers"), int):
             self._tuned = int(entry["num_workers"])
             return self._tuned
-        reader = self._reader(self.build_dataset("train", self.train_transform()))
-        result = quick_tune(reader, self.batch_size, self.worker_budget(), engine=self.engine)
+        pin_memory = self._on_cuda() if self.pin_memory is None else self.pin_memory
+        result = quick_tune(
+            self.tuning_loader, self.batch_size, self.worker_budget(), engine=self.engine, pin_memory=pin_memory
+        )
         self._tuned = result.pick.config.num_workers
         cache.put(key, {"num_workers": self._tuned, **result.to_dict()})
         rank_zero_info(f"num_workers='tune' measured the training loader:\n{result.format_table()}")
         return self._tuned
+
+    def tuning_loader(self, config: LoaderConfig) -> DataLoader:
+        """The training loader as ``fit`` builds it, with ``config``'s workers, engine, batch size and pinning.
+
+        What ``num_workers="tune"`` and ``lightning-fastdata bench`` time: the batch path, the engine and, on CUDA, the
+        copy to the device and the normalization there.
+        """
+        settings = {
+            "num_workers": config.num_workers,
+            "engine": config.engine,
+            "batch_size": config.batch_size,
+            "prefetch_factor": config.prefetch_factor,
+            "pin_memory": config.pin_memory,
+        }
+        saved = {name: getattr(self, name) for name in settings}
+        try:
+            for name, value in settings.items():
+                setattr(self, name, value)
+            return self.train_dataloader()
+        finally:
+            for name, value in saved.items():
+                setattr(self, name, value)
 
     def _on_cuda(self) -> bool:
         trainer = self.trainer
@@ -554,6 +597,8 @@ class FastImageDataModule(LightningDataModule):
     def _loader(self, dataset: Dataset, shuffle: bool, drop_last: bool, train: bool = False) -> DataLoader:
         """The loader of one split; :mod:`lightning_fastdata.loader` follows a sample from record to device batch."""
         kwargs = self._loader_kwargs()
+        if kwargs.get("threads", 0) > 0:
+            _quiet_lightning_worker_check()
         limit = getattr(self.trainer, "limit_train_batches", 1.0) if train else 1.0
         return FastLoader(
             self._reader(dataset, pin_memory=kwargs["pin_memory"]),

@@ -1,8 +1,8 @@
 """Where does loading time go? Per-stage time per sample: read, decode, transforms, collate, host-to-device copy.
 
 Measured in this process, one thread, stage by stage on the same samples, for an image folder (torchvision's
-``ImageFolder`` with the standard transforms) and for a database made by ``lightning-fastdata convert`` (the
-``FastImageDataModule`` pipeline).
+``ImageFolder`` with the standard transforms) and for a database made by ``lightning-fastdata convert`` (the batch
+path ``FastImageDataModule`` trains with: :class:`~lightning_fastdata.loader.BatchReader`'s stages, one at a time).
 """
 
 from __future__ import annotations
@@ -15,14 +15,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import default_collate
 
 from lightning_fastdata import _format
 from lightning_fastdata.dataset import LmdbImageDataset
-from lightning_fastdata.transforms import RandomResizedCropFlip, normalize_batch
-
-_IMAGENET = (torch.tensor((0.485, 0.456, 0.406)), torch.tensor((0.229, 0.224, 0.225)))
+from lightning_fastdata.transforms import RandomResizedCropFlip, crop_resize_into
 
 
 @dataclass
@@ -33,6 +32,8 @@ class PipelineProfile:
     path: str
     stages: dict[str, float] = field(default_factory=dict)
     samples: int = 0
+    #: milliseconds per sample of the loader's own ``read_batch`` on the same samples, every stage at once (databases)
+    batch_path_ms: float | None = None
 
     @property
     def total_ms(self) -> float:
@@ -84,6 +85,8 @@ class PipelineProfile:
         for stage, ms in self.stages.items():
             lines.append(f"| {stage} | {ms:.3f} | {ms / self.total_ms:.0%} |")
         lines.append(f"| total | {self.total_ms:.3f} | 100% |")
+        if self.batch_path_ms is not None:
+            lines.append(f"the loader's read_batch, every stage at once: {self.batch_path_ms:.3f} ms / sample")
         return "\n".join(lines)
 
 
@@ -100,25 +103,26 @@ class _StageClock:
         return out
 
 
+def _device(device: str | torch.device | None) -> torch.device:
+    """The training device profiled: as given, else CUDA when there is one."""
+    if device is not None:
+        return torch.device(device)
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
 def _profile_samples(
-    items: list[Any], stages: list[tuple[str, Callable[[Any], Any]]], batch_size: int, normalize: bool
+    items: list[Any], stages: list[tuple[str, Callable[[Any], Any]]], batch_size: int, device: torch.device
 ) -> dict[str, float]:
-    """Per-sample milliseconds of each stage, then of collation, the copy to CUDA (if any) and normalization."""
+    """Per-sample milliseconds of each stage, then of collation and, on CUDA, the copy to the device."""
     value = items[0]  # warm-up: first-call costs (opening files, lazy imports) are not per-sample costs
     for _, fn in stages:
         value = fn(value)
     clock = _StageClock()
-    device = torch.device("cuda") if torch.cuda.is_available() else None
 
     def finish(pending: list[Any]) -> None:  # every batch, the last partial one too: its samples count in the mean
         batch = clock.run("collate", default_collate, pending)
-        images = batch[0]
-        if device is not None:
-            images = clock.run("to_device", lambda x: x.pin_memory().to(device, non_blocking=True), images)
-        if normalize:
-            clock.run("normalize", normalize_batch, images, *_IMAGENET)
-        if device is not None:
-            clock.run("to_device", torch.cuda.synchronize)
+        if device.type == "cuda":
+            clock.run("to_device", lambda x: _synchronized(x.pin_memory().to(device, non_blocking=True)), batch[0])
 
     pending: list[Any] = []
     for item in items:
@@ -133,13 +137,36 @@ def _profile_samples(
     return {stage: ms / len(items) for stage, ms in clock.ms.items()}
 
 
+def _normalize_into(normalizer: Any, images: np.ndarray, out: np.ndarray) -> None:
+    """Normalize a uint8 NHWC batch into a float32 NCHW one, image by image, as the loader threads do."""
+    for image, slot in zip(images, out, strict=True):
+        normalizer.into(image, slot)
+
+
+def _synchronized(tensor: torch.Tensor) -> torch.Tensor:
+    """Wait for the device's work on ``tensor`` (so the stage's time is the device's, not the launch's)."""
+    if tensor.is_cuda:
+        torch.cuda.synchronize(tensor.device)
+    return tensor
+
+
 def profile_folder(
-    root: str | os.PathLike[str], samples: int = 200, batch_size: int = 64, image_size: int = 224, seed: int = 0
+    root: str | os.PathLike[str],
+    samples: int = 200,
+    batch_size: int = 64,
+    image_size: int = 224,
+    seed: int = 0,
+    device: str | torch.device | None = None,
 ) -> PipelineProfile:
-    """Profile torchvision ``ImageFolder`` with RandomResizedCrop, flip, ToTensor and Normalize."""
+    """Profile torchvision ``ImageFolder`` with RandomResizedCrop, flip, ToTensor and Normalize.
+
+    Stages: read, decode, transforms, collate, and on CUDA (``device``; default: CUDA when there is one) the pinned
+    copy to the device.
+    """
     from torchvision import datasets, transforms
 
     from lightning_fastdata.convert import open_image_file, train_folder
+    from lightning_fastdata.datamodule import IMAGENET_MEAN, IMAGENET_STD
 
     train = train_folder(root)
     dataset = datasets.ImageFolder(str(train))
@@ -149,7 +176,7 @@ def profile_folder(
             transforms.RandomResizedCrop(image_size),
             transforms.RandomHorizontalFlip(),
             transforms.ToTensor(),
-            transforms.Normalize(*(t.tolist() for t in _IMAGENET)),
+            transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD),
         ]
     )
 
@@ -163,22 +190,80 @@ def profile_folder(
         ("decode", lambda read: (open_image_file(dataset.samples[read[2]][0], read[0]), read[1])),
         ("transforms", lambda pair: (augment(pair[0]), pair[1])),
     ]
-    return PipelineProfile("folder", str(train), _profile_samples(indices, stages, batch_size, False), len(indices))
+    stages_ms = _profile_samples(indices, stages, batch_size, _device(device))
+    return PipelineProfile("folder", str(train), stages_ms, len(indices))
 
 
 def profile_database(
-    path: str | os.PathLike[str], samples: int = 200, batch_size: int = 64, image_size: int = 224, seed: int = 0
+    path: str | os.PathLike[str],
+    samples: int = 200,
+    batch_size: int = 64,
+    image_size: int = 224,
+    seed: int = 0,
+    device: str | torch.device | None = None,
 ) -> PipelineProfile:
-    """Profile the FastImageDataModule pipeline on a database: LMDB read, decode, uint8 crop, collate, normalize."""
-    dataset = LmdbImageDataset(path, split="train")
+    """Profile the batch path ``FastImageDataModule`` trains with on a database, stage by stage.
+
+    The stages of :class:`~lightning_fastdata.loader.BatchReader`'s fused path, with the DataModule's transforms at
+    ``image_size``, run one at a time on each batch: ``read`` (the batch's records in one LMDB transaction,
+    checksums verified), ``decode`` (libjpeg-turbo with its fast DCT, into a reused buffer), ``transforms`` (the
+    batch's crop boxes, then crop, resize and flip into the image's slot of the uint8 batch); then, training on the
+    CPU, ``normalize`` (to float32, as the loader threads do), or on CUDA (``device``; default: CUDA when there is
+    one) ``to_device`` (the pinned batch copied) and ``normalize`` (on the device). The loader's own ``read_batch`` is
+    timed on the same samples too (:attr:`PipelineProfile.batch_path_ms`), to show the stages add up to it.
+    """
+    from lightning_fastdata.datamodule import FastImageDataModule
+    from lightning_fastdata.loader import BatchReader, KeyedIndices
+
+    target = _device(device)
+    datamodule = FastImageDataModule(str(path), image_size=image_size, val_fraction=0)
+    dataset = LmdbImageDataset(path, split="train", transform=datamodule.train_transform())
+    transform = dataset.transform
+    assert isinstance(transform, RandomResizedCropFlip)
+    normalizer, size, key = datamodule.normalizer, image_size, (seed, 0)
     indices = random.Random(seed).sample(range(len(dataset)), min(samples, len(dataset)))
-    crop = RandomResizedCropFlip(image_size)
-    stages = [
-        ("read", lambda i: (i, *dataset.read_record(i))),
-        ("decode", lambda rec: (dataset.decode(*rec), rec[1].label)),
-        ("transforms", lambda pair: (crop(pair[0]), pair[1])),
-    ]
-    return PipelineProfile("database", str(path), _profile_samples(indices, stages, batch_size, True), len(indices))
+    dataset.read_record(indices[0])  # warm-up: opening the database is not a per-sample cost
+    clock = _StageClock()
+    device_stages = ["to_device", "normalize"] if target.type == "cuda" else ["normalize"]
+    clock.ms = dict.fromkeys(["read", "decode", "transforms", *device_stages], 0.0)  # the table's order
+    decoded = np.empty(1 << 20, np.uint8)
+    scratch = np.empty(1 << 20, np.uint8)
+    for start in range(0, len(indices), batch_size):
+        batch = indices[start : start + batch_size]
+        out = np.empty((len(batch), size, size, 3), np.uint8)
+        with dataset.records() as read:
+            found = clock.run("read", lambda batch: [(i, *read(i)) for i in batch], batch)
+            boxes, flips = clock.run(
+                "transforms",
+                transform.boxes,
+                [f[1].height for f in found],
+                [f[1].width for f in found],
+                None,
+                key,
+                batch,
+            )
+            for k, ((index, header, payload), box, flip) in enumerate(zip(found, boxes, flips, strict=True)):
+                nbytes = header.height * header.width * 3
+                if decoded.size < nbytes:
+                    decoded, scratch = np.empty(nbytes, np.uint8), np.empty(nbytes, np.uint8)
+                image = clock.run("decode", dataset.decode_hwc, index, header, payload, decoded, True)
+                clock.run("transforms", crop_resize_into, image, box, size, flip, out[k], scratch)
+        if target.type == "cuda":
+            pinned = torch.from_numpy(out).pin_memory()
+            on_device = clock.run("to_device", lambda x: _synchronized(x.to(target, non_blocking=True)), pinned)
+            clock.run("normalize", lambda x: _synchronized(normalizer.batch(x.permute(0, 3, 1, 2))), on_device)
+        else:
+            floats = np.empty((len(batch), 3, size, size), np.float32)
+            clock.run("normalize", _normalize_into, normalizer, out, floats)
+    stages = {stage: ms / len(indices) for stage, ms in clock.ms.items()}
+    reader = BatchReader(
+        dataset, output="uint8" if target.type == "cuda" else "float", normalizer=normalizer, pin_memory=True
+    )
+    start_time = time.perf_counter()
+    for start in range(0, len(indices), batch_size):
+        reader.read_batch(KeyedIndices(indices[start : start + batch_size], key))
+    fused_ms = 1000.0 * (time.perf_counter() - start_time) / len(indices)
+    return PipelineProfile("database", str(path), stages, len(indices), batch_path_ms=fused_ms)
 
 
 def profile(
@@ -187,8 +272,9 @@ def profile(
     samples: int = 200,
     batch_size: int = 64,
     image_size: int = 224,
+    device: str | torch.device | None = None,
 ) -> list[PipelineProfile]:
-    """Profile ``data`` (a folder or a database) and, when it exists, its counterpart.
+    """Profile ``data`` (a folder or a database) and, when it exists, its counterpart, for training on ``device``.
 
     The counterpart of a database is its source folder (from its metadata); of a folder, ``database`` if given, else
     the conversion ``FastImageDataModule`` would use (under the default cache directory).
@@ -203,22 +289,22 @@ def profile(
     torch.set_num_threads(1)  # a worker's view: one thread per process
     try:
         if (path / _format.DATA_FILE).is_file():
-            profiles = [profile_database(path, samples, batch_size, image_size)]
+            profiles = [profile_database(path, samples, batch_size, image_size, device=device)]
             source = _format.read_meta(path).get("source", {}).get("path")
             if source and Path(source).is_dir():
-                profiles.insert(0, profile_folder(source, samples, batch_size, image_size))
+                profiles.insert(0, profile_folder(source, samples, batch_size, image_size, device=device))
             return profiles
         if database is not None and not (Path(database) / _format.DATA_FILE).is_file():
             raise FileNotFoundError(
                 f"`database` {str(database)!r} is not a database made by `lightning-fastdata convert`."
             )
-        profiles = [profile_folder(path, samples, batch_size, image_size)]
+        profiles = [profile_folder(path, samples, batch_size, image_size, device=device)]
         if database is None:
             from lightning_fastdata.datamodule import FastImageDataModule
 
             database = FastImageDataModule(str(path)).database_path
         if (Path(database) / _format.DATA_FILE).is_file():
-            profiles.append(profile_database(database, samples, batch_size, image_size))
+            profiles.append(profile_database(database, samples, batch_size, image_size, device=device))
         return profiles
     finally:
         torch.set_num_threads(torch_threads)

@@ -11,7 +11,7 @@ import json
 import os
 import time
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -119,18 +119,25 @@ class SweepResult:
         return "\n".join(lines)
 
 
+#: builds the loader to time for a configuration: for a database, the training loader as ``fit`` builds it
+#: (:meth:`~lightning_fastdata.FastImageDataModule.tuning_loader`)
+LoaderFactory = Callable[[LoaderConfig], Iterable[Any]]
+
+
 def measure(
-    dataset: Dataset,
+    source: Dataset | LoaderFactory,
     config: LoaderConfig,
     seconds: float = 1.0,
     warmup_batches: int = 2,
     max_batches: int | None = None,
     seed: int = 0,
 ) -> Measurement:
-    """Images/s of ``dataset`` through a fresh DataLoader with ``config``, after ``warmup_batches``.
+    """Images/s of ``source`` with ``config``, after ``warmup_batches``.
 
-    Samples are drawn at random with replacement, so a small dataset never runs out. Timing stops after ``seconds``
-    (or ``max_batches``); CPU use counts this process and its workers, as a share of the usable CPUs. With
+    ``source`` is a loader factory (a training loader as it runs in ``fit``: its epochs are read one after another) or
+    a dataset (read through a fresh DataLoader, samples drawn at random with replacement, so a small dataset never
+    runs out). Timing stops after ``seconds`` (or ``max_batches``); batches that arrive on a GPU are waited for before
+    the clock stops. CPU use counts this process and its workers, as a share of the usable CPUs. With
     ``num_workers=0`` the loading runs in this process with one intra-op thread, as in a worker: with all of them,
     OpenMP spin-waits made that row slow and erratic on a loaded machine.
     """
@@ -138,30 +145,37 @@ def measure(
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
-            return _measure(dataset, config, seconds, warmup_batches, max_batches, seed)
+            return _measure(source, config, seconds, warmup_batches, max_batches, seed)
         finally:
             torch.set_num_threads(threads)
-    return _measure(dataset, config, seconds, warmup_batches, max_batches, seed)
+    return _measure(source, config, seconds, warmup_batches, max_batches, seed)
 
 
 def _measure(
-    dataset: Dataset,
+    source: Dataset | LoaderFactory,
     config: LoaderConfig,
     seconds: float,
     warmup_batches: int,
     max_batches: int | None,
     seed: int,
 ) -> Measurement:
-    generator = torch.Generator().manual_seed(seed)
-    total = (warmup_batches + (max_batches or 10**6)) * config.batch_size
-    sampler = RandomSampler(dataset, replacement=True, num_samples=total, generator=generator)  # type: ignore[arg-type]
-    with warnings.catch_warnings():  # a sweep goes past the CPU count on purpose: no "suggested max" warning
+    with warnings.catch_warnings():  # a sweep goes past the CPU count and the budget on purpose: no warning for it
         warnings.filterwarnings("ignore", message=".*worker processes in total.*")
-        loader = _loader(dataset, sampler, config)  # warns here as well as in iter()
-        iterator = iter(loader)
+        warnings.filterwarnings("ignore", message=".*is above this process's budget.*")
+        if callable(source) and not isinstance(source, Dataset):
+            loader = source(config)
+            iterator = _epochs(loader)
+        else:
+            generator = torch.Generator().manual_seed(seed)
+            total = (warmup_batches + (max_batches or 10**6)) * config.batch_size
+            sampler = RandomSampler(source, replacement=True, num_samples=total, generator=generator)  # type: ignore[arg-type]
+            loader = _loader(source, sampler, config)  # warns here as well as in iter()
+            iterator = iter(loader)
     try:
+        batch = None
         for _ in range(warmup_batches):
-            next(iterator)
+            batch = next(iterator)
+        _wait_for(batch)
         meter = CpuMeter()
         start = time.perf_counter()
         images = batches = 0
@@ -171,11 +185,31 @@ def _measure(
             batches += 1
             elapsed = time.perf_counter() - start
             if elapsed >= seconds or (max_batches is not None and batches >= max_batches):
+                _wait_for(batch)
+                elapsed = time.perf_counter() - start
                 break
         cpu = meter.take()
     finally:
-        del iterator  # shuts the workers down now, not at garbage collection
+        del iterator, loader  # shuts the workers down now, not at garbage collection
     return Measurement(config, images / elapsed, cpu, batches, elapsed)
+
+
+def _epochs(loader: Iterable[Any]) -> Iterator[Any]:
+    """The batches of ``loader``'s epochs, one epoch after another (a training loader has a fixed length)."""
+    while True:
+        empty = True
+        for batch in loader:
+            empty = False
+            yield batch
+        if empty:
+            raise ValueError("the loader to measure yields no batch: is its dataset smaller than one batch?")
+
+
+def _wait_for(batch: Any) -> None:
+    """Wait for the GPU to finish a batch that was copied (and normalized) there asynchronously."""
+    first = batch[0] if isinstance(batch, (list, tuple)) and batch else batch
+    if isinstance(first, torch.Tensor) and first.is_cuda:
+        torch.cuda.synchronize(first.device)
 
 
 def _loader(dataset: Dataset, sampler: Any, config: LoaderConfig) -> DataLoader:
@@ -192,7 +226,7 @@ def _batch_len(batch: Any) -> int:
 
 
 def sweep(
-    dataset: Dataset,
+    source: Dataset | LoaderFactory,
     batch_sizes: Sequence[int] = (64,),
     max_workers: int | None = None,
     prefetch_factors: Sequence[int] = (2, 4),
@@ -205,7 +239,8 @@ def sweep(
     """Measure ``num_workers`` from 0 up to the usable CPUs plus one, then the other knobs at the best worker count.
 
     Args:
-        dataset: what the loader reads (with its transforms).
+        source: a loader factory (:data:`LoaderFactory`: the training loader for a configuration), or a dataset to
+            read through a DataLoader (with its transforms).
         batch_sizes: batch sizes to try (each gets its own worker sweep).
         max_workers: the highest worker count; default: usable CPUs + 1 (one beyond the budget, to show it).
         prefetch_factors: tried at the best worker count (when it is > 0).
@@ -228,7 +263,7 @@ def sweep(
     for batch_size in batch_sizes:
         best_rate = 0.0
         for workers in range(top + 1):
-            m = measure(dataset, LoaderConfig(workers, batch_size, engine=engine), seconds)
+            m = measure(source, LoaderConfig(workers, batch_size, engine=engine), seconds)
             result.measurements.append(m)
             if workers == 0:  # loading in the main process is off the curve: one worker is rarely faster, two may be
                 continue
@@ -244,30 +279,36 @@ def sweep(
         for factor in prefetch_factors:
             if factor != 2:  # 2 is PyTorch's default, already measured
                 result.measurements.append(
-                    measure(dataset, LoaderConfig(best.num_workers, best.batch_size, factor, engine=engine), seconds)
+                    measure(source, LoaderConfig(best.num_workers, best.batch_size, factor, engine=engine), seconds)
                 )
     for pin in pins:
         if pin:
             c = result.best.config
             result.measurements.append(
-                measure(dataset, LoaderConfig(c.num_workers, c.batch_size, c.prefetch_factor, True, engine), seconds)
+                measure(source, LoaderConfig(c.num_workers, c.batch_size, c.prefetch_factor, True, engine), seconds)
             )
     return result
 
 
 def quick_tune(
-    dataset: Dataset, batch_size: int, budget: int, seconds: float = 0.4, engine: str = "processes"
+    source: Dataset | LoaderFactory,
+    batch_size: int,
+    budget: int,
+    seconds: float = 0.4,
+    engine: str = "processes",
+    pin_memory: bool = False,
 ) -> SweepResult:
     """The bounded sweep of ``num_workers="tune"``.
 
-    Workers 0 up to ``budget`` at one batch size, a fraction of a second each, stopping early once throughput falls.
+    Workers 0 up to ``budget`` at one batch size (and the training loader's ``pin_memory``), a fraction of a second
+    each, stopping early once throughput falls.
     """
     return sweep(
-        dataset,
+        source,
         batch_sizes=(batch_size,),
         max_workers=budget,
         prefetch_factors=(),
-        pin_memory=(False,),
+        pin_memory=(pin_memory,),
         seconds=seconds,
         tolerance=0.05,
         engine=engine,
@@ -302,20 +343,45 @@ class TuneCache:
         os.replace(tmp, self.path)
 
 
-def sweep_dataset(data: str | os.PathLike[str], image_size: int = 224) -> tuple[Dataset, str]:
-    """The dataset ``lightning-fastdata bench`` measures, and its kind.
+class TrainingLoaders:
+    """The training loaders of a :class:`~lightning_fastdata.FastImageDataModule`, one per configuration.
 
-    A database goes through FastImageDataModule's training transform, an image folder through torchvision's standard
-    one (RandomResizedCrop, flip, ToTensor, Normalize).
+    What ``lightning-fastdata bench`` times for a database: the loader ``fit`` builds (the batch path, its engine, and
+    on CUDA the copy to the device and the normalization there), with the configuration's workers and batch size.
+    ``len()`` is the number of training samples.
+    """
+
+    def __init__(self, datamodule: Any) -> None:
+        self.datamodule = datamodule
+
+    def __call__(self, config: LoaderConfig) -> Iterable[Any]:
+        """The training loader with ``config``."""
+        return self.datamodule.tuning_loader(config)
+
+    def __len__(self) -> int:
+        if self.datamodule.train_dataset is None:
+            self.datamodule.setup("fit")
+        return len(self.datamodule.train_dataset)
+
+
+def sweep_dataset(
+    data: str | os.PathLike[str], image_size: int = 224, engine: str = "threads"
+) -> tuple[Dataset | TrainingLoaders, str]:
+    """What ``lightning-fastdata bench`` measures, and its kind.
+
+    A database is timed through FastImageDataModule's training loader (``engine``, the batch path, and the device
+    step on CUDA: :class:`TrainingLoaders`), an image folder through torchvision's ``ImageFolder`` with the standard
+    transforms (RandomResizedCrop, flip, ToTensor, Normalize).
     """
     from lightning_fastdata import _format
     from lightning_fastdata.convert import open_image_file, train_folder
-    from lightning_fastdata.dataset import LmdbImageDataset
-    from lightning_fastdata.transforms import RandomResizedCropFlip
 
     path = Path(data).expanduser()
     if (path / _format.DATA_FILE).is_file():
-        return LmdbImageDataset(path, split="train", transform=RandomResizedCropFlip(image_size)), "database"
+        from lightning_fastdata.datamodule import FastImageDataModule
+
+        datamodule = FastImageDataModule(str(path), image_size=image_size, engine=engine, val_fraction=0)  # type: ignore[arg-type]
+        return TrainingLoaders(datamodule), "database"
     if not path.is_dir():
         raise FileNotFoundError(f"`data` {str(path)!r} is neither a database nor an image folder.")
     from torchvision import datasets, transforms

@@ -33,11 +33,13 @@ def test_bench_prints_the_table_and_writes_json_and_plot(database, tmp_path, cap
     args = ["bench", str(database), "--seconds", "0.2", "--max-workers", "1", "--batch-sizes", "16"]
     assert main([*args, "--json", str(out_json), "--plot", str(out_png)]) == 0
     out = capsys.readouterr().out
-    assert out.startswith(f"bench: database {database}, 80 samples, 0.2 s per point")
+    training_loader = "FastImageDataModule's training loader, engine='threads'"
+    assert out.startswith(f"bench: database {database} ({training_loader}), 80 samples, 0.2 s per point")
     assert out.count("**pick**") == 1
     data = json.loads(out_json.read_text())
     assert set(data["pick"]) == {"num_workers", "batch_size", "prefetch_factor", "pin_memory", "engine"}
     assert [m["num_workers"] for m in data["measurements"]][:2] == [0, 1]
+    assert {m["engine"] for m in data["measurements"]} == {"threads"}
     assert all(m["batch_size"] == 16 for m in data["measurements"])
     assert out_png.read_bytes()[:8] == PNG_MAGIC
 
@@ -46,7 +48,8 @@ def test_bench_image_folder(folder, capsys):
     """``bench`` on an image folder measures torchvision's pipeline and says so."""
     assert main(["bench", str(folder), "--seconds", "0.1", "--max-workers", "0", "--image-size", "32"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith(f"bench: image folder {folder}, 80 samples")
+    assert out.startswith(f"bench: image folder {folder} (torchvision ImageFolder + standard transforms,")
+    assert ", 80 samples" in out.splitlines()[0]
     assert "| 0 | 64 | - | False |" in out
 
 

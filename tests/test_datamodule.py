@@ -6,11 +6,11 @@ import random
 import warnings
 from pathlib import Path
 from typing import Any
-from unittest.mock import Mock
 
 import numpy as np
 import pytest
 import torch
+from fakes import fake_trainer
 from lightning.pytorch import Trainer
 from torch.utils.data import DataLoader
 
@@ -49,24 +49,13 @@ def shared_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _dm(data_dir: Path, cache_dir: Path, cls: type[FastImageDataModule] = FastImageDataModule, **kwargs: Any) -> Any:
-    """A small datamodule (no workers unless asked), converted and set up."""
+    """A small datamodule training on the CPU (no workers unless asked), converted and set up."""
     kwargs = {"image_size": 16, "batch_size": 4, "num_workers": 0, **kwargs}
     dm = cls(data_dir=str(data_dir), cache_dir=str(cache_dir), **kwargs)
+    dm.trainer = fake_trainer("cpu")
     dm.prepare_data()
     dm.setup("fit")
     return dm
-
-
-def _fake_trainer(**kwargs: Any) -> Mock:
-    """A stand-in Trainer with the attributes the datamodule reads."""
-    defaults: dict[str, Any] = {
-        "world_size": 1,
-        "num_nodes": 1,
-        "precision": "32-true",
-        "distributed_sampler_kwargs": None,
-        "strategy": Mock(root_device=torch.device("cpu")),
-    }
-    return Mock(**{**defaults, **kwargs})
 
 
 def _visible(folder: Path) -> list[str]:
@@ -269,7 +258,7 @@ def test_on_after_batch_transfer_channels_last(split_root: Path, shared_cache: P
 def test_on_after_batch_transfer_precision_dtype(precision: str, dtype: torch.dtype) -> None:
     """True half precision gets half batches; mixed precision keeps float32 (autocast handles the rest)."""
     dm = FastImageDataModule("unused", num_workers=0)
-    dm.trainer = _fake_trainer(precision=precision)
+    dm.trainer = fake_trainer("cpu", precision=precision)
     images = torch.randint(0, 256, (2, 3, 4, 4), dtype=torch.uint8)
     out, _ = dm.on_after_batch_transfer((images, torch.zeros(2, dtype=torch.int64)), 0)
     assert out.dtype == dtype
@@ -280,10 +269,12 @@ def test_num_workers_auto_divides_cpus_by_processes_per_node(
     split_root: Path, shared_cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """`num_workers="auto"` is the usable CPUs divided by the training processes of this node."""
-    monkeypatch.setattr("lightning_fastdata.datamodule.usable_cpu_count", lambda: 8)
+    monkeypatch.setattr("lightning_fastdata.cpus.usable_cpu_count", lambda: 8)
     dm = _dm(split_root, shared_cache, num_workers="auto")
     assert dm.resolved_num_workers() == 8  # no trainer: one process
-    dm.trainer = _fake_trainer(world_size=8, num_nodes=2, distributed_sampler_kwargs={"num_replicas": 8, "rank": 3})
+    dm.trainer = fake_trainer(
+        "cpu", world_size=8, num_nodes=2, distributed_sampler_kwargs={"num_replicas": 8, "rank": 3}
+    )
     assert dm.worker_budget() == 2
     loader = dm.train_dataloader()
     assert loader.workers == 2
@@ -297,7 +288,7 @@ def test_num_workers_above_budget_warns_once(
     split_root: Path, shared_cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A `num_workers` above the budget is used, with one warning that names the budget."""
-    monkeypatch.setattr("lightning_fastdata.datamodule.usable_cpu_count", lambda: 3)
+    monkeypatch.setattr("lightning_fastdata.cpus.usable_cpu_count", lambda: 3)
     dm = _dm(split_root, shared_cache, num_workers=5)
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
@@ -316,7 +307,7 @@ def test_num_workers_within_budget_does_not_warn(
     split_root: Path, shared_cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A `num_workers` within the budget is used silently."""
-    monkeypatch.setattr("lightning_fastdata.datamodule.usable_cpu_count", lambda: 3)
+    monkeypatch.setattr("lightning_fastdata.cpus.usable_cpu_count", lambda: 3)
     dm = _dm(split_root, shared_cache, num_workers=3)
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
@@ -334,7 +325,7 @@ def test_loader_defaults_and_pass_through(
     assert loader.pin_memory is False
     assert loader.persistent_workers is False  # no workers to keep
 
-    dm.trainer = _fake_trainer(strategy=Mock(root_device=torch.device("cuda", 0)))
+    dm.trainer = fake_trainer("cuda")
     assert dm.train_dataloader().pin_memory is True  # training on CUDA pins by default
 
     dm = _dm(split_root, shared_cache, num_workers=2, prefetch_factor=3)
@@ -595,3 +586,24 @@ def test_a_store_too_small_for_image_size_warns(split_root: Path, tmp_path: Path
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _dm(split_root, tmp_path / "cache", image_size=32, short_side=37)
+
+
+def test_threaded_loaders_get_no_lightning_advice_to_add_worker_processes(
+    database: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Lightning's "does not have many workers" reads ``num_workers`` (0 with loader threads): it stays quiet for a
+    threaded loader, and still speaks for a loader that builds batches on the training thread."""
+    monkeypatch.setattr("lightning.pytorch.trainer.connectors.data_connector.suggested_max_num_workers", lambda n: 15)
+
+    def fit(workers: int) -> list[str]:
+        dm = FastImageDataModule(str(database), image_size=16, batch_size=4, num_workers=workers, val_fraction=0)
+        trainer = Trainer(
+            accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False
+        )
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(_tiny_module(), datamodule=dm)
+        return [str(w.message) for w in caught if "does not have many workers" in str(w.message)]
+
+    assert len(fit(0)) == 1  # batches built in the training loop's own thread: Lightning's advice stands
+    assert fit(2) == []

@@ -28,6 +28,7 @@ import numpy as np
 import psutil
 import pytest
 import torch
+from fakes import fake_trainer
 from indexed import WithIndex
 from PIL import Image
 from torch.utils.data import Dataset
@@ -117,6 +118,7 @@ def _faulty_module(
         drop_last=False,
         on_bad_sample=on_bad_sample,  # type: ignore[arg-type]
     )
+    dm.trainer = fake_trainer("cpu")  # these tests are about the loader on a CPU: uint8 batches, no device step
     dm.bad_images = bad
     return dm
 

@@ -6,11 +6,12 @@ import pytest
 import torch
 
 import lightning_fastdata.profiling as profiling
-from lightning_fastdata import FastImageDataModule, convert, make_image_folder
+from lightning_fastdata import FastImageDataModule, LmdbImageDataset, convert, make_image_folder
+from lightning_fastdata.loader import BatchReader
 from lightning_fastdata.profiling import PipelineProfile, profile, profile_database, profile_folder
 
 FOLDER_STAGES = ["read", "decode", "transforms", "collate"]
-DATABASE_STAGES = ["read", "decode", "transforms", "collate", "normalize"]
+DATABASE_STAGES = ["read", "decode", "transforms", "normalize"]  # training on the CPU: no copy to a device
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +41,10 @@ def _check_profile(p: PipelineProfile, name: str, path: Path, stages: list[str],
 
 def test_profile_folder_stages(folder):
     """A folder: read, decode, transforms, collate, each > 0 ms per sample; samples capped at the folder size."""
-    _check_profile(profile_folder(folder, samples=30, batch_size=8), "folder", folder, FOLDER_STAGES, 30)
-    _check_profile(profile_folder(folder, samples=500, batch_size=16), "folder", folder, FOLDER_STAGES, 80)
+    profile = profile_folder(folder, samples=30, batch_size=8, device="cpu")
+    _check_profile(profile, "folder", folder, FOLDER_STAGES, 30)
+    profile = profile_folder(folder, samples=500, batch_size=16, device="cpu")
+    _check_profile(profile, "folder", folder, FOLDER_STAGES, 80)
 
 
 def test_profile_folder_with_train_split(tmp_path):
@@ -49,32 +52,63 @@ def test_profile_folder_with_train_split(tmp_path):
     root = make_image_folder(
         tmp_path / "split", num_classes=2, train_per_class=5, val_per_class=2, min_size=40, max_size=60
     )
-    p = profile_folder(root, samples=100, batch_size=4, image_size=32)
+    p = profile_folder(root, samples=100, batch_size=4, image_size=32, device="cpu")
     assert Path(p.path) == root / "train"
     assert p.samples == 10
 
 
 def test_profile_database_stages(database):
-    """A database: the folder's stages plus the normalization of the uint8 batch (no CUDA: no copy)."""
-    _check_profile(profile_database(database, samples=40, batch_size=16), "database", database, DATABASE_STAGES, 40)
-    _check_profile(profile_database(database, samples=1000, batch_size=16), "database", database, DATABASE_STAGES, 80)
+    """A database, training on the CPU: the batch path's read, decode, transforms and normalize (no copy)."""
+    profile = profile_database(database, samples=40, batch_size=16, device="cpu")
+    _check_profile(profile, "database", database, DATABASE_STAGES, 40)
+    profile = profile_database(database, samples=1000, batch_size=16, device="cpu")
+    _check_profile(profile, "database", database, DATABASE_STAGES, 80)
 
 
-def test_profile_database_normalizes_every_sample(database, monkeypatch):
-    """Every timed sample is normalized, the last partial batch too, even when there is no full batch."""
-    normalized = []
-    original = profiling.normalize_batch
+def test_profile_database_times_the_loaders_own_batch_path(database, monkeypatch):
+    """The stages are the loader's: its crop kernel, its fast decode, and its ``read_batch`` on the same samples
+    (every sample, the last partial batch too), whose time the stages add up to."""
+    kernel, decodes, batches = [], [], []
+    crop, decode, read_batch = profiling.crop_resize_into, LmdbImageDataset.decode_hwc, BatchReader.read_batch
 
-    def spy(images, *args, **kwargs):
-        normalized.append(images.shape[0])
-        return original(images, *args, **kwargs)
+    def spy_crop(*args, **kwargs):
+        kernel.append(args[2])
+        return crop(*args, **kwargs)
 
-    monkeypatch.setattr(profiling, "normalize_batch", spy)
-    _check_profile(profile_database(database, samples=10, batch_size=64), "database", database, DATABASE_STAGES, 10)
-    assert normalized == [10]
-    normalized.clear()
-    profile_database(database, samples=40, batch_size=16)
-    assert normalized == [16, 16, 8]
+    def spy_decode(self, *args, **kwargs):
+        decodes.append(args[4] if len(args) > 4 else kwargs.get("fast", False))
+        return decode(self, *args, **kwargs)
+
+    def spy_batch(self, indices, *args, **kwargs):
+        batches.append((len(indices), self.fused, self.output))
+        return read_batch(self, indices, *args, **kwargs)
+
+    monkeypatch.setattr(profiling, "crop_resize_into", spy_crop)
+    monkeypatch.setattr(LmdbImageDataset, "decode_hwc", spy_decode)
+    monkeypatch.setattr(BatchReader, "read_batch", spy_batch)
+    p = profile_database(database, samples=40, batch_size=16, image_size=48, device="cpu")
+    _check_profile(p, "database", database, DATABASE_STAGES, 40)
+    assert kernel[:40] == [48] * 40
+    assert set(decodes[:40]) == {True}  # the fast DCT, as the loader decodes
+    assert batches == [(16, True, "float"), (16, True, "float"), (8, True, "float")]
+    assert p.batch_path_ms is not None
+    assert p.batch_path_ms > 0
+    assert "the loader's read_batch, every stage at once" in p.format_table()
+
+
+@pytest.mark.cuda
+def test_profile_stages_on_cuda(folder, database):
+    """Training on CUDA: the database's uint8 batch is copied to the device and normalized there; the folder's
+    float batch is copied."""
+    profile = profile_database(database, samples=40, batch_size=16, device="cuda")
+    _check_profile(profile, "database", database, ["read", "decode", "transforms", "to_device", "normalize"], 40)
+    _check_profile(
+        profile_folder(folder, samples=16, batch_size=8, device="cuda"),
+        "folder",
+        folder,
+        [*FOLDER_STAGES, "to_device"],
+        16,
+    )
 
 
 def _hand_made(name: str, dominant: str) -> PipelineProfile:
@@ -123,7 +157,7 @@ def test_format_table_has_a_row_per_stage_and_a_total():
 
 def test_profile_folder_and_database(folder, database):
     """``profile(folder, database=db)`` profiles both, folder first; the folder costs several times more."""
-    folder_profile, database_profile = profile(folder, database=database, samples=80, batch_size=16)
+    folder_profile, database_profile = profile(folder, database=database, samples=80, batch_size=16, device="cpu")
     _check_profile(folder_profile, "folder", folder, FOLDER_STAGES, 80)
     _check_profile(database_profile, "database", database, DATABASE_STAGES, 80)
     ratio = folder_profile.total_ms / database_profile.total_ms

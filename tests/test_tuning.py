@@ -10,15 +10,18 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+from fakes import fake_trainer
 from torch.utils.data import Dataset
 from torchvision.datasets import ImageFolder
 
 import lightning_fastdata.tuning as tuning
-from lightning_fastdata import FastImageDataModule, LmdbImageDataset, convert, make_image_folder
+from lightning_fastdata import FastImageDataModule, convert, make_image_folder
+from lightning_fastdata.loader import FastLoader
 from lightning_fastdata.tuning import (
     LoaderConfig,
     Measurement,
     SweepResult,
+    TrainingLoaders,
     TuneCache,
     measure,
     plot_sweep,
@@ -419,17 +422,28 @@ def plain_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_image_folder(root, num_classes=2, train_per_class=40, val_per_class=0, min_size=64, max_size=160)
 
 
-def test_sweep_dataset_database(plain_folder, tmp_path):
-    """A database is read through FastImageDataModule's uint8 pipeline at ``image_size``."""
+@pytest.mark.parametrize("engine", ["threads", "processes"])
+def test_sweep_dataset_database_is_timed_through_the_training_loader(plain_folder, tmp_path, engine):
+    """A database is timed through FastImageDataModule's training loader, as ``fit`` builds it, with ``engine``."""
     db = tmp_path / "db"
     convert(plain_folder, db, short_side=96, num_workers=0, progress=False)
-    dataset, kind = sweep_dataset(db, image_size=48)
+    source, kind = sweep_dataset(db, image_size=48, engine=engine)
     assert kind == "database"
-    assert isinstance(dataset, LmdbImageDataset)
-    assert len(dataset) == 80
-    image, _ = dataset[0]
-    assert image.dtype == torch.uint8
-    assert tuple(image.shape) == (3, 48, 48)
+    assert isinstance(source, TrainingLoaders)
+    assert len(source) == 80
+    source.datamodule.trainer = fake_trainer("cpu")
+    loader = source(LoaderConfig(1, 8, engine=engine))
+    assert isinstance(loader, FastLoader)
+    assert (loader.engine, loader.workers, loader.batch_size) == (engine, 1, 8)
+    assert loader.dataset.fused  # the batch path
+    images, labels = next(iter(loader))
+    assert images.dtype == torch.float32  # on a CPU the loader normalizes
+    assert tuple(images.shape) == (8, 3, 48, 48)
+    assert labels.dtype == torch.int64
+    m = measure(source, LoaderConfig(1, 8, engine=engine), seconds=60.0, max_batches=3)
+    assert m.batches == 3  # more batches than an epoch of 10 are read across epochs
+    m = measure(source, LoaderConfig(0, 8, engine=engine), seconds=0.3)
+    assert m.batches > 10
 
 
 def test_sweep_dataset_folders(plain_folder, tmp_path):
@@ -483,8 +497,9 @@ def test_datamodule_tune_picks_the_cheapest_count_within_5_percent_and_caches_it
     rates = {0: 100.0, 1: 180.0, 2: 190.0, 3: 195.0}
     seen = []
 
-    def scripted(dataset, config, seconds=1.0, **kwargs):
-        seen.append((type(dataset).__name__, config.engine, config.num_workers))
+    def scripted(source, config, seconds=1.0, **kwargs):
+        loader = source(config)  # the training loader, as `fit` builds it, with this configuration
+        seen.append((type(loader.dataset).__name__, config.engine, loader.workers))
         return tuning.Measurement(config, rates[config.num_workers], None, 5, seconds)
 
     monkeypatch.setattr(tuning, "measure", scripted)
@@ -498,7 +513,7 @@ def test_datamodule_tune_picks_the_cheapest_count_within_5_percent_and_caches_it
     dm.setup("fit")
     tuned = dm.resolved_num_workers()
     assert tuned == 2  # 195 is the best; 190 is within 5% of it, 180 is not
-    assert seen == [("BatchReader", "threads", n) for n in range(4)]  # the loader training will use
+    assert seen == [("BatchReader", "threads", n) for n in range(4)]  # the loader training uses
     assert dm.train_dataloader().workers == 2
 
     cache_file = tmp_path / "cache" / "tune.json"
