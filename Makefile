@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint unit venv clean
+.PHONY: demo test test-gpu lint unit venv clean
 
 venv: $(STAMP)
 
@@ -25,6 +25,12 @@ unit: $(STAMP)
 	$(BIN)/python -m pytest
 
 test: lint unit
+
+# On a GPU machine: only the tests marked `cuda` (skipped elsewhere), a short 16-mixed fit among them. Without a package
+# registry, run `python -m pytest -m cuda` where the dependencies are installed.
+test-gpu: $(STAMP)
+	$(BIN)/python -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'make test-gpu needs a CUDA GPU')"
+	$(BIN)/python -m pytest -m cuda
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info .demo

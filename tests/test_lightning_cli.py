@@ -160,6 +160,11 @@ def test_cpu_config_fits(tmp_path: Path) -> None:
             "1",
             "--trainer.default_root_dir",
             str(out),
+            # named, not Lightning's default: that is TensorBoardLogger wherever tensorboard is installed (GPU images)
+            "--trainer.logger",
+            "lightning.pytorch.loggers.CSVLogger",
+            "--trainer.logger.save_dir",
+            str(out),
         ]
     )
     assert code == 0

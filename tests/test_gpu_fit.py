@@ -1,0 +1,117 @@
+"""A short real fit on a GPU: 16-mixed, LoaderMonitor, prefetch to the device, CPU and device decode.
+
+Marked ``cuda``: skipped without a GPU, run by ``make test-gpu``. Between steps (the fetch, the copy and
+normalization on the side stream, nvJPEG with ``decode="device"``, and LoaderMonitor's per-step work) CUDA runs under
+``torch.cuda.set_sync_debug_mode("error")``: any host-device synchronization there fails the fit.
+"""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.loggers import CSVLogger
+from torch.nn import functional as F
+
+from lightning_fastdata import FastImageDataModule, LoaderMonitor, convert, make_image_folder
+
+pytestmark = pytest.mark.cuda
+
+EPOCHS, BATCH, IMAGES = 3, 8, 64
+
+
+class _ConvNet(LightningModule):
+    """A small conv net that checks what the loader hands it: normalized float batches on the GPU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(
+            torch.nn.Conv2d(3, 16, 3, stride=2),
+            torch.nn.ReLU(),
+            torch.nn.AdaptiveAvgPool2d(1),
+            torch.nn.Flatten(),
+            torch.nn.Linear(16, 2),
+        )
+        self.seen: list[tuple[str, torch.dtype, bool]] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        images, labels = batch
+        self.seen.append((images.device.type, images.dtype, images.is_contiguous(memory_format=torch.channels_last)))
+        return F.cross_entropy(self.net(images), labels)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+class _NoSyncBetweenSteps(Callback):
+    """``set_sync_debug_mode("error")`` from the end of one step to the start of the next (within an epoch)."""
+
+    def __init__(self) -> None:
+        self.windows = 0
+
+    def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
+        batch_idx = args[-1]
+        if batch_idx + 1 < trainer.num_training_batches:
+            torch.cuda.set_sync_debug_mode("error")
+            self.windows += 1
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        torch.cuda.set_sync_debug_mode(0)
+
+    def on_train_epoch_end(self, *args: Any) -> None:
+        torch.cuda.set_sync_debug_mode(0)
+
+    def on_exception(self, *args: Any) -> None:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+@pytest.fixture(scope="module")
+def gpu_database(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("gpu_fit")
+    src = make_image_folder(root / "src", num_classes=2, train_per_class=IMAGES // 2, val_per_class=0, seed=1)
+    db = root / "db.lmdb"
+    convert(src, db, short_side=96, progress=False)
+    return db
+
+
+@pytest.mark.parametrize("decode", ["cpu", "device"])
+def test_a_short_16_mixed_fit_on_the_gpu(gpu_database: Path, tmp_path: Path, decode: str) -> None:
+    """Three epochs in 16-mixed with channels_last: GPU batches, no synchronization between steps, a monitor verdict
+    with GPU utilization, and its metrics in the logger's rows."""
+    dm = FastImageDataModule(
+        str(gpu_database), image_size=64, batch_size=BATCH, val_fraction=0, channels_last=True, decode=decode
+    )
+    model, monitor, guard = _ConvNet(), LoaderMonitor(warmup_epochs=1), _NoSyncBetweenSteps()
+    trainer = Trainer(
+        accelerator="gpu",
+        devices=1,
+        precision="16-mixed",
+        max_epochs=EPOCHS,
+        callbacks=[guard, monitor],
+        logger=CSVLogger(tmp_path),
+        log_every_n_steps=2,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model, datamodule=dm)
+    steps = EPOCHS * (IMAGES // BATCH)
+    assert trainer.global_step == steps
+    assert dm.uses_prefetch()
+    assert dm.uses_device_decode() is (decode == "device")
+    assert set(model.seen) == {("cuda", torch.float32, True)}
+    assert guard.windows == EPOCHS * (IMAGES // BATCH - 1)
+    summary = monitor.summary
+    assert summary["measured_steps"] == (EPOCHS - 1) * (IMAGES // BATCH)
+    assert summary["verdict"] in {"input-bound", "balanced", "compute-bound"}
+    assert 0.0 <= summary["data_fraction"] <= 1.0
+    assert summary["samples_per_sec"] > 0
+    assert 0.0 <= summary["gpu_util"] <= 1.0  # NVML (nvidia-ml-py is a dependency)
+    rows = list(csv.DictReader(open(next(tmp_path.rglob("metrics.csv")))))  # noqa: SIM115
+    logged = [row for row in rows if row.get("loader/step_ms")]
+    assert logged
+    assert all(float(row["loader/step_ms"]) > 0 for row in logged)
