@@ -36,8 +36,6 @@ _DIST_VARS = ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "GLOBAL_R
 #: the generated database: 2 classes x (10 train + 4 val)
 TRAIN_SIZE, VAL_SIZE = 20, 8
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
 
 # ----------------------------------------------------------------------------------------------------------------
 # Fakes and fixtures
@@ -552,7 +550,7 @@ def test_ddp_through_prefetch_loader_runs_equal_batches(ddp_run: list[dict[str, 
 # ----------------------------------------------------------------------------------------------------------------
 
 
-@needs_cuda
+@pytest.mark.cuda
 def test_gpu_batches_equal_with_and_without_prefetch(database: Path, side_streams: dict[int, Any]) -> None:
     """On CUDA, prefetched batches (normalized on the side stream) equal the plain loader's after ``to_model_input``."""
     trainer = _fake_trainer(torch.device("cuda", 0))
@@ -577,7 +575,7 @@ def test_gpu_batches_equal_with_and_without_prefetch(database: Path, side_stream
     assert len(side_streams) == 1
 
 
-@needs_cuda
+@pytest.mark.cuda
 def test_gpu_memory_does_not_grow_over_epochs(side_streams: dict[int, Any]) -> None:
     """Five epochs of prefetching leave allocated device memory where the first left it, on one side stream."""
     images = torch.randint(0, 256, (64, 3, 32, 32), dtype=torch.uint8)
