@@ -228,7 +228,7 @@ class BatchReader(Dataset):
         assert transform is not None
         pairs = self._records(indices)
         images = self._new_batch(len(pairs))
-        slots = images.numpy() if images.dtype == torch.uint8 or self.channels_last else None
+        slots = images.numpy()  # one view of the whole batch: a slot per image without a tensor per image
         labels: list[Any] = []
         with base.records() as read:  # payloads are views of the memory map until this block ends
             found = self._each(pairs, lambda pair: (pair, *read(pair[1])))
@@ -236,7 +236,7 @@ class BatchReader(Dataset):
 
             def crop_into(item: tuple[tuple[tuple[int, int], RecordHeader, memoryview], Box, bool]) -> None:
                 ((_, record), header, payload), box, flip = item
-                self._crop_into(record, header, payload, box, flip, self._slot(images, slots, len(labels)))
+                self._crop_into(record, header, payload, box, flip, slots[len(labels)])
                 labels.append(header.label)
 
             self._each(list(zip(found, boxes, flips, strict=True)), crop_into)
@@ -340,10 +340,6 @@ class BatchReader(Dataset):
     def _pinned(self) -> bool:
         """Whether this process builds batches in page-locked memory (not in a worker: those go through shm)."""
         return self.pin_memory and get_worker_info() is None and torch.cuda.is_available()
-
-    @staticmethod
-    def _slot(images: Tensor, slots: np.ndarray | None, i: int) -> np.ndarray:
-        return slots[i] if slots is not None else images[i].numpy()
 
     def _as_nchw(self, images: Tensor) -> Tensor:
         nhwc = self.output == "uint8" or self.channels_last
