@@ -56,16 +56,85 @@ def _cpu_seconds() -> float:
     return total
 
 
+def _own_cpu_seconds() -> float:
+    """CPU time of this process alone (all its threads), without its worker processes."""
+    import psutil
+
+    times = psutil.Process().cpu_times()
+    return times.user + times.system
+
+
 def _timed_epoch(make_epoch, check, epochs: int) -> dict[str, float]:
-    """Run one warm-up epoch, then time the next ``epochs``: images/s and CPU-seconds per 1,000 images."""
+    """Run one warm-up epoch, then time the next ``epochs``.
+
+    Returns images/s, and CPU-seconds per 1,000 images: of the whole loader (this process and its workers), of the
+    training process alone (``own``: what a GIL-bound consumer must do per image), and of its main thread alone.
+    """
     for batch in make_epoch(0):
         check(batch)
-    start, cpu, images = time.perf_counter(), _cpu_seconds(), 0
+    start, cpu, own, main_thread, images = (
+        time.perf_counter(),
+        _cpu_seconds(),
+        _own_cpu_seconds(),
+        time.thread_time(),
+        0,
+    )
     for k in range(1, epochs + 1):
         for batch in make_epoch(k):
             images += check(batch)
     seconds = time.perf_counter() - start
-    return {"images_per_sec": images / seconds, "cpu_per_1000": (_cpu_seconds() - cpu) / images * 1000}
+    per_1000 = 1000 / images
+    return {
+        "images_per_sec": images / seconds,
+        "cpu_per_1000": (_cpu_seconds() - cpu) * per_1000,
+        "own_cpu_per_1000": (_own_cpu_seconds() - own) * per_1000,
+        "main_thread_cpu_per_1000": (time.thread_time() - main_thread) * per_1000,
+    }
+
+
+def _gil_held_us(reader, batch_size: int, batches: int = 20) -> float:
+    """Microseconds per image that ``read_batch`` holds the GIL: its CPU time on one thread, less the time inside
+    the kernels that release it (libjpeg-turbo decode, the OpenCV crop kernel, the normalization).
+
+    Threads building batches in one process serialize on this: it bounds the threaded engine at
+    ``1e6 / (GIL-held + the main thread's per-image time)`` images/s, however many cores there are. Includes the
+    probe's own timers (about 1 us per image).
+    """
+    import simplejpeg
+
+    from lightning_fastdata import loader as loader_module
+    from lightning_fastdata.loader import KeyedIndices
+    from lightning_fastdata.transforms import Normalizer
+
+    inside = [0.0]
+
+    def timed(fn):
+        def wrapper(*args, **kwargs):
+            start = time.thread_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                inside[0] += time.thread_time() - start
+
+        return wrapper
+
+    originals = (simplejpeg.decode_jpeg, loader_module.crop_resize_into, Normalizer.into)
+    simplejpeg.decode_jpeg = timed(originals[0])
+    loader_module.crop_resize_into = timed(originals[1])
+    Normalizer.into = timed(originals[2])
+    try:
+        n = len(reader)
+        order = [(k * 7919) % n for k in range(batches * batch_size)]  # spread over the split, no sampler
+        chunks = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+        reader.read_batch(KeyedIndices(chunks[0], (0, 0)))  # warm: buffers, the environment
+        inside[0] = 0.0
+        start = time.thread_time()
+        for chunk in chunks:
+            reader.read_batch(KeyedIndices(chunk, (0, 1)))
+        total = time.thread_time() - start
+    finally:
+        simplejpeg.decode_jpeg, loader_module.crop_resize_into, Normalizer.into = originals
+    return (total - inside[0]) / len(order) * 1e6
 
 
 def _checker(dtype):
@@ -130,7 +199,9 @@ def run_fast(args, output: str, engine: str) -> dict[str, float]:
         return loader
 
     check, _ = _checker(torch.float32 if output == "float" else torch.uint8)
-    return _timed_epoch(epoch, check, args.epochs)
+    result = _timed_epoch(epoch, check, args.epochs)
+    result["gil_us"] = _gil_held_us(loader.dataset, args.batch_size)
+    return result
 
 
 def run_ffcv(args, output: str) -> dict[str, float]:
@@ -335,6 +406,42 @@ def _dir_bytes(path: Path) -> int:
     return path.stat().st_size if path.is_file() else sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
+def _print_proxies(med: dict[str, dict[str, float]], cores: int) -> None:
+    """What limits each loader on a many-core node, from figures this small machine can measure.
+
+    The training process is one interpreter: whatever it must do per image under the GIL serializes, whatever the
+    cores. Threads: the GIL-held time of building an image plus the main thread's per-image time. Worker processes:
+    the training process's own CPU time per image (receiving batches, the pin-memory thread). One core's rate times
+    the cores is the other bound.
+    """
+    print("Proxies for a many-core node (from this run; a ceiling is what the engine allows, not a measurement):")
+    print()
+    print(
+        "| loader | one core's rate x cores | training process CPU-s / 1,000 | main thread CPU-s / 1,000"
+        " | GIL-held us / image | engine ceiling, images/s |"
+    )
+    print("|---|---:|---:|---:|---:|---:|")
+    for name, m in sorted(med.items()):
+        # FFCV and DALI build batches on GIL-free native threads inside the training process: their CPU there is
+        # their whole work, not a serial part of it, so this bound does not apply to them
+        if name != "imagefolder" and not name.startswith("fast"):
+            continue
+        per_core = 1000 / m["cpu_per_1000"] * cores if m["cpu_per_1000"] else float("nan")
+        if "gil_us" in m and "processes" not in name:
+            serial_us = m["gil_us"] + m["main_thread_cpu_per_1000"] * 1000
+            gil, bound = f"{m['gil_us']:.0f}", f"{1e6 / serial_us:.0f} (GIL: 1e6 / (GIL-held + main thread))"
+        elif "gil_us" in m:
+            gil = f"{m['gil_us']:.0f} (in each worker)"
+            bound = f"{1e6 / (m['own_cpu_per_1000'] * 1000):.0f} (1e6 / training process CPU)"
+        else:
+            gil = "-"
+            bound = f"{1e6 / (m['own_cpu_per_1000'] * 1000):.0f} (1e6 / training process CPU)"
+        print(
+            f"| {RUNNERS[name][0]} | {per_core:.0f} | {m['own_cpu_per_1000']:.3f} | {m['main_thread_cpu_per_1000']:.3f}"
+            f" | {gil} | {bound} |"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", default=".bench", help="where the generated images and stores go")
@@ -449,6 +556,8 @@ def main() -> None:
         f" {ratio('fast-uint8', 'limit-b-ours-parallel')}"
     )
     print(f"float32: FastImageDataModule / DALI = {ratio('fast-float', 'dali-float')}")
+    print()
+    _print_proxies(med, cores)
     print()
     print(
         f"| store | size | vs source ({source_bytes / 2**20:.1f} MiB) | conversion (median of {args.convert_rounds}) |"
