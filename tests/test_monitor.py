@@ -27,15 +27,23 @@ from torchvision.datasets.folder import default_loader
 
 from lightning_fastdata import LmdbImageDataset, LoaderMonitor
 from lightning_fastdata.loader import BatchReader, FastLoader
-from lightning_fastdata.monitor import _batch_size, _GpuSampler, _nvml_handles, _verdict
+from lightning_fastdata.monitor.callback import _batch_size
+from lightning_fastdata.monitor.gpu import GpuSampler, nvml_handles
+from lightning_fastdata.monitor.verdict import advise, verdict
 
 DDP_SCRIPT = Path(__file__).with_name("monitor_ddp_script.py")
 
 #: variables a DDP launch reads: a stale one from the calling environment must not leak into the run
 _DIST_VARS = ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "GLOBAL_RANK", "WORLD_SIZE", "RANK")
 
-#: the advice summary fields ``_advice`` reads
-_SUMMARY = {"wait_p50_ms": 10.0, "wait_p90_ms": 12.0, "data_fraction": 0.5}
+#: the summary fields ``advise`` reads, of an input-bound run
+_SUMMARY = {"verdict": "input-bound", "wait_p50_ms": 10.0, "wait_p90_ms": 12.0, "data_fraction": 0.5}
+
+#: the callback and ``monitor.timing`` read the clock as ``time.perf_counter`` (and record ``torch.cuda.Event``s)
+PERF_COUNTER = "time.perf_counter"
+CUDA_EVENT = "torch.cuda.Event"
+#: what the callback looks up in its own module, so patched there
+CALLBACK = "lightning_fastdata.monitor.callback"
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*does not have many workers:UserWarning")
 
@@ -251,7 +259,7 @@ def test_exact_timing_and_interval_metrics():
     cpu = Mock(take=Mock(return_value=37.5))
     with (
         patch("lightning_fastdata.cpus.CpuMeter", return_value=cpu),
-        patch("lightning_fastdata.monitor.time.perf_counter", side_effect=times) as perf_counter,
+        patch(PERF_COUNTER, side_effect=times) as perf_counter,
     ):
         monitor.on_train_start(trainer, module)
         monitor.on_train_epoch_start(trainer, module)
@@ -346,7 +354,7 @@ def test_warmup_epoch_is_left_out_of_the_summary():
     monitor = LoaderMonitor(warmup_epochs=1)
     with (
         patch("lightning_fastdata.cpus.CpuMeter"),
-        patch("lightning_fastdata.monitor.time.perf_counter", side_effect=clock),
+        patch(PERF_COUNTER, side_effect=clock),
     ):
         monitor.on_train_start(trainer, module)
         for epoch, (wait, step) in enumerate([(500.0, 10.0), (0.1, 10.0)]):
@@ -372,7 +380,7 @@ def test_warmup_steps_leave_out_the_first_batches():
     monitor = LoaderMonitor(warmup_epochs=0, warmup_steps=2)
     with (
         patch("lightning_fastdata.cpus.CpuMeter"),
-        patch("lightning_fastdata.monitor.time.perf_counter", side_effect=clock),
+        patch(PERF_COUNTER, side_effect=clock),
     ):
         monitor.on_train_start(trainer, module)
         monitor.on_train_epoch_start(trainer, module)
@@ -445,12 +453,12 @@ def test_slow_model_is_compute_bound_without_advice():
 
 
 @pytest.mark.parametrize(
-    ("fraction", "verdict"),
+    ("fraction", "expected"),
     [(0.9, "input-bound"), (0.21, "input-bound"), (0.2, "balanced"), (0.05, "balanced"), (0.049, "compute-bound")],
 )
-def test_verdict_thresholds(fraction, verdict):
+def test_verdict_thresholds(fraction, expected):
     """More than 20% of the time waiting is input-bound, less than 5% compute-bound, balanced between."""
-    assert _verdict(fraction) == verdict
+    assert verdict(fraction) == expected
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -459,10 +467,9 @@ def test_verdict_thresholds(fraction, verdict):
 
 
 def _advice(loader: Any, *, cuda: bool = False, **trainer_kwargs: Any) -> list[str]:
-    monitor = LoaderMonitor()
-    monitor._cuda = cuda
+    """The advice for an input-bound run (``_SUMMARY``) of one epoch's batches with the training loader ``loader``."""
     trainer = _mock_trainer(train_dataloader=loader, **trainer_kwargs)
-    return monitor._advice(trainer, dict(_SUMMARY))
+    return advise(trainer, dict(_SUMMARY), cuda=cuda, epochs=[], wait_ms=[])
 
 
 def test_image_folder_run_gets_convert_advice(image_folder):
@@ -556,13 +563,17 @@ def test_non_dataloader_gets_generic_advice():
 
 def test_epoch_restart_bursty_waits_and_idle_gpu_advice():
     """Slow epoch starts without persistent workers, bursty waits and a mostly idle GPU are each flagged."""
-    monitor = LoaderMonitor()
-    monitor.epochs.extend([0, 0, 0, 1, 1, 1])
-    monitor.wait_ms.extend([400.0, 10.0, 10.0, 300.0, 10.0, 10.0])
+    epochs, wait_ms = [0, 0, 0, 1, 1, 1], [400.0, 10.0, 10.0, 300.0, 10.0, 10.0]
     trainer = _mock_trainer(train_dataloader=DataLoader(_in_memory(4), num_workers=2), max_epochs=3)
-    summary = {"wait_p50_ms": 10.0, "wait_p90_ms": 40.0, "data_fraction": 0.6, "gpu_util": 0.3}
+    summary = {
+        "verdict": "input-bound",
+        "wait_p50_ms": 10.0,
+        "wait_p90_ms": 40.0,
+        "data_fraction": 0.6,
+        "gpu_util": 0.3,
+    }
     with patch("lightning_fastdata.cpus.usable_cpu_count", return_value=2):
-        advice = monitor._advice(trainer, summary)
+        advice = advise(trainer, summary, cuda=False, epochs=epochs, wait_ms=wait_ms)
     assert any("300 ms wait while workers restart; set persistent_workers=True" in item for item in advice)
     assert any("prefetch_factor=2; raise prefetch_factor to 4" in item for item in advice)
     assert any("the GPU was 30% busy while 60% of the time" in item for item in advice)
@@ -638,9 +649,9 @@ def test_cuda_wait_and_step_come_from_completed_events_without_waiting_for_the_g
     module.log_dict.side_effect = lambda metrics, **kwargs: logged.append(dict(metrics))
     with (
         patch("lightning_fastdata.cpus.CpuMeter"),
-        patch("lightning_fastdata.monitor._nvml_handles", return_value=(nvml, ["gpu0"])) as handles,
-        patch("lightning_fastdata.monitor.time.perf_counter", side_effect=clock),
-        patch("lightning_fastdata.monitor.torch.cuda.Event", side_effect=cuda.event),
+        patch(f"{CALLBACK}.nvml_handles", return_value=(nvml, ["gpu0"])) as handles,
+        patch(PERF_COUNTER, side_effect=clock),
+        patch(CUDA_EVENT, side_effect=cuda.event),
     ):
         monitor.on_train_start(trainer, module)
         handles.assert_called_once_with(0)
@@ -675,7 +686,7 @@ def test_cuda_wait_and_step_come_from_completed_events_without_waiting_for_the_g
         monitor.teardown(trainer, module, "fit")
     assert list(monitor.wait_ms) == pytest.approx([6.0, 1.0, 4.0])  # GPU wait + the 1 ms copy
     assert list(monitor.step_ms) == pytest.approx([12.0, 14.0, 16.0])
-    assert not monitor._events
+    assert monitor._timer.first_unread() is None
     assert "loader/step_ms" not in logged[0]  # batch 0's GPU work was still running at its own logging point
     assert (logged[1]["loader/data_wait_ms"], logged[1]["loader/step_ms"]) == pytest.approx((6.0, 12.0))
     assert (logged[2]["loader/data_wait_ms"], logged[2]["loader/step_ms"]) == pytest.approx((1.0, 14.0))
@@ -712,7 +723,7 @@ def test_gpu_sampler_averages_and_resets():
     """`take()` averages the samples over time and over GPUs, in GiB, then starts again from nothing."""
     util = {"a": 20.0, "b": 60.0}
     used = {"a": 1 * 2**30, "b": 3 * 2**30}
-    sampler = _GpuSampler(_fake_nvml(util, used), ["a", "b"], interval=1.0)
+    sampler = GpuSampler(_fake_nvml(util, used), ["a", "b"], interval=1.0)
     assert sampler.take() is None
     sampler.sample()  # 40%, 2 GiB
     util["a"], used["a"] = 80.0, 5 * 2**30
@@ -726,7 +737,7 @@ def test_gpu_sampler_averages_and_resets():
 def test_gpu_sampler_thread_survives_nvml_errors():
     """An NVML error in the polling thread ends the thread quietly instead of raising."""
     nvml = SimpleNamespace(nvmlDeviceGetUtilizationRates=Mock(side_effect=RuntimeError("gone")))
-    sampler = _GpuSampler(nvml, ["a"], interval=0.001)
+    sampler = GpuSampler(nvml, ["a"], interval=0.001)
     sampler.start()
     sampler._thread.join(timeout=5)
     assert not sampler._thread.is_alive()
@@ -736,23 +747,23 @@ def test_gpu_sampler_thread_survives_nvml_errors():
 
 
 def test_nvml_handles_reports_why_nvml_is_unusable(monkeypatch):
-    """`_nvml_handles` returns a reason, not an exception, when NVML fails to start or is not installed."""
+    """`nvml_handles` returns a reason, not an exception, when NVML fails to start or is not installed."""
     with patch("pynvml.nvmlInit", side_effect=RuntimeError("driver not loaded")):
-        reason = _nvml_handles(0)
+        reason = nvml_handles(0)
     assert isinstance(reason, str)
     assert "NVML is not usable here" in reason
     assert "driver not loaded" in reason
     monkeypatch.setitem(sys.modules, "pynvml", None)
-    assert "pip install nvidia-ml-py" in _nvml_handles(0)
+    assert "pip install nvidia-ml-py" in nvml_handles(0)
 
 
 def test_cpu_training_logs_one_line_and_starts_no_sampler():
     """On a CPU module `on_train_start` says once why GPU utilization is not logged, and polls nothing."""
     monitor = LoaderMonitor()
     with (
-        patch("lightning_fastdata.monitor.rank_zero_info") as info,
-        patch("lightning_fastdata.monitor._nvml_handles") as handles,
-        patch("lightning_fastdata.monitor._GpuSampler") as sampler,
+        patch(f"{CALLBACK}.rank_zero_info") as info,
+        patch(f"{CALLBACK}.nvml_handles") as handles,
+        patch(f"{CALLBACK}.GpuSampler") as sampler,
     ):
         monitor.on_train_start(_mock_trainer(), _cpu_module())
     info.assert_called_once()
@@ -768,8 +779,8 @@ def test_cuda_without_nvml_logs_the_reason():
     """On CUDA without a usable NVML the reason is logged and training goes on without a sampler."""
     monitor = LoaderMonitor()
     with (
-        patch("lightning_fastdata.monitor.rank_zero_info") as info,
-        patch("lightning_fastdata.monitor._nvml_handles", return_value="NVML is not usable here (test)"),
+        patch(f"{CALLBACK}.rank_zero_info") as info,
+        patch(f"{CALLBACK}.nvml_handles", return_value="NVML is not usable here (test)"),
         patch("lightning_fastdata.cpus.CpuMeter"),
     ):
         monitor.on_train_start(_mock_trainer(), Mock(device=torch.device("cuda", 1)))
@@ -799,7 +810,7 @@ def test_validation_timing_is_exact_and_sanity_checks_are_not_logged():
     monitor = LoaderMonitor()
     with (
         patch("lightning_fastdata.cpus.CpuMeter"),
-        patch("lightning_fastdata.monitor.time.perf_counter", side_effect=clock),
+        patch(PERF_COUNTER, side_effect=clock),
     ):
         monitor.on_train_start(trainer, module)
         for sanity in (True, False):
@@ -877,7 +888,7 @@ def test_report_without_matplotlib_says_how_to_install(tmp_path, monkeypatch):
     """Without matplotlib the JSON is still written, no chart, and one message says what to install."""
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     monitor = LoaderMonitor(warmup_epochs=0, report_dir=tmp_path)
-    with patch("lightning_fastdata.monitor.rank_zero_info") as info:
+    with patch("lightning_fastdata.monitor.report.rank_zero_info") as info:
         _fit(monitor, _in_memory(4), max_epochs=1)
     assert (tmp_path / "loader_report.json").is_file()
     assert not (tmp_path / "loader_report.png").exists()
@@ -970,14 +981,14 @@ def test_nvml_thread_stops_when_the_fit_raises():
     monitor = LoaderMonitor(gpu_poll_interval=0.01)
     nvml = _fake_nvml({"gpu0": 50.0}, {"gpu0": 2**30})
     with (
-        patch("lightning_fastdata.monitor._nvml_handles", return_value=(nvml, ["gpu0"])),
-        patch("lightning_fastdata.monitor.torch.cuda.Event", side_effect=_FakeCuda().event),
+        patch(f"{CALLBACK}.nvml_handles", return_value=(nvml, ["gpu0"])),
+        patch(CUDA_EVENT, side_effect=_FakeCuda().event),
         pytest.raises(RuntimeError, match="step failed"),
     ):
         _fit(monitor, _in_memory(4), _FailingCudaModel())
     assert monitor._gpu is not None
     assert not monitor._gpu._thread.is_alive()
-    assert monitor._profiler is None  # the profiler has its own methods back
+    assert not monitor._timer.watching  # the profiler has its own methods back
 
 
 class _LoggingModel(_TinyModel):
