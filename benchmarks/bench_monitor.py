@@ -22,7 +22,6 @@ from lightning.pytorch.profilers import PassThroughProfiler
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_fastdata import LoaderMonitor
-from lightning_fastdata.cpus import CpuMeter
 
 
 class TinyConvNet(LightningModule):
@@ -74,9 +73,7 @@ def hook_cost_us(calls: int, epoch_len: int = 64) -> float:
     module = SimpleNamespace(
         device=torch.device("cpu"), automatic_optimization=True, log_dict=lambda *args, **kwargs: None
     )
-    monitor._reset()
-    monitor._cpu = CpuMeter()
-    monitor._watch_fetches(trainer)  # the fetch and transfer timing, as in a fit
+    monitor.on_train_start(trainer, module)  # as in a fit: the CPU meter, and the profiler wrapped to time fetches
     batch = (torch.zeros(32, 3, 32, 32), torch.zeros(32, dtype=torch.long))
     logging.getLogger("lightning_fastdata").setLevel(logging.WARNING)
     start = time.perf_counter()

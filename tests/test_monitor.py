@@ -1,4 +1,8 @@
-"""Tests for ``LoaderMonitor``: timing, warmup, verdicts, advice, the CUDA/NVML paths, reports and DDP."""
+"""Tests for ``lightning_fastdata.monitor``: timing, warmup, verdicts, advice, the CUDA/NVML paths, reports and DDP.
+
+Most go through ``LoaderMonitor``'s hooks or a real fit; the arithmetic (``verdict``, ``report``), the profiler
+timing (``timing``) and the NVML sampler (``gpu``) are also checked on their own.
+"""
 
 from __future__ import annotations
 
@@ -27,15 +31,24 @@ from torchvision.datasets.folder import default_loader
 
 from lightning_fastdata import LmdbImageDataset, LoaderMonitor
 from lightning_fastdata.loader import BatchReader, FastLoader
-from lightning_fastdata.monitor import _batch_size, _GpuSampler, _nvml_handles, _verdict
+from lightning_fastdata.monitor.gpu import GpuSampler, nvml_handles
+from lightning_fastdata.monitor.report import epoch_line, format_table
+from lightning_fastdata.monitor.timing import LoopTimer
+from lightning_fastdata.monitor.verdict import advise, judge_slowest_rank, summarize, verdict
 
 DDP_SCRIPT = Path(__file__).with_name("monitor_ddp_script.py")
 
 #: variables a DDP launch reads: a stale one from the calling environment must not leak into the run
 _DIST_VARS = ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "GLOBAL_RANK", "WORLD_SIZE", "RANK")
 
-#: the advice summary fields ``_advice`` reads
-_SUMMARY = {"wait_p50_ms": 10.0, "wait_p90_ms": 12.0, "data_fraction": 0.5}
+#: the summary fields ``advise`` reads, of an input-bound run
+_SUMMARY = {"verdict": "input-bound", "wait_p50_ms": 10.0, "wait_p90_ms": 12.0, "data_fraction": 0.5}
+
+#: the callback and ``monitor.timing`` read the clock as ``time.perf_counter`` (and record ``torch.cuda.Event``s)
+PERF_COUNTER = "time.perf_counter"
+CUDA_EVENT = "torch.cuda.Event"
+#: what the callback looks up in its own module, so patched there
+CALLBACK = "lightning_fastdata.monitor.callback"
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*does not have many workers:UserWarning")
 
@@ -251,7 +264,7 @@ def test_exact_timing_and_interval_metrics():
     cpu = Mock(take=Mock(return_value=37.5))
     with (
         patch("lightning_fastdata.cpus.CpuMeter", return_value=cpu),
-        patch("lightning_fastdata.monitor.time.perf_counter", side_effect=times) as perf_counter,
+        patch(PERF_COUNTER, side_effect=times) as perf_counter,
     ):
         monitor.on_train_start(trainer, module)
         monitor.on_train_epoch_start(trainer, module)
@@ -289,18 +302,22 @@ def test_exact_timing_and_interval_metrics():
     assert "start" not in vars(trainer.profiler)  # the profiler has its own methods back
 
 
-def test_batch_size_fn_overrides_the_batch_search():
-    """`batch_size_fn` counts the samples of a batch whose first tensor is not the batch."""
+def _samples_of(monitor: LoaderMonitor, batch: Any) -> list[int]:
+    """The ``samples`` series after one training batch ``batch`` through the monitor's hooks."""
     trainer, module = _mock_trainer(), _cpu_module()
-    monitor = LoaderMonitor(batch_size_fn=lambda batch: batch["n"])
     with patch("lightning_fastdata.cpus.CpuMeter"):
         monitor.on_train_start(trainer, module)
     monitor.on_train_epoch_start(trainer, module)
-    batch = {"n": 5, "mask": torch.zeros(1, 3)}
     _fetch(trainer, _Clock(), 1.0)
     monitor.on_train_batch_start(trainer, module, batch, 0)
     monitor.on_train_batch_end(trainer, module, None, batch, 0)
-    assert list(monitor.samples) == [5]
+    return list(monitor.samples)
+
+
+def test_batch_size_fn_overrides_the_batch_search():
+    """`batch_size_fn` counts the samples of a batch whose first tensor is not the batch."""
+    monitor = LoaderMonitor(batch_size_fn=lambda batch: batch["n"])
+    assert _samples_of(monitor, {"n": 5, "mask": torch.zeros(1, 3)}) == [5]
 
 
 def test_batches_without_a_reported_fetch_warn_once():
@@ -332,7 +349,7 @@ def test_batches_without_a_reported_fetch_warn_once():
 )
 def test_batch_size_reads_the_first_tensor(batch, expected):
     """The batch size is the length of the first tensor found in tuples, lists and dicts."""
-    assert _batch_size(batch) == expected
+    assert _samples_of(LoaderMonitor(), batch) == [expected]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -343,10 +360,11 @@ def test_batch_size_reads_the_first_tensor(batch, expected):
 def test_warmup_epoch_is_left_out_of_the_summary():
     """With `warmup_epochs=1` the first epoch's (slow) batches are flagged and do not reach the percentiles."""
     trainer, module, clock = _mock_trainer(), _cpu_module(), _Clock()
-    monitor = LoaderMonitor(warmup_epochs=1)
+    monitor = LoaderMonitor(warmup_epochs=1, verbose=False)
     with (
         patch("lightning_fastdata.cpus.CpuMeter"),
-        patch("lightning_fastdata.monitor.time.perf_counter", side_effect=clock),
+        patch(PERF_COUNTER, side_effect=clock),
+        patch(f"{CALLBACK}.rank_zero_info") as info,
     ):
         monitor.on_train_start(trainer, module)
         for epoch, (wait, step) in enumerate([(500.0, 10.0), (0.1, 10.0)]):
@@ -364,6 +382,12 @@ def test_warmup_epoch_is_left_out_of_the_summary():
     assert summary["verdict"] == "compute-bound"  # the 500 ms warmup waits would make it input-bound
     assert summary["advice"] == []
     assert summary["ranks"] == [{"rank": 0, "wait_mean_ms": pytest.approx(0.1), "step_mean_ms": pytest.approx(10.0)}]
+    # one line per epoch, the warmup named; the first line says why GPU utilization is not logged
+    assert [c.args[0] for c in info.call_args_list][1:] == [
+        "LoaderMonitor epoch 0: data wait p50 500.0 ms, step p50 10.0 ms, data fraction 98%, input-bound"
+        " (warmup: not in the verdict)",
+        "LoaderMonitor epoch 1: data wait p50 0.1 ms, step p50 10.0 ms, data fraction 1%, compute-bound",
+    ]
 
 
 def test_warmup_steps_leave_out_the_first_batches():
@@ -372,7 +396,7 @@ def test_warmup_steps_leave_out_the_first_batches():
     monitor = LoaderMonitor(warmup_epochs=0, warmup_steps=2)
     with (
         patch("lightning_fastdata.cpus.CpuMeter"),
-        patch("lightning_fastdata.monitor.time.perf_counter", side_effect=clock),
+        patch(PERF_COUNTER, side_effect=clock),
     ):
         monitor.on_train_start(trainer, module)
         monitor.on_train_epoch_start(trainer, module)
@@ -445,12 +469,62 @@ def test_slow_model_is_compute_bound_without_advice():
 
 
 @pytest.mark.parametrize(
-    ("fraction", "verdict"),
+    ("fraction", "expected"),
     [(0.9, "input-bound"), (0.21, "input-bound"), (0.2, "balanced"), (0.05, "balanced"), (0.049, "compute-bound")],
 )
-def test_verdict_thresholds(fraction, verdict):
+def test_verdict_thresholds(fraction, expected):
     """More than 20% of the time waiting is input-bound, less than 5% compute-bound, balanced between."""
-    assert _verdict(fraction) == verdict
+    assert verdict(fraction) == expected
+
+
+def test_summary_of_the_series_leaves_out_the_warmup():
+    """`summarize` judges the non-warmup batches: percentiles, means, fraction, throughput, speedup, utilizations."""
+    summary = summarize(
+        wait_ms=[500.0, 10.0, 30.0, 20.0],
+        step_ms=[5.0, 10.0, 10.0, 20.0],
+        samples=[8, 4, 4, 4],
+        warmup=[1, 0, 0, 0],
+        gpu_util=[0.5, 0.7],
+        cpu_util=[],
+    )
+    assert summary == pytest.approx(
+        {
+            "steps": 4,
+            "warmup_steps": 1,
+            "measured_steps": 3,
+            "wait_p50_ms": 20.0,
+            "wait_p90_ms": 28.0,
+            "step_p50_ms": 10.0,
+            "step_p90_ms": 18.0,
+            "wait_mean_ms": 20.0,
+            "step_mean_ms": 40.0 / 3,
+            "data_fraction": 60.0 / 100.0,
+            "samples_per_sec": 12 / 0.1,
+            "speedup_if_data_free": 100.0 / 40.0,
+            "verdict": "input-bound",
+            "gpu_util": 0.6,
+        }
+    )
+    assert list(summary) == [  # the order of loader_report.json
+        *("steps", "warmup_steps", "measured_steps", "wait_p50_ms", "wait_p90_ms", "step_p50_ms", "step_p90_ms"),
+        *("wait_mean_ms", "step_mean_ms", "data_fraction", "samples_per_sec", "speedup_if_data_free", "verdict"),
+        "gpu_util",
+    ]
+    all_warmup = summarize(wait_ms=[1.0], step_ms=[1.0], samples=[2], warmup=[1], gpu_util=[0.5], cpu_util=[0.5])
+    assert all_warmup == {"steps": 1, "warmup_steps": 1, "measured_steps": 0, "verdict": None}
+
+
+def test_the_slowest_rank_judges_a_ddp_run():
+    """The rank with the longest mean wait gives the verdict; ranks without measurements are passed over."""
+    ranks = [
+        {"rank": 0, "wait_mean_ms": 10.0, "step_mean_ms": 90.0},
+        {"rank": 1, "wait_mean_ms": None, "step_mean_ms": None},
+        {"rank": 2, "wait_mean_ms": 40.0, "step_mean_ms": 60.0},
+    ]
+    assert judge_slowest_rank(ranks) == pytest.approx(
+        {"judged_rank": 2, "data_fraction": 0.4, "speedup_if_data_free": 100.0 / 60.0, "verdict": "input-bound"}
+    )
+    assert judge_slowest_rank(ranks[1:2]) is None
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -459,10 +533,17 @@ def test_verdict_thresholds(fraction, verdict):
 
 
 def _advice(loader: Any, *, cuda: bool = False, **trainer_kwargs: Any) -> list[str]:
-    monitor = LoaderMonitor()
-    monitor._cuda = cuda
+    """The advice for an input-bound run (``_SUMMARY``) of one epoch's batches with the training loader ``loader``."""
     trainer = _mock_trainer(train_dataloader=loader, **trainer_kwargs)
-    return monitor._advice(trainer, dict(_SUMMARY))
+    return advise(trainer, dict(_SUMMARY), cuda=cuda, epochs=[], wait_ms=[])
+
+
+@pytest.mark.parametrize("judged", ["balanced", "compute-bound"])
+def test_only_input_bound_runs_get_advice(judged):
+    """A run that is not input-bound gets no advice, however its loader is set up."""
+    trainer = _mock_trainer(train_dataloader=DataLoader(_in_memory(4)))
+    assert advise(trainer, {**_SUMMARY, "verdict": judged}, cuda=True, epochs=[], wait_ms=[]) == []
+    assert advise(trainer, dict(_SUMMARY), cuda=True, epochs=[], wait_ms=[])  # the same loader, input-bound
 
 
 def test_image_folder_run_gets_convert_advice(image_folder):
@@ -556,16 +637,24 @@ def test_non_dataloader_gets_generic_advice():
 
 def test_epoch_restart_bursty_waits_and_idle_gpu_advice():
     """Slow epoch starts without persistent workers, bursty waits and a mostly idle GPU are each flagged."""
-    monitor = LoaderMonitor()
-    monitor.epochs.extend([0, 0, 0, 1, 1, 1])
-    monitor.wait_ms.extend([400.0, 10.0, 10.0, 300.0, 10.0, 10.0])
+    epochs, wait_ms = [0, 0, 0, 1, 1, 1], [400.0, 10.0, 10.0, 300.0, 10.0, 10.0]
     trainer = _mock_trainer(train_dataloader=DataLoader(_in_memory(4), num_workers=2), max_epochs=3)
-    summary = {"wait_p50_ms": 10.0, "wait_p90_ms": 40.0, "data_fraction": 0.6, "gpu_util": 0.3}
+    summary = {
+        "verdict": "input-bound",
+        "wait_p50_ms": 10.0,
+        "wait_p90_ms": 40.0,
+        "data_fraction": 0.6,
+        "gpu_util": 0.3,
+    }
     with patch("lightning_fastdata.cpus.usable_cpu_count", return_value=2):
-        advice = monitor._advice(trainer, summary)
+        advice = advise(trainer, summary, cuda=False, epochs=epochs, wait_ms=wait_ms)
     assert any("300 ms wait while workers restart; set persistent_workers=True" in item for item in advice)
     assert any("prefetch_factor=2; raise prefetch_factor to 4" in item for item in advice)
     assert any("the GPU was 30% busy while 60% of the time" in item for item in advice)
+    # one epoch only: no epoch restarts to judge
+    with patch("lightning_fastdata.cpus.usable_cpu_count", return_value=2):
+        advice = advise(trainer, summary, cuda=False, epochs=[0] * 6, wait_ms=wait_ms)
+    assert not any("persistent_workers" in item for item in advice)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -638,9 +727,9 @@ def test_cuda_wait_and_step_come_from_completed_events_without_waiting_for_the_g
     module.log_dict.side_effect = lambda metrics, **kwargs: logged.append(dict(metrics))
     with (
         patch("lightning_fastdata.cpus.CpuMeter"),
-        patch("lightning_fastdata.monitor._nvml_handles", return_value=(nvml, ["gpu0"])) as handles,
-        patch("lightning_fastdata.monitor.time.perf_counter", side_effect=clock),
-        patch("lightning_fastdata.monitor.torch.cuda.Event", side_effect=cuda.event),
+        patch(f"{CALLBACK}.nvml_handles", return_value=(nvml, ["gpu0"])) as handles,
+        patch(PERF_COUNTER, side_effect=clock),
+        patch(CUDA_EVENT, side_effect=cuda.event),
     ):
         monitor.on_train_start(trainer, module)
         handles.assert_called_once_with(0)
@@ -672,10 +761,11 @@ def test_cuda_wait_and_step_come_from_completed_events_without_waiting_for_the_g
             previous_end = cuda.now
         monitor.on_train_epoch_end(trainer, module)
         assert cuda.synchronized == 1  # the rest is read at the end of the epoch
+        monitor.on_train_end(trainer, module)
+        assert cuda.synchronized == 1  # and nothing was left for the end of fit
         monitor.teardown(trainer, module, "fit")
     assert list(monitor.wait_ms) == pytest.approx([6.0, 1.0, 4.0])  # GPU wait + the 1 ms copy
     assert list(monitor.step_ms) == pytest.approx([12.0, 14.0, 16.0])
-    assert not monitor._events
     assert "loader/step_ms" not in logged[0]  # batch 0's GPU work was still running at its own logging point
     assert (logged[1]["loader/data_wait_ms"], logged[1]["loader/step_ms"]) == pytest.approx((6.0, 12.0))
     assert (logged[2]["loader/data_wait_ms"], logged[2]["loader/step_ms"]) == pytest.approx((1.0, 14.0))
@@ -712,7 +802,7 @@ def test_gpu_sampler_averages_and_resets():
     """`take()` averages the samples over time and over GPUs, in GiB, then starts again from nothing."""
     util = {"a": 20.0, "b": 60.0}
     used = {"a": 1 * 2**30, "b": 3 * 2**30}
-    sampler = _GpuSampler(_fake_nvml(util, used), ["a", "b"], interval=1.0)
+    sampler = GpuSampler(_fake_nvml(util, used), ["a", "b"], interval=1.0)
     assert sampler.take() is None
     sampler.sample()  # 40%, 2 GiB
     util["a"], used["a"] = 80.0, 5 * 2**30
@@ -726,7 +816,7 @@ def test_gpu_sampler_averages_and_resets():
 def test_gpu_sampler_thread_survives_nvml_errors():
     """An NVML error in the polling thread ends the thread quietly instead of raising."""
     nvml = SimpleNamespace(nvmlDeviceGetUtilizationRates=Mock(side_effect=RuntimeError("gone")))
-    sampler = _GpuSampler(nvml, ["a"], interval=0.001)
+    sampler = GpuSampler(nvml, ["a"], interval=0.001)
     sampler.start()
     sampler._thread.join(timeout=5)
     assert not sampler._thread.is_alive()
@@ -736,23 +826,23 @@ def test_gpu_sampler_thread_survives_nvml_errors():
 
 
 def test_nvml_handles_reports_why_nvml_is_unusable(monkeypatch):
-    """`_nvml_handles` returns a reason, not an exception, when NVML fails to start or is not installed."""
+    """`nvml_handles` returns a reason, not an exception, when NVML fails to start or is not installed."""
     with patch("pynvml.nvmlInit", side_effect=RuntimeError("driver not loaded")):
-        reason = _nvml_handles(0)
+        reason = nvml_handles(0)
     assert isinstance(reason, str)
     assert "NVML is not usable here" in reason
     assert "driver not loaded" in reason
     monkeypatch.setitem(sys.modules, "pynvml", None)
-    assert "pip install nvidia-ml-py" in _nvml_handles(0)
+    assert "pip install nvidia-ml-py" in nvml_handles(0)
 
 
 def test_cpu_training_logs_one_line_and_starts_no_sampler():
     """On a CPU module `on_train_start` says once why GPU utilization is not logged, and polls nothing."""
     monitor = LoaderMonitor()
     with (
-        patch("lightning_fastdata.monitor.rank_zero_info") as info,
-        patch("lightning_fastdata.monitor._nvml_handles") as handles,
-        patch("lightning_fastdata.monitor._GpuSampler") as sampler,
+        patch(f"{CALLBACK}.rank_zero_info") as info,
+        patch(f"{CALLBACK}.nvml_handles") as handles,
+        patch(f"{CALLBACK}.GpuSampler") as sampler,
     ):
         monitor.on_train_start(_mock_trainer(), _cpu_module())
     info.assert_called_once()
@@ -768,14 +858,98 @@ def test_cuda_without_nvml_logs_the_reason():
     """On CUDA without a usable NVML the reason is logged and training goes on without a sampler."""
     monitor = LoaderMonitor()
     with (
-        patch("lightning_fastdata.monitor.rank_zero_info") as info,
-        patch("lightning_fastdata.monitor._nvml_handles", return_value="NVML is not usable here (test)"),
+        patch(f"{CALLBACK}.rank_zero_info") as info,
+        patch(f"{CALLBACK}.nvml_handles", return_value="NVML is not usable here (test)"),
         patch("lightning_fastdata.cpus.CpuMeter"),
     ):
         monitor.on_train_start(_mock_trainer(), Mock(device=torch.device("cuda", 1)))
     info.assert_called_once_with("LoaderMonitor: GPU utilization is not logged: NVML is not usable here (test).")
     assert monitor._cuda
     assert monitor._gpu is None
+
+
+def test_teardown_stops_the_nvml_thread_and_restores_the_profiler():
+    """`teardown` (a fit that ends without `on_train_end`, say) stops the polling thread and unwraps the profiler."""
+    monitor, trainer = LoaderMonitor(gpu_poll_interval=0.01), _mock_trainer()
+    nvml = _fake_nvml({"gpu0": 50.0}, {"gpu0": 2**30})
+    with (
+        patch(f"{CALLBACK}.nvml_handles", return_value=(nvml, ["gpu0"])),
+        patch("lightning_fastdata.cpus.CpuMeter"),
+    ):
+        monitor.on_train_start(trainer, Mock(device=torch.device("cuda", 0)))
+    assert monitor._gpu is not None
+    assert monitor._gpu._thread.is_alive()
+    assert "start" in vars(trainer.profiler)
+    monitor.teardown(trainer, Mock(), "fit")
+    assert not monitor._gpu._thread.is_alive()
+    assert "start" not in vars(trainer.profiler)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The profiler timing on its own (monitor.timing)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def test_loop_timer_gives_the_profiler_its_own_methods_back():
+    """Wrapped once however often it is watched; unwatched, a profiler has exactly the methods it had."""
+    own_start = Mock()
+    profiler = PassThroughProfiler()
+    profiler.start = own_start  # an instance attribute of its own, which must come back
+    timer, clock = LoopTimer(), _Clock()
+    with patch(PERF_COUNTER, side_effect=clock):
+        timer.watch(profiler, cuda=False)
+        timer.watch(profiler, cuda=False)  # already watched: not wrapped twice
+        assert timer.watching
+        _fetch(Mock(profiler=profiler), clock, 7.0)
+    own_start.assert_any_call(TRAIN_FETCH)
+    assert timer.take("train", "wait") == pytest.approx(7.0)
+    assert timer.take("train", "wait") is None  # taken: nothing pending
+    timer.unwatch()
+    timer.unwatch()
+    assert not timer.watching
+    assert profiler.start is own_start
+    assert "stop" not in vars(profiler)
+
+
+def test_loop_timer_reads_only_completed_events_until_synchronized():
+    """`read_events()` returns the GPU times of completed batches only (`query()`), oldest first; `synchronize`
+    completes the rest with one `synchronize()`. A batch without a reported fetch has no GPU wait."""
+    cuda, profiler, timer = _FakeCuda(), PassThroughProfiler(), LoopTimer()
+    with patch(CUDA_EVENT, side_effect=cuda.event):
+        timer.watch(profiler, cuda=True)
+        for index, fetched in enumerate([True, True, False]):
+            if fetched:
+                with profiler.profile(TRAIN_FETCH):
+                    cuda.now += 2.0 + index
+                with profiler.profile(TRANSFER):
+                    cuda.now += 1.0
+            with profiler.profile(TRAIN_STEP):
+                cuda.now += 10.0 + index
+            timer.queue_events(index)
+        timer.unwatch()
+    cuda.done = 13.0  # batch 0 (3 ms wait, 10 ms step) has run; batch 1 has not
+    assert timer.read_events() == [(0, pytest.approx(3.0), pytest.approx(10.0))]
+    assert timer.first_unread() == 1
+    assert timer.read_events() == []  # nothing new has completed, and the host did not wait
+    assert cuda.synchronized == 0
+    assert timer.read_events(synchronize=True) == [(1, 4.0, 11.0), (2, None, 12.0)]
+    assert cuda.synchronized == 1
+    assert timer.first_unread() is None
+    assert timer.read_events(synchronize=True) == []
+    assert cuda.synchronized == 1  # nothing queued: nothing to wait for
+
+
+def test_loop_timer_queues_no_events_off_cuda():
+    """Off CUDA a batch keeps its host times: no event is recorded or queued."""
+    profiler, timer = PassThroughProfiler(), LoopTimer()
+    with patch(CUDA_EVENT) as event:
+        timer.watch(profiler, cuda=False)
+        with profiler.profile(TRAIN_STEP):
+            pass
+        timer.queue_events(0)
+    event.assert_not_called()
+    assert timer.first_unread() is None
+    assert timer.take("train", "step") is not None
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -799,7 +973,7 @@ def test_validation_timing_is_exact_and_sanity_checks_are_not_logged():
     monitor = LoaderMonitor()
     with (
         patch("lightning_fastdata.cpus.CpuMeter"),
-        patch("lightning_fastdata.monitor.time.perf_counter", side_effect=clock),
+        patch(PERF_COUNTER, side_effect=clock),
     ):
         monitor.on_train_start(trainer, module)
         for sanity in (True, False):
@@ -855,6 +1029,58 @@ def test_validation_batches_are_measured_but_not_sanity_checks():
     assert monitor.wait_ms[2] < 5.0
 
 
+def test_table_of_a_ddp_summary():
+    """`format_table` lays out every measurement, the slowest rank, the verdict and the advice, in this order."""
+    summary = {
+        "steps": 10,
+        "warmup_steps": 3,
+        "measured_steps": 7,
+        "wait_p50_ms": 6.0,
+        "wait_p90_ms": 49.0,
+        "step_p50_ms": 10.0,
+        "step_p90_ms": 10.44,
+        "data_fraction": 0.8889,
+        "samples_per_sec": 140.23,
+        "speedup_if_data_free": 9.0,
+        "verdict": "input-bound",
+        "gpu_util": 0.42,
+        "cpu_util": 0.41,
+        "advice": ["first advice", "second advice"],
+        "ranks": [
+            {"rank": 0, "wait_mean_ms": 10.0, "step_mean_ms": 20.0},
+            {"rank": 1, "wait_mean_ms": 40.0, "step_mean_ms": 5.0},
+            {"rank": 2, "wait_mean_ms": None, "step_mean_ms": None},
+        ],
+        "judged_rank": 1,
+    }
+    with patch("lightning_fastdata.cpus.usable_cpu_count", return_value=4):
+        table = format_table(summary, warmup_epochs=1, warmup_steps=0)
+    assert table == "\n".join(
+        [
+            "LoaderMonitor summary",
+            "  data wait p50 / p90  6.0 / 49.0 ms",
+            "  step p50 / p90       10.0 / 10.4 ms",
+            "  data fraction        88.9%",
+            "  throughput           140.2 samples/s",
+            "  GPU utilization      42%",
+            "  CPU utilization      41% of 4 usable CPUs",
+            "  slowest rank (wait)  rank 1: 40.0 ms mean",
+            "  spread across ranks  30.0 ms",
+            "  verdict              input-bound (rank 1, the slowest): 9.00x faster if data were free",
+            "  measured             7 batches (3 warmup batches left out)",
+            "  - first advice",
+            "  - second advice",
+        ]
+    )
+
+
+def test_epoch_line():
+    """The per-epoch line: p50 wait and step, the data fraction of the epoch's totals, the verdict, the warmup."""
+    line = epoch_line(3, [1.0, 2.0, 30.0], [10.0, 12.0, 20.0], warmup=False)
+    assert line == ("LoaderMonitor epoch 3: data wait p50 2.0 ms, step p50 12.0 ms, data fraction 44%, input-bound")
+    assert epoch_line(0, [0.0], [10.0], warmup=True).endswith("0%, compute-bound (warmup: not in the verdict)")
+
+
 def test_report_json_and_chart(tmp_path):
     """`report_dir` gets the summary and one series entry per training batch, and a PNG chart."""
     monitor = LoaderMonitor(warmup_epochs=1, report_dir=tmp_path / "report")
@@ -877,7 +1103,7 @@ def test_report_without_matplotlib_says_how_to_install(tmp_path, monkeypatch):
     """Without matplotlib the JSON is still written, no chart, and one message says what to install."""
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     monitor = LoaderMonitor(warmup_epochs=0, report_dir=tmp_path)
-    with patch("lightning_fastdata.monitor.rank_zero_info") as info:
+    with patch("lightning_fastdata.monitor.report.rank_zero_info") as info:
         _fit(monitor, _in_memory(4), max_epochs=1)
     assert (tmp_path / "loader_report.json").is_file()
     assert not (tmp_path / "loader_report.png").exists()
@@ -967,17 +1193,17 @@ def test_nvml_thread_stops_when_the_fit_raises():
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
             raise RuntimeError("step failed")
 
-    monitor = LoaderMonitor(gpu_poll_interval=0.01)
+    monitor, profiler = LoaderMonitor(gpu_poll_interval=0.01), PassThroughProfiler()
     nvml = _fake_nvml({"gpu0": 50.0}, {"gpu0": 2**30})
     with (
-        patch("lightning_fastdata.monitor._nvml_handles", return_value=(nvml, ["gpu0"])),
-        patch("lightning_fastdata.monitor.torch.cuda.Event", side_effect=_FakeCuda().event),
+        patch(f"{CALLBACK}.nvml_handles", return_value=(nvml, ["gpu0"])),
+        patch(CUDA_EVENT, side_effect=_FakeCuda().event),
         pytest.raises(RuntimeError, match="step failed"),
     ):
-        _fit(monitor, _in_memory(4), _FailingCudaModel())
+        _fit(monitor, _in_memory(4), _FailingCudaModel(), profiler=profiler)
     assert monitor._gpu is not None
     assert not monitor._gpu._thread.is_alive()
-    assert monitor._profiler is None  # the profiler has its own methods back
+    assert "start" not in vars(profiler)  # the profiler has its own methods back
 
 
 class _LoggingModel(_TinyModel):

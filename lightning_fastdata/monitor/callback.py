@@ -1,0 +1,399 @@
+"""``LoaderMonitor``: the Lightning hooks that time every batch, log the metrics and report the verdict.
+
+The callback keeps the per-step series and wires the concerns that live beside it: ``timing`` (fetch, transfer and
+step from the profiler's actions, CUDA events), ``gpu`` (NVML), ``verdict`` (the arithmetic and the advice) and
+``report`` (the epoch line, the table, the JSON and the chart).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from array import array
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from typing_extensions import override
+
+from lightning_fastdata import cpus
+from lightning_fastdata.monitor.gpu import GpuSampler, nvml_handles
+from lightning_fastdata.monitor.report import epoch_line, format_table, write_report
+from lightning_fastdata.monitor.timing import LoopTimer
+from lightning_fastdata.monitor.verdict import advise, judge_slowest_rank, summarize
+
+
+class LoaderMonitor(Callback):
+    r"""Measures how long training waits for data, and says whether the input pipeline is the bottleneck.
+
+    Works with any LightningModule and any dataloader. Per training batch it measures the **data wait** — the time
+    the fit loop spends getting the batch: the ``next()`` on the dataloader's iterator plus the host-to-device
+    transfer (``batch_to_device``) — and the **step** time — forward, backward and optimizer step
+    (``run_training_batch``). Both are read from the actions Lightning's loops report to ``trainer.profiler`` for
+    every batch, whatever the profiler (the monitor wraps its ``start``/``stop`` during the fit and gives them back
+    after), so the wait is the loader's time only: the batch hooks of any callback, logging, checkpoint saving and
+    validation are in neither the wait nor the step, wherever the monitor sits in the callback list.
+
+    On the CPU both are host times. On CUDA both are GPU times, from CUDA events on the compute stream: the wait runs
+    from the start of the fetch to the end of the transfer — the time the GPU sat idle because the batch was not
+    there; a fetch that returns while the GPU still works through queued kernels costs no GPU time, so it is no
+    stall. The monitor never makes the host wait for the GPU during an epoch (that would drain the queue and turn the
+    next fetch into idle time it caused itself): at each logging point it reads only the events that have completed
+    (``Event.query()``) and leaves the rest for the next one, and logs its metrics as CPU tensors (a Python number
+    logged from a CUDA module is copied to the GPU, and that copy waits for the queue); one ``synchronize()`` at the
+    end of each epoch reads what is left.
+
+    The first epoch is warmup (worker start-up, cold page cache): it is logged but left out of the verdict.
+
+    **Logged Metrics** (through ``LightningModule.log``, so at the same steps and in the same rows as the model's own
+    ``self.log`` metrics: every ``Trainer(log_every_n_steps)`` optimizer steps):
+
+    - ``loader/data_wait_ms``, ``loader/step_ms``: means over the training batches timed since the last log (on
+      CUDA, those whose GPU work had completed; a few steps behind)
+    - ``loader/data_fraction``: wait / (wait + step), 0-1
+    - ``loader/samples_per_sec``: samples over wall time
+    - ``loader/gpu_util`` (0-1), ``loader/gpu_mem_gb``: NVML averages (only on CUDA with NVML)
+    - ``loader/cpu_util``: CPU use of this process and its workers as a share of the usable CPUs, 0-1
+    - ``loader/val_data_wait_ms``, ``loader/val_step_ms``: the same for validation (fetch plus transfer, and
+      ``validation_step``), once per validation run, host times
+
+    At the end of each epoch (one line) and of fit (a table), rank zero reports p50/p90 wait and step, the data
+    fraction, throughput, GPU utilization, a verdict (input-bound, balanced, compute-bound), the speedup available if
+    data were free ((wait + step) / step), and — when input-bound — advice computed from this run.
+
+    Args:
+        warmup_epochs: epochs at the start left out of the verdict.
+        warmup_steps: training batches at the start left out of the verdict (for long epochs; a batch is warmup if
+            either applies).
+        batch_size_fn: returns the number of samples in a batch, for batches whose first tensor is not the batch.
+        report_dir: write ``loader_report.json`` (per-step series and summary) and, with matplotlib,
+            ``loader_report.png`` here at the end of fit.
+        gpu_poll_interval: seconds between NVML samples.
+        verbose: log the end-of-fit table (``format_table()`` returns it either way); the per-epoch line is always
+            logged.
+
+    Raises:
+        ValueError: a negative warmup or a non-positive poll interval.
+
+    Example:
+        >>> from lightning.pytorch import Trainer
+        >>> from lightning_fastdata import LoaderMonitor
+        >>> trainer = Trainer(callbacks=[LoaderMonitor()])
+
+    """
+
+    def __init__(
+        self,
+        warmup_epochs: int = 1,
+        warmup_steps: int = 0,
+        batch_size_fn: Callable[[Any], int] | None = None,
+        report_dir: str | os.PathLike[str] | None = None,
+        gpu_poll_interval: float = 0.1,
+        verbose: bool = True,
+    ) -> None:
+        super().__init__()
+        if warmup_epochs < 0 or warmup_steps < 0:
+            raise ValueError(f"`warmup_epochs` ({warmup_epochs}) and `warmup_steps` ({warmup_steps}) must be >= 0.")
+        if gpu_poll_interval <= 0:
+            raise ValueError(f"`gpu_poll_interval` must be > 0, got {gpu_poll_interval}.")
+        self.warmup_epochs = warmup_epochs
+        self.warmup_steps = warmup_steps
+        self.batch_size_fn = batch_size_fn
+        self.report_dir = Path(report_dir) if report_dir is not None else None
+        self.gpu_poll_interval = gpu_poll_interval
+        self.verbose = verbose
+        self._timer = LoopTimer()  # wraps the profiler for a fit: it outlives the per-fit state below
+        self._warned_no_fetch = False
+        self._reset()
+
+    def _reset(self) -> None:
+        # per-step series (8 bytes per value): compact enough for millions of steps
+        self.wait_ms = array("d")
+        self.step_ms = array("d")
+        self.samples = array("l")
+        self.epochs = array("l")
+        self.warmup = array("b")
+        self.gpu_util = array("d")
+        self.cpu_util = array("d")
+        self._timer.reset()
+        self._start: float | None = None
+        self._step_at_start = 0
+        self._cuda = False
+        self._interval_start: float | None = None
+        self._interval_first = 0  # the first batch of the logging interval (for throughput)
+        self._timed_first = 0  # the first batch whose times are not logged yet (on CUDA they are final later)
+        self._gpu: GpuSampler | None = None
+        self._cpu: cpus.CpuMeter | None = None
+        self._val_wait = array("d")
+        self._val_step = array("d")
+        self._val_start: float | None = None
+        self._epoch_first = 0
+        self.summary: dict[str, Any] = {}
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Set-up and tear-down
+    # ------------------------------------------------------------------------------------------------------------
+
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._reset()
+        device = pl_module.device
+        self._cuda = device.type == "cuda"
+        self._cpu = cpus.CpuMeter()
+        self._timer.watch(getattr(trainer, "profiler", None), cuda=self._cuda)
+        if self._cuda:
+            found = nvml_handles(device.index if device.index is not None else torch.cuda.current_device())
+            if isinstance(found, str):
+                rank_zero_info(f"LoaderMonitor: GPU utilization is not logged: {found}.")
+            else:
+                nvml, handles = found
+                self._gpu = GpuSampler(nvml, handles, self.gpu_poll_interval)
+                self._gpu.start()
+        else:
+            rank_zero_info(f"LoaderMonitor: GPU utilization is not logged: training runs on {device.type}, not CUDA.")
+
+    @override
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._stop()
+        self._read_gpu_times(synchronize=True)
+        self.summary = summary = summarize(
+            wait_ms=self.wait_ms,
+            step_ms=self.step_ms,
+            samples=self.samples,
+            warmup=self.warmup,
+            gpu_util=self.gpu_util,
+            cpu_util=self.cpu_util,
+        )
+        if summary["verdict"] is not None:
+            summary["advice"] = self._advise(trainer)
+        summary["ranks"] = ranks = self._gather_ranks(trainer, pl_module)
+        judged = judge_slowest_rank(ranks) if len(ranks) > 1 and summary["verdict"] is not None else None
+        if judged is not None:  # the rank every other rank waits for at the gradient sync
+            summary.update(judged)
+            summary["advice"] = self._advise(trainer)
+        if self.verbose:
+            rank_zero_info(self.format_table())
+        if self.report_dir is not None and trainer.is_global_zero:
+            write_report(
+                self.report_dir,
+                summary,
+                wait_ms=self.wait_ms,
+                step_ms=self.step_ms,
+                samples=self.samples,
+                epochs=self.epochs,
+                warmup=self.warmup,
+            )
+
+    @override
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._stop()
+
+    @override
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        # a fit that raised ends here: Lightning calls `on_exception`, not `on_train_end` or `teardown`
+        self._stop()
+
+    def _stop(self) -> None:
+        """Stop the NVML thread and give the profiler its own methods back (both idempotent)."""
+        if self._gpu is not None:
+            self._gpu.stop()
+        self._timer.unwatch()
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Training batches
+    # ------------------------------------------------------------------------------------------------------------
+
+    @override
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._epoch_first = len(self.wait_ms)
+        if self._interval_start is None:
+            self._interval_start = time.perf_counter()
+
+    @override
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        self._start = time.perf_counter()  # the step's fallback start, should Lightning not report the step
+        self._step_at_start = trainer.global_step
+
+    @override
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        index = len(self.step_ms)
+        wait, step = self._timer.take("train", "wait"), self._timer.take("train", "step")
+        if wait is None:
+            self._warn_no_fetch()
+        self.wait_ms.append(wait or 0.0)
+        if step is None:
+            step = 1000.0 * (time.perf_counter() - self._start) if self._start is not None else 0.0
+        self.step_ms.append(step)
+        self._timer.queue_events(index)  # on CUDA its GPU times replace the host times once its events completed
+        size = self.batch_size_fn(batch) if self.batch_size_fn is not None else _batch_size(batch)
+        self.samples.append(int(size))
+        self.epochs.append(trainer.current_epoch)
+        warm = trainer.current_epoch < self.warmup_epochs or index < self.warmup_steps
+        self.warmup.append(1 if warm else 0)
+        # Lightning writes the model's step metrics after this hook when (batches that stepped before this one + 1)
+        # is a multiple of `log_every_n_steps`: logged through the module, these go in that write, at its step. With
+        # automatic optimization those batches are the optimizer steps, and with gradient accumulation the interval
+        # is logged at the batch that steps; with manual optimization every batch counts.
+        every = trainer.log_every_n_steps
+        if pl_module.automatic_optimization:
+            done, stepped = self._step_at_start, trainer.global_step > self._step_at_start
+        else:
+            done, stepped = index, True
+        if every > 0 and stepped and (done + 1) % every == 0:
+            self._log_interval(pl_module)
+
+    def _warn_no_fetch(self) -> None:
+        if not self._warned_no_fetch:
+            self._warned_no_fetch = True
+            rank_zero_warn(
+                "LoaderMonitor: Lightning reported no dataloader fetch to `trainer.profiler` for this batch"
+                " (a `training_step` that takes `dataloader_iter`, or a Lightning version that names the fetch"
+                " differently), so its data wait is recorded as 0 and the verdict can be too optimistic."
+            )
+
+    def _read_gpu_times(self, synchronize: bool = False) -> None:
+        """Replace the host times of CUDA batches by their GPU times, for the batches whose events have completed.
+
+        The host never waits for the GPU here except with ``synchronize`` (at the end of an epoch and of fit).
+        """
+        for index, wait, step in self._timer.read_events(synchronize):
+            if wait is not None:
+                self.wait_ms[index] = wait
+            self.step_ms[index] = step
+
+    def _log_interval(self, pl_module: LightningModule) -> None:
+        self._read_gpu_times()
+        now = time.perf_counter()
+        first, last = self._interval_first, len(self.step_ms)
+        self._interval_first = last
+        elapsed = now - (self._interval_start if self._interval_start is not None else now)
+        self._interval_start = now
+        metrics: dict[str, float] = {}
+        # wait and step of the batches timed since the last log: on CUDA those whose GPU work has completed
+        unread = self._timer.first_unread()
+        timed_first, timed_last = self._timed_first, len(self.step_ms) if unread is None else unread
+        if timed_last > timed_first:
+            self._timed_first = timed_last
+            wait = float(np.mean(self.wait_ms[timed_first:timed_last]))
+            step = float(np.mean(self.step_ms[timed_first:timed_last]))
+            metrics["loader/data_wait_ms"] = wait
+            metrics["loader/step_ms"] = step
+            metrics["loader/data_fraction"] = wait / (wait + step) if wait + step > 0 else 0.0
+        if elapsed > 0:
+            metrics["loader/samples_per_sec"] = sum(self.samples[first:last]) / elapsed
+        if self._gpu is not None:
+            gpu = self._gpu.take()
+            if gpu is not None:
+                metrics["loader/gpu_util"], metrics["loader/gpu_mem_gb"] = gpu[0] / 100.0, gpu[1]
+                self.gpu_util.append(gpu[0] / 100.0)
+        if self._cpu is not None:
+            cpu = self._cpu.take()
+            if cpu is not None:
+                metrics["loader/cpu_util"] = cpu / 100.0
+                self.cpu_util.append(cpu / 100.0)
+        if metrics:
+            # CPU tensors: a Python number is copied to the module's device (on CUDA a blocking copy, which waits for
+            # every queued kernel), and read back when the logger writes it
+            values = {name: torch.tensor(value, dtype=torch.float32) for name, value in metrics.items()}
+            pl_module.log_dict(values, on_step=True, on_epoch=False)
+
+    @override
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._read_gpu_times(synchronize=True)
+        first = self._epoch_first
+        if len(self.step_ms) > first:
+            warm = bool(self.warmup[-1])
+            rank_zero_info(epoch_line(trainer.current_epoch, self.wait_ms[first:], self.step_ms[first:], warmup=warm))
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Validation batches
+    # ------------------------------------------------------------------------------------------------------------
+
+    @override
+    def on_validation_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._val_wait, self._val_step = array("d"), array("d")
+
+    @override
+    def on_validation_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        self._val_start = time.perf_counter()  # the step's fallback start, should Lightning not report the step
+
+    @override
+    def on_validation_batch_end(
+        self,
+        trainer: Trainer,
+        pl_module: LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        if self._val_start is not None and self._timer.watching and not trainer.sanity_checking:
+            wait, step = self._timer.take("val", "wait"), self._timer.take("val", "step")
+            self._val_wait.append(wait or 0.0)
+            self._val_step.append(step if step is not None else 1000.0 * (time.perf_counter() - self._val_start))
+
+    @override
+    def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.sanity_checking or not self._val_step:
+            return
+        metrics = {
+            "loader/val_data_wait_ms": float(np.mean(self._val_wait)),
+            "loader/val_step_ms": float(np.mean(self._val_step)),
+        }
+        pl_module.log_dict(metrics, on_step=False, on_epoch=True, sync_dist=True)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # End of fit: advice, the DDP gather, the table
+    # ------------------------------------------------------------------------------------------------------------
+
+    def _advise(self, trainer: Trainer) -> list[str]:
+        return advise(trainer, self.summary, cuda=self._cuda, epochs=self.epochs, wait_ms=self.wait_ms)
+
+    def _gather_ranks(self, trainer: Trainer, pl_module: LightningModule) -> list[dict[str, Any]]:
+        """Every rank's mean wait and step (a collective under DDP: all ranks call it in ``on_train_end``)."""
+        mine = torch.tensor(
+            [self.summary.get("wait_mean_ms", math.nan), self.summary.get("step_mean_ms", math.nan)],
+            dtype=torch.float64,
+        )
+        if trainer.world_size > 1:
+            gathered = trainer.strategy.all_gather(mine.to(pl_module.device)).reshape(-1, 2).cpu()
+        else:
+            gathered = mine.reshape(1, 2)
+        return [
+            {"rank": r, "wait_mean_ms": _finite(float(w)), "step_mean_ms": _finite(float(s))}
+            for r, (w, s) in enumerate(gathered)
+        ]
+
+    def format_table(self) -> str:
+        """The end-of-fit summary as a table."""
+        return format_table(self.summary, warmup_epochs=self.warmup_epochs, warmup_steps=self.warmup_steps)
+
+
+def _batch_size(batch: Any) -> int:
+    """The number of samples in a batch: the length of its first tensor (searching tuples, lists and dicts)."""
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.ndim else 1
+    if isinstance(batch, (list, tuple)):
+        for item in batch:
+            size = _batch_size(item)
+            if size:
+                return size
+    if isinstance(batch, dict):
+        for item in batch.values():
+            size = _batch_size(item)
+            if size:
+                return size
+    return 0
+
+
+def _finite(value: float) -> float | None:
+    return value if math.isfinite(value) else None
