@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import difflib
 import hashlib
 import io
 import json
@@ -17,6 +18,7 @@ import os
 import shutil
 import time
 import warnings
+from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
@@ -341,6 +343,28 @@ def canonical_split(name: str) -> str | None:
     return SPLIT_ALIASES.get(name.strip().lower())
 
 
+_KNOWN_SPLITS = "train/training, val/valid/validation/dev, test/testing (any case)"
+
+
+def _warn_split_typos(names: Mapping[str, str], where: str) -> None:
+    """Warn about each split name that is not a known one but close to one (``trian``): most likely a typo.
+
+    ``names`` maps each name to what carries it (``"the split folder"``, ``"3 row(s) with split"``); names far from
+    every known one are custom splits, kept silently as documented.
+    """
+    for name, carrier in names.items():
+        if canonical_split(name) is not None:
+            continue
+        close = difflib.get_close_matches(name.strip().lower(), list(SPLIT_ALIASES), n=1, cutoff=0.7)
+        if close:
+            warnings.warn(
+                f"{where}: {carrier} {name!r}, which is not a known split name; it is stored as a split named"
+                f" {name!r}. Did you mean {close[0]!r}? Known names: {_KNOWN_SPLITS}.",
+                UserWarning,
+                stacklevel=4,
+            )
+
+
 def _class_dirs(root: Path) -> list[str]:
     return sorted(e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith("."))
 
@@ -389,6 +413,7 @@ def _split_folders(src: Path) -> tuple[dict[str, Path], dict[str, list[str]]]:
         split_roots = {"train": src}
     else:
         split_roots = {}
+        _warn_split_typos(dict.fromkeys(top, "the split folder"), f"`src` {str(src)!r}")
         for name in top:
             split = canonical_split(name) or name
             if split in split_roots:
@@ -412,7 +437,43 @@ def _split_folders(src: Path) -> tuple[dict[str, Path], dict[str, list[str]]]:
 def _nonempty_classes(split_roots: dict[str, Path], per_split: dict[str, list[str]]) -> list[str]:
     """The class names (sorted, across splits) whose folder holds an image file in at least one split."""
     names = sorted(set().union(*per_split.values()))
-    return [n for n in names if any(n in per_split[s] and _has_image(root / n) for s, root in split_roots.items())]
+    classes = [n for n in names if any(n in per_split[s] and _has_image(root / n) for s, root in split_roots.items())]
+    if len(classes) == 1:
+        _refuse_nested_classes(split_roots, classes[0])
+    return classes
+
+
+def _refuse_nested_classes(split_roots: dict[str, Path], name: str) -> None:
+    """Refuse a single class folder whose images all lie in two or more sub-folders: the classes one level deeper.
+
+    ``root/dataset/<class>/<image>`` would otherwise convert to one class, ``dataset``, and train a 1-class model.
+    """
+    nested: dict[Path, list[str]] = {}
+    for root in split_roots.values():
+        folder = root / name
+        if not folder.is_dir():
+            continue
+        with os.scandir(folder) as entries:
+            if any(e.is_file() and _is_image_name(e.name) and not e.name.startswith(".") for e in entries):
+                return
+        subfolders = [d for d in _class_dirs(folder) if _has_image(folder / d)]
+        if len(subfolders) < 2:
+            return
+        nested[folder] = subfolders
+    if not nested:
+        return
+    folder, subfolders = next(iter(nested.items()))
+    shown = ", ".join(repr(d) for d in subfolders[:5])
+    shown += f" and {len(subfolders) - 5} more" if len(subfolders) > 5 else ""
+    if folder.parent in split_roots.values() and len(split_roots) == 1:
+        fix = f"Pass {str(folder)!r} as `src` (`data_dir`) instead."
+    else:
+        fix = f"Move the class folders of {str(folder)!r} up one level, into {str(folder.parent)!r}."
+    raise SourceLayoutError(
+        f"{str(folder.parent)!r} holds a single class folder, {name!r}, and all its images are in its sub-folders"
+        f" {shown}: the classes seem to be nested one level deeper, and converting would make a 1-class dataset."
+        f" {fix} (To convert one class whose images lie in sub-folders, list them in a CSV file: path,label.)"
+    )
 
 
 def train_folder(src: str | os.PathLike[str]) -> Path:
@@ -560,9 +621,11 @@ def _scan_list(src: Path) -> _Plan:
         index = {name: i for i, name in enumerate(classes)}
     scan = _Scan()
     scan.digest.update(src.read_bytes())
-    for line, (row, label) in enumerate(zip(rows, labels, strict=True), start=2):
+    split_names = [str(row.get("split") or "train").strip() for row in rows]
+    counts = Counter(split_names)
+    _warn_split_typos({name: f"{n} row(s) with split" for name, n in counts.items()}, f"`src` {str(src)!r}")
+    for line, (row, label, split_name) in enumerate(zip(rows, labels, split_names, strict=True), start=2):
         listed = str(row.get("path") or "").strip()
-        split_name = str(row.get("split") or "train").strip()
         split = canonical_split(split_name) or split_name
         if not listed or not label:
             scan.skipped.append(SkippedFile(f"{src} row {line - 1}", "row without a path or a label"))
@@ -1041,6 +1104,7 @@ def convert_dataset(
     given = dict(dataset) if isinstance(dataset, Mapping) else {"train": dataset}
     if not given or not all(len(ds) for ds in given.values()):
         raise SourceLayoutError("every dataset passed to `convert_dataset` must be non-empty.")
+    _warn_split_typos(dict.fromkeys(map(str, given), "the dataset for split"), "`dataset`")
     datasets: dict[str, _Rows] = {}
     for name, ds in given.items():
         split = canonical_split(str(name)) or str(name)

@@ -1216,3 +1216,60 @@ def test_forked_conversion_workers_after_opencv_use_do_not_deadlock(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "converted 12" in proc.stdout
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Issue 20: layouts a new user tried, and conversions interrupted, killed or watched while they run
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_classes_nested_one_level_deeper_are_refused_naming_the_path_to_pass(tmp_path):
+    """``root/dataset/<class>/<image>`` is not read as one class ``dataset``: the error names the folder to pass."""
+    root = tmp_path / "root"
+    for cls in ("cat", "dog", "fox"):
+        _save(root / "dataset" / cls / "a.jpg")
+    with pytest.raises(SourceLayoutError, match="nested one level deeper") as info:
+        _run(root, tmp_path / "db")
+    message = str(info.value)
+    assert f"Pass {str(root / 'dataset')!r} as `src`" in message
+    assert "'cat', 'dog', 'fox'" in message
+    assert not (tmp_path / "db").exists()
+    assert _run(root / "dataset", tmp_path / "db").splits == {"train": 3}  # the path it names converts
+
+    wrapped = tmp_path / "wrapped"  # a root of splits one level too deep: wrapped/dataset/{train,val}/<class>/
+    for split in ("train", "val"):
+        for cls in ("cat", "dog"):
+            _save(wrapped / "dataset" / split / cls / "a.jpg")
+    with pytest.raises(SourceLayoutError, match=f"Pass {str(wrapped / 'dataset')!r} as `src`"):
+        _run(wrapped, tmp_path / "db2")
+
+
+def test_class_folders_with_sub_folders_still_convert(tmp_path):
+    """Two or more classes whose images lie in sub-folders are a valid ImageFolder; so is one class with images."""
+    root = tmp_path / "root"
+    for cls in ("cat", "dog"):
+        _save(root / cls / "2024" / "a.jpg")
+        _save(root / cls / "2025" / "b.jpg")
+    assert _run(root, tmp_path / "db").splits == {"train": 4}
+    single = tmp_path / "single"
+    _save(single / "only" / "a.jpg")
+    _save(single / "only" / "sub" / "b.jpg")
+    assert _run(single, tmp_path / "db1").splits == {"train": 2}
+
+
+def test_a_misspelled_split_warns_naming_the_closest_known_one(tmp_path):
+    """A CSV row with split ``trian`` warns, naming ``trian`` and ``train``; a custom split name stays silent."""
+    _save(tmp_path / "a.jpg")
+    _save(tmp_path / "b.jpg", seed=1)
+    listing = tmp_path / "list.csv"
+    listing.write_text("path,label,split\na.jpg,cat,trian\nb.jpg,dog,train\na.jpg,cat,holdout\n")
+    with pytest.warns(UserWarning, match=r"1 row\(s\) with split 'trian'.*Did you mean 'train'\?") as record:
+        summary = _run(listing, tmp_path / "db")
+    assert summary.splits == {"trian": 1, "train": 1, "holdout": 1}  # stored as given, as documented
+    assert not [w for w in record if "holdout" in str(w.message)]
+
+    root = tmp_path / "root"  # the same for a split folder
+    _save(root / "train" / "cat" / "a.jpg")
+    _save(root / "vall" / "cat" / "a.jpg")
+    with pytest.warns(UserWarning, match=r"the split folder 'vall'.*Did you mean 'val'\?"):
+        _run(root, tmp_path / "db2")
