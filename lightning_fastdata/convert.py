@@ -490,6 +490,33 @@ def train_folder(src: str | os.PathLike[str]) -> Path:
     return split_roots["train"]
 
 
+def image_folder(root: str | os.PathLike[str], transform: Any = None) -> Any:
+    """An ``ImageFolder`` (torchvision's) over ``root``, with the tolerance of :func:`convert`.
+
+    Hidden and empty class folders are left out (torchvision refuses a class folder without images), and images are
+    opened with :func:`open_image_file`, whose errors name the file.
+
+    Raises:
+        SourceLayoutError: no class folder of ``root`` holds an image file.
+
+    """
+    from torchvision import datasets
+
+    path = Path(root)
+    classes = _nonempty_classes({"train": path}, {"train": _class_dirs(path)})
+    if not classes:
+        raise SourceLayoutError(
+            f"found no image files under {str(path)!r} (looked for {' '.join(IMG_EXTENSIONS)}, any case, in the class"
+            f" folders).\n{_LAYOUT_HELP}"
+        )
+
+    class _Folder(datasets.ImageFolder):
+        def find_classes(self, directory: str) -> tuple[list[str], dict[str, int]]:
+            return classes, {name: i for i, name in enumerate(classes)}
+
+    return _Folder(str(path), transform=transform, loader=open_image_file)
+
+
 def open_image_file(path: str, data: bytes | None = None) -> Image.Image:
     """Open an image file (or its bytes, already read) as RGB, as ``ImageFolder`` does, with errors naming the file.
 

@@ -309,16 +309,21 @@ def sweep_dataset(data: str | os.PathLike[str], image_size: int = 224) -> tuple[
     one (RandomResizedCrop, flip, ToTensor, Normalize).
     """
     from lightning_fastdata import _format
-    from lightning_fastdata.convert import open_image_file, train_folder
+    from lightning_fastdata.convert import image_folder, train_folder
     from lightning_fastdata.dataset import LmdbImageDataset
     from lightning_fastdata.transforms import RandomResizedCropFlip
 
     path = Path(data).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(
+            f"`data` {str(path)!r} does not exist. Pass an image folder or a database made by `lightning-fastdata"
+            " convert`."
+        )
     if (path / _format.DATA_FILE).is_file():
         return LmdbImageDataset(path, split="train", transform=RandomResizedCropFlip(image_size)), "database"
     if not path.is_dir():
         raise FileNotFoundError(f"`data` {str(path)!r} is neither a database nor an image folder.")
-    from torchvision import datasets, transforms
+    from torchvision import transforms
 
     standard = transforms.Compose(
         [
@@ -328,8 +333,7 @@ def sweep_dataset(data: str | os.PathLike[str], image_size: int = 224) -> tuple[
             transforms.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)),
         ]
     )
-    root = train_folder(path)
-    return datasets.ImageFolder(str(root), transform=standard, loader=open_image_file), "image folder"
+    return image_folder(train_folder(path), transform=standard), "image folder"
 
 
 def plot_sweep(result: SweepResult, path: str | os.PathLike[str]) -> None:
