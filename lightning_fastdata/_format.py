@@ -17,16 +17,23 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import struct
 import threading
 import zlib
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import lmdb
 
 from lightning_fastdata.errors import CorruptRecordError, DatasetFormatError
+
+try:  # advisory locks between converters, and readers asking whether one is at work (POSIX only)
+    import fcntl
+except ImportError:  # pragma: no cover - Windows
+    fcntl = None  # type: ignore[assignment]
 
 FORMAT_VERSION = 1
 MAGIC = b"LF"
@@ -136,11 +143,93 @@ def load_meta(raw: bytes | None, path: str | os.PathLike[str]) -> dict[str, Any]
             f" {FORMAT_VERSION}. Convert the source again with this version, or install the version that wrote it."
         )
     if meta.get("complete") is not True:
-        raise DatasetFormatError(
-            f"{os.fspath(path)!r} is an incomplete conversion (it was interrupted or failed)."
-            " Run `lightning-fastdata convert` again: it starts over and replaces it."
-        )
+        raise DatasetFormatError(_incomplete_message(Path(path)))
     return meta
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Where things live beside a database, and who is converting it
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def partial_path(dst: Path) -> Path:
+    """The hidden working copy a conversion to ``dst`` writes, renamed to ``dst`` when complete."""
+    return dst.parent / f".{dst.name}.partial"
+
+
+def lock_path(dst: Path) -> Path:
+    """The lock file a conversion to ``dst`` holds while it runs (JSON: the converter's pid, host and start)."""
+    return dst.parent / f".{dst.name}.lock"
+
+
+def target_of_partial(path: Path) -> Path | None:
+    """The database a working copy ``.NAME.partial`` becomes (``NAME`` beside it), or ``None`` for other paths."""
+    name = path.name
+    if name.startswith(".") and name.endswith(".partial") and len(name) > len("..partial"):
+        return path.parent / name[1 : -len(".partial")]
+    return None
+
+
+def converter_of(dst: Path) -> dict[str, Any] | None:
+    """The converter now writing ``dst`` (``{"pid": ..., "host": ..., "started": ...}``), or ``None`` if none is.
+
+    A converter holds an exclusive ``flock`` on :func:`lock_path` for as long as it runs; the lock dies with its
+    process, so a lock file nobody holds (left by a killed converter) means no conversion is under way.
+    """
+    if fcntl is None:  # pragma: no cover - Windows
+        return None
+    try:
+        fh = open(lock_path(dst), "rb")  # noqa: SIM115 - closed below; read-only, so a read-only folder works
+    except OSError:
+        return None
+    with fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            try:
+                info = json.loads(fh.read(4096).decode() or "{}")
+            except (UnicodeDecodeError, ValueError):
+                info = {}
+            return info if isinstance(info, dict) else {}
+        except OSError:
+            return None
+        fcntl.flock(fh, fcntl.LOCK_UN)
+    return None
+
+
+def converter_record() -> bytes:
+    """What a converter writes into the lock file it holds: its pid, host and start time, as JSON."""
+    started = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    return json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": started}).encode()
+
+
+def describe_converter(info: dict[str, Any]) -> str:
+    """``"process 1234 on host h (started ...)"`` from what :func:`converter_of` returned."""
+    text = f"process {info['pid']}" if "pid" in info else "another process"
+    if info.get("host") and info["host"] != socket.gethostname():
+        text += f" on host {info['host']}"
+    return text + (f" (started {info['started']})" if info.get("started") else "")
+
+
+def _incomplete_message(path: Path) -> str:
+    """Why ``path`` (incomplete) cannot be read: a conversion is writing it, or one was interrupted."""
+    target = target_of_partial(path.absolute())
+    info = converter_of(target) if target is not None else None
+    if target is not None and info is not None:
+        return (
+            f"{os.fspath(path)!r} is being converted by {describe_converter(info)}: it is the working copy of"
+            f" {str(target)!r}, which appears when the conversion finishes. Wait for it, then open {str(target)!r}."
+        )
+    if target is not None:
+        return (
+            f"{os.fspath(path)!r} is an incomplete conversion of {str(target)!r} left by a converter that is no longer"
+            " running (it was interrupted or failed). Run `lightning-fastdata convert` again (it starts over), or"
+            f" remove it with `lightning-fastdata convert --clean {str(path.absolute().parent)!r}`."
+        )
+    return (
+        f"{os.fspath(path)!r} is an incomplete conversion (it was interrupted or failed)."
+        " Run `lightning-fastdata convert` again: it starts over and replaces it."
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -30,9 +30,10 @@ def _add_convert(sub: argparse._SubParsersAction) -> None:
             " Unchanged sources are not converted twice."
         ),
     )
-    p.add_argument("src", help="the image folder, or a .csv/.json list of path,label[,split] rows, to read")
+    p.add_argument("src", nargs="?", help="the image folder, or a .csv/.json list of path,label[,split] rows, to read")
     p.add_argument(
         "dst",
+        nargs="?",
         help="the database directory to write (created, or replaced if it is ours and made from the same SRC)",
     )
     p.add_argument(
@@ -63,6 +64,13 @@ def _add_convert(sub: argparse._SubParsersAction) -> None:
         help="convert even if DST is up to date, or replace a DST converted from another source",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--clean",
+        metavar="DIR",
+        default=None,
+        help="instead of converting: remove what interrupted conversions left in DIR (hidden .NAME.partial working"
+        " copies and .NAME.lock files that no running conversion holds; a .NAME.old whose NAME is missing is put back)",
+    )
 
 
 def _add_synth(sub: argparse._SubParsersAction) -> None:
@@ -136,8 +144,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from lightning_fastdata.convert import convert
+    from lightning_fastdata.convert import clean_stale_conversions, convert
 
+    if args.clean is not None:
+        if args.src is not None:
+            raise ValueError(f"`--clean DIR` takes no SRC or DST (got {args.src!r}); run the conversion separately.")
+        done = clean_stale_conversions(args.clean)
+        print("\n".join(done) if done else f"nothing to clean in {args.clean}")
+        return 0
     summary = convert(
         args.src,
         args.dst,
@@ -273,12 +287,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         # that `args` "is intended to run from within Python" on every run
         lightning_cli(None if from_console else argv)
         return 0
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "convert" and args.clean is None and args.dst is None:
+        parser.error("convert: the following arguments are required: SRC and DST (or --clean DIR)")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     handlers = {"convert": _convert, "synth": _synth, "bench": _bench, "profile": _profile}
     try:
         return handlers[args.command](args)
-    except DestinationError as err:  # bad input: a `dst` that must not be replaced
+    except DestinationError as err:  # bad input: a `dst` that must not be replaced, or cannot be written
         print(f"error: {_message(err)}", file=sys.stderr)
         return 2
     except ConversionError as err:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import difflib
+import errno
 import hashlib
 import io
 import json
@@ -34,21 +35,21 @@ from tqdm.auto import tqdm
 from lightning_fastdata import _format
 from lightning_fastdata.__about__ import __version__
 from lightning_fastdata._cv import cv2
+from lightning_fastdata._format import fcntl  # advisory lock so two converters never build one target at once
 from lightning_fastdata.cpus import usable_cpu_count
 from lightning_fastdata.errors import (
     ConversionError,
     DatasetFormatError,
     DestinationError,
+    ReadOnlyDestinationError,
     SampleError,
     SourceLayoutError,
 )
 
-try:  # advisory lock so two converters never build the same target at once (POSIX only)
-    import fcntl
-except ImportError:  # pragma: no cover - Windows
-    fcntl = None  # type: ignore[assignment]
-
 log = logging.getLogger(__name__)
+
+#: what ``mkdir``/``open`` raise in a folder this process may not write to
+_READ_ONLY = (errno.EROFS, errno.EACCES, errno.EPERM)
 
 #: File extensions read as images (matched case-insensitively), as torchvision's ``ImageFolder``.
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
@@ -728,29 +729,209 @@ def _has_meta_record(dst: Path) -> bool:
 
 
 @contextlib.contextmanager
-def _target_lock(dst: Path) -> Iterator[None]:
-    lock_path = dst.parent / f".{dst.name}.lock"
-    with open(lock_path, "a+") as fh:
-        if fcntl is not None:
+def _target_lock(dst: Path, wait: bool = True) -> Iterator[OSError | None]:
+    """Hold the conversion lock of ``dst`` while the block runs; yields the error when its folder cannot be written.
+
+    The lock file holds this converter's pid and host (readers name it: "is being converted by process N") and is
+    removed at the end while still held: a waiter that then gets the lock sees that its file is gone and locks the new
+    one, so no zero-byte lock file stays beside each database.
+
+    Raises:
+        BlockingIOError: ``wait`` is false and another process holds the lock.
+
+    """
+    if fcntl is None:  # pragma: no cover - Windows
+        yield None
+        return
+    path = _format.lock_path(dst)
+    while True:
+        try:
+            fh = open(path, "a+b")  # noqa: SIM115 - held for the whole block, closed in `finally`
+        except OSError as err:
+            if err.errno not in _READ_ONLY:
+                raise
+            yield err  # a read-only folder: no conversion can happen here, but a complete database can be used
+            return
+        try:
             try:
                 fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
+                if not wait:
+                    raise
+                holder = _format.converter_of(dst) or {}
                 log.warning(
-                    "waiting for another conversion to %s to finish (it holds %s); this one then reuses or replaces"
+                    "waiting for another conversion to %s to finish (%s holds %s); this one then reuses or replaces"
                     " its result",
                     dst,
-                    lock_path,
+                    _format.describe_converter(holder),
+                    path,
                 )
                 fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            if fcntl is not None:
-                fcntl.flock(fh, fcntl.LOCK_UN)
+            if _same_file(fh.fileno(), path):
+                break
+        except BaseException:
+            fh.close()
+            raise
+        fh.close()  # the converter we waited for removed this lock file: lock the current one
+    try:
+        fh.truncate(0)
+        fh.write(_format.converter_record())
+        fh.flush()
+        yield None
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        fcntl.flock(fh, fcntl.LOCK_UN)
+        fh.close()
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    own = os.fstat(fd)
+    return (own.st_dev, own.st_ino) == (st.st_dev, st.st_ino)
 
 
 def _dir_size(path: Path) -> int:
     return sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+
+
+def _make_parent(dst: Path) -> None:
+    """Create the folder ``dst`` goes into; a file in the way or a read-only folder is a ``DestinationError``."""
+    try:
+        dst.parent.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        blocker = next((p for p in [dst.parent, *dst.parent.parents] if p.exists() and not p.is_dir()), dst.parent)
+        raise DestinationError(
+            f"`dst` {str(dst)!r} cannot be created: {str(blocker)!r} is a file, not a folder. Choose a `dst` whose"
+            " parent folders are folders, or move that file away."
+        ) from None
+    except OSError as err:
+        if err.errno in _READ_ONLY:
+            raise _read_only_error(dst, err) from err
+        raise
+
+
+def _read_only_error(dst: Path, err: OSError | None = None, outdated: bool = False) -> ReadOnlyDestinationError:
+    """The error for a conversion into a folder this process cannot write to."""
+    reason = f" ({err.strerror})" if err is not None and err.strerror else ""
+    what = (
+        "holds a database that is out of date (its source or the conversion settings changed), and"
+        if outdated
+        else "cannot be written:"
+    )
+    return ReadOnlyDestinationError(
+        f"`dst` {str(dst)!r} {what} its folder {str(dst.parent)!r} is read-only{reason}. Convert into a writable"
+        " folder, or convert there first and make it read-only afterwards."
+    )
+
+
+def _recover_interrupted_publish(dst: Path) -> None:
+    """Put back the previous database if a conversion died between moving it aside and moving the new one in."""
+    old = dst.parent / f".{dst.name}.old"
+    if old.is_dir() and not dst.exists():
+        log.warning("restoring %s from %s, left by a conversion interrupted while it replaced it", dst, old)
+        os.replace(old, dst)
+
+
+def stale_conversions(folder: str | os.PathLike[str]) -> list[Path]:
+    """What interrupted conversions left in ``folder``: working copies and lock files that no running converter holds.
+
+    Each ``.NAME.partial`` (an unfinished database), ``.NAME.old`` (a replaced one) and ``.NAME.lock`` whose lock is
+    not held by a live converter is listed; those of a conversion under way are not.
+    """
+    root = Path(folder).expanduser().absolute()
+    try:
+        names = sorted(e.name for e in os.scandir(root) if e.name.startswith("."))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    stale = []
+    for name in names:
+        for suffix in (".partial", ".old", ".lock"):
+            if name.endswith(suffix) and len(name) > len(suffix) + 1:
+                path, target = root / name, root / name[1 : -len(suffix)]
+                if _is_ours(path, target) and _format.converter_of(target) is None:
+                    stale.append(path)
+    return stale
+
+
+def _is_ours(path: Path, target: Path) -> bool:
+    """Whether ``path`` (``.NAME.partial``, ``.NAME.old`` or ``.NAME.lock``) was left by a conversion.
+
+    Not another program's: a database folder (or a working copy not yet started), or a lock file beside one or
+    holding a converter's record.
+    """
+    if path.suffix == ".lock":
+        if not path.is_file():
+            return False
+        if (target / _format.DATA_FILE).is_file() or _format.partial_path(target).is_dir():
+            return True
+        with contextlib.suppress(OSError, UnicodeDecodeError, ValueError):
+            record = json.loads(path.read_text() or "null")
+            return isinstance(record, dict) and "pid" in record and "host" in record
+        return False
+    return path.is_dir() and ((path / _format.DATA_FILE).is_file() or not any(path.iterdir()))
+
+
+def clean_stale_conversions(folder: str | os.PathLike[str]) -> list[str]:
+    """Remove what interrupted conversions left in ``folder`` (:func:`stale_conversions`); one line per action.
+
+    A ``.NAME.old`` whose database ``NAME`` is missing (a conversion died while replacing it) is put back as
+    ``NAME`` rather than removed. Each ``NAME``'s leftovers are removed while holding its conversion lock, so a
+    conversion that starts meanwhile is never touched.
+
+    Raises:
+        FileNotFoundError: ``folder`` does not exist.
+        ReadOnlyDestinationError: ``folder`` is read-only.
+
+    """
+    root = Path(folder).expanduser().absolute()
+    if not root.is_dir():
+        raise FileNotFoundError(f"`folder` {str(root)!r} does not exist or is not a folder. Pass the folder to clean.")
+    leftovers: dict[Path, list[Path]] = {}
+    for path in stale_conversions(root):
+        leftovers.setdefault(root / path.name[1 : -len(path.suffix)], []).append(path)
+    done = []
+    for target, paths in leftovers.items():
+        try:
+            with _target_lock(target, wait=False) as read_only:
+                if read_only is not None:
+                    raise _read_only_error(target, read_only) from read_only
+                done += [_clean(path, target) for path in paths]
+        except BlockingIOError:
+            continue  # a conversion to `target` started meanwhile: its files are in use
+    return done
+
+
+def _clean(path: Path, target: Path) -> str:
+    """Remove (or, for a database moved aside, put back) one leftover of a conversion to ``target``."""
+    if path.suffix == ".old" and not target.exists():
+        os.replace(path, target)
+        return f"restored {target} from {path.name}, left by a conversion interrupted while replacing it"
+    if path.is_dir():
+        size = _dir_size(path)
+        shutil.rmtree(path, ignore_errors=True)
+        return f"removed {path} ({_human_bytes(size)}), left by an interrupted conversion"
+    return f"removed {path}, the lock file of a conversion that is no longer running"  # removed when the lock ends
+
+
+def _report_stale(dst: Path) -> None:
+    """Name the working copies that dead converters left beside ``dst`` (this one's own is replaced anyway)."""
+    own = _format.partial_path(dst)
+    stale = [p for p in stale_conversions(dst.parent) if p.suffix == ".partial" and p != own]
+    if stale:
+        sizes = sum(_dir_size(p) for p in stale if p.is_dir())
+        log.warning(
+            "%d incomplete conversion(s) left by converters that are no longer running take %s in %s: %s. Remove them"
+            " with `lightning-fastdata convert --clean %s`.",
+            len(stale),
+            _human_bytes(sizes),
+            dst.parent,
+            ", ".join(p.name for p in stale),
+            dst.parent,
+        )
 
 
 def _run(
@@ -765,14 +946,16 @@ def _run(
     initial_map_size: int,
 ) -> ConversionSummary:
     dst = Path(dst).absolute()
-    dst.parent.mkdir(parents=True, exist_ok=True)
+    _make_parent(dst)
     encoding_meta = asdict(opts)
     workers = usable_cpu_count() if num_workers is None else num_workers
     if workers < 0:
         raise ValueError(f"`num_workers` must be >= 0 (0 converts in this process), got {workers}.")
     summary = ConversionSummary(destination=str(dst), workers=workers, ignored=list(plan.ignored))
     start = time.perf_counter()
-    with _target_lock(dst):
+    with _target_lock(dst) as read_only:
+        if read_only is None:
+            _recover_interrupted_publish(dst)
         old = _existing_meta(dst)
         old_source = old.get("source", {}).get("path") if old is not None else None
         # a dataset's source is only its type name: two datasets cannot be told apart, and re-running must work
@@ -794,9 +977,14 @@ def _run(
             summary.written = sum(s["length"] for s in old["splits"].values())
             summary.splits = {name: s["length"] for name, s in old["splits"].items()}
             return summary
+        if read_only is not None:
+            raise _read_only_error(dst, read_only, outdated=old is not None) from read_only
 
-        tmp = dst.parent / f".{dst.name}.partial"
-        shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted run
+        _report_stale(dst)
+        tmp = _format.partial_path(dst)
+        if tmp.exists():
+            log.info("removing %s (%s), left by an interrupted conversion", tmp, _human_bytes(_dir_size(tmp)))
+        shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(dst.parent / f".{dst.name}.old", ignore_errors=True)
         tmp.mkdir()
         summary.skipped.extend(plan.skipped)
@@ -966,9 +1154,11 @@ def convert(
     stored too (:func:`~lightning_fastdata.read_sources`). Non-image files and empty class folders are left out and
     listed in ``ConversionSummary.ignored``; unreadable paths (a dangling link) are skipped and listed.
 
-    The conversion runs once: re-running on an unchanged source with the same options does nothing. It writes into a
-    hidden sibling of ``dst`` and renames it into place at the end, so an interruption never leaves anything that
-    reads as a complete database; running again starts over.
+    The conversion runs once: re-running on an unchanged source with the same options does nothing (also in a
+    read-only folder). It writes into a hidden sibling of ``dst`` and renames it into place at the end, so an
+    interruption never leaves anything that reads as a complete database; running again starts over. While it runs,
+    the lock file ``.<dst>.lock`` beside ``dst`` names its process; :func:`clean_stale_conversions` removes what a
+    killed conversion left.
 
     Args:
         src: an ImageFolder root (``src/<class>/<image>``), a root of split trees (``src/train/<class>/<image>``),

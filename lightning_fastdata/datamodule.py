@@ -22,6 +22,7 @@ from lightning_fastdata.convert import canonical_split, convert, folder_classes
 from lightning_fastdata.cpus import cpu_sharing_processes, processes_per_node, usable_cpu_count
 from lightning_fastdata.dataset import LmdbImageDataset
 from lightning_fastdata.device_decode import EncodedImages, encoded_batch_to_images
+from lightning_fastdata.errors import DestinationError, ReadOnlyDestinationError, SourceLayoutError
 from lightning_fastdata.loader import BatchReader, FastLoader
 from lightning_fastdata.resumable import ResumableSampler
 from lightning_fastdata.skipping import SkipCounter
@@ -95,7 +96,8 @@ class FastImageDataModule(LightningDataModule):
             plain ImageFolder root, a ``path,label`` list file (``.csv``/``.json``), or a database made by
             ``lightning-fastdata convert``. ``~`` is expanded.
         cache_dir: where the conversion of a folder goes, one database per source and conversion settings; default
-            ``$LIGHTNING_FASTDATA_CACHE`` or ``~/.cache/lightning_fastdata``. Never inside ``data_dir``.
+            ``$LIGHTNING_FASTDATA_CACHE`` or ``~/.cache/lightning_fastdata``. Never inside ``data_dir``. It may be
+            read-only once it holds an up-to-date conversion.
         image_size: side length of the square training and validation crops.
         batch_size: samples per batch (per process under DDP).
         num_workers: loader threads (or worker processes, see ``engine``) per training process; ``"auto"`` budgets
@@ -296,15 +298,36 @@ class FastImageDataModule(LightningDataModule):
                 self._tune_num_workers()
             return
         source = Path(self.data_dir).expanduser().absolute()
+        if not source.exists():
+            raise SourceLayoutError(
+                f"`data_dir` {str(source)!r} does not exist. Pass an ImageFolder root (root/<class>/*.jpg), a root of"
+                " train/ val/ test/ trees, a path,label list file, or a database made by `lightning-fastdata convert`."
+            )
         target = self.database_path
         if target == source or target.is_relative_to(source):
             raise ValueError(f"`cache_dir` {self.cache_dir!r} must not be inside `data_dir` {self.data_dir!r}.")
-        summary = convert(
-            source, target, short_side=self.store_short_side(), quality=self.quality, encoding=self.encoding
-        )
+        try:
+            summary = convert(
+                source, target, short_side=self.store_short_side(), quality=self.quality, encoding=self.encoding
+            )
+        except ReadOnlyDestinationError as err:
+            raise self._read_only_cache_error(err) from err
         rank_zero_info(summary.format())
         if self.num_workers == "tune":  # measured here, on one process per node, so the ranks read the cache
             self._tune_num_workers()
+
+    def _read_only_cache_error(self, err: DestinationError) -> ReadOnlyDestinationError:
+        """Name the setting that chose the read-only folder: ``cache_dir``, or ``$LIGHTNING_FASTDATA_CACHE``."""
+        if self.cache_dir:
+            setting = f"`cache_dir` {self.cache_dir!r}"
+        elif os.environ.get("LIGHTNING_FASTDATA_CACHE"):
+            setting = f"`LIGHTNING_FASTDATA_CACHE` {os.environ['LIGHTNING_FASTDATA_CACHE']!r}"
+        else:
+            setting = f"the default cache folder {str(self.cache_root)!r}"
+        return ReadOnlyDestinationError(
+            f"{setting} is read-only, so `data_dir` {self.data_dir!r} cannot be converted into it ({err}). Pass"
+            " `cache_dir=` a writable folder (or set LIGHTNING_FASTDATA_CACHE), or convert once where it is writable."
+        )
 
     @override
     def setup(self, stage: str) -> None:

@@ -204,3 +204,40 @@ def test_fit_from_the_console_does_not_warn_about_args(monkeypatch, recwarn):
     with pytest.raises(SystemExit):
         main()
     assert not [w for w in recwarn if "args parameter is intended" in str(w.message)]
+
+
+def test_convert_under_a_file_returns_2_with_one_line(split_folder, tmp_path, capsys):
+    """A ``dst`` whose parent is a file: one ``error:`` line naming that file, exit 2."""
+    blocker = tmp_path / "afile"
+    blocker.write_text("a file")
+    assert main(_convert_args(split_folder, blocker / "db.lmdb")) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: `dst` {str(blocker / 'db.lmdb')!r} cannot be created: {str(blocker)!r} is a file")
+    assert len(err.strip().splitlines()) == 1
+
+
+_MAIN = "import sys\nfrom lightning_fastdata.cli import main\nsys.exit(main(sys.argv[1:]))"
+
+
+def test_convert_into_a_read_only_folder_returns_2_with_one_line(split_folder, tmp_path, read_only_python):
+    """A new conversion on a read-only file system: one ``error:`` line naming `dst` and its folder, exit 2."""
+    out = tmp_path / "ro"
+    out.mkdir()
+    dst = out / "db.lmdb"
+    proc = read_only_python([out], _MAIN, "convert", str(split_folder), str(dst), "--workers", "0", "--quiet")
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        f"error: `dst` {str(dst)!r} cannot be written: its folder {str(out)!r} is read-only (Read-only file system)."
+        " Convert into a writable folder, or convert there first and make it read-only afterwards."
+    ]
+    assert sorted(out.iterdir()) == []
+
+
+def test_convert_of_an_up_to_date_database_in_a_read_only_folder_returns_0(split_folder, tmp_path, read_only_python):
+    """An up-to-date database on a read-only file system is reported up to date (no lock file is needed)."""
+    out = tmp_path / "ro"
+    dst = out / "db.lmdb"
+    assert main(_convert_args(split_folder, dst)) == 0
+    proc = read_only_python([out], _MAIN, "convert", str(split_folder), str(dst), "--workers", "0", "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == f"{dst} is up to date (33 images); nothing to do. Use --force to rebuild."

@@ -8,6 +8,7 @@ import random
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from lightning_fastdata import (
     ConversionError,
     ConversionSummary,
     DatasetFormatError,
+    DestinationError,
     LmdbImageDataset,
     SkippedFile,
     SourceLayoutError,
@@ -1273,3 +1275,144 @@ def test_a_misspelled_split_warns_naming_the_closest_known_one(tmp_path):
     _save(root / "vall" / "cat" / "a.jpg")
     with pytest.warns(UserWarning, match=r"the split folder 'vall'.*Did you mean 'val'\?"):
         _run(root, tmp_path / "db2")
+
+
+def test_a_dst_under_a_file_is_a_destination_error(split_folder, tmp_path):
+    """A ``dst`` whose parent is a file: ``DestinationError`` naming that file, and nothing written."""
+    blocker = tmp_path / "afile"
+    blocker.write_text("a file")
+    for dst in (blocker / "db.lmdb", blocker / "deeper" / "db.lmdb"):
+        with pytest.raises(DestinationError, match=f"{str(blocker)!r} is a file, not a folder"):
+            _run(split_folder, dst)
+    assert blocker.read_text() == "a file"
+
+
+def test_a_finished_conversion_leaves_no_lock_file(split_folder, tmp_path):
+    """The lock file beside ``dst`` exists only while a conversion runs."""
+    dst = tmp_path / "db"
+    _run(split_folder, dst)
+    _run(split_folder, dst)  # up to date
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["db"]
+
+
+# A conversion through the command line whose pool workers block on their first image, until the test interrupts or
+# kills it; the file `ready` appears once a worker blocks (the pool inherits the patch through fork)
+_BLOCKED_CONVERSION = textwrap.dedent(
+    """
+    import importlib, sys, time
+    from pathlib import Path
+    from lightning_fastdata.cli import main
+
+    convert_module = importlib.import_module("lightning_fastdata.convert")  # the module, not the function
+
+    ready = Path(sys.argv[1])
+
+    def blocked(source, opts):
+        ready.touch()
+        time.sleep(600)
+
+    convert_module._encode_image = blocked
+    sys.exit(main(sys.argv[2:]))
+    """
+)
+
+
+@contextlib.contextmanager
+def _blocked_conversion(src: Path, dst: Path, tmp_path: Path):
+    """A ``lightning-fastdata convert SRC DST --workers 2`` process, yielded once its metadata is written."""
+    ready = tmp_path / "ready"
+    cmd = [sys.executable, "-c", _BLOCKED_CONVERSION, str(ready), "convert", str(src), str(dst), "--workers", "2"]
+    proc = subprocess.Popen(
+        [*cmd, "--quiet"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        deadline = time.monotonic() + 120
+        partial = _format.partial_path(dst)
+        while not (ready.exists() and _format.converter_of(dst) and _has_incomplete_meta(partial)):
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the conversion never started"
+            time.sleep(0.01)
+        yield proc
+    finally:
+        if proc.returncode is None:  # the test did not end it itself
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate(timeout=60)
+
+
+def _has_incomplete_meta(partial: Path) -> bool:
+    if not (partial / _format.DATA_FILE).exists():
+        return False
+    env = lmdb.open(str(partial), readonly=True, lock=False, subdir=True)  # a private handle: not the shared one
+    try:
+        with env.begin() as txn:
+            return txn.get(_format.META_KEY) is not None
+    finally:
+        env.close()
+
+
+def _two_class_source(root: Path) -> Path:
+    for cls in ("cat", "dog"):
+        for n in range(3):
+            _save(root / cls / f"{n}.jpg", seed=n)
+    return root
+
+
+def test_a_running_conversion_is_named_and_left_alone_by_clean(tmp_path):
+    """Opening ``.X.partial`` while a conversion writes it names the converting process; ``--clean`` keeps it."""
+    from lightning_fastdata.cli import main
+
+    src, dst = _two_class_source(tmp_path / "src"), tmp_path / "out" / "db.lmdb"
+    partial = _format.partial_path(dst)
+    with _blocked_conversion(src, dst, tmp_path) as proc:
+        with pytest.raises(DatasetFormatError, match=f"is being converted by process {proc.pid} ") as info:
+            LmdbImageDataset(partial)
+        assert f"Wait for it, then open {str(dst)!r}" in str(info.value)
+        assert main(["convert", "--clean", str(dst.parent)]) == 0
+        assert partial.is_dir()
+        assert _format.lock_path(dst).is_file()
+        assert proc.poll() is None
+
+
+def test_a_killed_conversion_is_reported_and_cleaned_by_convert_clean(tmp_path, capsys, caplog):
+    """After SIGKILL the stale working copy is named as left by a dead converter, reported by the next conversion in
+    its folder, and removed (with its lock file) by ``convert --clean``; complete databases stay."""
+    from lightning_fastdata.cli import main
+
+    src, dst = _two_class_source(tmp_path / "src"), tmp_path / "out" / "db.lmdb"
+    partial = _format.partial_path(dst)
+    with _blocked_conversion(src, dst, tmp_path) as proc:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate(timeout=60)
+    assert partial.is_dir()
+    with pytest.raises(DatasetFormatError, match="left by a converter that is no longer running") as info:
+        LmdbImageDataset(partial)
+    assert f"lightning-fastdata convert --clean {str(dst.parent)!r}" in str(info.value)
+
+    other = dst.parent / "other.lmdb"
+    with caplog.at_level("WARNING", logger="lightning_fastdata.convert"):
+        _run(src, other)
+    assert "1 incomplete conversion(s) left by converters that are no longer running" in caplog.text
+    assert f".db.lmdb.partial. Remove them with `lightning-fastdata convert --clean {dst.parent}`" in caplog.text
+
+    assert main(["convert", "--clean", str(dst.parent)]) == 0
+    out = capsys.readouterr().out
+    assert f"removed {partial} (" in out
+    assert f"removed {_format.lock_path(dst)}, the lock file" in out
+    assert sorted(p.name for p in dst.parent.iterdir()) == ["other.lmdb"]
+    assert len(LmdbImageDataset(other)) == 6
+    assert main(["convert", "--clean", str(dst.parent)]) == 0
+    assert capsys.readouterr().out.startswith("nothing to clean in")
+
+
+def test_clean_puts_back_a_database_moved_aside_by_a_killed_replacement(split_folder, tmp_path):
+    """A ``.X.old`` whose ``X`` is missing (killed between the two renames of a replacement) is restored, not lost."""
+    from lightning_fastdata.convert import clean_stale_conversions
+
+    dst = tmp_path / "db"
+    _run(split_folder, dst)
+    os.replace(dst, tmp_path / ".db.old")
+    assert clean_stale_conversions(tmp_path) == [
+        f"restored {dst} from .db.old, left by a conversion interrupted while replacing it"
+    ]
+    assert len(LmdbImageDataset(dst)) == 24
