@@ -17,6 +17,7 @@ import math
 import multiprocessing
 import os
 import shutil
+import signal
 import time
 import warnings
 from collections import Counter
@@ -278,6 +279,9 @@ _STATE: dict[str, Any] = {}
 
 
 def _init_worker(datasets: Mapping[str, Any] | None, opts: _Options) -> None:
+    # Ctrl-C reaches the whole process group: the main process handles it (and stops the pool); a worker would only
+    # print its own KeyboardInterrupt traceback
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _STATE["datasets"] = datasets
     _STATE["opts"] = opts
     with contextlib.suppress(Exception):  # one thread per worker: the pool already uses every core

@@ -1358,6 +1358,19 @@ def _two_class_source(root: Path) -> Path:
     return root
 
 
+def test_ctrl_c_during_convert_prints_one_line_not_worker_tracebacks(tmp_path):
+    """SIGINT to the process group of ``convert --workers 2``: exit 130, one line on stderr, nothing left."""
+    src, dst = _two_class_source(tmp_path / "src"), tmp_path / "out" / "db.lmdb"
+    with _blocked_conversion(src, dst, tmp_path) as proc:
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert err.strip().splitlines() == [
+        "interrupted: nothing was published; run the same command again to start over"
+    ], err
+    assert sorted(p.name for p in dst.parent.iterdir()) == []
+
+
 def test_a_running_conversion_is_named_and_left_alone_by_clean(tmp_path):
     """Opening ``.X.partial`` while a conversion writes it names the converting process; ``--clean`` keeps it."""
     from lightning_fastdata.cli import main
