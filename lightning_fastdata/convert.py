@@ -339,6 +339,8 @@ class _Plan:
     fingerprint: str | None
     source: str
     names: dict[str, list[str]] = field(default_factory=dict)
+    #: the size of the source files (0 for datasets): estimates the space a conversion needs
+    source_bytes: int = 0
     skipped: list[SkippedFile] = field(default_factory=list)
     ignored: list[SkippedFile] = field(default_factory=list)
 
@@ -558,6 +560,7 @@ class _Scan:
         self.skipped: list[SkippedFile] = []
         self.ignored: list[SkippedFile] = []
         self.digest = hashlib.sha256()
+        self.bytes = 0
 
     def add(self, split: str, path: str, label: int, name: str) -> None:
         self.tasks.setdefault(split, [])
@@ -571,6 +574,7 @@ class _Scan:
             return
         self.tasks[split].append((split, path, label))
         self.names[split].append(name)
+        self.bytes += st.st_size
         self.digest.update(f"{name}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
 
     def plan(self, src: Path, classes: list[str]) -> _Plan:
@@ -588,6 +592,7 @@ class _Scan:
             names=self.names,
             skipped=self.skipped,
             ignored=self.ignored,
+            source_bytes=self.bytes,
         )
 
 
@@ -938,6 +943,40 @@ def _report_stale(dst: Path) -> None:
         )
 
 
+def _write_failure(err: BaseException, tmp: Path, dst: Path, plan: _Plan, summary: ConversionSummary) -> str:
+    """Why writing failed: a full disk, named with the free space and an estimate of what the database needs."""
+    try:
+        free: int | None = shutil.disk_usage(dst.parent).free
+    except OSError:
+        free = None
+    try:
+        written = (tmp / _format.DATA_FILE).stat().st_size
+    except OSError:
+        written = 0
+    total = sum(len(tasks) for tasks in plan.tasks.values())
+    if summary.written > 0:  # the records handed to LMDB so far, committed or not
+        needed = summary.bytes_out / summary.written * total
+        basis = f"{_human_bytes(round(summary.bytes_out / summary.written))} per image so far, for {total} images"
+    else:
+        needed = float(plan.source_bytes)
+        basis = f"the {_human_bytes(plan.source_bytes)} of the {total} source images"
+    code = getattr(err, "errno", None)
+    full = code in (errno.ENOSPC, errno.EDQUOT) or isinstance(err, lmdb.DiskError)
+    full = full or (free is not None and needed > 0 and free < needed - written)
+    if not full:
+        return (
+            f"writing the database under {str(tmp)!r} failed: {err}. Check free disk space and permissions of"
+            f" {str(dst.parent)!r}, then run the conversion again; nothing was published."
+        )
+    missing = max(0.0, needed - written - (free or 0))
+    return (
+        f"writing the database under {str(tmp)!r} failed: the disk is full (ENOSPC; LMDB said: {err})."
+        f" {_human_bytes(free or 0)} is free on the disk of {str(dst.parent)!r}; the database needs about"
+        f" {_human_bytes(round(needed))} (estimated from {basis}), so free about {_human_bytes(round(missing))}"
+        " more, or convert onto another disk, then run the conversion again; nothing was published."
+    )
+
+
 def _run(
     plan: _Plan,
     dst: str | os.PathLike[str],
@@ -996,10 +1035,7 @@ def _run(
             try:
                 meta = _write(plan, tmp, datasets, opts, workers, progress, initial_map_size, summary)
             except (lmdb.Error, OSError) as err:
-                raise ConversionError(
-                    f"writing the database under {str(tmp)!r} failed: {err}. Check free disk space and"
-                    f" permissions of {str(dst.parent)!r}, then run the conversion again; nothing was published."
-                ) from err
+                raise ConversionError(_write_failure(err, tmp, dst, plan, summary)) from err
             summary.seconds = time.perf_counter() - start
             if strict and summary.skipped:
                 raise ConversionError(
@@ -1081,6 +1117,8 @@ def _write(
                     writer.put(_format.record_key(split, len(labels[split])), record)
                     labels[split].append(label)
                     sources[split].append(name)
+                    summary.written += 1  # live, with bytes_out: a full disk's message estimates the space needed
+                    summary.bytes_out += len(record)
                 bar.update()
             classes = plan.classes
             if classes is None:
@@ -1189,9 +1227,13 @@ def convert(
         A :class:`ConversionSummary`; skipped and ignored files are also listed in ``dst/convert_report.json``.
 
     Raises:
-        SourceLayoutError: ``src`` is missing, empty, or not laid out as an image folder or a list file.
-        DestinationError: ``dst`` holds other data, or (without ``force``) a database of another source.
-        ConversionError: nothing could be converted, or a file was skipped under ``strict``.
+        SourceLayoutError: ``src`` is missing, empty, or not laid out as an image folder or a list file (including a
+            single class folder whose images lie in two or more sub-folders: classes nested one level too deep).
+        DestinationError: ``dst`` holds other data, or (without ``force``) a database of another source, or a file
+            stands where one of its parent folders must go.
+        ReadOnlyDestinationError: the folder of ``dst`` is read-only and ``dst`` is not an up-to-date database.
+        ConversionError: nothing could be converted, a file was skipped under ``strict``, or writing failed (a full
+            disk is named, with the space the database needs).
 
     Example:
         >>> from lightning_fastdata import convert
