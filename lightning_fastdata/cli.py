@@ -164,7 +164,7 @@ def _convert(args: argparse.Namespace) -> int:
         force=args.force,
         progress=not args.quiet,
     )
-    print(summary.format())
+    print(summary.format() + (" Use --force to rebuild." if summary.up_to_date else ""))
     return 0
 
 

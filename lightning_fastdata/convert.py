@@ -120,7 +120,7 @@ class ConversionSummary:
     def format(self, max_skipped: int = 20) -> str:
         """A human-readable summary, listing at most ``max_skipped`` skipped files."""
         if self.up_to_date:
-            return f"{self.destination} is up to date ({self.written} images); nothing to do. Use --force to rebuild."
+            return f"{self.destination} is up to date ({self.written} images); nothing to do."
         splits = ", ".join(f"{name}={count}" for name, count in self.splits.items())
         lines = [
             f"wrote {self.written} images ({splits}) to {self.destination}",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import os
 from collections.abc import Callable, Sequence
@@ -31,6 +32,8 @@ from lightning_fastdata.tuning import TuneCache, quick_tune
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
+
+log = logging.getLogger(__name__)
 
 _PRECISION_DTYPES = {"16-true": torch.float16, "bf16-true": torch.bfloat16, "64-true": torch.float64}
 
@@ -312,7 +315,10 @@ class FastImageDataModule(LightningDataModule):
             )
         except ReadOnlyDestinationError as err:
             raise self._read_only_cache_error(err) from err
-        rank_zero_info(summary.format())
+        if summary.up_to_date:  # the common case on every later run: nothing for the user's log
+            log.debug(summary.format())
+        else:
+            rank_zero_info(summary.format())
         if self.num_workers == "tune":  # measured here, on one process per node, so the ranks read the cache
             self._tune_num_workers()
 

@@ -595,3 +595,24 @@ def test_a_store_too_small_for_image_size_warns(split_root: Path, tmp_path: Path
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _dm(split_root, tmp_path / "cache", image_size=32, short_side=37)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A cache on a read-only file system, and what later runs log
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_a_later_run_logs_no_command_line_flag(
+    split_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``trainer.test``/``predict`` run ``prepare_data`` again: an up-to-date database logs nothing at info level."""
+    from lightning_fastdata import datamodule
+
+    infos: list[str] = []
+    monkeypatch.setattr(datamodule, "rank_zero_info", lambda message, *a, **k: infos.append(str(message)))
+    FastImageDataModule(str(split_root), cache_dir=str(tmp_path), image_size=16).prepare_data()
+    assert len(infos) == 1
+    assert infos[0].startswith("wrote 24 images")
+    FastImageDataModule(str(split_root), cache_dir=str(tmp_path), image_size=16).prepare_data()
+    assert len(infos) == 1
+    assert not any("--force" in message for message in infos)
