@@ -152,6 +152,15 @@ def load_meta(raw: bytes | None, path: str | os.PathLike[str]) -> dict[str, Any]
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def default_cache_dir() -> Path:
+    """Where converted databases go by default: ``$LIGHTNING_FASTDATA_CACHE``, else ``~/.cache/lightning_fastdata``."""
+    env = os.environ.get("LIGHTNING_FASTDATA_CACHE")
+    if env:
+        return Path(env).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "lightning_fastdata"
+
+
 def partial_path(dst: Path) -> Path:
     """The hidden working copy a conversion to ``dst`` writes, renamed to ``dst`` when complete."""
     return dst.parent / f".{dst.name}.partial"

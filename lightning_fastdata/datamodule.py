@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from typing_extensions import override
 
 from lightning_fastdata import _format
+from lightning_fastdata._format import default_cache_dir
 from lightning_fastdata.convert import canonical_split, convert, folder_classes
 from lightning_fastdata.cpus import cpu_sharing_processes, processes_per_node, usable_cpu_count
 from lightning_fastdata.dataset import LmdbImageDataset
@@ -36,15 +37,6 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 log = logging.getLogger(__name__)
 
 _PRECISION_DTYPES = {"16-true": torch.float16, "bf16-true": torch.bfloat16, "64-true": torch.float64}
-
-
-def default_cache_dir() -> Path:
-    """Where converted databases go by default: ``$LIGHTNING_FASTDATA_CACHE``, else ``~/.cache/lightning_fastdata``."""
-    env = os.environ.get("LIGHTNING_FASTDATA_CACHE")
-    if env:
-        return Path(env).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "lightning_fastdata"
 
 
 def _worker_init(worker_id: int) -> None:
