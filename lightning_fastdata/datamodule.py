@@ -485,8 +485,15 @@ class FastImageDataModule(LightningDataModule):
         reader = self._reader(self.build_dataset("train", self.train_transform()))
         result = quick_tune(reader, self.batch_size, self.worker_budget(), engine=self.engine)
         self._tuned = result.pick.config.num_workers
-        cache.put(key, {"num_workers": self._tuned, **result.to_dict()})
         rank_zero_info(f"num_workers='tune' measured the training loader:\n{result.format_table()}")
+        try:
+            cache.put(key, {"num_workers": self._tuned, **result.to_dict()})
+        except OSError as err:
+            rank_zero_warn(
+                f"num_workers='tune' picked num_workers={self._tuned} for this run, but could not cache the pick in"
+                f" {str(cache.path)!r} ({err.strerror or err}), so the next run measures again. Pass `cache_dir=` a"
+                " writable folder (or set LIGHTNING_FASTDATA_CACHE) to keep it."
+            )
         return self._tuned
 
     def _on_cuda(self) -> bool:

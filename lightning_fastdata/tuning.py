@@ -7,6 +7,7 @@ workers stops early once throughput falls. The pick is the cheapest configuratio
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -293,13 +294,23 @@ class TuneCache:
         return entry if isinstance(entry, dict) else None
 
     def put(self, key: str, entry: dict[str, Any]) -> None:
-        """Store ``entry`` under ``key`` (written to a temporary file, then renamed)."""
+        """Store ``entry`` under ``key`` (written to a temporary file, then renamed).
+
+        Raises:
+            OSError: the cache cannot be written (a read-only folder, a full disk); no temporary file is left.
+
+        """
         data = self._load()
         data[key] = entry
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-        os.replace(tmp, self.path)
+        try:
+            tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+            os.replace(tmp, self.path)
+        except OSError:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise
 
 
 def sweep_dataset(data: str | os.PathLike[str], image_size: int = 224) -> tuple[Dataset, str]:
