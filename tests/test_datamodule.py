@@ -673,6 +673,7 @@ def read_only_cache(
     empty.mkdir()
     dm = FastImageDataModule(str(split_root), cache_dir=str(cache), image_size=16, batch_size=4, num_workers=0)
     dm.prepare_data()
+    (dm.database_path / "verified.json").unlink(missing_ok=True)  # the read-only run must walk it, and cannot record
     env = {**os.environ, "LIGHTNING_FASTDATA_CACHE": str(user_cache)}
     proc = read_only_python(
         [cache, empty], _READ_ONLY_CACHE_SCRIPT, str(split_root), str(cache), str(empty), str(ROOT), env=env
@@ -691,6 +692,8 @@ def test_an_up_to_date_database_in_a_read_only_cache_is_read(read_only_cache: di
     assert step["value"]["infos"] == []  # no "up to date ... --force" line either
     paths = read_only_cache["paths"]
     assert sorted(p.name for p in paths["cache"].iterdir()) == [paths["database"].name]  # no lock file made
+    assert not (paths["database"] / "verified.json").exists()
+    assert len(list((paths["user_cache"] / "verified").glob("*.json"))) == 1  # the walk, recorded elsewhere
 
 
 def test_tune_with_a_read_only_cache_tunes_and_says_the_pick_is_not_kept(read_only_cache: dict[str, Any]) -> None:

@@ -420,9 +420,8 @@ def _main_db(data: bytes, page_size: int) -> tuple[int, int, int]:
     return root, depth, entries
 
 
-def test_damaged_btree_page_is_a_clear_error_not_a_crash(fault_db: Path, tmp_path: Path) -> None:
-    """A root branch page claiming a single key would abort LMDB on lookup; the open-time walk makes it an error."""
-    db = _copy(fault_db, tmp_path / "db.lmdb")
+def _damage_root_page(db: Path) -> None:
+    """Make the main DB's root branch page claim a single key: a lookup through it would abort LMDB."""
     env = lmdb.open(str(db), readonly=True, lock=False)
     stat = env.stat()
     env.close()
@@ -434,10 +433,33 @@ def test_damaged_btree_page_is_a_clear_error_not_a_crash(fault_db: Path, tmp_pat
     with open(data_file, "r+b") as fh:  # mp_lower of the root page: one key instead of several
         fh.seek(root * stat["psize"] + 12)
         fh.write((16 + 2).to_bytes(2, "little"))
+
+
+def test_damaged_btree_page_is_a_clear_error_not_a_crash(fault_db: Path, tmp_path: Path) -> None:
+    """A root branch page claiming a single key would abort LMDB on lookup; the open-time walk makes it an error."""
+    db = _copy(fault_db, tmp_path / "db.lmdb")
+    _damage_root_page(db)
     code, summary, stderr = _run_forked(_read_everything, str(db))
     assert code == 0, stderr
     assert summary["package_errors"] > 0
     assert not summary["other_errors"]
+
+
+def test_a_page_damaged_after_its_walk_was_recorded_is_still_a_clear_error(fault_db: Path, tmp_path: Path) -> None:
+    """The record of a passed walk does not outlive the file it describes: damage written later is walked and caught.
+
+    Each open runs in its own process, as a later training run would.
+    """
+    db = _copy(fault_db, tmp_path / "db.lmdb")
+    code, summary, stderr = _run_forked(_read_everything, str(db))
+    assert (code, summary["package_errors"]) == (0, 0), stderr
+    assert (db / _format.VERIFIED_FILE).is_file()  # walked and recorded
+    _damage_root_page(db)
+    for _ in range(2):  # and the damage is not recorded as walked either
+        code, summary, stderr = _run_forked(_read_everything, str(db))
+        assert code == 0, stderr
+        assert summary["package_errors"] == 1  # LmdbImageDataset(db) raised
+        assert not summary["other_errors"]
 
 
 # -----------------------------------------------------------------------------------------------------------------
