@@ -27,6 +27,7 @@ if TYPE_CHECKING:
         DatasetFormatError,
         DestinationError,
         FastDataError,
+        ReadOnlyDestinationError,
         SampleError,
         SourceLayoutError,
     )
@@ -45,6 +46,7 @@ _HOMES = {
     "FastImageDataModule": "datamodule",
     "LmdbImageDataset": "dataset",
     "LoaderMonitor": "monitor",
+    "ReadOnlyDestinationError": "errors",
     "SampleError": "errors",
     "SourceLayoutError": "errors",
     "make_image_folder": "synthetic",
@@ -65,6 +67,7 @@ __all__ = [
     "FastImageDataModule",
     "LmdbImageDataset",
     "LoaderMonitor",
+    "ReadOnlyDestinationError",
     "SampleError",
     "SkippedFile",
     "SourceLayoutError",

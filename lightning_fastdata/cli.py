@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import difflib
+import io
 import logging
 import os
+import re
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from lightning_fastdata.__about__ import __version__
 from lightning_fastdata.errors import ConversionError, DestinationError, FastDataError
@@ -17,6 +22,8 @@ if TYPE_CHECKING:
 
 #: Sub-commands handed to LightningCLI.
 LIGHTNING_COMMANDS = ("fit", "validate", "test", "predict")
+#: The command's name in usage lines and messages, however it was started.
+PROG = "lightning-fastdata"
 
 
 def _add_convert(sub: argparse._SubParsersAction) -> None:
@@ -30,9 +37,10 @@ def _add_convert(sub: argparse._SubParsersAction) -> None:
             " Unchanged sources are not converted twice."
         ),
     )
-    p.add_argument("src", help="the image folder, or a .csv/.json list of path,label[,split] rows, to read")
+    p.add_argument("src", nargs="?", help="the image folder, or a .csv/.json list of path,label[,split] rows, to read")
     p.add_argument(
         "dst",
+        nargs="?",
         help="the database directory to write (created, or replaced if it is ours and made from the same SRC)",
     )
     p.add_argument(
@@ -63,6 +71,25 @@ def _add_convert(sub: argparse._SubParsersAction) -> None:
         help="convert even if DST is up to date, or replace a DST converted from another source",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--clean",
+        metavar="DIR",
+        default=None,
+        help="instead of converting: remove what interrupted conversions left in DIR (hidden .NAME.partial working"
+        " copies and .NAME.lock files that no running conversion holds; a .NAME.old whose NAME is missing is put back)",
+    )
+
+
+def _add_lightning(sub: argparse._SubParsersAction) -> None:
+    """List LightningCLI's sub-commands (they are parsed by LightningCLI, never by this parser)."""
+    helps = {
+        "fit": "train a LightningModule on a FastImageDataModule with LightningCLI (`fit --help` lists every option)",
+        "validate": "run the validation loop with LightningCLI",
+        "test": "run the test loop on the test split with LightningCLI",
+        "predict": "predict with LightningCLI; FastImageDataModule.predict_sources() names each file",
+    }
+    for command in LIGHTNING_COMMANDS:
+        sub.add_parser(command, help=helps[command], add_help=False)
 
 
 def _add_synth(sub: argparse._SubParsersAction) -> None:
@@ -127,11 +154,10 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``lightning-fastdata`` (the Lightning sub-commands are parsed by LightningCLI)."""
     parser = argparse.ArgumentParser(
-        prog="lightning-fastdata",
+        prog=PROG,
         description="Input-fast image training tools.",
-        epilog="Training: `lightning-fastdata fit --config CONFIG.yaml` (also validate, test, predict) runs"
-        " LightningCLI with any LightningModule and any FastImageDataModule subclass named by `class_path`;"
-        " `lightning-fastdata fit --help` lists every option.",
+        epilog="Training: `lightning-fastdata fit --config CONFIG.yaml` runs LightningCLI with any LightningModule"
+        " and any FastImageDataModule subclass named by `class_path`.",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -139,12 +165,19 @@ def build_parser() -> argparse.ArgumentParser:
     _add_synth(sub)
     _add_bench(sub)
     _add_profile(sub)
+    _add_lightning(sub)
     return parser
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from lightning_fastdata.convert import convert
+    from lightning_fastdata.convert import clean_stale_conversions, convert
 
+    if args.clean is not None:
+        if args.src is not None:
+            raise ValueError(f"`--clean DIR` takes no SRC or DST (got {args.src!r}); run the conversion separately.")
+        done = clean_stale_conversions(args.clean)
+        print("\n".join(done) if done else f"nothing to clean in {args.clean}")
+        return 0
     summary = convert(
         args.src,
         args.dst,
@@ -157,7 +190,7 @@ def _convert(args: argparse.Namespace) -> int:
         force=args.force,
         progress=not args.quiet,
     )
-    print(summary.format())
+    print(summary.format() + (" Use --force to rebuild." if summary.up_to_date else ""))
     return 0
 
 
@@ -277,21 +310,193 @@ def _message(err: BaseException) -> str:
     return text
 
 
+class _UsageError(Exception):
+    """A LightningCLI command line or config that does not parse, said in one line."""
+
+
+def _one_line_parser() -> type:
+    """LightningCLI's parser, raising :class:`_UsageError` where it would print its whole usage and exit."""
+    from lightning.pytorch.cli import LightningArgumentParser
+
+    class _Parser(LightningArgumentParser):
+        def error(self, message: str, ex: Exception | None = None) -> NoReturn:
+            if not self.exit_on_error:  # jsonargparse's own attempts (union members, nested parsers) catch these
+                super().error(message, ex)
+            raise _UsageError(_usage_line(self, message))
+
+    return _Parser
+
+
+def _usage_line(parser: Any, message: str) -> str:
+    """One line for a jsonargparse error, naming the nearest valid key for a misspelled one."""
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    group = re.match(r'Parser key "([^"]+)"', lines[0])
+    key = group.group(1) if group else None
+    unknown = next((m for m in (re.search(r"Option '([^']+)' is not accepted", line) for line in lines) if m), None)
+    if unknown is not None and key is not None:
+        cls = _class_of(parser, key, message)
+        name = unknown.group(1)
+        close = difflib.get_close_matches(name, _init_arguments(cls), n=1, cutoff=0.6) if cls is not None else []
+        owner = f" ({cls.__name__})" if cls is not None else ""
+        hint = f"; did you mean `{close[0]}` (`--{key}.init_args.{close[0]}`)?" if close else "."
+        return f"`{key}`{owner} has no argument `{name}`{hint}"
+    required = next((m for m in (re.search(r"arguments are required: (.+)", line) for line in lines) if m), None)
+    if required is not None:
+        names = [n.strip() for n in required.group(1).split(",")]
+        keys = [f"{key}.init_args.{n}" if key else n for n in names]
+        return (
+            f"{', '.join(f'`{k}`' for k in keys)} {'is' if len(keys) == 1 else 'are'} required: set"
+            f" {'it' if len(keys) == 1 else 'them'} in the config or pass {' '.join(f'`--{k} ...`' for k in keys)}."
+        )
+    unrecognized = re.match(r"unrecognized arguments: (.+)", lines[0])
+    if unrecognized is not None:
+        options = [tok.split("=", 1)[0] for tok in unrecognized.group(1).split() if tok.startswith("-")]
+        if options:
+            close = difflib.get_close_matches(options[0], _option_strings(parser), n=1, cutoff=0.6)
+            hint = f"; did you mean `{close[0]}`?" if close else f". `{parser.prog} --help` lists every option."
+            return f"unrecognized option `{options[0]}`{hint}"
+    detail = next((line[2:] for line in lines if line.startswith("- ") and "NoneType" not in line), None)
+    return f"{lines[0]} {detail}" if detail and len(lines) > 1 and key else lines[0]
+
+
+def _class_of(parser: Any, key: str, message: str) -> type | None:
+    """The class given for ``key`` (``data``, ``model``): in the message, the command line or the config files."""
+    import importlib
+
+    import yaml
+
+    found = re.search(r"class_path '([\w.]+)'", message)
+    path = found.group(1) if found else None
+    args = list(getattr(parser, "args", None) or [])
+    for i, arg in enumerate(args):
+        name, _, value = arg.partition("=")
+        value = value or (args[i + 1] if i + 1 < len(args) else "")
+        if found is None and name in (f"--{key}", f"--{key}.class_path") and not value.startswith("{"):
+            path = value if not os.path.isfile(value) else path
+        elif found is None and name in ("-c", "--config") and os.path.isfile(value):
+            with contextlib.suppress(OSError, yaml.YAMLError, AttributeError):
+                config = yaml.safe_load(Path(value).read_text())
+                path = config.get(key, {}).get("class_path", path)
+    if path is None or "." not in path:
+        if key != "data":
+            return None
+        path = "lightning_fastdata.FastImageDataModule"
+    module, _, name = path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        return None
+
+
+def _init_arguments(cls: type) -> list[str]:
+    """The ``__init__`` arguments of ``cls`` and, through ``**kwargs``, of its bases."""
+    import inspect
+
+    names: list[str] = []
+    for klass in cls.__mro__:
+        if "__init__" not in vars(klass) or klass is object:
+            continue
+        params = inspect.signature(klass.__init__).parameters.values()
+        names += [p.name for p in params if p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        if not any(p.kind is p.VAR_KEYWORD for p in params):
+            break
+    return names
+
+
+def _option_strings(parser: Any) -> list[str]:
+    """Every option of ``parser``, and ``--data.init_args.<argument>`` for FastImageDataModule's arguments."""
+    from lightning_fastdata.datamodule import FastImageDataModule
+
+    options = [opt for action in parser._actions for opt in action.option_strings]
+    return options + [f"--data.init_args.{name}" for name in _init_arguments(FastImageDataModule)]
+
+
+def _help_cache(command: str) -> Path | None:
+    """Where ``lightning-fastdata COMMAND --help``'s text is kept, keyed by everything it depends on."""
+    import hashlib
+    import shutil
+    from importlib import metadata
+
+    from lightning_fastdata._format import default_cache_dir
+
+    parts = [__version__, sys.version, sys.executable, command, str(shutil.get_terminal_size().columns)]
+    for package in ("lightning", "jsonargparse", "torch"):
+        try:
+            parts.append(metadata.version(package))
+        except metadata.PackageNotFoundError:
+            parts.append("-")
+    package_dir = Path(__file__).parent
+    parts += [f"{p.name}:{p.stat().st_mtime_ns}" for p in sorted(package_dir.glob("*.py"))]  # an edited checkout
+    parts += sorted(f"{k}={v}" for k, v in os.environ.items() if k.startswith("JSONARGPARSE"))
+    digest = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:20]
+    return default_cache_dir() / "cli-help" / f"{command}-{digest}.txt"
+
+
+def _lightning_help(command: str, from_console: bool) -> NoReturn:
+    """``COMMAND --help``: LightningCLI's text, kept in the cache, so that only the first call imports Lightning."""
+    path = _help_cache(command)
+    with contextlib.suppress(OSError, UnicodeDecodeError):
+        sys.stdout.write(path.read_text())
+        raise SystemExit(0)
+    buffer = io.StringIO()
+    code: int | str | None = 0
+    try:
+        with contextlib.redirect_stdout(buffer):
+            lightning_cli(None if from_console else [command, "--help"], parser_kwargs={"prog": PROG})
+    except SystemExit as done:
+        code = done.code
+    text = buffer.getvalue()
+    sys.stdout.write(text)
+    if code in (0, None) and text:
+        with contextlib.suppress(OSError):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            tmp.write_text(text)
+            os.replace(tmp, path)
+    raise SystemExit(code)
+
+
+def _lightning(argv: list[str], from_console: bool) -> int:
+    """A LightningCLI sub-command; its usage errors and this package's errors are one ``error:`` line."""
+    if argv[1:] in (["--help"], ["-h"]):
+        _lightning_help(argv[0], from_console)
+    try:
+        # LightningCLI reads sys.argv itself when run from the console: passing it as `args` as well makes it warn
+        # that `args` "is intended to run from within Python" on every run
+        lightning_cli(None if from_console else argv, parser_class=_one_line_parser(), parser_kwargs={"prog": PROG})
+    except _UsageError as err:
+        hint = "" if "did you mean" in str(err) else f" (`{PROG} {argv[0]} --help` lists every option)"
+        print(f"error: {err}{hint}", file=sys.stderr)
+        return 2
+    except ConversionError as err:
+        print(f"error: {_message(err)}", file=sys.stderr)
+        return 2 if isinstance(err, DestinationError) else 1
+    except FastDataError as err:
+        print(f"error: {_message(err)}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``lightning-fastdata`` console script."""
     from_console = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in LIGHTNING_COMMANDS:
-        # LightningCLI reads sys.argv itself when run from the console: passing it as `args` as well makes it warn
-        # that `args` "is intended to run from within Python" on every run
-        lightning_cli(None if from_console else argv)
-        return 0
-    args = build_parser().parse_args(argv)
+        return _lightning(argv, from_console)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "convert" and args.clean is None and args.dst is None:
+        parser.error("convert: the following arguments are required: SRC and DST (or --clean DIR)")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     handlers = {"convert": _convert, "synth": _synth, "bench": _bench, "profile": _profile}
     try:
-        return handlers[args.command](args)
-    except DestinationError as err:  # bad input: a `dst` that must not be replaced
+        code = handlers[args.command](args)
+        sys.stdout.flush()  # here, where a closed pipe is caught, not at exit
+        return code
+    except BrokenPipeError:  # `lightning-fastdata convert ... | head -1`: the reader is gone; exit quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # as a shell reports a process that SIGPIPE ended
+    except DestinationError as err:  # bad input: a `dst` that must not be replaced, or cannot be written
         print(f"error: {_message(err)}", file=sys.stderr)
         return 2
     except ConversionError as err:

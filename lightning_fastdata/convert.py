@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import difflib
+import errno
 import hashlib
 import io
 import json
@@ -15,8 +17,10 @@ import math
 import multiprocessing
 import os
 import shutil
+import signal
 import time
 import warnings
+from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
@@ -32,21 +36,21 @@ from tqdm.auto import tqdm
 from lightning_fastdata import _format
 from lightning_fastdata.__about__ import __version__
 from lightning_fastdata._cv import cv2
+from lightning_fastdata._format import fcntl  # advisory lock so two converters never build one target at once
 from lightning_fastdata.cpus import usable_cpu_count
 from lightning_fastdata.errors import (
     ConversionError,
     DatasetFormatError,
     DestinationError,
+    ReadOnlyDestinationError,
     SampleError,
     SourceLayoutError,
 )
 
-try:  # advisory lock so two converters never build the same target at once (POSIX only)
-    import fcntl
-except ImportError:  # pragma: no cover - Windows
-    fcntl = None  # type: ignore[assignment]
-
 log = logging.getLogger(__name__)
+
+#: what ``mkdir``/``open`` raise in a folder this process may not write to
+_READ_ONLY = (errno.EROFS, errno.EACCES, errno.EPERM)
 
 #: File extensions read as images (matched case-insensitively), as torchvision's ``ImageFolder``.
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
@@ -116,7 +120,7 @@ class ConversionSummary:
     def format(self, max_skipped: int = 20) -> str:
         """A human-readable summary, listing at most ``max_skipped`` skipped files."""
         if self.up_to_date:
-            return f"{self.destination} is up to date ({self.written} images); nothing to do. Use --force to rebuild."
+            return f"{self.destination} is up to date ({self.written} images); nothing to do."
         splits = ", ".join(f"{name}={count}" for name, count in self.splits.items())
         lines = [
             f"wrote {self.written} images ({splits}) to {self.destination}",
@@ -275,6 +279,9 @@ _STATE: dict[str, Any] = {}
 
 
 def _init_worker(datasets: Mapping[str, Any] | None, opts: _Options) -> None:
+    # Ctrl-C reaches the whole process group: the main process handles it (and stops the pool); a worker would only
+    # print its own KeyboardInterrupt traceback
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _STATE["datasets"] = datasets
     _STATE["opts"] = opts
     with contextlib.suppress(Exception):  # one thread per worker: the pool already uses every core
@@ -332,6 +339,8 @@ class _Plan:
     fingerprint: str | None
     source: str
     names: dict[str, list[str]] = field(default_factory=dict)
+    #: the size of the source files (0 for datasets): estimates the space a conversion needs
+    source_bytes: int = 0
     skipped: list[SkippedFile] = field(default_factory=list)
     ignored: list[SkippedFile] = field(default_factory=list)
 
@@ -339,6 +348,28 @@ class _Plan:
 def canonical_split(name: str) -> str | None:
     """The split a folder or list entry named ``name`` is stored as (``"train"``, ``"val"``, ``"test"``), else None."""
     return SPLIT_ALIASES.get(name.strip().lower())
+
+
+_KNOWN_SPLITS = "train/training, val/valid/validation/dev, test/testing (any case)"
+
+
+def _warn_split_typos(names: Mapping[str, str], where: str) -> None:
+    """Warn about each split name that is not a known one but close to one (``trian``): most likely a typo.
+
+    ``names`` maps each name to what carries it (``"the split folder"``, ``"3 row(s) with split"``); names far from
+    every known one are custom splits, kept silently as documented.
+    """
+    for name, carrier in names.items():
+        if canonical_split(name) is not None:
+            continue
+        close = difflib.get_close_matches(name.strip().lower(), list(SPLIT_ALIASES), n=1, cutoff=0.7)
+        if close:
+            warnings.warn(
+                f"{where}: {carrier} {name!r}, which is not a known split name; it is stored as a split named"
+                f" {name!r}. Did you mean {close[0]!r}? Known names: {_KNOWN_SPLITS}.",
+                UserWarning,
+                stacklevel=4,
+            )
 
 
 def _class_dirs(root: Path) -> list[str]:
@@ -389,6 +420,7 @@ def _split_folders(src: Path) -> tuple[dict[str, Path], dict[str, list[str]]]:
         split_roots = {"train": src}
     else:
         split_roots = {}
+        _warn_split_typos(dict.fromkeys(top, "the split folder"), f"`src` {str(src)!r}")
         for name in top:
             split = canonical_split(name) or name
             if split in split_roots:
@@ -412,7 +444,43 @@ def _split_folders(src: Path) -> tuple[dict[str, Path], dict[str, list[str]]]:
 def _nonempty_classes(split_roots: dict[str, Path], per_split: dict[str, list[str]]) -> list[str]:
     """The class names (sorted, across splits) whose folder holds an image file in at least one split."""
     names = sorted(set().union(*per_split.values()))
-    return [n for n in names if any(n in per_split[s] and _has_image(root / n) for s, root in split_roots.items())]
+    classes = [n for n in names if any(n in per_split[s] and _has_image(root / n) for s, root in split_roots.items())]
+    if len(classes) == 1:
+        _refuse_nested_classes(split_roots, classes[0])
+    return classes
+
+
+def _refuse_nested_classes(split_roots: dict[str, Path], name: str) -> None:
+    """Refuse a single class folder whose images all lie in two or more sub-folders: the classes one level deeper.
+
+    ``root/dataset/<class>/<image>`` would otherwise convert to one class, ``dataset``, and train a 1-class model.
+    """
+    nested: dict[Path, list[str]] = {}
+    for root in split_roots.values():
+        folder = root / name
+        if not folder.is_dir():
+            continue
+        with os.scandir(folder) as entries:
+            if any(e.is_file() and _is_image_name(e.name) and not e.name.startswith(".") for e in entries):
+                return
+        subfolders = [d for d in _class_dirs(folder) if _has_image(folder / d)]
+        if len(subfolders) < 2:
+            return
+        nested[folder] = subfolders
+    if not nested:
+        return
+    folder, subfolders = next(iter(nested.items()))
+    shown = ", ".join(repr(d) for d in subfolders[:5])
+    shown += f" and {len(subfolders) - 5} more" if len(subfolders) > 5 else ""
+    if folder.parent in split_roots.values() and len(split_roots) == 1:
+        fix = f"Pass {str(folder)!r} as `src` (`data_dir`) instead."
+    else:
+        fix = f"Move the class folders of {str(folder)!r} up one level, into {str(folder.parent)!r}."
+    raise SourceLayoutError(
+        f"{str(folder.parent)!r} holds a single class folder, {name!r}, and all its images are in its sub-folders"
+        f" {shown}: the classes seem to be nested one level deeper, and converting would make a 1-class dataset."
+        f" {fix} (To convert one class whose images lie in sub-folders, list them in a CSV file: path,label.)"
+    )
 
 
 def train_folder(src: str | os.PathLike[str]) -> Path:
@@ -427,6 +495,33 @@ def train_folder(src: str | os.PathLike[str]) -> Path:
     if "train" not in split_roots:
         raise SourceLayoutError(f"`src` {str(path)!r} has split folders but no training split (train/, training/).")
     return split_roots["train"]
+
+
+def image_folder(root: str | os.PathLike[str], transform: Any = None) -> Any:
+    """An ``ImageFolder`` (torchvision's) over ``root``, with the tolerance of :func:`convert`.
+
+    Hidden and empty class folders are left out (torchvision refuses a class folder without images), and images are
+    opened with :func:`open_image_file`, whose errors name the file.
+
+    Raises:
+        SourceLayoutError: no class folder of ``root`` holds an image file.
+
+    """
+    from torchvision import datasets
+
+    path = Path(root)
+    classes = _nonempty_classes({"train": path}, {"train": _class_dirs(path)})
+    if not classes:
+        raise SourceLayoutError(
+            f"found no image files under {str(path)!r} (looked for {' '.join(IMG_EXTENSIONS)}, any case, in the class"
+            f" folders).\n{_LAYOUT_HELP}"
+        )
+
+    class _Folder(datasets.ImageFolder):
+        def find_classes(self, directory: str) -> tuple[list[str], dict[str, int]]:
+            return classes, {name: i for i, name in enumerate(classes)}
+
+    return _Folder(str(path), transform=transform, loader=open_image_file)
 
 
 def open_image_file(path: str, data: bytes | None = None) -> Image.Image:
@@ -465,6 +560,7 @@ class _Scan:
         self.skipped: list[SkippedFile] = []
         self.ignored: list[SkippedFile] = []
         self.digest = hashlib.sha256()
+        self.bytes = 0
 
     def add(self, split: str, path: str, label: int, name: str) -> None:
         self.tasks.setdefault(split, [])
@@ -478,6 +574,7 @@ class _Scan:
             return
         self.tasks[split].append((split, path, label))
         self.names[split].append(name)
+        self.bytes += st.st_size
         self.digest.update(f"{name}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
 
     def plan(self, src: Path, classes: list[str]) -> _Plan:
@@ -495,6 +592,7 @@ class _Scan:
             names=self.names,
             skipped=self.skipped,
             ignored=self.ignored,
+            source_bytes=self.bytes,
         )
 
 
@@ -560,9 +658,11 @@ def _scan_list(src: Path) -> _Plan:
         index = {name: i for i, name in enumerate(classes)}
     scan = _Scan()
     scan.digest.update(src.read_bytes())
-    for line, (row, label) in enumerate(zip(rows, labels, strict=True), start=2):
+    split_names = [str(row.get("split") or "train").strip() for row in rows]
+    counts = Counter(split_names)
+    _warn_split_typos({name: f"{n} row(s) with split" for name, n in counts.items()}, f"`src` {str(src)!r}")
+    for line, (row, label, split_name) in enumerate(zip(rows, labels, split_names, strict=True), start=2):
         listed = str(row.get("path") or "").strip()
-        split_name = str(row.get("split") or "train").strip()
         split = canonical_split(split_name) or split_name
         if not listed or not label:
             scan.skipped.append(SkippedFile(f"{src} row {line - 1}", "row without a path or a label"))
@@ -638,29 +738,243 @@ def _has_meta_record(dst: Path) -> bool:
 
 
 @contextlib.contextmanager
-def _target_lock(dst: Path) -> Iterator[None]:
-    lock_path = dst.parent / f".{dst.name}.lock"
-    with open(lock_path, "a+") as fh:
-        if fcntl is not None:
+def _target_lock(dst: Path, wait: bool = True) -> Iterator[OSError | None]:
+    """Hold the conversion lock of ``dst`` while the block runs; yields the error when its folder cannot be written.
+
+    The lock file holds this converter's pid and host (readers name it: "is being converted by process N") and is
+    removed at the end while still held: a waiter that then gets the lock sees that its file is gone and locks the new
+    one, so no zero-byte lock file stays beside each database.
+
+    Raises:
+        BlockingIOError: ``wait`` is false and another process holds the lock.
+
+    """
+    if fcntl is None:  # pragma: no cover - Windows
+        yield None
+        return
+    path = _format.lock_path(dst)
+    while True:
+        try:
+            fh = open(path, "a+b")  # noqa: SIM115 - held for the whole block, closed in `finally`
+        except OSError as err:
+            if err.errno not in _READ_ONLY:
+                raise
+            yield err  # a read-only folder: no conversion can happen here, but a complete database can be used
+            return
+        try:
             try:
                 fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
+                if not wait:
+                    raise
+                holder = _format.converter_of(dst) or {}
                 log.warning(
-                    "waiting for another conversion to %s to finish (it holds %s); this one then reuses or replaces"
+                    "waiting for another conversion to %s to finish (%s holds %s); this one then reuses or replaces"
                     " its result",
                     dst,
-                    lock_path,
+                    _format.describe_converter(holder),
+                    path,
                 )
                 fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            if fcntl is not None:
-                fcntl.flock(fh, fcntl.LOCK_UN)
+            if _same_file(fh.fileno(), path):
+                break
+        except BaseException:
+            fh.close()
+            raise
+        fh.close()  # the converter we waited for removed this lock file: lock the current one
+    try:
+        fh.truncate(0)
+        fh.write(_format.converter_record())
+        fh.flush()
+        yield None
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        fcntl.flock(fh, fcntl.LOCK_UN)
+        fh.close()
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    own = os.fstat(fd)
+    return (own.st_dev, own.st_ino) == (st.st_dev, st.st_ino)
 
 
 def _dir_size(path: Path) -> int:
     return sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+
+
+def _make_parent(dst: Path) -> None:
+    """Create the folder ``dst`` goes into; a file in the way or a read-only folder is a ``DestinationError``."""
+    try:
+        dst.parent.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        blocker = next((p for p in [dst.parent, *dst.parent.parents] if p.exists() and not p.is_dir()), dst.parent)
+        raise DestinationError(
+            f"`dst` {str(dst)!r} cannot be created: {str(blocker)!r} is a file, not a folder. Choose a `dst` whose"
+            " parent folders are folders, or move that file away."
+        ) from None
+    except OSError as err:
+        if err.errno in _READ_ONLY:
+            raise _read_only_error(dst, err) from err
+        raise
+
+
+def _read_only_error(dst: Path, err: OSError | None = None, outdated: bool = False) -> ReadOnlyDestinationError:
+    """The error for a conversion into a folder this process cannot write to."""
+    reason = f" ({err.strerror})" if err is not None and err.strerror else ""
+    what = (
+        "holds a database that is out of date (its source or the conversion settings changed), and"
+        if outdated
+        else "cannot be written:"
+    )
+    return ReadOnlyDestinationError(
+        f"`dst` {str(dst)!r} {what} its folder {str(dst.parent)!r} is read-only{reason}. Convert into a writable"
+        " folder, or convert there first and make it read-only afterwards."
+    )
+
+
+def _recover_interrupted_publish(dst: Path) -> None:
+    """Put back the previous database if a conversion died between moving it aside and moving the new one in."""
+    old = dst.parent / f".{dst.name}.old"
+    if old.is_dir() and not dst.exists():
+        log.warning("restoring %s from %s, left by a conversion interrupted while it replaced it", dst, old)
+        os.replace(old, dst)
+
+
+def stale_conversions(folder: str | os.PathLike[str]) -> list[Path]:
+    """What interrupted conversions left in ``folder``: working copies and lock files that no running converter holds.
+
+    Each ``.NAME.partial`` (an unfinished database), ``.NAME.old`` (a replaced one) and ``.NAME.lock`` whose lock is
+    not held by a live converter is listed; those of a conversion under way are not.
+    """
+    root = Path(folder).expanduser().absolute()
+    try:
+        names = sorted(e.name for e in os.scandir(root) if e.name.startswith("."))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    stale = []
+    for name in names:
+        for suffix in (".partial", ".old", ".lock"):
+            if name.endswith(suffix) and len(name) > len(suffix) + 1:
+                path, target = root / name, root / name[1 : -len(suffix)]
+                if _is_ours(path, target) and _format.converter_of(target) is None:
+                    stale.append(path)
+    return stale
+
+
+def _is_ours(path: Path, target: Path) -> bool:
+    """Whether ``path`` (``.NAME.partial``, ``.NAME.old`` or ``.NAME.lock``) was left by a conversion.
+
+    Not another program's: a database folder (or a working copy not yet started), or a lock file beside one or
+    holding a converter's record.
+    """
+    if path.suffix == ".lock":
+        if not path.is_file():
+            return False
+        if (target / _format.DATA_FILE).is_file() or _format.partial_path(target).is_dir():
+            return True
+        with contextlib.suppress(OSError, UnicodeDecodeError, ValueError):
+            record = json.loads(path.read_text() or "null")
+            return isinstance(record, dict) and "pid" in record and "host" in record
+        return False
+    return path.is_dir() and ((path / _format.DATA_FILE).is_file() or not any(path.iterdir()))
+
+
+def clean_stale_conversions(folder: str | os.PathLike[str]) -> list[str]:
+    """Remove what interrupted conversions left in ``folder`` (:func:`stale_conversions`); one line per action.
+
+    A ``.NAME.old`` whose database ``NAME`` is missing (a conversion died while replacing it) is put back as
+    ``NAME`` rather than removed. Each ``NAME``'s leftovers are removed while holding its conversion lock, so a
+    conversion that starts meanwhile is never touched.
+
+    Raises:
+        FileNotFoundError: ``folder`` does not exist.
+        ReadOnlyDestinationError: ``folder`` is read-only.
+
+    """
+    root = Path(folder).expanduser().absolute()
+    if not root.is_dir():
+        raise FileNotFoundError(f"`folder` {str(root)!r} does not exist or is not a folder. Pass the folder to clean.")
+    leftovers: dict[Path, list[Path]] = {}
+    for path in stale_conversions(root):
+        leftovers.setdefault(root / path.name[1 : -len(path.suffix)], []).append(path)
+    done = []
+    for target, paths in leftovers.items():
+        try:
+            with _target_lock(target, wait=False) as read_only:
+                if read_only is not None:
+                    raise _read_only_error(target, read_only) from read_only
+                done += [_clean(path, target) for path in paths]
+        except BlockingIOError:
+            continue  # a conversion to `target` started meanwhile: its files are in use
+    return done
+
+
+def _clean(path: Path, target: Path) -> str:
+    """Remove (or, for a database moved aside, put back) one leftover of a conversion to ``target``."""
+    if path.suffix == ".old" and not target.exists():
+        os.replace(path, target)
+        return f"restored {target} from {path.name}, left by a conversion interrupted while replacing it"
+    if path.is_dir():
+        size = _dir_size(path)
+        shutil.rmtree(path, ignore_errors=True)
+        return f"removed {path} ({_human_bytes(size)}), left by an interrupted conversion"
+    return f"removed {path}, the lock file of a conversion that is no longer running"  # removed when the lock ends
+
+
+def _report_stale(dst: Path) -> None:
+    """Name the working copies that dead converters left beside ``dst`` (this one's own is replaced anyway)."""
+    own = _format.partial_path(dst)
+    stale = [p for p in stale_conversions(dst.parent) if p.suffix == ".partial" and p != own]
+    if stale:
+        sizes = sum(_dir_size(p) for p in stale if p.is_dir())
+        log.warning(
+            "%d incomplete conversion(s) left by converters that are no longer running take %s in %s: %s. Remove them"
+            " with `lightning-fastdata convert --clean %s`.",
+            len(stale),
+            _human_bytes(sizes),
+            dst.parent,
+            ", ".join(p.name for p in stale),
+            dst.parent,
+        )
+
+
+def _write_failure(err: BaseException, tmp: Path, dst: Path, plan: _Plan, summary: ConversionSummary) -> str:
+    """Why writing failed: a full disk, named with the free space and an estimate of what the database needs."""
+    try:
+        free: int | None = shutil.disk_usage(dst.parent).free
+    except OSError:
+        free = None
+    try:
+        written = (tmp / _format.DATA_FILE).stat().st_size
+    except OSError:
+        written = 0
+    total = sum(len(tasks) for tasks in plan.tasks.values())
+    if summary.written > 0:  # the records handed to LMDB so far, committed or not
+        needed = summary.bytes_out / summary.written * total
+        basis = f"{_human_bytes(round(summary.bytes_out / summary.written))} per image so far, for {total} images"
+    else:
+        needed = float(plan.source_bytes)
+        basis = f"the {_human_bytes(plan.source_bytes)} of the {total} source images"
+    code = getattr(err, "errno", None)
+    full = code in (errno.ENOSPC, errno.EDQUOT) or isinstance(err, lmdb.DiskError)
+    full = full or (free is not None and needed > 0 and free < needed - written)
+    if not full:
+        return (
+            f"writing the database under {str(tmp)!r} failed: {err}. Check free disk space and permissions of"
+            f" {str(dst.parent)!r}, then run the conversion again; nothing was published."
+        )
+    missing = max(0.0, needed - written - (free or 0))
+    return (
+        f"writing the database under {str(tmp)!r} failed: the disk is full (ENOSPC; LMDB said: {err})."
+        f" {_human_bytes(free or 0)} is free on the disk of {str(dst.parent)!r}; the database needs about"
+        f" {_human_bytes(round(needed))} (estimated from {basis}), so free about {_human_bytes(round(missing))}"
+        " more, or convert onto another disk, then run the conversion again; nothing was published."
+    )
 
 
 def _run(
@@ -675,14 +989,16 @@ def _run(
     initial_map_size: int,
 ) -> ConversionSummary:
     dst = Path(dst).absolute()
-    dst.parent.mkdir(parents=True, exist_ok=True)
+    _make_parent(dst)
     encoding_meta = asdict(opts)
     workers = usable_cpu_count() if num_workers is None else num_workers
     if workers < 0:
         raise ValueError(f"`num_workers` must be >= 0 (0 converts in this process), got {workers}.")
     summary = ConversionSummary(destination=str(dst), workers=workers, ignored=list(plan.ignored))
     start = time.perf_counter()
-    with _target_lock(dst):
+    with _target_lock(dst) as read_only:
+        if read_only is None:
+            _recover_interrupted_publish(dst)
         old = _existing_meta(dst)
         old_source = old.get("source", {}).get("path") if old is not None else None
         # a dataset's source is only its type name: two datasets cannot be told apart, and re-running must work
@@ -704,9 +1020,14 @@ def _run(
             summary.written = sum(s["length"] for s in old["splits"].values())
             summary.splits = {name: s["length"] for name, s in old["splits"].items()}
             return summary
+        if read_only is not None:
+            raise _read_only_error(dst, read_only, outdated=old is not None) from read_only
 
-        tmp = dst.parent / f".{dst.name}.partial"
-        shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted run
+        _report_stale(dst)
+        tmp = _format.partial_path(dst)
+        if tmp.exists():
+            log.info("removing %s (%s), left by an interrupted conversion", tmp, _human_bytes(_dir_size(tmp)))
+        shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(dst.parent / f".{dst.name}.old", ignore_errors=True)
         tmp.mkdir()
         summary.skipped.extend(plan.skipped)
@@ -714,10 +1035,7 @@ def _run(
             try:
                 meta = _write(plan, tmp, datasets, opts, workers, progress, initial_map_size, summary)
             except (lmdb.Error, OSError) as err:
-                raise ConversionError(
-                    f"writing the database under {str(tmp)!r} failed: {err}. Check free disk space and"
-                    f" permissions of {str(dst.parent)!r}, then run the conversion again; nothing was published."
-                ) from err
+                raise ConversionError(_write_failure(err, tmp, dst, plan, summary)) from err
             summary.seconds = time.perf_counter() - start
             if strict and summary.skipped:
                 raise ConversionError(
@@ -799,6 +1117,8 @@ def _write(
                     writer.put(_format.record_key(split, len(labels[split])), record)
                     labels[split].append(label)
                     sources[split].append(name)
+                    summary.written += 1  # live, with bytes_out: a full disk's message estimates the space needed
+                    summary.bytes_out += len(record)
                 bar.update()
             classes = plan.classes
             if classes is None:
@@ -876,9 +1196,11 @@ def convert(
     stored too (:func:`~lightning_fastdata.read_sources`). Non-image files and empty class folders are left out and
     listed in ``ConversionSummary.ignored``; unreadable paths (a dangling link) are skipped and listed.
 
-    The conversion runs once: re-running on an unchanged source with the same options does nothing. It writes into a
-    hidden sibling of ``dst`` and renames it into place at the end, so an interruption never leaves anything that
-    reads as a complete database; running again starts over.
+    The conversion runs once: re-running on an unchanged source with the same options does nothing (also in a
+    read-only folder). It writes into a hidden sibling of ``dst`` and renames it into place at the end, so an
+    interruption never leaves anything that reads as a complete database; running again starts over. While it runs,
+    the lock file ``.<dst>.lock`` beside ``dst`` names its process; :func:`clean_stale_conversions` removes what a
+    killed conversion left.
 
     Args:
         src: an ImageFolder root (``src/<class>/<image>``), a root of split trees (``src/train/<class>/<image>``),
@@ -905,9 +1227,13 @@ def convert(
         A :class:`ConversionSummary`; skipped and ignored files are also listed in ``dst/convert_report.json``.
 
     Raises:
-        SourceLayoutError: ``src`` is missing, empty, or not laid out as an image folder or a list file.
-        DestinationError: ``dst`` holds other data, or (without ``force``) a database of another source.
-        ConversionError: nothing could be converted, or a file was skipped under ``strict``.
+        SourceLayoutError: ``src`` is missing, empty, or not laid out as an image folder or a list file (including a
+            single class folder whose images lie in two or more sub-folders: classes nested one level too deep).
+        DestinationError: ``dst`` holds other data, or (without ``force``) a database of another source, or a file
+            stands where one of its parent folders must go.
+        ReadOnlyDestinationError: the folder of ``dst`` is read-only and ``dst`` is not an up-to-date database.
+        ConversionError: nothing could be converted, a file was skipped under ``strict``, or writing failed (a full
+            disk is named, with the space the database needs).
 
     Example:
         >>> from lightning_fastdata import convert
@@ -1041,6 +1367,7 @@ def convert_dataset(
     given = dict(dataset) if isinstance(dataset, Mapping) else {"train": dataset}
     if not given or not all(len(ds) for ds in given.values()):
         raise SourceLayoutError("every dataset passed to `convert_dataset` must be non-empty.")
+    _warn_split_typos(dict.fromkeys(map(str, given), "the dataset for split"), "`dataset`")
     datasets: dict[str, _Rows] = {}
     for name, ds in given.items():
         split = canonical_split(str(name)) or str(name)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import os
 import warnings
@@ -20,9 +21,11 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from typing_extensions import override
 
 from lightning_fastdata import _format, cpus
+from lightning_fastdata._format import default_cache_dir
 from lightning_fastdata.convert import canonical_split, convert, folder_classes
 from lightning_fastdata.dataset import LmdbImageDataset
 from lightning_fastdata.device_decode import EncodedImages, encoded_batch_to_images
+from lightning_fastdata.errors import DestinationError, ReadOnlyDestinationError, SourceLayoutError
 from lightning_fastdata.loader import BatchReader, FastLoader
 from lightning_fastdata.resumable import ResumableSampler
 from lightning_fastdata.skipping import SkipCounter
@@ -32,16 +35,9 @@ from lightning_fastdata.tuning import LoaderConfig, TuneCache, quick_tune
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
+log = logging.getLogger(__name__)
+
 _PRECISION_DTYPES = {"16-true": torch.float16, "bf16-true": torch.bfloat16, "64-true": torch.float64}
-
-
-def default_cache_dir() -> Path:
-    """Where converted databases go by default: ``$LIGHTNING_FASTDATA_CACHE``, else ``~/.cache/lightning_fastdata``."""
-    env = os.environ.get("LIGHTNING_FASTDATA_CACHE")
-    if env:
-        return Path(env).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "lightning_fastdata"
 
 
 def _worker_init(worker_id: int) -> None:
@@ -110,7 +106,8 @@ class FastImageDataModule(LightningDataModule):
             plain ImageFolder root, a ``path,label`` list file (``.csv``/``.json``), or a database made by
             ``lightning-fastdata convert``. ``~`` is expanded.
         cache_dir: where the conversion of a folder goes, one database per source and conversion settings; default
-            ``$LIGHTNING_FASTDATA_CACHE`` or ``~/.cache/lightning_fastdata``. Never inside ``data_dir``.
+            ``$LIGHTNING_FASTDATA_CACHE`` or ``~/.cache/lightning_fastdata``. Never inside ``data_dir``. It may be
+            read-only once it holds an up-to-date conversion.
         image_size: side length of the square training and validation crops.
         batch_size: samples per batch (per process under DDP).
         num_workers: loader threads (or worker processes, see ``engine``) per training process; ``"auto"`` budgets
@@ -311,15 +308,39 @@ class FastImageDataModule(LightningDataModule):
                 self._tune_num_workers()
             return
         source = Path(self.data_dir).expanduser().absolute()
+        if not source.exists():
+            raise SourceLayoutError(
+                f"`data_dir` {str(source)!r} does not exist. Pass an ImageFolder root (root/<class>/*.jpg), a root of"
+                " train/ val/ test/ trees, a path,label list file, or a database made by `lightning-fastdata convert`."
+            )
         target = self.database_path
         if target == source or target.is_relative_to(source):
             raise ValueError(f"`cache_dir` {self.cache_dir!r} must not be inside `data_dir` {self.data_dir!r}.")
-        summary = convert(
-            source, target, short_side=self.store_short_side(), quality=self.quality, encoding=self.encoding
-        )
-        rank_zero_info(summary.format())
+        try:
+            summary = convert(
+                source, target, short_side=self.store_short_side(), quality=self.quality, encoding=self.encoding
+            )
+        except ReadOnlyDestinationError as err:
+            raise self._read_only_cache_error(err) from err
+        if summary.up_to_date:  # the common case on every later run: nothing for the user's log
+            log.debug(summary.format())
+        else:
+            rank_zero_info(summary.format())
         if self.num_workers == "tune":  # measured here, on one process per node, so the ranks read the cache
             self._tune_num_workers()
+
+    def _read_only_cache_error(self, err: DestinationError) -> ReadOnlyDestinationError:
+        """Name the setting that chose the read-only folder: ``cache_dir``, or ``$LIGHTNING_FASTDATA_CACHE``."""
+        if self.cache_dir:
+            setting = f"`cache_dir` {self.cache_dir!r}"
+        elif os.environ.get("LIGHTNING_FASTDATA_CACHE"):
+            setting = f"`LIGHTNING_FASTDATA_CACHE` {os.environ['LIGHTNING_FASTDATA_CACHE']!r}"
+        else:
+            setting = f"the default cache folder {str(self.cache_root)!r}"
+        return ReadOnlyDestinationError(
+            f"{setting} is read-only, so `data_dir` {self.data_dir!r} cannot be converted into it ({err}). Pass"
+            " `cache_dir=` a writable folder (or set LIGHTNING_FASTDATA_CACHE), or convert once where it is writable."
+        )
 
     @override
     def setup(self, stage: str) -> None:
@@ -485,8 +506,15 @@ class FastImageDataModule(LightningDataModule):
             self.tuning_loader, self.batch_size, self.worker_budget(), engine=self.engine, pin_memory=pin_memory
         )
         self._tuned = result.pick.config.num_workers
-        cache.put(key, {"num_workers": self._tuned, **result.to_dict()})
         rank_zero_info(f"num_workers='tune' measured the training loader:\n{result.format_table()}")
+        try:
+            cache.put(key, {"num_workers": self._tuned, **result.to_dict()})
+        except OSError as err:
+            rank_zero_warn(
+                f"num_workers='tune' picked num_workers={self._tuned} for this run, but could not cache the pick in"
+                f" {str(cache.path)!r} ({err.strerror or err}), so the next run measures again. Pass `cache_dir=` a"
+                " writable folder (or set LIGHTNING_FASTDATA_CACHE) to keep it."
+            )
         return self._tuned
 
     def tuning_loader(self, config: LoaderConfig) -> DataLoader:

@@ -28,4 +28,12 @@ class SampleError(FastDataError, RuntimeError):
 
 
 class DestinationError(ConversionError, ValueError):
-    """A conversion's destination holds data this package will not replace (another source's database needs force)."""
+    """A conversion's destination cannot be used.
+
+    It holds data this package will not replace (another source's database needs force), a file stands where a
+    folder must go, or its folder is read-only.
+    """
+
+
+class ReadOnlyDestinationError(DestinationError):
+    """The folder a conversion would write into is read-only (``FastImageDataModule`` names its ``cache_dir``)."""

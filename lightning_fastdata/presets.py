@@ -2,7 +2,11 @@
 
 Each function returns a plain dict of strings and numbers, usable as ``Trainer(**mixed_precision())`` and as
 LightningCLI ``trainer_defaults``; ``examples/configs/gpu_16mixed.yaml`` and ``ddp.yaml`` are their YAML
-equivalents. The DDP settings are registered in Lightning's strategy registry under :data:`DDP_STRATEGY` and
+equivalents. A preset sets only what it is about (``precision``, ``strategy``) and the arguments you pass it, so your
+own Trainer arguments combine with it: ``Trainer(accelerator="cpu", max_epochs=3, **ddp(devices=2))``; any Trainer
+argument passed to a preset (``fast_gpu(precision="bf16-mixed")``) wins over the preset's choice.
+
+The DDP settings are registered in Lightning's strategy registry under :data:`DDP_STRATEGY` and
 :data:`DDP_STATIC_STRATEGY`, so a config can also say ``strategy: ddp_fastdata``.
 """
 
@@ -33,7 +37,7 @@ for _name, _static in ((DDP_STRATEGY, False), (DDP_STATIC_STRATEGY, True)):
         )
 
 
-def _on_cuda(accelerator: Accelerator) -> bool:
+def _on_cuda(accelerator: Accelerator | None) -> bool:
     if accelerator == "cpu":
         return False
     if accelerator in ("gpu", "cuda"):
@@ -41,31 +45,49 @@ def _on_cuda(accelerator: Accelerator) -> bool:
     return torch.cuda.is_available()
 
 
-def mixed_precision(accelerator: Accelerator = "auto") -> dict[str, Any]:
+def _accelerator(accelerator: Accelerator | None, on_cuda: bool) -> dict[str, Any]:
+    """``{"accelerator": ...}`` only when the caller chose one: otherwise the Trainer's own ``"auto"`` decides.
+
+    Leaving it out lets a caller write ``Trainer(accelerator="cpu", **preset())`` without a duplicate keyword.
+    """
+    if accelerator is None:
+        return {}
+    return {"accelerator": ("gpu" if accelerator == "auto" else accelerator) if on_cuda else "cpu"}
+
+
+def mixed_precision(accelerator: Accelerator | None = None, **trainer_kwargs: Any) -> dict[str, Any]:
     """``precision="16-mixed"`` on CUDA; on the CPU ``"32-true"``, with a line that says why.
 
     float16 autocast is a GPU feature; CPU autocast runs in bfloat16, which is only faster than float32 on CPUs with
     bfloat16 matrix units (AMX, AVX512-BF16), so the safe CPU choice is full precision. Ask for ``"bf16-mixed"``
     yourself on such a CPU.
 
+    Args:
+        accelerator: the accelerator training runs on; ``None`` (default) follows CUDA, as the Trainer's ``"auto"``
+            does, and leaves ``accelerator`` out of the result, so ``Trainer(accelerator=..., **mixed_precision())``
+            works. Pass ``"cpu"`` here when you train on the CPU of a machine with a GPU.
+        trainer_kwargs: your own Trainer arguments, returned as given; they win over the preset's.
+
     Returns:
-        ``{"accelerator": ..., "precision": ...}``.
+        ``{"precision": ...}``, with ``"accelerator"`` when you passed one, and your ``trainer_kwargs``.
 
     """
-    if _on_cuda(accelerator):
-        return {"accelerator": "gpu" if accelerator == "auto" else accelerator, "precision": "16-mixed"}
-    rank_zero_info(
-        "mixed_precision: no CUDA device, so precision='32-true' (16-mixed needs a GPU; on a CPU with AMX or"
-        " AVX512-BF16 pass precision='bf16-mixed' yourself)."
-    )
-    return {"accelerator": "cpu", "precision": "32-true"}
+    on_cuda = _on_cuda(accelerator)
+    if not on_cuda and "precision" not in trainer_kwargs:
+        rank_zero_info(
+            "mixed_precision: no CUDA device, so precision='32-true' (16-mixed needs a GPU; on a CPU with AMX or"
+            " AVX512-BF16 pass precision='bf16-mixed' yourself)."
+        )
+    preset = {**_accelerator(accelerator, on_cuda), "precision": "16-mixed" if on_cuda else "32-true"}
+    return {**preset, **trainer_kwargs}
 
 
 def ddp(
-    devices: int | str = "auto",
-    num_nodes: int = 1,
+    devices: int | str | None = None,
+    num_nodes: int | None = None,
     static_graph: bool = False,
-    accelerator: Accelerator = "auto",
+    accelerator: Accelerator | None = None,
+    **trainer_kwargs: Any,
 ) -> dict[str, Any]:
     """DDP with the settings that matter for throughput.
 
@@ -75,34 +97,43 @@ def ddp(
     branches, hence off by default). Lightning picks the process group: nccl on GPUs, gloo on CPUs.
     ``FastImageDataModule`` divides its worker budget by the processes per node by itself.
 
+    Only ``strategy`` is always set; ``devices``, ``num_nodes`` and ``accelerator`` are set when you pass them, so
+    ``Trainer(accelerator="cpu", **ddp(devices=2))`` works, and so does ``Trainer(**ddp(devices=2, max_epochs=3))``.
+
     Args:
-        devices: devices per node (``"auto"``: all of them).
-        num_nodes: machines; every node runs ``devices`` processes.
+        devices: devices per node; ``None`` leaves the Trainer's default (``"auto"``: all of them).
+        num_nodes: machines; every node runs ``devices`` processes. ``None`` leaves the Trainer's default (1).
         static_graph: set when every step uses the same parameters.
-        accelerator: ``"auto"``, ``"gpu"``/``"cuda"`` or ``"cpu"``.
+        accelerator: ``"auto"``, ``"gpu"``/``"cuda"`` or ``"cpu"``; ``None`` leaves the Trainer's ``"auto"``.
+        trainer_kwargs: your own Trainer arguments, returned as given; they win over the preset's.
 
     Returns:
-        ``{"accelerator": ..., "devices": ..., "num_nodes": ..., "strategy": "ddp_fastdata"}`` (a registered name, so
-        the dict also works as LightningCLI ``trainer_defaults``).
+        ``{"strategy": "ddp_fastdata", ...}`` (a registered name, so the dict also works as LightningCLI
+        ``trainer_defaults``), with the arguments you passed.
 
     """
-    if num_nodes < 1:
+    if num_nodes is not None and num_nodes < 1:
         raise ValueError(f"`num_nodes` must be >= 1, got {num_nodes}.")
-    on_cuda = _on_cuda(accelerator)
-    strategy = DDP_STATIC_STRATEGY if static_graph else DDP_STRATEGY
-    return {
-        "accelerator": ("gpu" if accelerator == "auto" else accelerator) if on_cuda else "cpu",
-        "devices": devices,
-        "num_nodes": num_nodes,
-        "strategy": strategy,
-    }
+    preset: dict[str, Any] = _accelerator(accelerator, _on_cuda(accelerator))
+    if devices is not None:
+        preset["devices"] = devices
+    if num_nodes is not None:
+        preset["num_nodes"] = num_nodes
+    preset["strategy"] = DDP_STATIC_STRATEGY if static_graph else DDP_STRATEGY
+    return {**preset, **trainer_kwargs}
 
 
-def fast_gpu(devices: int | str = "auto", num_nodes: int = 1, static_graph: bool = False) -> dict[str, Any]:
+def fast_gpu(
+    devices: int | str | None = None,
+    num_nodes: int | None = None,
+    static_graph: bool = False,
+    accelerator: Accelerator | None = None,
+    **trainer_kwargs: Any,
+) -> dict[str, Any]:
     """The common case in one call: all GPUs of each node, DDP as in :func:`ddp`, and ``16-mixed``.
 
-    On a machine without CUDA it degrades to the CPU equivalents (gloo DDP, ``32-true``) and says so.
+    On a machine without CUDA it degrades to the CPU equivalents (gloo DDP, ``32-true``) and says so. Arguments as
+    in :func:`ddp`; pass your own ``precision`` (or any Trainer argument) here to override the preset's.
     """
-    kwargs = ddp(devices=devices, num_nodes=num_nodes, static_graph=static_graph)
-    kwargs["precision"] = mixed_precision(kwargs["accelerator"])["precision"]
-    return kwargs
+    kwargs = ddp(devices=devices, num_nodes=num_nodes, static_graph=static_graph, accelerator=accelerator)
+    return {**kwargs, **mixed_precision(accelerator, **trainer_kwargs)}

@@ -163,13 +163,13 @@ def profile_folder(
     Stages: read, decode, transforms, collate, and on CUDA (``device``; default: CUDA when there is one) the pinned
     copy to the device.
     """
-    from torchvision import datasets, transforms
+    from torchvision import transforms
 
-    from lightning_fastdata.convert import open_image_file, train_folder
+    from lightning_fastdata.convert import image_folder, open_image_file, train_folder
     from lightning_fastdata.datamodule import IMAGENET_MEAN, IMAGENET_STD
 
     train = train_folder(root)
-    dataset = datasets.ImageFolder(str(train))
+    dataset = image_folder(train)
     indices = random.Random(seed).sample(range(len(dataset)), min(samples, len(dataset)))
     augment = transforms.Compose(
         [
@@ -294,7 +294,12 @@ def profile(
             if source and Path(source).is_dir():
                 profiles.insert(0, profile_folder(source, samples, batch_size, image_size, device=device))
             return profiles
-        if database is not None and not (Path(database) / _format.DATA_FILE).is_file():
+        if database is not None and not Path(database).expanduser().exists():
+            raise FileNotFoundError(
+                f"`database` (`--db`) {str(database)!r} does not exist. Pass a database made by `lightning-fastdata"
+                " convert`, or leave it out to use the folder's conversion in the default cache."
+            )
+        if database is not None and not (Path(database).expanduser() / _format.DATA_FILE).is_file():
             raise FileNotFoundError(
                 f"`database` {str(database)!r} is not a database made by `lightning-fastdata convert`."
             )

@@ -7,6 +7,7 @@ workers stops early once throughput falls. The pick is the cheapest configuratio
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -334,13 +335,23 @@ class TuneCache:
         return entry if isinstance(entry, dict) else None
 
     def put(self, key: str, entry: dict[str, Any]) -> None:
-        """Store ``entry`` under ``key`` (written to a temporary file, then renamed)."""
+        """Store ``entry`` under ``key`` (written to a temporary file, then renamed).
+
+        Raises:
+            OSError: the cache cannot be written (a read-only folder, a full disk); no temporary file is left.
+
+        """
         data = self._load()
         data[key] = entry
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-        os.replace(tmp, self.path)
+        try:
+            tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+            os.replace(tmp, self.path)
+        except OSError:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise
 
 
 class TrainingLoaders:
@@ -374,9 +385,14 @@ def sweep_dataset(
     transforms (RandomResizedCrop, flip, ToTensor, Normalize).
     """
     from lightning_fastdata import _format
-    from lightning_fastdata.convert import open_image_file, train_folder
+    from lightning_fastdata.convert import image_folder, train_folder
 
     path = Path(data).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(
+            f"`data` {str(path)!r} does not exist. Pass an image folder or a database made by `lightning-fastdata"
+            " convert`."
+        )
     if (path / _format.DATA_FILE).is_file():
         from lightning_fastdata.datamodule import FastImageDataModule
 
@@ -384,7 +400,7 @@ def sweep_dataset(
         return TrainingLoaders(datamodule), "database"
     if not path.is_dir():
         raise FileNotFoundError(f"`data` {str(path)!r} is neither a database nor an image folder.")
-    from torchvision import datasets, transforms
+    from torchvision import transforms
 
     standard = transforms.Compose(
         [
@@ -394,8 +410,7 @@ def sweep_dataset(
             transforms.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)),
         ]
     )
-    root = train_folder(path)
-    return datasets.ImageFolder(str(root), transform=standard, loader=open_image_file), "image folder"
+    return image_folder(train_folder(path), transform=standard), "image folder"
 
 
 def plot_sweep(result: SweepResult, path: str | os.PathLike[str]) -> None:

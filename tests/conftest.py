@@ -1,8 +1,14 @@
-"""Shared fixtures: a small generated image folder with train/val splits and its converted database."""
+"""Shared fixtures: a small generated image folder with train/val splits and its converted database, a private
+cache folder for the whole session, and a way to run Python with folders on a read-only file system.
+"""
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -58,3 +64,53 @@ def split_folder_copy(split_folder: Path, tmp_path: Path) -> Path:
     dst = tmp_path / "src"
     shutil.copytree(split_folder, dst)
     return dst
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _private_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """``$LIGHTNING_FASTDATA_CACHE`` in a temporary folder: nothing lands in, or is read from, the user's cache."""
+    cache = tmp_path_factory.mktemp("user_cache")
+    previous = os.environ.get("LIGHTNING_FASTDATA_CACHE")
+    os.environ["LIGHTNING_FASTDATA_CACHE"] = str(cache)
+    yield
+    if previous is None:
+        os.environ.pop("LIGHTNING_FASTDATA_CACHE", None)
+    else:
+        os.environ["LIGHTNING_FASTDATA_CACHE"] = previous
+
+
+# Mounts each folder read-only in a private mount namespace, then runs the command: writes there fail with EROFS, as
+# on a read-only file system, for this process tree only (exit 97: the mounts could not be made)
+_READ_ONLY_SHELL = """
+n=$1; shift
+while [ "$n" -gt 0 ]; do
+    mount --bind "$1" "$1" && mount -o remount,bind,ro "$1" || exit 97
+    shift; n=$((n - 1))
+done
+exec "$@"
+"""
+
+
+@pytest.fixture(scope="session")
+def read_only_python() -> Callable[..., subprocess.CompletedProcess]:
+    """Run ``python -c CODE ARGS...`` with the given folders on a read-only file system (skips where impossible).
+
+    Uses an unprivileged user and mount namespace (``unshare -rm``), so it works without root and changes nothing
+    outside the child.
+    """
+    unshare = shutil.which("unshare")
+    if unshare is None or subprocess.run([unshare, "-rm", "true"], capture_output=True).returncode != 0:
+        pytest.skip("needs unprivileged user and mount namespaces (`unshare -rm`) to make a read-only file system")
+
+    def run(
+        read_only: Sequence[Path], code: str, *args: str, env: dict[str, str] | None = None, timeout: float = 300
+    ) -> subprocess.CompletedProcess:
+        folders = [str(Path(p).absolute()) for p in read_only]
+        cmd = [unshare, "-rm", "sh", "-c", _READ_ONLY_SHELL, "sh", str(len(folders)), *folders]
+        cmd += [sys.executable, "-c", code, *args]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+        if proc.returncode == 97:
+            pytest.skip(f"cannot mount folders read-only here: {proc.stderr.strip()}")
+        return proc
+
+    return run

@@ -1,7 +1,9 @@
 from __future__ import annotations
 
+import ast
 import importlib
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -185,17 +187,24 @@ def test_convert_waits_for_a_held_lock_and_says_so(split_folder, tmp_path, caplo
     assert f"waiting for another conversion to {dst} to finish" in caplog.text
 
 
-def test_help_imports_neither_torch_nor_lightning():
-    """``lightning-fastdata --help`` starts without importing torch or Lightning (they cost seconds)."""
+def _main_in_a_new_process(*args: str) -> tuple[str, list[str]]:
+    """``main(args)`` in a new interpreter: what it printed, and which of torch, Lightning, torchvision it imported."""
     code = (
         "import sys\n"
         "from lightning_fastdata.cli import main\n"
-        "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
-        "print(sorted(m for m in ('torch', 'lightning', 'torchvision') if m in sys.modules))"
+        "try:\n    main(sys.argv[1:])\nexcept SystemExit as done:\n    assert done.code in (0, None)\n"
+        "print(sorted(m for m in ('torch', 'lightning', 'torchvision') if m in sys.modules), file=sys.stderr)"
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
-    assert out.strip().splitlines()[-1] == "[]"
+    proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, check=True)
+    return proc.stdout, ast.literal_eval(proc.stderr.strip().splitlines()[-1])
+
+
+def test_help_imports_neither_torch_nor_lightning():
+    """``lightning-fastdata --help`` starts without importing torch or Lightning (they cost seconds)."""
+    out, imported = _main_in_a_new_process("--help")
+    assert "convert" in out
+    assert imported == []
 
 
 def test_fit_from_the_console_does_not_warn_about_args(monkeypatch, recwarn):
@@ -204,3 +213,79 @@ def test_fit_from_the_console_does_not_warn_about_args(monkeypatch, recwarn):
     with pytest.raises(SystemExit):
         main()
     assert not [w for w in recwarn if "args parameter is intended" in str(w.message)]
+
+
+def test_convert_under_a_file_returns_2_with_one_line(split_folder, tmp_path, capsys):
+    """A ``dst`` whose parent is a file: one ``error:`` line naming that file, exit 2."""
+    blocker = tmp_path / "afile"
+    blocker.write_text("a file")
+    assert main(_convert_args(split_folder, blocker / "db.lmdb")) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: `dst` {str(blocker / 'db.lmdb')!r} cannot be created: {str(blocker)!r} is a file")
+    assert len(err.strip().splitlines()) == 1
+
+
+_MAIN = "import sys\nfrom lightning_fastdata.cli import main\nsys.exit(main(sys.argv[1:]))"
+
+
+def test_convert_into_a_read_only_folder_returns_2_with_one_line(split_folder, tmp_path, read_only_python):
+    """A new conversion on a read-only file system: one ``error:`` line naming `dst` and its folder, exit 2."""
+    out = tmp_path / "ro"
+    out.mkdir()
+    dst = out / "db.lmdb"
+    proc = read_only_python([out], _MAIN, "convert", str(split_folder), str(dst), "--workers", "0", "--quiet")
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        f"error: `dst` {str(dst)!r} cannot be written: its folder {str(out)!r} is read-only (Read-only file system)."
+        " Convert into a writable folder, or convert there first and make it read-only afterwards."
+    ]
+    assert sorted(out.iterdir()) == []
+
+
+def test_convert_of_an_up_to_date_database_in_a_read_only_folder_returns_0(split_folder, tmp_path, read_only_python):
+    """An up-to-date database on a read-only file system is reported up to date (no lock file is needed)."""
+    out = tmp_path / "ro"
+    dst = out / "db.lmdb"
+    assert main(_convert_args(split_folder, dst)) == 0
+    proc = read_only_python([out], _MAIN, "convert", str(split_folder), str(dst), "--workers", "0", "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == f"{dst} is up to date (33 images); nothing to do. Use --force to rebuild."
+
+
+def test_convert_into_a_closed_pipe_exits_quietly(split_folder, tmp_path):
+    """``convert ... | head -1``: the reader is gone before the summary is printed; no traceback, exit 141."""
+    dst = tmp_path / "db"
+    cmd = [sys.executable, "-m", "lightning_fastdata.cli", *_convert_args(split_folder, dst)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()  # as `head -1` does once it has its line; here before anything is written
+    err = proc.stderr.read()
+    proc.stderr.close()
+    assert proc.wait(timeout=120) == 141, err
+    assert err == ""
+    assert read_meta(dst)["complete"] is True
+
+
+def test_top_level_help_lists_the_lightning_commands(capsys):
+    """``lightning-fastdata --help`` lists fit, validate, test and predict as commands, with what each does."""
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    for command in ("fit", "validate", "test", "predict", "convert", "bench"):
+        assert re.search(rf"^ {{4}}{command} +\S", out, re.MULTILINE), out
+    assert "{convert,synth,bench,profile,fit,validate,test,predict}" in out or "COMMAND" in out
+
+
+def test_fit_help_a_second_time_imports_neither_torch_nor_lightning(tmp_path, monkeypatch, capsys):
+    """``fit --help`` is LightningCLI's text; kept in the cache, a later call prints it without importing Lightning."""
+    monkeypatch.setenv("LIGHTNING_FASTDATA_CACHE", str(tmp_path))
+    monkeypatch.setenv("COLUMNS", "100")
+    monkeypatch.setattr(sys, "argv", ["lightning-fastdata"])  # pytest's own arguments are not the CLI's
+    with pytest.raises(SystemExit) as info:
+        main(["fit", "--help"])
+    assert info.value.code == 0
+    first = capsys.readouterr().out
+    assert first.startswith("usage: lightning-fastdata [options] fit")
+    assert "--trainer.max_epochs" in first
+    out, imported = _main_in_a_new_process("fit", "--help")
+    assert imported == []
+    assert out == first

@@ -97,7 +97,8 @@ def test_bench_and_profile_name_a_damaged_file(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith(f"error: {str(bad)!r} cannot be read as an image")
     assert "Traceback" not in err
-    assert main(["profile", str(root), "--db", str(tmp_path / "none"), "--samples", "6"]) == 2
+    (tmp_path / "plain").mkdir()
+    assert main(["profile", str(root), "--db", str(tmp_path / "plain"), "--samples", "6"]) == 2
     assert "is not a database" in capsys.readouterr().err
     assert main(["profile", str(root), "--samples", "6"]) == 2
     assert capsys.readouterr().err.startswith(f"error: {str(bad)!r} cannot be read as an image")
@@ -146,3 +147,35 @@ def test_bench_num_workers_0_runs_with_one_intra_op_thread():
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_bench_and_profile_say_a_missing_path_does_not_exist(tmp_path, capsys):
+    """``bench data/nope`` and ``profile --db dbs/nope.lmdb`` say "does not exist", naming the path (exit 2)."""
+    missing = tmp_path / "nope"
+    assert main(["bench", str(missing), "--seconds", "0.1"]) == 2
+    assert capsys.readouterr().err.startswith(f"error: `data` {str(missing)!r} does not exist. Pass an image folder")
+    root = make_image_folder(
+        tmp_path / "src", num_classes=2, train_per_class=2, val_per_class=0, min_size=20, max_size=30
+    )
+    missing_db = tmp_path / "dbs" / "nope.lmdb"
+    assert main(["profile", str(root), "--db", str(missing_db), "--samples", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: `database` (`--db`) {str(missing_db)!r} does not exist.")
+    assert "is not a database" not in err
+
+
+def test_bench_and_profile_accept_an_empty_class_folder_as_convert_does(tmp_path, capsys):
+    """Empty and hidden class folders, which ``convert`` ignores, are left out by ``bench`` and ``profile`` too."""
+    root = make_image_folder(
+        tmp_path / "src", num_classes=2, train_per_class=4, val_per_class=0, min_size=20, max_size=30
+    )
+    (root / "empty_class").mkdir()
+    (root / ".ipynb_checkpoints").mkdir()
+    assert main(["bench", str(root), "--seconds", "0.05", "--max-workers", "0", "--batch-sizes", "4"]) == 0
+    assert capsys.readouterr().out.startswith(f"bench: image folder {root}, 8 samples")
+    db = tmp_path / "db"
+    convert(root, db, num_workers=0, progress=False)
+    assert main(["profile", str(root), "--db", str(db), "--samples", "4", "--batch-size", "4"]) == 0
+    out = capsys.readouterr().out
+    assert f"folder ({root}), 4 samples" in out
+    assert f"database ({db}), 4 samples" in out

@@ -8,6 +8,7 @@ import random
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from lightning_fastdata import (
     ConversionError,
     ConversionSummary,
     DatasetFormatError,
+    DestinationError,
     LmdbImageDataset,
     SkippedFile,
     SourceLayoutError,
@@ -1216,3 +1218,214 @@ def test_forked_conversion_workers_after_opencv_use_do_not_deadlock(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "converted 12" in proc.stdout
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Issue 20: layouts a new user tried, and conversions interrupted, killed or watched while they run
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_classes_nested_one_level_deeper_are_refused_naming_the_path_to_pass(tmp_path):
+    """``root/dataset/<class>/<image>`` is not read as one class ``dataset``: the error names the folder to pass."""
+    root = tmp_path / "root"
+    for cls in ("cat", "dog", "fox"):
+        _save(root / "dataset" / cls / "a.jpg")
+    with pytest.raises(SourceLayoutError, match="nested one level deeper") as info:
+        _run(root, tmp_path / "db")
+    message = str(info.value)
+    assert f"Pass {str(root / 'dataset')!r} as `src`" in message
+    assert "'cat', 'dog', 'fox'" in message
+    assert not (tmp_path / "db").exists()
+    assert _run(root / "dataset", tmp_path / "db").splits == {"train": 3}  # the path it names converts
+
+    wrapped = tmp_path / "wrapped"  # a root of splits one level too deep: wrapped/dataset/{train,val}/<class>/
+    for split in ("train", "val"):
+        for cls in ("cat", "dog"):
+            _save(wrapped / "dataset" / split / cls / "a.jpg")
+    with pytest.raises(SourceLayoutError, match=f"Pass {str(wrapped / 'dataset')!r} as `src`"):
+        _run(wrapped, tmp_path / "db2")
+
+
+def test_class_folders_with_sub_folders_still_convert(tmp_path):
+    """Two or more classes whose images lie in sub-folders are a valid ImageFolder; so is one class with images."""
+    root = tmp_path / "root"
+    for cls in ("cat", "dog"):
+        _save(root / cls / "2024" / "a.jpg")
+        _save(root / cls / "2025" / "b.jpg")
+    assert _run(root, tmp_path / "db").splits == {"train": 4}
+    single = tmp_path / "single"
+    _save(single / "only" / "a.jpg")
+    _save(single / "only" / "sub" / "b.jpg")
+    assert _run(single, tmp_path / "db1").splits == {"train": 2}
+
+
+def test_a_misspelled_split_warns_naming_the_closest_known_one(tmp_path):
+    """A CSV row with split ``trian`` warns, naming ``trian`` and ``train``; a custom split name stays silent."""
+    _save(tmp_path / "a.jpg")
+    _save(tmp_path / "b.jpg", seed=1)
+    listing = tmp_path / "list.csv"
+    listing.write_text("path,label,split\na.jpg,cat,trian\nb.jpg,dog,train\na.jpg,cat,holdout\n")
+    with pytest.warns(UserWarning, match=r"1 row\(s\) with split 'trian'.*Did you mean 'train'\?") as record:
+        summary = _run(listing, tmp_path / "db")
+    assert summary.splits == {"trian": 1, "train": 1, "holdout": 1}  # stored as given, as documented
+    assert not [w for w in record if "holdout" in str(w.message)]
+
+    root = tmp_path / "root"  # the same for a split folder
+    _save(root / "train" / "cat" / "a.jpg")
+    _save(root / "vall" / "cat" / "a.jpg")
+    with pytest.warns(UserWarning, match=r"the split folder 'vall'.*Did you mean 'val'\?"):
+        _run(root, tmp_path / "db2")
+
+
+def test_a_dst_under_a_file_is_a_destination_error(split_folder, tmp_path):
+    """A ``dst`` whose parent is a file: ``DestinationError`` naming that file, and nothing written."""
+    blocker = tmp_path / "afile"
+    blocker.write_text("a file")
+    for dst in (blocker / "db.lmdb", blocker / "deeper" / "db.lmdb"):
+        with pytest.raises(DestinationError, match=f"{str(blocker)!r} is a file, not a folder"):
+            _run(split_folder, dst)
+    assert blocker.read_text() == "a file"
+
+
+def test_a_finished_conversion_leaves_no_lock_file(split_folder, tmp_path):
+    """The lock file beside ``dst`` exists only while a conversion runs."""
+    dst = tmp_path / "db"
+    _run(split_folder, dst)
+    _run(split_folder, dst)  # up to date
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["db"]
+
+
+# A conversion through the command line whose pool workers block on their first image, until the test interrupts or
+# kills it; the file `ready` appears once a worker blocks (the pool inherits the patch through fork)
+_BLOCKED_CONVERSION = textwrap.dedent(
+    """
+    import importlib, sys, time
+    from pathlib import Path
+    from lightning_fastdata.cli import main
+
+    convert_module = importlib.import_module("lightning_fastdata.convert")  # the module, not the function
+
+    ready = Path(sys.argv[1])
+
+    def blocked(source, opts):
+        ready.touch()
+        time.sleep(600)
+
+    convert_module._encode_image = blocked
+    sys.exit(main(sys.argv[2:]))
+    """
+)
+
+
+@contextlib.contextmanager
+def _blocked_conversion(src: Path, dst: Path, tmp_path: Path):
+    """A ``lightning-fastdata convert SRC DST --workers 2`` process, yielded once its metadata is written."""
+    ready = tmp_path / "ready"
+    cmd = [sys.executable, "-c", _BLOCKED_CONVERSION, str(ready), "convert", str(src), str(dst), "--workers", "2"]
+    proc = subprocess.Popen(
+        [*cmd, "--quiet"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        deadline = time.monotonic() + 120
+        partial = _format.partial_path(dst)
+        while not (ready.exists() and _format.converter_of(dst) and _has_incomplete_meta(partial)):
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the conversion never started"
+            time.sleep(0.01)
+        yield proc
+    finally:
+        if proc.returncode is None:  # the test did not end it itself
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate(timeout=60)
+
+
+def _has_incomplete_meta(partial: Path) -> bool:
+    if not (partial / _format.DATA_FILE).exists():
+        return False
+    env = lmdb.open(str(partial), readonly=True, lock=False, subdir=True)  # a private handle: not the shared one
+    try:
+        with env.begin() as txn:
+            return txn.get(_format.META_KEY) is not None
+    finally:
+        env.close()
+
+
+def _two_class_source(root: Path) -> Path:
+    for cls in ("cat", "dog"):
+        for n in range(3):
+            _save(root / cls / f"{n}.jpg", seed=n)
+    return root
+
+
+def test_ctrl_c_during_convert_prints_one_line_not_worker_tracebacks(tmp_path):
+    """SIGINT to the process group of ``convert --workers 2``: exit 130, one line on stderr, nothing left."""
+    src, dst = _two_class_source(tmp_path / "src"), tmp_path / "out" / "db.lmdb"
+    with _blocked_conversion(src, dst, tmp_path) as proc:
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert err.strip().splitlines() == [
+        "interrupted: nothing was published; run the same command again to start over"
+    ], err
+    assert sorted(p.name for p in dst.parent.iterdir()) == []
+
+
+def test_a_running_conversion_is_named_and_left_alone_by_clean(tmp_path):
+    """Opening ``.X.partial`` while a conversion writes it names the converting process; ``--clean`` keeps it."""
+    from lightning_fastdata.cli import main
+
+    src, dst = _two_class_source(tmp_path / "src"), tmp_path / "out" / "db.lmdb"
+    partial = _format.partial_path(dst)
+    with _blocked_conversion(src, dst, tmp_path) as proc:
+        with pytest.raises(DatasetFormatError, match=f"is being converted by process {proc.pid} ") as info:
+            LmdbImageDataset(partial)
+        assert f"Wait for it, then open {str(dst)!r}" in str(info.value)
+        assert main(["convert", "--clean", str(dst.parent)]) == 0
+        assert partial.is_dir()
+        assert _format.lock_path(dst).is_file()
+        assert proc.poll() is None
+
+
+def test_a_killed_conversion_is_reported_and_cleaned_by_convert_clean(tmp_path, capsys, caplog):
+    """After SIGKILL the stale working copy is named as left by a dead converter, reported by the next conversion in
+    its folder, and removed (with its lock file) by ``convert --clean``; complete databases stay."""
+    from lightning_fastdata.cli import main
+
+    src, dst = _two_class_source(tmp_path / "src"), tmp_path / "out" / "db.lmdb"
+    partial = _format.partial_path(dst)
+    with _blocked_conversion(src, dst, tmp_path) as proc:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate(timeout=60)
+    assert partial.is_dir()
+    with pytest.raises(DatasetFormatError, match="left by a converter that is no longer running") as info:
+        LmdbImageDataset(partial)
+    assert f"lightning-fastdata convert --clean {str(dst.parent)!r}" in str(info.value)
+
+    other = dst.parent / "other.lmdb"
+    with caplog.at_level("WARNING", logger="lightning_fastdata.convert"):
+        _run(src, other)
+    assert "1 incomplete conversion(s) left by converters that are no longer running" in caplog.text
+    assert f".db.lmdb.partial. Remove them with `lightning-fastdata convert --clean {dst.parent}`" in caplog.text
+
+    assert main(["convert", "--clean", str(dst.parent)]) == 0
+    out = capsys.readouterr().out
+    assert f"removed {partial} (" in out
+    assert f"removed {_format.lock_path(dst)}, the lock file" in out
+    assert sorted(p.name for p in dst.parent.iterdir()) == ["other.lmdb"]
+    assert len(LmdbImageDataset(other)) == 6
+    assert main(["convert", "--clean", str(dst.parent)]) == 0
+    assert capsys.readouterr().out.startswith("nothing to clean in")
+
+
+def test_clean_puts_back_a_database_moved_aside_by_a_killed_replacement(split_folder, tmp_path):
+    """A ``.X.old`` whose ``X`` is missing (killed between the two renames of a replacement) is restored, not lost."""
+    from lightning_fastdata.convert import clean_stale_conversions
+
+    dst = tmp_path / "db"
+    _run(split_folder, dst)
+    os.replace(dst, tmp_path / ".db.old")
+    assert clean_stale_conversions(tmp_path) == [
+        f"restored {dst} from .db.old, left by a conversion interrupted while replacing it"
+    ]
+    assert len(LmdbImageDataset(dst)) == 24

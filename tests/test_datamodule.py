@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import random
 import warnings
 from pathlib import Path
@@ -607,3 +609,145 @@ def test_threaded_loaders_get_no_lightning_advice_to_add_worker_processes(
 
     assert len(fit(0)) == 1  # batches built in the training loop's own thread: Lightning's advice stands
     assert fit(2) == []
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A cache on a read-only file system, and what later runs log
+# ---------------------------------------------------------------------------------------------------------------
+
+# Runs with `cache` and `empty` on a read-only file system; prints one JSON object with what each step did
+_READ_ONLY_CACHE_SCRIPT = """
+import contextlib, io, json, os, sys, traceback, warnings
+
+src, cache, empty, root = sys.argv[1:5]
+sys.path.append(root)  # for `examples.*` in the config; the package itself as installed
+from lightning_fastdata import FastImageDataModule, datamodule
+from lightning_fastdata.cli import main
+
+results = {}
+infos = []
+datamodule.rank_zero_info = lambda message, *args, **kwargs: infos.append(str(message))
+
+
+def step(name, fn):
+    err = io.StringIO()
+    try:
+        with warnings.catch_warnings(record=True) as caught, contextlib.redirect_stderr(err):
+            warnings.simplefilter("always")
+            results[name] = {"value": fn()}
+        results[name]["warnings"] = [str(w.message) for w in caught]
+    except BaseException as exc:
+        results[name] = {"raised": type(exc).__name__, "message": str(exc), "trace": traceback.format_exc()}
+    results[name]["stderr"] = err.getvalue()
+
+
+def up_to_date():  # issue 20, row 2
+    dm = FastImageDataModule(src, cache_dir=cache, image_size=16, batch_size=4, num_workers=0)
+    dm.prepare_data()
+    dm.setup("fit")
+    images, labels = next(iter(dm.train_dataloader()))
+    return {"batch": list(images.shape), "infos": list(infos), "database": str(dm.database_path)}
+
+
+def tune():  # row 4
+    db = FastImageDataModule(src, cache_dir=cache).database_path
+    dm = FastImageDataModule(str(db), cache_dir=cache, image_size=16, batch_size=4, num_workers="tune")
+    dm.prepare_data()
+    return dm.resolved_num_workers()
+
+
+def new_conversion():  # row 3, from Python
+    FastImageDataModule(src, cache_dir=empty, image_size=16).prepare_data()
+
+
+def fit_into_read_only_env_cache():  # row 3, from the command line, the cache chosen by LIGHTNING_FASTDATA_CACHE
+    os.environ["LIGHTNING_FASTDATA_CACHE"] = empty
+    os.chdir(root)
+    args = ["fit", "--config", "examples/configs/cpu.yaml", "--data.init_args.data_dir", src]
+    return main([*args, "--trainer.logger", "false", "--trainer.enable_checkpointing", "false"])
+
+
+step("up_to_date", up_to_date)
+step("tune", tune)
+step("new_conversion", new_conversion)
+step("fit", fit_into_read_only_env_cache)
+print(json.dumps(results))
+"""
+
+
+@pytest.fixture(scope="module")
+def read_only_cache(
+    split_root: Path, tmp_path_factory: pytest.TempPathFactory, read_only_python: Any
+) -> dict[str, Any]:
+    """Converts ``split_root`` into a cache, then uses that cache (and an empty one) on a read-only file system."""
+    base = tmp_path_factory.mktemp("read_only_cache")
+    cache, empty, user_cache = base / "cache", base / "empty", base / "user_cache"
+    empty.mkdir()
+    dm = FastImageDataModule(str(split_root), cache_dir=str(cache), image_size=16, batch_size=4, num_workers=0)
+    dm.prepare_data()
+    (dm.database_path / "verified.json").unlink(missing_ok=True)  # the read-only run must walk it, and cannot record
+    env = {**os.environ, "LIGHTNING_FASTDATA_CACHE": str(user_cache)}
+    proc = read_only_python(
+        [cache, empty], _READ_ONLY_CACHE_SCRIPT, str(split_root), str(cache), str(empty), str(ROOT), env=env
+    )
+    assert proc.returncode == 0, proc.stderr
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    results["paths"] = {"cache": cache, "empty": empty, "user_cache": user_cache, "database": dm.database_path}
+    return results
+
+
+def test_an_up_to_date_database_in_a_read_only_cache_is_read(read_only_cache: dict[str, Any]) -> None:
+    """``FastImageDataModule(src, cache_dir=<read-only folder holding its database>)`` trains from it, quietly."""
+    step = read_only_cache["up_to_date"]
+    assert "raised" not in step, step.get("trace")
+    assert step["value"]["batch"] == [4, 3, 16, 16]
+    assert step["value"]["infos"] == []  # no "up to date ... --force" line either
+    paths = read_only_cache["paths"]
+    assert sorted(p.name for p in paths["cache"].iterdir()) == [paths["database"].name]  # no lock file made
+    assert not (paths["database"] / "verified.json").exists()
+    assert len(list((paths["user_cache"] / "verified").glob("*.json"))) == 1  # the walk, recorded elsewhere
+
+
+def test_tune_with_a_read_only_cache_tunes_and_says_the_pick_is_not_kept(read_only_cache: dict[str, Any]) -> None:
+    """``num_workers="tune"`` measures and uses its pick, warning once that the cache could not be written."""
+    step = read_only_cache["tune"]
+    assert "raised" not in step, step.get("trace")
+    assert step["value"] in (0, 1, 2)
+    warned = [w for w in step["warnings"] if "could not cache the pick" in w]
+    assert len(warned) == 1, step["warnings"]
+    assert "tune.json" in warned[0]
+    assert "Pass `cache_dir=` a writable folder (or set LIGHTNING_FASTDATA_CACHE)" in warned[0]
+    assert sorted(p.name for p in read_only_cache["paths"]["empty"].iterdir()) == []
+
+
+def test_a_new_conversion_into_a_read_only_cache_names_the_setting(read_only_cache: dict[str, Any]) -> None:
+    """Converting into a read-only cache: ``ReadOnlyDestinationError`` naming ``cache_dir``; from ``fit`` with
+    ``LIGHTNING_FASTDATA_CACHE``, one ``error:`` line naming that variable and exit 2."""
+    empty = read_only_cache["paths"]["empty"]
+    step = read_only_cache["new_conversion"]
+    assert step.get("raised") == "ReadOnlyDestinationError", step
+    assert step["message"].startswith(f"`cache_dir` {str(empty)!r} is read-only, so `data_dir`")
+    assert "Pass `cache_dir=` a writable folder" in step["message"]
+
+    fit = read_only_cache["fit"]
+    assert fit.get("value") == 2, fit
+    errors = [line for line in fit["stderr"].splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, fit["stderr"]
+    assert errors[0].startswith(f"error: `LIGHTNING_FASTDATA_CACHE` {str(empty)!r} is read-only")
+    assert "Traceback" not in fit["stderr"]
+
+
+def test_a_later_run_logs_no_command_line_flag(
+    split_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``trainer.test``/``predict`` run ``prepare_data`` again: an up-to-date database logs nothing at info level."""
+    from lightning_fastdata import datamodule
+
+    infos: list[str] = []
+    monkeypatch.setattr(datamodule, "rank_zero_info", lambda message, *a, **k: infos.append(str(message)))
+    FastImageDataModule(str(split_root), cache_dir=str(tmp_path), image_size=16).prepare_data()
+    assert len(infos) == 1
+    assert infos[0].startswith("wrote 24 images")
+    FastImageDataModule(str(split_root), cache_dir=str(tmp_path), image_size=16).prepare_data()
+    assert len(infos) == 1
+    assert not any("--force" in message for message in infos)

@@ -422,9 +422,8 @@ def _main_db(data: bytes, page_size: int) -> tuple[int, int, int]:
     return root, depth, entries
 
 
-def test_damaged_btree_page_is_a_clear_error_not_a_crash(fault_db: Path, tmp_path: Path) -> None:
-    """A root branch page claiming a single key would abort LMDB on lookup; the open-time walk makes it an error."""
-    db = _copy(fault_db, tmp_path / "db.lmdb")
+def _damage_root_page(db: Path) -> None:
+    """Make the main DB's root branch page claim a single key: a lookup through it would abort LMDB."""
     env = lmdb.open(str(db), readonly=True, lock=False)
     stat = env.stat()
     env.close()
@@ -436,10 +435,33 @@ def test_damaged_btree_page_is_a_clear_error_not_a_crash(fault_db: Path, tmp_pat
     with open(data_file, "r+b") as fh:  # mp_lower of the root page: one key instead of several
         fh.seek(root * stat["psize"] + 12)
         fh.write((16 + 2).to_bytes(2, "little"))
+
+
+def test_damaged_btree_page_is_a_clear_error_not_a_crash(fault_db: Path, tmp_path: Path) -> None:
+    """A root branch page claiming a single key would abort LMDB on lookup; the open-time walk makes it an error."""
+    db = _copy(fault_db, tmp_path / "db.lmdb")
+    _damage_root_page(db)
     code, summary, stderr = _run_forked(_read_everything, str(db))
     assert code == 0, stderr
     assert summary["package_errors"] > 0
     assert not summary["other_errors"]
+
+
+def test_a_page_damaged_after_its_walk_was_recorded_is_still_a_clear_error(fault_db: Path, tmp_path: Path) -> None:
+    """The record of a passed walk does not outlive the file it describes: damage written later is walked and caught.
+
+    Each open runs in its own process, as a later training run would.
+    """
+    db = _copy(fault_db, tmp_path / "db.lmdb")
+    code, summary, stderr = _run_forked(_read_everything, str(db))
+    assert (code, summary["package_errors"]) == (0, 0), stderr
+    assert (db / _format.VERIFIED_FILE).is_file()  # walked and recorded
+    _damage_root_page(db)
+    for _ in range(2):  # and the damage is not recorded as walked either
+        code, summary, stderr = _run_forked(_read_everything, str(db))
+        assert code == 0, stderr
+        assert summary["package_errors"] == 1  # LmdbImageDataset(db) raised
+        assert not summary["other_errors"]
 
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -448,10 +470,13 @@ def test_damaged_btree_page_is_a_clear_error_not_a_crash(fault_db: Path, tmp_pat
 
 _DISK_FULL_SCRIPT = textwrap.dedent(
     """
-    import resource, signal, sys
+    import collections, resource, shutil, signal, sys
     from lightning_fastdata import convert
 
     src, dst, limit = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    if len(sys.argv) > 4:  # the disk as a full one looks: `free` bytes left once the writes fail
+        usage = collections.namedtuple("usage", "total used free")
+        shutil.disk_usage = lambda path: usage(10 * limit, 10 * limit - int(sys.argv[4]), int(sys.argv[4]))
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG instead of killing us
     resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
     try:
@@ -518,7 +543,7 @@ def test_disk_full_during_conversion_publishes_nothing(tmp_path: Path) -> None:
     ), text
     assert "nothing was published" in text
     assert not dst.exists()
-    assert sorted(p.name for p in out.iterdir()) == [".db.lmdb.lock"]  # no `.db.lmdb.partial` or `.db.lmdb.old`
+    assert sorted(p.name for p in out.iterdir()) == []  # no `.db.lmdb.partial`, `.db.lmdb.old` or `.db.lmdb.lock`
     assert _tree_digest(src) == source_before
 
     summary = convert(src, dst, short_side=0, num_workers=0, progress=False)
@@ -526,6 +551,36 @@ def test_disk_full_during_conversion_publishes_nothing(tmp_path: Path) -> None:
     assert not summary.skipped
     assert _records_digest(dst) == _records_digest(reference)
     assert _tree_digest(src) == source_before
+
+
+def test_a_full_disk_is_named_with_the_space_the_database_needs(tmp_path: Path) -> None:
+    """A write failing on a full disk says ENOSPC, the free space, and the space needed, estimated from the source."""
+    src = make_image_folder(
+        tmp_path / "src", num_classes=2, train_per_class=30, val_per_class=0, min_size=120, max_size=200, noise=8
+    )
+    limit = 200 << 10
+    dst = tmp_path / "out" / "db.lmdb"
+    proc = subprocess.run(
+        [sys.executable, "-c", _DISK_FULL_SCRIPT, str(src), str(dst), str(limit), "4096"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 3, text
+    found = re.search(
+        r"RAISED ConversionError: writing the database under '.*\.db\.lmdb\.partial' failed: the disk is full \(ENOSPC;"
+        r" LMDB said: .*\)\. 4.0 KiB is free on the disk of '.*out'; the database needs about ([\d.]+) (KiB|MiB)"
+        r" \(estimated from ([\d.]+) KiB per image so far, for 60 images\), so free about [\d.]+ (KiB|MiB) more",
+        text,
+    )
+    assert found, text
+    needed = float(found.group(1)) * (1024 if found.group(2) == "MiB" else 1)
+    assert needed == pytest.approx(60 * float(found.group(3)), rel=0.05)
+    assert needed * 1024 > limit  # more than was written before the disk filled up
+    assert "nothing was published" in text
+    assert not dst.exists()
+    assert sorted(p.name for p in dst.parent.iterdir()) == []
 
 
 # -----------------------------------------------------------------------------------------------------------------

@@ -1,9 +1,11 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
 import shutil
+import threading
 from pathlib import Path
 
 import lmdb
@@ -308,3 +310,146 @@ def test_open_readonly_writes_no_lock_file(tmp_path):
     with open_readonly(path).begin() as txn:
         assert txn.get(b"k") == b"v"
     assert sorted(p.name for p in path.iterdir()) == ["data.mdb"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The page walk at open: once per data file, recorded, and again whenever the file changes
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def walks(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
+    """The databases whose pages get walked from now on, in order (the walk itself still runs)."""
+    calls: list[Path] = []
+    walk = _format._check_structure
+
+    def counted(path: Path) -> bool:
+        calls.append(path)
+        return walk(path)
+
+    monkeypatch.setattr(_format, "_check_structure", counted)
+    monkeypatch.setattr(_format, "_VERIFIED", set())
+    return calls
+
+
+def _as_a_new_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Forget this process's environments and walks, as a process started now would have none."""
+    _format._close_inherited()
+    monkeypatch.setattr(_format, "_VERIFIED", set())
+
+
+def test_a_walked_database_is_not_walked_again_by_another_process(database_copy, walks, monkeypatch):
+    """The first open walks the pages and records it beside ``data.mdb``; a later process's open does not walk."""
+    _as_a_new_process(monkeypatch)
+    assert read_meta(database_copy)["complete"] is True
+    assert walks == [database_copy]
+    record = json.loads((database_copy / _format.VERIFIED_FILE).read_text())
+    st = (database_copy / _format.DATA_FILE).stat()
+    assert record[_format.DATA_FILE] == {
+        "inode": st.st_ino,
+        "size": st.st_size,
+        "mtime_ns": st.st_mtime_ns,
+        "ctime_ns": st.st_ctime_ns,
+    }
+    for _ in range(3):
+        _as_a_new_process(monkeypatch)
+        assert read_meta(database_copy)["complete"] is True
+    assert walks == [database_copy]
+
+
+def _grow(data: Path) -> None:
+    with open(data, "ab") as fh:
+        fh.write(b"\0" * 4096)
+
+
+def _touch(data: Path) -> None:
+    st = data.stat()
+    os.utime(data, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+
+
+def _new_inode(data: Path) -> None:
+    shutil.copy2(data, data.with_name("copy.tmp"))  # the same bytes and mtime in a new file
+    os.replace(data.with_name("copy.tmp"), data)
+
+
+@pytest.mark.parametrize("change", [_grow, _touch, _new_inode])
+def test_a_changed_data_file_is_walked_again(database_copy, walks, monkeypatch, change):
+    """A new size, mtime or inode of ``data.mdb`` walks the pages again (then records the new identity)."""
+    _as_a_new_process(monkeypatch)
+    read_meta(database_copy)
+    change(database_copy / _format.DATA_FILE)
+    _as_a_new_process(monkeypatch)
+    read_meta(database_copy)
+    _as_a_new_process(monkeypatch)
+    read_meta(database_copy)
+    assert walks == [database_copy, database_copy]
+
+
+def test_a_copied_database_with_its_record_is_walked_again(database_copy, walks, monkeypatch, tmp_path):
+    """A copy carries ``verified.json`` along, but not the data file's identity: the copy is walked."""
+    _as_a_new_process(monkeypatch)
+    read_meta(database_copy)
+    copy = tmp_path / "again.lmdb"
+    shutil.copytree(database_copy, copy)
+    assert (copy / _format.VERIFIED_FILE).is_file()
+    read_meta(copy)
+    assert walks == [database_copy, copy]
+
+
+def test_a_record_that_cannot_be_written_costs_only_speed(database_copy, walks, monkeypatch, tmp_path):
+    """A read-only database folder records the walk in the user's cache; with no writable place, every open walks."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("LIGHTNING_FASTDATA_CACHE", str(cache))
+    (database_copy / _format.VERIFIED_FILE).unlink(missing_ok=True)  # copied along with the session's database
+    mode = database_copy.stat().st_mode
+    database_copy.chmod(0o555)
+    try:
+        _as_a_new_process(monkeypatch)
+        read_meta(database_copy)
+        _as_a_new_process(monkeypatch)
+        read_meta(database_copy)
+        assert walks == [database_copy]
+        assert not (database_copy / _format.VERIFIED_FILE).exists()
+        assert len(list((cache / "verified").glob("*.json"))) == 1
+
+        blocker = tmp_path / "a file"
+        blocker.write_text("")
+        monkeypatch.setenv("LIGHTNING_FASTDATA_CACHE", str(blocker / "cache"))  # cannot be created
+        other = tmp_path / "other.lmdb"
+        shutil.copytree(database_copy, other)
+        other.chmod(0o555)
+        for _ in range(2):
+            _as_a_new_process(monkeypatch)
+            assert read_meta(other)["complete"] is True
+        assert walks == [database_copy, other, other]
+        assert [p.name for p in tmp_path.glob("**/.verified*.tmp")] == []
+    finally:
+        database_copy.chmod(mode)
+        if (tmp_path / "other.lmdb").exists():
+            (tmp_path / "other.lmdb").chmod(mode)
+
+
+def test_an_incomplete_or_foreign_database_is_never_recorded(tmp_path, walks, monkeypatch):
+    """Only a complete database of ours is recorded as walked: nothing is written into anything else."""
+    incomplete = _make_lmdb(tmp_path / "incomplete", {b"__meta__": dump_meta(_valid_meta(complete=False))})
+    foreign = _make_lmdb(tmp_path / "foreign", {b"k": b"v"})
+    for path in (incomplete, foreign, incomplete):
+        _as_a_new_process(monkeypatch)
+        with pytest.raises(DatasetFormatError):
+            read_meta(path)
+    assert walks == [incomplete, foreign, incomplete]
+    assert sorted(p.name for p in incomplete.iterdir()) == ["data.mdb", "lock.mdb"]
+    assert sorted(p.name for p in foreign.iterdir()) == ["data.mdb", "lock.mdb"]
+
+
+def test_concurrent_records_replace_each_other_whole(database_copy):
+    """Processes recording the same walk at once each rename a whole file into place: the result is valid JSON."""
+    st = (database_copy / _format.DATA_FILE).stat()
+    identity = _format._file_identity(st)
+    threads = [threading.Thread(target=_format._write_marker, args=(database_copy, st, identity)) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert json.loads((database_copy / _format.VERIFIED_FILE).read_text())[_format.DATA_FILE] == identity
+    assert sorted(p.name for p in database_copy.iterdir() if p.suffix == ".tmp") == []

@@ -184,3 +184,59 @@ def test_cpu_config_fits(tmp_path: Path) -> None:
     header = metrics[0].read_text().splitlines()[0]
     assert "train/loss" in header
     assert "val/loss" in header
+
+
+def _one_error_line(err: str) -> str:
+    """The single ``error:`` line of stderr (Lightning's own info lines may precede it); no traceback."""
+    assert "Traceback" not in err, err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, err
+    assert not [line for line in err.splitlines() if line.lstrip().startswith(("usage:", "[--"))], err
+    return errors[0]
+
+
+@pytest.mark.usefixtures("in_repo")
+def test_a_misspelled_argument_is_one_line_naming_the_nearest_key(tmp_path: Path, capsys) -> None:
+    """``--data.init_args.data_dri``, a config's ``batchsize`` and ``--trainer.max_epochz``: one line each, exit 2."""
+    config = tmp_path / "bad.yaml"
+    config.write_text(
+        "data:\n  class_path: lightning_fastdata.FastImageDataModule\n  init_args:\n    data_dir: x\n    batchsize: 8\n"
+    )
+    cases = [
+        (
+            ["--data.init_args.data_dri", "x"],
+            "`data` (JitterDataModule) has no argument `data_dri`; did you mean `data_dir`",
+        ),
+        (
+            ["--config", str(config)],
+            "`data` (FastImageDataModule) has no argument `batchsize`; did you mean `batch_size`",
+        ),
+        (
+            ["--trainer.max_epochz", "1"],
+            "unrecognized option `--trainer.max_epochz`; did you mean `--trainer.max_epochs`?",
+        ),
+    ]
+    for extra, expected in cases:
+        assert main(["fit", "--config", "examples/configs/cpu.yaml", *extra]) == 2
+        line = _one_error_line(capsys.readouterr().err)
+        assert line.startswith(f"error: {expected}"), line
+
+
+@pytest.mark.usefixtures("in_repo")
+def test_a_missing_data_dir_is_one_line(tmp_path: Path, capsys) -> None:
+    """No ``data_dir`` in the config, or one that does not exist: one ``error:`` line naming it, exit 2."""
+    config = tmp_path / "no_data_dir.yaml"
+    config.write_text(
+        "model:\n  class_path: examples.classifier.ImageClassifier\n"
+        "data:\n  class_path: lightning_fastdata.FastImageDataModule\n"
+    )
+    assert main(["fit", "--config", str(config)]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert line.startswith("error: `data.init_args.data_dir` is required: set it in the config or pass"), line
+
+    missing = tmp_path / "nope"
+    args = ["--data.init_args.data_dir", str(missing), "--data.init_args.cache_dir", str(tmp_path / "cache")]
+    args += ["--trainer.logger", "false", "--trainer.enable_checkpointing", "false"]
+    assert main(["fit", "--config", "examples/configs/cpu.yaml", *args]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert line.startswith(f"error: `data_dir` {str(missing)!r} does not exist. Pass an ImageFolder root"), line

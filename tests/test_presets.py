@@ -58,7 +58,7 @@ def _trainer(**kwargs: Any) -> Trainer:
 @pytest.mark.usefixtures("no_cuda")
 def test_mixed_precision_on_cpu_is_full_precision_and_says_why(info: Mock) -> None:
     """Without CUDA: ``32-true`` on the CPU, and one info line that explains it."""
-    assert presets.mixed_precision() == {"accelerator": "cpu", "precision": "32-true"}
+    assert presets.mixed_precision() == {"precision": "32-true"}
     info.assert_called_once()
     message = info.call_args.args[0]
     assert "32-true" in message
@@ -77,7 +77,8 @@ def test_mixed_precision_on_gpu_is_16_mixed(accelerator: str, info: Mock) -> Non
 @pytest.mark.usefixtures("with_cuda")
 def test_mixed_precision_auto_follows_cuda(info: Mock) -> None:
     """``"auto"`` picks the GPU when CUDA is available; ``"cpu"`` stays on the CPU regardless."""
-    assert presets.mixed_precision() == {"accelerator": "gpu", "precision": "16-mixed"}
+    assert presets.mixed_precision() == {"precision": "16-mixed"}
+    assert presets.mixed_precision("auto") == {"accelerator": "gpu", "precision": "16-mixed"}
     info.assert_not_called()
     assert presets.mixed_precision("cpu") == {"accelerator": "cpu", "precision": "32-true"}
     info.assert_called_once()
@@ -95,9 +96,10 @@ def _ddp_kwargs(strategy: DDPStrategy) -> dict[str, Any]:
 
 @pytest.mark.usefixtures("no_cuda")
 def test_ddp_on_cpu_names_the_registered_throughput_strategy() -> None:
-    """``ddp(devices=2)`` on the CPU: the registered ``ddp_fastdata`` strategy, on the CPU accelerator."""
+    """``ddp(devices=2)``: the registered ``ddp_fastdata`` strategy, and only what was asked for."""
     kwargs = presets.ddp(devices=2)
-    assert kwargs == {"accelerator": "cpu", "devices": 2, "num_nodes": 1, "strategy": presets.DDP_STRATEGY}
+    assert kwargs == {"devices": 2, "strategy": presets.DDP_STRATEGY}
+    assert presets.ddp(devices=2, accelerator="auto")["accelerator"] == "cpu"
     assert presets.DDP_STRATEGY in StrategyRegistry
     strategy = StrategyRegistry.get(presets.DDP_STRATEGY)
     assert isinstance(strategy, DDPStrategy)
@@ -125,10 +127,11 @@ def test_ddp_on_gpu_names_the_gpu(accelerator: str, expected: str) -> None:
 
 @pytest.mark.usefixtures("with_cuda")
 def test_ddp_auto_follows_cuda() -> None:
-    """``accelerator="auto"`` means the GPU where CUDA is available."""
-    kwargs = presets.ddp()
+    """``accelerator="auto"`` means the GPU where CUDA is available; left out, the Trainer's own "auto" decides."""
+    kwargs = presets.ddp(devices="auto", accelerator="auto")
     assert kwargs["accelerator"] == "gpu"
     assert kwargs["devices"] == "auto"
+    assert presets.ddp() == {"strategy": presets.DDP_STRATEGY}
 
 
 @pytest.mark.parametrize("num_nodes", [0, -1])
@@ -155,13 +158,7 @@ def test_importing_presets_twice_does_not_re_register() -> None:
 def test_fast_gpu_on_cpu_degrades_and_says_so(info: Mock) -> None:
     """Without CUDA, ``fast_gpu`` is DDP in full precision on the CPU, with the info line."""
     kwargs = presets.fast_gpu(devices=2)
-    assert kwargs == {
-        "accelerator": "cpu",
-        "devices": 2,
-        "num_nodes": 1,
-        "strategy": presets.DDP_STRATEGY,
-        "precision": "32-true",
-    }
+    assert kwargs == {"devices": 2, "strategy": presets.DDP_STRATEGY, "precision": "32-true"}
     info.assert_called_once()
 
 
@@ -169,8 +166,8 @@ def test_fast_gpu_on_cpu_degrades_and_says_so(info: Mock) -> None:
 def test_fast_gpu_on_cuda(info: Mock) -> None:
     """With CUDA: every GPU of each node, DDP, ``16-mixed``."""
     kwargs = presets.fast_gpu(num_nodes=2, static_graph=True)
-    assert kwargs["accelerator"] == "gpu"
-    assert kwargs["devices"] == "auto"
+    assert "accelerator" not in kwargs  # the Trainer's "auto" picks the GPU
+    assert "devices" not in kwargs  # the Trainer's "auto": every GPU
     assert kwargs["num_nodes"] == 2
     assert kwargs["precision"] == "16-mixed"
     assert kwargs["strategy"] == presets.DDP_STATIC_STRATEGY
@@ -208,6 +205,36 @@ def test_trainer_from_fast_gpu_on_cpu() -> None:
     assert trainer.precision == "32-true"
     assert isinstance(trainer.strategy, DDPStrategy)
     assert trainer.num_devices == 2
+
+
+@pytest.mark.usefixtures("no_cuda")
+def test_presets_combine_with_the_callers_own_trainer_arguments() -> None:
+    """``Trainer(accelerator="cpu", **preset(...))`` builds: a preset does not set what the caller did not ask for."""
+    trainer = _trainer(accelerator="cpu", **presets.ddp(devices=2))
+    assert isinstance(trainer.strategy, DDPStrategy)
+    assert trainer.num_devices == 2
+    trainer = _trainer(accelerator="cpu", devices=2, num_nodes=1, **presets.fast_gpu())
+    assert trainer.precision == "32-true"
+    assert trainer.num_devices == 2
+    trainer = _trainer(accelerator="cpu", **presets.mixed_precision())
+    assert isinstance(trainer.accelerator, CPUAccelerator)
+
+
+@pytest.mark.usefixtures("no_cuda")
+def test_trainer_arguments_passed_to_a_preset_win_over_its_choices(info: Mock) -> None:
+    """Any Trainer argument passed to a preset is returned as given, over the preset's own value."""
+    kwargs = presets.fast_gpu(devices=2, accelerator="cpu", precision="bf16-mixed", max_epochs=3)
+    assert kwargs == {
+        "accelerator": "cpu",
+        "devices": 2,
+        "strategy": presets.DDP_STRATEGY,
+        "precision": "bf16-mixed",
+        "max_epochs": 3,
+    }
+    info.assert_not_called()  # no "32-true because no CUDA" line when the caller chose the precision
+    trainer = _trainer(**presets.ddp(devices=2, accelerator="cpu", max_epochs=3))
+    assert trainer.max_epochs == 3
+    assert isinstance(trainer.strategy, DDPStrategy)
 
 
 def test_gpu_presets_name_a_gpu() -> None:

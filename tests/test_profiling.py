@@ -224,5 +224,8 @@ def test_profile_with_a_database_that_is_not_one_raises(tmp_path):
     """A mistyped ``database`` is an error that names it, not a silently missing profile."""
     folder = tmp_path / "images"
     folder.mkdir()
-    with pytest.raises(FileNotFoundError, match="is not a database"):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
         profile(folder, database=tmp_path / "nope")
+    (tmp_path / "plain").mkdir()
+    with pytest.raises(FileNotFoundError, match="is not a database"):
+        profile(folder, database=tmp_path / "plain")
