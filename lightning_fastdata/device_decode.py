@@ -15,7 +15,6 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 from torch.utils.data import Dataset, default_collate
-from torchvision.io import ImageReadMode, decode_jpeg
 
 from lightning_fastdata import _format
 from lightning_fastdata.dataset import LmdbImageDataset
@@ -146,6 +145,18 @@ def collate_encoded(samples: Sequence[tuple[tuple[Any, ...], Any]]) -> tuple[Enc
     return images, default_collate(labels)
 
 
+def decode_jpeg(data: Any, mode: str = "RGB", device: torch.device | str = "cpu") -> Any:
+    """``torchvision.io.decode_jpeg``, imported on first use.
+
+    Importing torchvision takes seconds (it loads ``torch._dynamo``), which every DataLoader worker process reading
+    batches would otherwise pay at start-up.
+    """
+    from torchvision.io import ImageReadMode
+    from torchvision.io import decode_jpeg as decode
+
+    return decode(data, mode=ImageReadMode[mode], device=device)
+
+
 _DECODE_STREAMS: dict[int, Any] = {}
 
 
@@ -165,7 +176,7 @@ def _decode_on_device(inputs: list[Tensor], device: torch.device) -> list[Tensor
     caller = torch.cuda.current_stream(device)
     stream.wait_stream(caller)  # inputs or earlier work the decode depends on
     with torch.cuda.stream(stream):
-        outputs = decode_jpeg(inputs, mode=ImageReadMode.RGB, device=device)
+        outputs = decode_jpeg(inputs, mode="RGB", device=device)
     caller.wait_stream(stream)
     for image in outputs:
         image.record_stream(caller)
@@ -189,7 +200,7 @@ def _decode_all(encoded: EncodedImages, device: torch.device) -> list[Tensor | C
     def decode(inputs: list[Tensor]) -> list[Tensor]:
         if device.type == "cuda":
             return _decode_on_device(inputs, device)
-        return [decode_jpeg(t, mode=ImageReadMode.RGB) for t in inputs]
+        return [decode_jpeg(t, mode="RGB") for t in inputs]
 
     outputs: list[Tensor | CorruptRecordError] = []
     if jpeg:  # a batch of raw or PNG records has nothing to decode (and batched nvJPEG rejects an empty list)

@@ -20,7 +20,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from lightning.fabric.utilities.apply_func import apply_to_collection
 from torch import Tensor
 from torch.utils.data import DataLoader
 
@@ -36,14 +35,25 @@ def side_stream(device: torch.device) -> Any:
     return stream
 
 
+def _apply(batch: Any, fn: Callable[[Tensor], Any]) -> Any:
+    """``fn`` on every tensor of a batch (Lightning's ``apply_to_collection``).
+
+    Imported where it is used: worker processes import this module to unpickle a batch reader, and importing
+    Lightning costs them seconds.
+    """
+    from lightning.fabric.utilities.apply_func import apply_to_collection
+
+    return apply_to_collection(batch, Tensor, fn)
+
+
 def _to_device(batch: Any, device: torch.device) -> Any:
     """Every tensor in the batch to ``device``, asynchronously (pinned sources copy without blocking the host)."""
-    return apply_to_collection(batch, Tensor, lambda t: t.to(device, non_blocking=True))
+    return _apply(batch, lambda t: t.to(device, non_blocking=True))
 
 
 def _record_stream(batch: Any, stream: Any) -> None:
     """Tell the caching allocator that ``stream`` uses the batch's tensors (they were allocated on the side stream)."""
-    apply_to_collection(batch, Tensor, lambda t: t.record_stream(stream) if t.is_cuda else None)
+    _apply(batch, lambda t: t.record_stream(stream) if t.is_cuda else None)
 
 
 def prefetch_to_device(

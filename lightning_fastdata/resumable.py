@@ -20,7 +20,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DistributedSampler
 
 from lightning_fastdata.prefetch import DevicePrefetchLoader
@@ -115,6 +114,8 @@ class ResumableLoader(DevicePrefetchLoader):
         }
         changed = {k: (state.get(k), v) for k, v in expected.items() if state.get(k) != v}
         if changed:
+            from lightning.pytorch.utilities import rank_zero_warn  # here: worker processes import this module too
+
             found = ", ".join(f"{k}: checkpoint {old!r}, now {new!r}" for k, (old, new) in changed.items())
             rank_zero_warn(
                 f"The training data changed since the checkpoint ({found}), so the resume cannot be exact: epoch"
