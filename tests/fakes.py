@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
-from unittest.mock import Mock
 
 import torch
 
 
-def fake_trainer(device: str | torch.device = "cpu", **kwargs: Any) -> Mock:
+def fake_trainer(device: str | torch.device = "cpu", **kwargs: Any) -> Any:
     """A stand-in Trainer with the attributes a DataModule reads, training on ``device`` (one process by default).
 
-    A test about one device says so with it: without a Trainer, a DataModule trains on CUDA when there is one.
+    A test about one device says so with it: without a Trainer, a DataModule trains on CUDA when there is one. A plain
+    namespace, not a ``Mock``: mocks refer to each other in cycles, so a loader reachable from one is freed only by
+    the garbage collector, and its persistent worker processes then take 5 s each to stop (pytorch/pytorch#81794).
     """
     defaults: dict[str, Any] = {
         "world_size": 1,
@@ -19,6 +21,6 @@ def fake_trainer(device: str | torch.device = "cpu", **kwargs: Any) -> Mock:
         "precision": "32-true",
         "distributed_sampler_kwargs": None,
         "limit_train_batches": 1.0,
-        "strategy": Mock(root_device=torch.device(device)),
+        "strategy": SimpleNamespace(root_device=torch.device(device)),
     }
-    return Mock(**{**defaults, **kwargs})
+    return SimpleNamespace(**{**defaults, **kwargs})

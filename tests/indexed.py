@@ -6,22 +6,11 @@ from collections.abc import Callable
 from typing import Any
 
 from torch.utils.data import Dataset
+from workers import WithIndex
 
 from lightning_fastdata import FastImageDataModule
 
-
-class WithIndex(Dataset):
-    """Items ``(image, label, index)``: the index identifies the sample in its database split."""
-
-    def __init__(self, dataset: Dataset) -> None:
-        self.dataset = dataset
-
-    def __len__(self) -> int:
-        return len(self.dataset)  # type: ignore[arg-type]
-
-    def __getitem__(self, index: int) -> tuple[Any, Any, int]:
-        image, label = self.dataset[index]
-        return image, label, index
+__all__ = ["IndexedDataModule", "WithIndex"]
 
 
 class IndexedDataModule(FastImageDataModule):

@@ -29,9 +29,9 @@ import psutil
 import pytest
 import torch
 from fakes import fake_trainer
-from indexed import WithIndex
 from PIL import Image
 from torch.utils.data import Dataset
+from workers import RaiseOn, WithIndex, image_digest, read_all_encoded, records_digest
 
 from lightning_fastdata import (
     CorruptRecordError,
@@ -45,7 +45,6 @@ from lightning_fastdata import (
     make_image_folder,
     read_meta,
 )
-from lightning_fastdata.transforms import CenterCropResize
 
 
 @pytest.fixture(scope="module")
@@ -65,26 +64,9 @@ def _copy(db: Path, dst: Path) -> Path:
     return dst
 
 
-def _digest(image: torch.Tensor) -> str:
-    return hashlib.sha256(image.contiguous().numpy().tobytes()).hexdigest()
-
-
 # -----------------------------------------------------------------------------------------------------------------
 # 1. A transform that raises in a worker; on_bad_sample="skip"
 # -----------------------------------------------------------------------------------------------------------------
-
-
-class _RaiseOn:
-    """A training transform that raises ``ValueError("boom")`` for the decoded images in ``bad`` (all if ``None``)."""
-
-    def __init__(self, bad: frozenset[str] | None, size: int) -> None:
-        self.bad = bad
-        self.inner = CenterCropResize(size)
-
-    def __call__(self, image: torch.Tensor) -> torch.Tensor:
-        if self.bad is None or _digest(image) in self.bad:
-            raise ValueError("boom")
-        return self.inner(image)
 
 
 class _FaultyModule(FastImageDataModule):
@@ -93,7 +75,7 @@ class _FaultyModule(FastImageDataModule):
     bad_images: frozenset[str] | None = frozenset()
 
     def train_transform(self) -> Callable[[torch.Tensor], torch.Tensor]:
-        return _RaiseOn(self.bad_images, self.image_size)
+        return RaiseOn(self.bad_images, self.image_size)
 
     def build_dataset(self, split: str, transform: Callable[[Any], Any] | None) -> Dataset:
         return WithIndex(super().build_dataset(split, transform))
@@ -138,7 +120,7 @@ BAD_INDEX = 7
 
 def _bad_image(db: Path) -> frozenset[str]:
     """The digest of the decoded image ``BAD_INDEX``, which must differ from every other image's."""
-    digests = [_digest(image) for image, _ in LmdbImageDataset(db)]
+    digests = [image_digest(image) for image, _ in LmdbImageDataset(db)]
     assert len(set(digests)) == len(digests)
     return frozenset({digests[BAD_INDEX]})
 
@@ -175,6 +157,9 @@ def test_skip_leaves_the_failing_sample_out_and_counts_it(fault_db: Path, tmp_pa
     seen = _seen_indices(loader)  # a second epoch, same persistent workers: counted again
     assert sorted(seen) == [i for i in range(40) if i != BAD_INDEX]
     assert dm.skipped_samples == 2
+    # stop the persistent workers now: left to the garbage collector (this frame outlives the test in pytest), each
+    # takes 5 s to stop, in whichever test runs next (pytorch/pytorch#81794)
+    del loader
 
 
 def _damage_record(db: Path, index: int) -> None:
@@ -498,14 +483,6 @@ def _tree_digest(root: Path) -> dict[str, str]:
     return out
 
 
-def _records_digest(db: Path) -> str:
-    dataset = LmdbImageDataset(db, output="encoded")
-    digest = hashlib.sha256()
-    for image, label in dataset:
-        digest.update(image.numpy().tobytes() + label.to_bytes(4, "little"))
-    return digest.hexdigest()
-
-
 def test_disk_full_during_conversion_publishes_nothing(tmp_path: Path) -> None:
     """Writes failing with EFBIG make convert raise ConversionError, leave no partial output and keep the source."""
     src = make_image_folder(
@@ -549,7 +526,7 @@ def test_disk_full_during_conversion_publishes_nothing(tmp_path: Path) -> None:
     summary = convert(src, dst, short_side=0, num_workers=0, progress=False)
     assert summary.written == 60
     assert not summary.skipped
-    assert _records_digest(dst) == _records_digest(reference)
+    assert records_digest(dst) == records_digest(reference)
     assert _tree_digest(src) == source_before
 
 
@@ -626,14 +603,6 @@ _TRAIN_SCRIPT = textwrap.dedent(
 )
 
 
-def _read_all_encoded(db: str, passes: int = 5) -> str:
-    """The sha256 of every record's stored bytes and label, read ``passes`` times (all passes must agree)."""
-    digests = {_records_digest(Path(db)) for _ in range(passes)}
-    if len(digests) != 1:
-        raise AssertionError(f"passes over {db} disagreed: {digests}")
-    return digests.pop()
-
-
 def _wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
@@ -644,7 +613,7 @@ def _wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:
 
 def test_eight_spawned_readers_during_training_read_identical_bytes(fault_db: Path, tmp_path: Path) -> None:
     """Eight spawned processes read the database while a Trainer fits on it: same bytes everywhere, no lock errors."""
-    expected = _read_all_encoded(str(fault_db), passes=1)
+    expected = read_all_encoded(str(fault_db), passes=1)
     started, stop = tmp_path / "started", tmp_path / "stop"
     log = tmp_path / "train.log"
     with open(log, "w") as log_file:
@@ -657,7 +626,7 @@ def test_eight_spawned_readers_during_training_read_identical_bytes(fault_db: Pa
         _wait_for(lambda: started.exists() or trainer.poll() is not None, 90, "the first training step")
         assert trainer.poll() is None, log.read_text()
         with multiprocessing.get_context("spawn").Pool(8) as pool:
-            digests = pool.map_async(_read_all_encoded, [str(fault_db)] * 8).get(timeout=120)
+            digests = pool.map_async(read_all_encoded, [str(fault_db)] * 8).get(timeout=120)
         assert trainer.poll() is None, log.read_text()  # the readers overlapped a running fit
         stop.touch()
         trainer.wait(timeout=60)
