@@ -21,8 +21,11 @@ lint: $(STAMP)
 	$(BIN)/ruff check lightning_fastdata tests examples benchmarks
 	$(BIN)/ruff format --check lightning_fastdata tests examples benchmarks
 
+# Two pytest processes, a test file each: most of the suite waits on subprocesses (DDP runs, killed-and-resumed
+# runs, spawned readers). A module's fixtures stay in one process. PYTEST_WORKERS=0 runs it in one process.
+PYTEST_WORKERS ?= 2
 unit: $(STAMP)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile
 
 test: lint unit
 
