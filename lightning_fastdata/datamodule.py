@@ -29,11 +29,14 @@ from lightning_fastdata.errors import DestinationError, ReadOnlyDestinationError
 from lightning_fastdata.loader import BatchReader, FastLoader
 from lightning_fastdata.resumable import ResumableSampler
 from lightning_fastdata.skipping import SkipCounter
-from lightning_fastdata.transforms import CenterCropResize, Normalizer, RandomResizedCropFlip
+from lightning_fastdata.transforms import (
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    CenterCropResize,
+    Normalizer,
+    RandomResizedCropFlip,
+)
 from lightning_fastdata.tuning import LoaderConfig, TuneCache, quick_tune
-
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
 
 log = logging.getLogger(__name__)
 
@@ -210,8 +213,6 @@ class FastImageDataModule(LightningDataModule):
         self.prefetch_factor = prefetch_factor
         self.val_fraction = val_fraction
         self.seed = seed
-        self.mean = torch.tensor(mean, dtype=torch.float32)
-        self.std = torch.tensor(std, dtype=torch.float32)
         self.normalizer = Normalizer(tuple(mean), tuple(std))
         self.scale = tuple(scale)
         self.crop_fraction = crop_fraction

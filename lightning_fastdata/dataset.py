@@ -15,12 +15,19 @@ import numpy as np
 import simplejpeg
 import torch
 from PIL import Image
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, default_collate
 
 from lightning_fastdata import _format
 from lightning_fastdata.errors import CorruptRecordError, SampleError
 
 Output = Literal["tensor", "pil", "encoded"]
+
+
+def collate_labels(labels: list[Any]) -> Any:
+    """A batch's labels: one ``int64`` tensor for class indices (no per-label tensor), else ``default_collate``."""
+    if all(type(label) is int for label in labels):
+        return torch.tensor(labels, dtype=torch.int64)
+    return default_collate(labels)
 
 
 class LmdbImageDataset(Dataset):

@@ -14,14 +14,13 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch.nn import functional as F
-from torch.utils.data import Dataset, default_collate
+from torch.utils.data import Dataset
 
 from lightning_fastdata import _format
-from lightning_fastdata.dataset import LmdbImageDataset
+from lightning_fastdata.dataset import LmdbImageDataset, collate_labels
 from lightning_fastdata.errors import CorruptRecordError, SampleError
-
-#: ``(top, left, height, width)`` of the crop in source pixels
-Box = tuple[int, int, int, int]
+from lightning_fastdata.prefetch import side_stream
+from lightning_fastdata.transforms import Box
 
 
 class EncodedImages:
@@ -140,9 +139,7 @@ def collate_encoded(samples: Sequence[tuple[tuple[Any, ...], Any]]) -> tuple[Enc
         torch.tensor(flips, dtype=torch.bool),
         records if len(records) == len(data) else None,
     )
-    if all(type(label) is int for label in labels):
-        return images, torch.tensor(labels, dtype=torch.int64)
-    return images, default_collate(labels)
+    return images, collate_labels(labels)
 
 
 def decode_jpeg(data: Any, mode: str = "RGB", device: torch.device | str = "cpu") -> Any:
@@ -157,9 +154,6 @@ def decode_jpeg(data: Any, mode: str = "RGB", device: torch.device | str = "cpu"
     return decode(data, mode=ImageReadMode[mode], device=device)
 
 
-_DECODE_STREAMS: dict[int, Any] = {}
-
-
 def _decode_on_device(inputs: list[Tensor], device: torch.device) -> list[Tensor]:
     """Batched nvJPEG decode on a dedicated stream, made safe for the caller's stream.
 
@@ -169,10 +163,7 @@ def _decode_on_device(inputs: list[Tensor], device: torch.device) -> list[Tensor
     for it, and ``record_stream`` keeps each output's memory from being reused until the caller's work on it is done.
     No host synchronization is added.
     """
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    stream = _DECODE_STREAMS.get(index)
-    if stream is None:
-        stream = _DECODE_STREAMS[index] = torch.cuda.Stream(device=index)
+    stream = side_stream(device, "decode")
     caller = torch.cuda.current_stream(device)
     stream.wait_stream(caller)  # inputs or earlier work the decode depends on
     with torch.cuda.stream(stream):

@@ -41,7 +41,7 @@ from torch import Tensor
 from torch.utils.data import Dataset, DistributedSampler, default_collate, get_worker_info
 
 from lightning_fastdata._format import RecordHeader
-from lightning_fastdata.dataset import LmdbImageDataset
+from lightning_fastdata.dataset import LmdbImageDataset, collate_labels
 from lightning_fastdata.device_decode import collate_encoded, encoded_sample
 from lightning_fastdata.errors import FastDataError, SampleError
 from lightning_fastdata.keyed_random import AugmentKey, sample_key
@@ -243,7 +243,7 @@ class BatchReader(Dataset):
         if base.target_transform is not None:
             labels = [base.target_transform(label) for label in labels]
         images = images[: len(labels)]
-        return self._as_nchw(images), self._pin_labels(self._labels(labels))
+        return self._as_nchw(images), self._pin_labels(collate_labels(labels))
 
     def _boxes(self, found: list[tuple[Any, ...]], key: AugmentKey | None) -> tuple[list[Box], list[bool]]:
         """The crop boxes and flips of the records ``found`` (``((index, record), header, ...)``), from their keys."""
@@ -344,12 +344,6 @@ class BatchReader(Dataset):
     def _as_nchw(self, images: Tensor) -> Tensor:
         nhwc = self.output == "uint8" or self.channels_last
         return images.permute(0, 3, 1, 2) if nhwc else images
-
-    @staticmethod
-    def _labels(labels: list[Any]) -> Any:
-        if all(type(label) is int for label in labels):
-            return torch.tensor(labels, dtype=torch.int64)
-        return default_collate(labels)
 
     def _buffer(self, name: str, nbytes: int) -> np.ndarray:
         """This thread's reusable flat buffer ``name`` (decoded image, prefiltered crop): no page faults per image."""

@@ -23,15 +23,19 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader
 
-_SIDE_STREAMS: dict[int, Any] = {}
+#: (role, device index) -> the stream: one cache for every side stream of the package
+_SIDE_STREAMS: dict[tuple[str, int], Any] = {}
 
 
-def side_stream(device: torch.device) -> Any:
-    """The one persistent copy stream of a CUDA device (created on first use)."""
+def side_stream(device: torch.device, role: str = "copy") -> Any:
+    """The one persistent stream of a CUDA device for ``role`` (created on first use).
+
+    ``"copy"``: host-to-device copies of the next batch; ``"decode"``: nvJPEG decodes (``decode="device"``).
+    """
     index = device.index if device.index is not None else torch.cuda.current_device()
-    stream = _SIDE_STREAMS.get(index)
+    stream = _SIDE_STREAMS.get((role, index))
     if stream is None:
-        stream = _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
+        stream = _SIDE_STREAMS[role, index] = torch.cuda.Stream(device=index)
     return stream
 
 

@@ -21,7 +21,7 @@ from torch.utils.data import default_collate
 
 from lightning_fastdata import _format
 from lightning_fastdata.dataset import LmdbImageDataset
-from lightning_fastdata.transforms import RandomResizedCropFlip, crop_resize_into
+from lightning_fastdata.transforms import IMAGENET_MEAN, IMAGENET_STD, RandomResizedCropFlip, crop_resize_into
 
 
 @dataclass
@@ -166,7 +166,6 @@ def profile_folder(
     from torchvision import transforms
 
     from lightning_fastdata.convert import image_folder, open_image_file, train_folder
-    from lightning_fastdata.datamodule import IMAGENET_MEAN, IMAGENET_STD
 
     train = train_folder(root)
     dataset = image_folder(train)

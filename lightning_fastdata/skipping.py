@@ -4,12 +4,6 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
-from collections.abc import Callable, Sequence
-from typing import Any
-
-from torch.utils.data import Dataset, default_collate
-
-from lightning_fastdata.errors import FastDataError, SampleError
 
 log = logging.getLogger(__name__)
 
@@ -42,42 +36,3 @@ class SkipCounter:
     def value(self) -> int:
         """The count so far."""
         return int(self._value.value)
-
-
-class SkipBadSamples(Dataset):
-    """Returns ``None`` instead of raising for a sample that fails with one of this package's errors.
-
-    Errors that are not about the sample (``IndexError``, a bug raising ``TypeError`` outside the transform, ...)
-    still propagate. Use with :class:`SkippingCollate`.
-    """
-
-    def __init__(self, dataset: Dataset, counter: SkipCounter) -> None:
-        self.dataset = dataset
-        self.counter = counter
-
-    def __len__(self) -> int:
-        return len(self.dataset)  # type: ignore[arg-type]
-
-    def __getitem__(self, index: int) -> Any:
-        try:
-            return self.dataset[index]
-        except FastDataError as err:
-            self.counter.skip(err)
-            return None
-
-
-class SkippingCollate:
-    """Collates the samples that are not ``None`` (with ``collate_fn``, default: PyTorch's ``default_collate``)."""
-
-    def __init__(self, collate_fn: Callable[[Sequence[Any]], Any] | None = None) -> None:
-        self.collate_fn = collate_fn or default_collate
-
-    def __call__(self, samples: Sequence[Any]) -> Any:
-        """Collate the good samples of a batch."""
-        good = [sample for sample in samples if sample is not None]
-        if not good:
-            raise SampleError(
-                f"all {len(samples)} samples of a batch failed and were skipped; the data is likely unreadable"
-                " (see the warnings above). Check the database with `LmdbImageDataset` directly."
-            )
-        return self.collate_fn(good)

@@ -35,6 +35,10 @@ from torch import Tensor
 from lightning_fastdata._cv import cv2
 from lightning_fastdata.keyed_random import AugmentKey, current_uniforms, keyed_uniforms
 
+#: ImageNet's per-channel mean and standard deviation on the 0-1 scale: the package's default normalization
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
 #: ``(top, left, height, width)`` of a crop in source pixels
 Box = tuple[int, int, int, int]
 

@@ -402,12 +402,14 @@ def sweep_dataset(
         raise FileNotFoundError(f"`data` {str(path)!r} is neither a database nor an image folder.")
     from torchvision import transforms
 
+    from lightning_fastdata.transforms import IMAGENET_MEAN, IMAGENET_STD
+
     standard = transforms.Compose(
         [
             transforms.RandomResizedCrop(image_size),
             transforms.RandomHorizontalFlip(),
             transforms.ToTensor(),
-            transforms.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)),
+            transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD),
         ]
     )
     return image_folder(train_folder(path), transform=standard), "image folder"

@@ -398,7 +398,7 @@ def test_datamodule_to_model_input_copies_nothing_per_batch(copies: list[tuple[i
 
 def test_device_decode_runs_nvjpeg_on_its_own_stream(monkeypatch: pytest.MonkeyPatch) -> None:
     """nvJPEG decodes under a dedicated current stream; the caller's stream waits for it and records the outputs."""
-    from lightning_fastdata import device_decode
+    from lightning_fastdata import device_decode, prefetch
 
     log: list[str] = []
 
@@ -430,7 +430,7 @@ def test_device_decode_runs_nvjpeg_on_its_own_stream(monkeypatch: pytest.MonkeyP
         log.append(f"decode on {current[-1].name}")
         return [Output() for _ in inputs]
 
-    monkeypatch.setattr(device_decode, "_DECODE_STREAMS", {})
+    monkeypatch.setattr(prefetch, "_SIDE_STREAMS", {})
     monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: Stream("decode"))
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[-1])
     monkeypatch.setattr(torch.cuda, "stream", Context)

@@ -99,15 +99,15 @@ class _FakeCuda:
 
 
 @pytest.fixture
-def side_streams(monkeypatch: pytest.MonkeyPatch) -> dict[int, Any]:
+def side_streams(monkeypatch: pytest.MonkeyPatch) -> dict[tuple[str, int], Any]:
     """An empty side-stream cache for this test (the module's own cache is restored afterwards)."""
-    cache: dict[int, Any] = {}
+    cache: dict[tuple[str, int], Any] = {}
     monkeypatch.setattr(prefetch_module, "_SIDE_STREAMS", cache)
     return cache
 
 
 @pytest.fixture
-def fake_cuda(monkeypatch: pytest.MonkeyPatch, side_streams: dict[int, Any]) -> _FakeCuda:
+def fake_cuda(monkeypatch: pytest.MonkeyPatch, side_streams: dict[tuple[str, int], Any]) -> _FakeCuda:
     """CUDA streams patched with logging fakes; copies and ``record_stream`` are left to the test to patch."""
     cuda = _FakeCuda()
     monkeypatch.setattr(torch.cuda, "Stream", cuda.Stream)
@@ -277,7 +277,7 @@ def test_single_and_empty_input(logged_copies: _FakeCuda) -> None:
 
 
 def test_one_side_stream_per_device_reused_across_epochs(
-    logged_copies: _FakeCuda, side_streams: dict[int, Any]
+    logged_copies: _FakeCuda, side_streams: dict[tuple[str, int], Any]
 ) -> None:
     """Each device gets one persistent side stream, created on first use and reused by every later epoch."""
     cuda = logged_copies
@@ -285,18 +285,19 @@ def test_one_side_stream_per_device_reused_across_epochs(
         assert len(list(prefetch_to_device(iter([_Batch(0), _Batch(1)]), torch.device("cuda", 0)))) == 2
     assert len(cuda.created) == 1
     first = cuda.created[0]
-    assert side_streams == {0: first}
+    assert side_streams == {("copy", 0): first}
     assert all(stream is first for stream in cuda.entered)
 
     list(prefetch_to_device(iter([_Batch(0)]), torch.device("cuda", 1)))
     assert len(cuda.created) == 2
-    assert side_streams[1] is cuda.created[1] is not first
+    assert side_streams["copy", 1] is cuda.created[1] is not first
     assert cuda.created[1].name == "side1"
 
     list(prefetch_to_device(iter([_Batch(0)]), torch.device("cuda")))  # no index: the current device, 0
     assert len(cuda.created) == 2
     assert side_stream(torch.device("cuda")) is first
-    assert side_stream(torch.device("cuda", 1)) is side_streams[1]
+    assert side_stream(torch.device("cuda", 1)) is side_streams["copy", 1]
+    assert side_stream(torch.device("cuda", 0), "decode") is not first  # another role: its own stream
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -551,7 +552,7 @@ def test_ddp_through_prefetch_loader_runs_equal_batches(ddp_run: list[dict[str, 
 
 
 @pytest.mark.cuda
-def test_gpu_batches_equal_with_and_without_prefetch(database: Path, side_streams: dict[int, Any]) -> None:
+def test_gpu_batches_equal_with_and_without_prefetch(database: Path, side_streams: dict[tuple[str, int], Any]) -> None:
     """On CUDA, prefetched batches (normalized on the side stream) equal the plain loader's after ``to_model_input``."""
     trainer = _fake_trainer(torch.device("cuda", 0))
     prefetched, plain = _dm(database, pin_memory=True), _dm(database, pin_memory=True, prefetch_to_device=False)
@@ -576,7 +577,7 @@ def test_gpu_batches_equal_with_and_without_prefetch(database: Path, side_stream
 
 
 @pytest.mark.cuda
-def test_gpu_memory_does_not_grow_over_epochs(side_streams: dict[int, Any]) -> None:
+def test_gpu_memory_does_not_grow_over_epochs(side_streams: dict[tuple[str, int], Any]) -> None:
     """Five epochs of prefetching leave allocated device memory where the first left it, on one side stream."""
     images = torch.randint(0, 256, (64, 3, 32, 32), dtype=torch.uint8)
     dataset = TensorDataset(images, torch.arange(64))
