@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-gpu lint unit venv clean
+.PHONY: demo test test-fast test-gpu lint unit venv clean
 
 venv: $(STAMP)
 
@@ -28,6 +28,11 @@ unit: $(STAMP)
 	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile
 
 test: lint unit
+
+# While editing: everything but the tests marked `slow` (DDP and killed-and-resumed subprocess runs, spawned readers,
+# conversions interrupted on purpose). CI (`make test`) runs them all.
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile -m "not slow"
 
 # On a GPU machine: only the tests marked `cuda` (skipped elsewhere), a short 16-mixed fit among them. Without a package
 # registry, run `python -m pytest -m cuda` where the dependencies are installed.

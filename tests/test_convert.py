@@ -1204,6 +1204,7 @@ print("converted", summary.written)
 """
 
 
+@pytest.mark.slow
 def test_forked_conversion_workers_after_opencv_use_do_not_deadlock(tmp_path):
     """A fork pool started after the parent ran OpenCV converts: importing the package turns OpenCV's pool off.
 
@@ -1358,6 +1359,7 @@ def _two_class_source(root: Path) -> Path:
     return root
 
 
+@pytest.mark.slow
 def test_ctrl_c_during_convert_prints_one_line_not_worker_tracebacks(tmp_path):
     """SIGINT to the process group of ``convert --workers 2``: exit 130, one line on stderr, nothing left."""
     src, dst = _two_class_source(tmp_path / "src"), tmp_path / "out" / "db.lmdb"
@@ -1371,6 +1373,7 @@ def test_ctrl_c_during_convert_prints_one_line_not_worker_tracebacks(tmp_path):
     assert sorted(p.name for p in dst.parent.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_a_running_conversion_is_named_and_left_alone_by_clean(tmp_path):
     """Opening ``.X.partial`` while a conversion writes it names the converting process; ``--clean`` keeps it."""
     from lightning_fastdata.cli import main
@@ -1387,6 +1390,7 @@ def test_a_running_conversion_is_named_and_left_alone_by_clean(tmp_path):
         assert proc.poll() is None
 
 
+@pytest.mark.slow
 def test_a_killed_conversion_is_reported_and_cleaned_by_convert_clean(tmp_path, capsys, caplog):
     """After SIGKILL the stale working copy is named as left by a dead converter, reported by the next conversion in
     its folder, and removed (with its lock file) by ``convert --clean``; complete databases stay."""

@@ -696,6 +696,7 @@ def read_only_cache(
     return results
 
 
+@pytest.mark.slow
 def test_an_up_to_date_database_in_a_read_only_cache_is_read(read_only_cache: dict[str, Any]) -> None:
     """``FastImageDataModule(src, cache_dir=<read-only folder holding its database>)`` trains from it, quietly."""
     step = read_only_cache["up_to_date"]

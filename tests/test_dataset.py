@@ -222,7 +222,7 @@ def test_train_and_val_share_one_environment(database):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("context", ["fork", "spawn"])
+@pytest.mark.parametrize("context", ["fork", pytest.param("spawn", marks=pytest.mark.slow)])
 def test_dataloader_workers_yield_every_sample_once(database, context):
     """Two DataLoader workers (fork or spawn) together yield every sample exactly once, with the right pixels."""
     ds = LmdbImageDataset(database, "train")

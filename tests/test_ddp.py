@@ -59,6 +59,7 @@ def two_epochs(ddp_database: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     return _run(ddp_database, tmp_path_factory.mktemp("ddp_seed0") / "out", seed=0, epochs=2)
 
 
+@pytest.mark.slow
 def test_ddp_shards_cover_the_training_set(two_epochs: list[dict[str, Any]]) -> None:
     """Each epoch, the two ranks together see every training sample once, apart from the sampler's padding."""
     rank0, rank1 = two_epochs
@@ -86,6 +87,7 @@ def test_ddp_shards_cover_the_training_set(two_epochs: list[dict[str, Any]]) -> 
         assert len(set(first) & set(second)) == duplicates  # the padding is the only overlap
 
 
+@pytest.mark.slow
 def test_ddp_ranks_run_the_same_number_of_batches(two_epochs: list[dict[str, Any]]) -> None:
     """Both ranks run the same number of batches each epoch (no rank waits on a collective forever)."""
     rank0, rank1 = two_epochs
@@ -93,6 +95,7 @@ def test_ddp_ranks_run_the_same_number_of_batches(two_epochs: list[dict[str, Any
     assert rank0["batches"] == rank1["batches"] == [expected, expected]
 
 
+@pytest.mark.slow
 def test_ddp_shuffle_changes_with_epoch(two_epochs: list[dict[str, Any]]) -> None:
     """The sampler is re-seeded each epoch: the order and the split between ranks change."""
     for rank in two_epochs:
@@ -115,6 +118,7 @@ def _seeded_orders(database: Path, seed: int, rank: int, epochs: int) -> list[li
     return orders
 
 
+@pytest.mark.slow
 def test_ddp_order_is_reproducible_from_seed(ddp_database: Path, two_epochs: list[dict[str, Any]]) -> None:
     """Each rank's order in the real DDP run is the one the seeded sampler gives its rank and epoch, computed in
     another process: a function of the seed alone, so every run repeats it; another seed gives another order.

@@ -125,6 +125,7 @@ def _bad_image(db: Path) -> frozenset[str]:
     return frozenset({digests[BAD_INDEX]})
 
 
+@pytest.mark.slow
 def test_transform_error_in_a_worker_names_split_index_and_cause(fault_db: Path, tmp_path: Path) -> None:
     """A transform raising in a DataLoader worker surfaces as a SampleError naming the split, index and cause."""
     dm = _faulty_module(fault_db, tmp_path, _bad_image(fault_db), "raise")
@@ -143,7 +144,7 @@ def test_transform_error_in_a_worker_names_split_index_and_cause(fault_db: Path,
     gc.collect()
 
 
-@pytest.mark.parametrize("context", ["fork", "spawn", "threads"])
+@pytest.mark.parametrize("context", ["fork", pytest.param("spawn", marks=pytest.mark.slow), "threads"])
 def test_skip_leaves_the_failing_sample_out_and_counts_it(fault_db: Path, tmp_path: Path, context: str) -> None:
     """Under ``on_bad_sample="skip"`` an epoch finishes without the failing sample, counted once across workers."""
     engine = "threads" if context == "threads" else "processes"
@@ -230,6 +231,7 @@ _KILL_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_worker_killed_by_a_signal_raises_instead_of_hanging(fault_db: Path, tmp_path: Path) -> None:
     """A DataLoader worker dying of SIGKILL makes iteration raise a RuntimeError naming the worker, within a timeout."""
     proc = subprocess.run(
@@ -369,6 +371,7 @@ def _overwrite_blocks(path: Path, seed: int, blocks: int = 20, length: int = 64)
             fh.write(rng.randbytes(length))
 
 
+@pytest.mark.slow
 def test_overwritten_blocks_raise_only_package_errors(fault_db: Path, tmp_path: Path) -> None:
     """Random 64-byte blocks overwritten anywhere in ``data.mdb``: reading raises only this package's errors.
 
@@ -611,6 +614,7 @@ def _wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:
         time.sleep(0.1)
 
 
+@pytest.mark.slow
 def test_eight_spawned_readers_during_training_read_identical_bytes(fault_db: Path, tmp_path: Path) -> None:
     """Eight spawned processes read the database while a Trainer fits on it: same bytes everywhere, no lock errors."""
     expected = read_all_encoded(str(fault_db), passes=1)

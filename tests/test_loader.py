@@ -486,6 +486,7 @@ def test_cuda_training_steps_never_synchronize(database: Path) -> None:
     assert steps == len(loader) - 1
 
 
+@pytest.mark.slow
 def test_a_worker_process_imports_neither_lightning_nor_torchvision() -> None:
     """Unpickling a batch reader in a spawned worker imports the batch path only: Lightning and torchvision (which
     loads ``torch._dynamo``) cost each worker seconds of start-up (6.3 s -> 3.7 s to import it here)."""

@@ -1260,6 +1260,7 @@ def test_data_wait_agrees_with_simple_profiler():
     assert sum(monitor.wait_ms) == pytest.approx(profiled_ms, rel=0.15)
 
 
+@pytest.mark.slow
 def test_ddp_summary_names_the_slowest_rank(tmp_path):
     """Under 2-process DDP on the CPU, every rank's wait is gathered and the slow-loading rank 1 is named."""
     env = {k: v for k, v in os.environ.items() if k not in _DIST_VARS}

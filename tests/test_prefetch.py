@@ -518,6 +518,7 @@ def ddp_run(database: Path, tmp_path_factory: pytest.TempPathFactory) -> list[di
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
 
 
+@pytest.mark.slow
 def test_ddp_through_prefetch_loader_covers_the_training_set(ddp_run: list[dict[str, Any]]) -> None:
     """Each epoch, the two ranks' DevicePrefetchLoaders together see every training sample (padding aside)."""
     rank0, rank1 = ddp_run
@@ -539,6 +540,7 @@ def test_ddp_through_prefetch_loader_covers_the_training_set(ddp_run: list[dict[
     assert rank0["epochs"][0] != rank0["epochs"][1]  # reshuffled by epoch
 
 
+@pytest.mark.slow
 def test_ddp_through_prefetch_loader_runs_equal_batches(ddp_run: list[dict[str, Any]]) -> None:
     """Both ranks run the same number of batches every epoch (no rank waits on a collective forever)."""
     rank0, rank1 = ddp_run

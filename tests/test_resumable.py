@@ -503,6 +503,7 @@ def single_runs(resume_database: Path, tmp_path_factory: pytest.TempPathFactory)
     return {"full": full, "killed": [_records(root / "b", 0)], "ckpt": root / "b" / "ckpt"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k", [5, 15])
 def test_killed_run_resumes_exactly(resume_database: Path, single_runs: dict[str, Any], tmp_path: Path, k: int) -> None:
     """Killed after its step-``k`` checkpoint (mid-epoch at 5, epoch end at 15) and resumed: the same batches as A."""
@@ -521,6 +522,7 @@ def test_killed_run_resumes_exactly(resume_database: Path, single_runs: dict[str
         assert (first["epoch"], first["batch_idx"]) == (0, k)
 
 
+@pytest.mark.slow
 def test_resume_at_epoch_end_under_limit_train_batches(resume_database: Path, tmp_path: Path) -> None:
     """``limit_train_batches=10`` ends each epoch after 10 of its 15 batches: resuming there starts epoch 1."""
     full = _train(resume_database, tmp_path / "a", "fit", devices=1, every=5, limit=10)
@@ -539,6 +541,7 @@ def _sampler_order(epoch: int, n: int) -> list[list[int]]:
     return [order[i : i + 4] for i in range(0, n, 4)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("val", [False, True], ids=["on_train_epoch_end", "on_validation_end"])
 def test_resume_from_end_of_epoch_checkpoint(resume_database: Path, tmp_path: Path, val: bool) -> None:
     """Resumed from ``ModelCheckpoint``'s default end-of-epoch checkpoint, epoch 1 is the uninterrupted run's epoch 1.
@@ -634,6 +637,7 @@ def _resume_datamodule(database: Path, device: str, **kwargs: Any) -> FastImageD
     return dm
 
 
+@pytest.mark.slow
 def test_a_resumed_epoch_is_bit_identical_on_every_engine(database: Path) -> None:
     """Mid-epoch resume continues with the same samples *and the same crops and flips*, on every engine.
 

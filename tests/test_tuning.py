@@ -473,6 +473,7 @@ def test_sweep_dataset_missing_path(tmp_path):
         sweep_dataset(tmp_path / "file.txt")
 
 
+@pytest.mark.slow
 def test_plot_sweep_writes_a_png(tmp_path):
     """``plot_sweep`` saves a PNG of the sweep."""
     pytest.importorskip("matplotlib")
