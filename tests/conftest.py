@@ -10,6 +10,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -48,6 +49,25 @@ def database(split_folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
     summary = convert(split_folder, dst, short_side=SESSION_SHORT_SIDE, num_workers=2, progress=False)
     assert not summary.skipped
     return dst
+
+
+@pytest.fixture(scope="session")
+def make_database(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """A factory for a module's own database: ``make_database(name, short_side=256, convert_workers=0, **folder)``.
+
+    Generates an image folder (``make_image_folder(**folder)``, one worker by default) in ``<tmp>/<name>/src`` and
+    converts it to ``<tmp>/<name>/db.lmdb``, which it returns; the source folder is ``db.parent / "src"``.
+    """
+
+    def make(name: str, short_side: int | None = 256, convert_workers: int | None = 0, **folder: Any) -> Path:
+        root = tmp_path_factory.mktemp(name)
+        src = make_image_folder(root / "src", **{"num_workers": 1, **folder})
+        db = root / "db.lmdb"
+        summary = convert(src, db, short_side=short_side, num_workers=convert_workers, progress=False)
+        assert not summary.skipped
+        return db
+
+    return make
 
 
 @pytest.fixture

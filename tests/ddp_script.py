@@ -11,46 +11,24 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import torch
-from indexed import IndexedDataModule
-from lightning.pytorch import LightningModule, Trainer
+from indexed import IndexedDataModule, RecordingModel
+from lightning.pytorch import Trainer
 from torch.nn import functional as F
 
 
-class RecordingModel(LightningModule):
-    """A linear classifier on the mean colour that records the sample indices of every training batch."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.layer = torch.nn.Linear(3, 2)
-        self.seen: list[list[int]] = []
-        self.batches: list[int] = []
-        self.dtypes: set[str] = set()
-
-    def on_train_epoch_start(self) -> None:
-        self.seen.append([])
-        self.batches.append(0)
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        images, labels, indices = batch
-        self.dtypes.add(str(images.dtype))
-        self.seen[-1].extend(indices.tolist())
-        self.batches[-1] += 1
-        return F.cross_entropy(self.layer(images.mean(dim=(2, 3))), labels)
+class ValidatedModel(RecordingModel):
+    """:class:`RecordingModel` with a validation step (its loss synchronized across ranks)."""
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         images, labels, _ = batch
         self.log("val_loss", F.cross_entropy(self.layer(images.mean(dim=(2, 3))), labels), sync_dist=True)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
 def main(data_dir: str, out_dir: str, seed: int, epochs: int) -> None:
     dm = IndexedDataModule(
         data_dir, image_size=16, batch_size=4, num_workers=0, val_fraction=0.1, seed=seed, drop_last=False
     )
-    model = RecordingModel()
+    model = ValidatedModel()
     trainer = Trainer(
         accelerator="cpu",
         devices=2,

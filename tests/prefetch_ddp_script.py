@@ -11,12 +11,9 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any
 
-import torch
-from indexed import IndexedDataModule
-from lightning.pytorch import LightningModule, Trainer
-from torch.nn import functional as F
+from indexed import IndexedDataModule, RecordingModel
+from lightning.pytorch import Trainer
 
 from lightning_fastdata import DevicePrefetchLoader
 
@@ -26,34 +23,6 @@ class PrefetchIndexedDataModule(IndexedDataModule):
 
     def uses_prefetch(self) -> bool:
         return True
-
-
-class RecordingModel(LightningModule):
-    """A linear classifier on the mean colour that records the sample indices of every training batch."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.layer = torch.nn.Linear(3, 2)
-        self.seen: list[list[int]] = []
-        self.batches: list[int] = []
-        self.sampler_epochs: list[int] = []
-        self.dtypes: set[str] = set()
-
-    def on_train_epoch_start(self) -> None:
-        self.seen.append([])
-        self.batches.append(0)
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        images, labels, indices = batch
-        if batch_idx == 0:
-            self.sampler_epochs.append(self.trainer.train_dataloader.sampler.epoch)
-        self.dtypes.add(str(images.dtype))
-        self.seen[-1].extend(indices.tolist())
-        self.batches[-1] += 1
-        return F.cross_entropy(self.layer(images.mean(dim=(2, 3))), labels)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
 def main(data_dir: str, out_dir: str, epochs: int) -> None:

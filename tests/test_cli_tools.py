@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -12,18 +13,24 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A plain ImageFolder of 2 classes x 40 JPEGs, 64-160 px."""
-    root = tmp_path_factory.mktemp("cli_tools") / "src"
-    return make_image_folder(root, num_classes=2, train_per_class=40, val_per_class=0, min_size=64, max_size=160)
+def database(make_database: Callable[..., Path]) -> Path:
+    """A plain ImageFolder of 2 classes x 40 JPEGs, 64-160 px, converted at short side 96."""
+    return make_database(
+        "cli_tools",
+        short_side=96,
+        num_classes=2,
+        train_per_class=40,
+        val_per_class=0,
+        min_size=64,
+        max_size=160,
+        num_workers=None,
+    )
 
 
 @pytest.fixture(scope="module")
-def database(folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The folder converted at short side 96."""
-    dst = tmp_path_factory.mktemp("cli_tools_db") / "db"
-    convert(folder, dst, short_side=96, num_workers=0, progress=False)
-    return dst
+def folder(database: Path) -> Path:
+    """The database's source folder."""
+    return database.parent / "src"
 
 
 def test_bench_prints_the_table_and_writes_json_and_plot(database, tmp_path, capsys):

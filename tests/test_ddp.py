@@ -8,14 +8,13 @@ import os
 import subprocess
 import sys
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 from fakes import fake_trainer
 from indexed import IndexedDataModule
-
-from lightning_fastdata import convert, make_image_folder
 
 SCRIPT = Path(__file__).with_name("ddp_script.py")
 
@@ -27,15 +26,9 @@ _DIST_VARS = ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "GLOBAL_R
 
 
 @pytest.fixture(scope="module")
-def ddp_database(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def ddp_database(make_database: Callable[..., Path]) -> Path:
     """A converted plain ImageFolder of 50 small images in 2 classes."""
-    root = tmp_path_factory.mktemp("ddp")
-    src = make_image_folder(
-        root / "src", num_classes=2, train_per_class=25, val_per_class=0, min_size=40, max_size=60, num_workers=1
-    )
-    db = root / "db.lmdb"
-    convert(src, db, num_workers=0, progress=False)
-    return db
+    return make_database("ddp", num_classes=2, train_per_class=25, val_per_class=0, min_size=40, max_size=60)
 
 
 def _run(database: Path, out: Path, seed: int, epochs: int) -> list[dict[str, Any]]:

@@ -12,6 +12,7 @@ from unittest.mock import Mock
 import numpy as np
 import pytest
 import torch
+from fakes import fake_trainer
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, Dataset
 from torchvision.io import ImageReadMode, decode_jpeg
@@ -58,18 +59,6 @@ def databases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def no_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     """Behave as a machine without CUDA (a datamodule without a Trainer then decodes on the CPU)."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-
-
-def _fake_trainer(device: torch.device, **kwargs: Any) -> Mock:
-    """A stand-in Trainer with the attributes the datamodule reads, training on ``device``."""
-    defaults: dict[str, Any] = {
-        "world_size": 1,
-        "num_nodes": 1,
-        "precision": "32-true",
-        "distributed_sampler_kwargs": None,
-        "strategy": Mock(root_device=device),
-    }
-    return Mock(**{**defaults, **kwargs})
 
 
 def _dm(data_dir: Path, cls: type[FastImageDataModule] = FastImageDataModule, **kwargs: Any) -> Any:
@@ -331,7 +320,7 @@ def test_decode_device_without_cuda_warns_once_and_decodes_on_cpu(databases: dic
 def test_decode_device_on_cuda_reads_encoded_records(databases: dict[str, Path]) -> None:
     """On (mock) CUDA the loaders read encoded records with the transforms' boxes and collate them, silently."""
     dm = _dm(databases["jpeg"], decode="device")
-    dm.trainer = _fake_trainer(torch.device("cuda", 0))
+    dm.trainer = fake_trainer(torch.device("cuda", 0))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no fallback warning on CUDA
         train, val = dm.train_dataloader(), dm.val_dataloader()
@@ -356,7 +345,7 @@ def test_decode_device_on_cuda_reads_encoded_records(databases: dict[str, Path])
 def test_decode_device_carries_the_held_out_indices(databases: dict[str, Path]) -> None:
     """With ``val_fraction`` (an index view of ``train``) the encoded datasets read the same held-out indices."""
     dm = _dm(databases["plain"], decode="device", val_fraction=0.25)
-    dm.trainer = _fake_trainer(torch.device("cuda", 0))
+    dm.trainer = fake_trainer(torch.device("cuda", 0))
     for loader, view in ((dm.train_dataloader(), dm.train_dataset), (dm.val_dataloader(), dm.val_dataset)):
         reader = loader.dataset
         assert reader.output == "encoded"
@@ -378,7 +367,7 @@ def test_to_model_input_decodes_like_the_cpu_batch(
     """``to_model_input`` of an encoded batch equals that of the CPU-decoded uint8 batch of the same crops."""
     dm = _dm(databases["jpeg"], decode="device")
     if precision != "32-true":
-        dm.trainer = _fake_trainer(torch.device("cpu"), precision=precision)
+        dm.trainer = fake_trainer(torch.device("cpu"), precision=precision)
     indices = list(range(8))
     encoded, labels = _encoded_batch(databases["jpeg"], len(indices), seed=4)
     uint8 = _cpu_pipeline(databases["jpeg"], indices, encoded)
@@ -415,11 +404,11 @@ class _CustomDataModule(FastImageDataModule):
 def test_decode_device_with_custom_dataset_raises(databases: dict[str, Path]) -> None:
     """A custom ``build_dataset`` cannot be decoded on the device: the error says to use ``decode='cpu'``."""
     dm = _dm(databases["jpeg"], _CustomDataModule, decode="device")
-    dm.trainer = _fake_trainer(torch.device("cuda", 0))
+    dm.trainer = fake_trainer(torch.device("cuda", 0))
     with pytest.raises(TypeError, match="decode='cpu'"):
         dm.train_dataloader()
     dm = _dm(databases["jpeg"], _CustomDataModule, decode="cpu")
-    dm.trainer = _fake_trainer(torch.device("cuda", 0))
+    dm.trainer = fake_trainer(torch.device("cuda", 0))
     reader = dm.train_dataloader().dataset
     assert isinstance(reader.dataset, _Wrapped)
     assert not reader.fused  # a custom dataset takes the per-sample path
@@ -456,7 +445,7 @@ def test_decode_crop_on_gpu_matches_cpu(databases: dict[str, Path], encoding: st
 def test_decode_device_datamodule_on_gpu(databases: dict[str, Path]) -> None:
     """On CUDA the training loader hands out normalized float batches decoded on the GPU."""
     dm = _dm(databases["jpeg"], decode="device", pin_memory=True)
-    dm.trainer = _fake_trainer(torch.device("cuda", 0))
+    dm.trainer = fake_trainer(torch.device("cuda", 0))
     batches = list(dm.train_dataloader())
     assert len(batches) == TRAIN_SIZE // 4
     for images, labels in batches:
@@ -528,7 +517,7 @@ def test_datamodule_device_decode_skips_and_counts(databases: dict[str, Path], t
     """Through the DataModule, ``on_bad_sample="skip"`` covers images that fail to decode on the device."""
     db = _damaged_copy(databases["plain"], tmp_path, 0)
     dm = _dm(db, decode="device", on_bad_sample="skip", val_fraction=0)
-    dm.trainer = _fake_trainer(torch.device("cpu"))
+    dm.trainer = fake_trainer(torch.device("cpu"))
     reader = EncodedCropDataset(LmdbImageDataset(db, "train"), CenterCropResize(SIZE).box, flip_p=0.0)
     batch = collate_encoded([reader.read(i) for i in range(4)])
     with caplog.at_level("WARNING", logger="lightning_fastdata.skipping"):

@@ -48,15 +48,11 @@ from lightning_fastdata import (
 
 
 @pytest.fixture(scope="module")
-def fault_db(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def fault_db(make_database: Callable[..., Path]) -> Path:
     """A 40-image, 2-class database (``train`` only); tests copy it before damaging it."""
-    root = tmp_path_factory.mktemp("fault_db")
-    src = make_image_folder(
-        root / "src", num_classes=2, train_per_class=20, val_per_class=0, min_size=40, max_size=80, num_workers=1
+    return make_database(
+        "fault_db", short_side=64, num_classes=2, train_per_class=20, val_per_class=0, min_size=40, max_size=80
     )
-    dst = root / "db.lmdb"
-    convert(src, dst, short_side=64, num_workers=0, progress=False)
-    return dst
 
 
 def _copy(db: Path, dst: Path) -> Path:

@@ -8,6 +8,7 @@ normalization on the side stream, nvJPEG with ``decode="device"``, and LoaderMon
 from __future__ import annotations
 
 import csv
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import CSVLogger
 from torch.nn import functional as F
 
-from lightning_fastdata import FastImageDataModule, LoaderMonitor, convert, make_image_folder
+from lightning_fastdata import FastImageDataModule, LoaderMonitor
 
 pytestmark = pytest.mark.cuda
 
@@ -70,12 +71,17 @@ class _NoSyncBetweenSteps(Callback):
 
 
 @pytest.fixture(scope="module")
-def gpu_database(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("gpu_fit")
-    src = make_image_folder(root / "src", num_classes=2, train_per_class=IMAGES // 2, val_per_class=0, seed=1)
-    db = root / "db.lmdb"
-    convert(src, db, short_side=96, progress=False)
-    return db
+def gpu_database(make_database: Callable[..., Path]) -> Path:
+    return make_database(
+        "gpu_fit",
+        short_side=96,
+        convert_workers=None,
+        num_classes=2,
+        train_per_class=IMAGES // 2,
+        val_per_class=0,
+        seed=1,
+        num_workers=None,
+    )
 
 
 @pytest.mark.parametrize("decode", ["cpu", "device"])

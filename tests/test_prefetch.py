@@ -10,7 +10,7 @@ import random
 import subprocess
 import sys
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,12 +18,13 @@ from unittest.mock import Mock
 
 import pytest
 import torch
+from fakes import fake_trainer
 from lightning.pytorch import LightningModule, Trainer
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
-from lightning_fastdata import DevicePrefetchLoader, FastImageDataModule, convert, make_image_folder
+from lightning_fastdata import DevicePrefetchLoader, FastImageDataModule
 from lightning_fastdata import prefetch as prefetch_module
 from lightning_fastdata.prefetch import prefetch_to_device, side_stream
 from lightning_fastdata.resumable import ResumableLoader
@@ -160,27 +161,11 @@ def _index(log: list[str], entry: str, start: int = 0) -> int:
 
 
 @pytest.fixture(scope="module")
-def database(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def database(make_database: Callable[..., Path]) -> Path:
     """A converted database with train (2 x 10) and val (2 x 4) splits of small JPEGs."""
-    root = tmp_path_factory.mktemp("prefetch")
-    src = make_image_folder(
-        root / "src", num_classes=2, train_per_class=10, val_per_class=4, min_size=40, max_size=80, num_workers=1
+    return make_database(
+        "prefetch", short_side=64, num_classes=2, train_per_class=10, val_per_class=4, min_size=40, max_size=80
     )
-    db = root / "db.lmdb"
-    convert(src, db, short_side=64, num_workers=0, progress=False)
-    return db
-
-
-def _fake_trainer(device: torch.device, **kwargs: Any) -> Mock:
-    """A stand-in Trainer with the attributes the datamodule reads, training on ``device``."""
-    defaults: dict[str, Any] = {
-        "world_size": 1,
-        "num_nodes": 1,
-        "precision": "32-true",
-        "distributed_sampler_kwargs": None,
-        "strategy": Mock(root_device=device),
-    }
-    return Mock(**{**defaults, **kwargs})
 
 
 def _dm(database: Path, cls: type[FastImageDataModule] = FastImageDataModule, **kwargs: Any) -> Any:
@@ -378,7 +363,7 @@ def test_datamodule_on_cpu_gives_plain_loaders(
     """
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     dm = _dm(database, prefetch_to_device=prefetch)
-    for trainer in (None, _fake_trainer(torch.device("cpu"))):
+    for trainer in (None, fake_trainer(torch.device("cpu"))):
         dm.trainer = trainer
         assert not dm.uses_prefetch()
         train = dm.train_dataloader()
@@ -390,7 +375,7 @@ def test_datamodule_on_cpu_gives_plain_loaders(
 def test_datamodule_on_cuda_prefetches_by_default(database: Path) -> None:
     """Training on CUDA: loaders are DevicePrefetchLoaders to the root device, normalizing with ``to_model_input``."""
     dm = _dm(database, pin_memory=None)
-    dm.trainer = _fake_trainer(torch.device("cuda", 0))
+    dm.trainer = fake_trainer(torch.device("cuda", 0))
     assert dm.uses_prefetch()
     for loader in (dm.train_dataloader(), dm.val_dataloader()):
         assert isinstance(loader, DevicePrefetchLoader)
@@ -406,7 +391,7 @@ def test_datamodule_on_cuda_prefetches_by_default(database: Path) -> None:
 def test_datamodule_prefetch_false_disables_it_on_cuda(database: Path) -> None:
     """``prefetch_to_device=False`` keeps plain DataLoaders even when training on CUDA."""
     dm = _dm(database, prefetch_to_device=False)
-    dm.trainer = _fake_trainer(torch.device("cuda", 0))
+    dm.trainer = fake_trainer(torch.device("cuda", 0))
     assert not dm.uses_prefetch()
     assert not dm.train_dataloader().prefetching
     assert not dm.val_dataloader().prefetching
@@ -417,7 +402,7 @@ def test_datamodule_batches_through_patched_prefetch(
 ) -> None:
     """Through the (patched) side stream the batches equal the plain loader's after ``to_model_input``."""
     monkeypatch.setattr(prefetch_module, "_to_device", lambda batch, device: batch)
-    trainer = _fake_trainer(torch.device("cuda", 0))
+    trainer = fake_trainer(torch.device("cuda", 0))
     prefetched, plain = _dm(database), _dm(database, prefetch_to_device=False)
     prefetched.trainer, plain.trainer = trainer, trainer
     random.seed(0)
@@ -556,7 +541,7 @@ def test_ddp_through_prefetch_loader_runs_equal_batches(ddp_run: list[dict[str, 
 @pytest.mark.cuda
 def test_gpu_batches_equal_with_and_without_prefetch(database: Path, side_streams: dict[tuple[str, int], Any]) -> None:
     """On CUDA, prefetched batches (normalized on the side stream) equal the plain loader's after ``to_model_input``."""
-    trainer = _fake_trainer(torch.device("cuda", 0))
+    trainer = fake_trainer(torch.device("cuda", 0))
     prefetched, plain = _dm(database, pin_memory=True), _dm(database, pin_memory=True, prefetch_to_device=False)
     prefetched.trainer, plain.trainer = trainer, trainer
     for loader_name in ("train_dataloader", "val_dataloader"):

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -15,18 +16,24 @@ DATABASE_STAGES = ["read", "decode", "transforms", "normalize"]  # training on t
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A plain ImageFolder of 2 classes x 40 JPEGs, 64-160 px."""
-    root = tmp_path_factory.mktemp("profiling") / "src"
-    return make_image_folder(root, num_classes=2, train_per_class=40, val_per_class=0, min_size=64, max_size=160)
+def database(make_database: Callable[..., Path]) -> Path:
+    """A plain ImageFolder of 2 classes x 40 JPEGs, 64-160 px, converted at short side 96."""
+    return make_database(
+        "profiling",
+        short_side=96,
+        num_classes=2,
+        train_per_class=40,
+        val_per_class=0,
+        min_size=64,
+        max_size=160,
+        num_workers=None,
+    )
 
 
 @pytest.fixture(scope="module")
-def database(folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The folder converted at short side 96."""
-    dst = tmp_path_factory.mktemp("profiling_db") / "db"
-    convert(folder, dst, short_side=96, num_workers=0, progress=False)
-    return dst
+def folder(database: Path) -> Path:
+    """The database's source folder."""
+    return database.parent / "src"
 
 
 def _check_profile(p: PipelineProfile, name: str, path: Path, stages: list[str], samples: int) -> None:

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 from unittest.mock import Mock
@@ -19,7 +20,7 @@ import torch
 from fakes import fake_trainer
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
 
-from lightning_fastdata import FastImageDataModule, convert, make_image_folder
+from lightning_fastdata import FastImageDataModule
 from lightning_fastdata import prefetch as prefetch_module
 from lightning_fastdata.resumable import ResumableLoader, ResumableSampler
 
@@ -346,15 +347,17 @@ def test_count_is_of_handed_out_batches_under_device_lookahead() -> None:
 
 
 @pytest.fixture(scope="module")
-def resume_database(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def resume_database(make_database: Callable[..., Path]) -> Path:
     """A converted plain ImageFolder of 60 tiny images in 2 classes (no val split)."""
-    root = tmp_path_factory.mktemp("resume")
-    src = make_image_folder(
-        root / "src", num_classes=2, train_per_class=NUM_IMAGES // 2, val_per_class=0, min_size=20, max_size=32
+    return make_database(
+        "resume",
+        num_classes=2,
+        train_per_class=NUM_IMAGES // 2,
+        val_per_class=0,
+        min_size=20,
+        max_size=32,
+        num_workers=None,
     )
-    db = root / "db.lmdb"
-    convert(src, db, num_workers=0, progress=False)
-    return db
 
 
 @pytest.mark.parametrize(("limit", "per_epoch"), [(None, NUM_IMAGES // 4), (10, 10), (0.5, NUM_IMAGES // 8)])
