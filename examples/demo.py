@@ -131,10 +131,11 @@ def trainer_kwargs(p: Plan) -> dict[str, Any]:
     return kwargs
 
 
-def _fit(p: Plan, report_dir: Path | None, **fit: Any) -> LoaderMonitor:
+def _fit(p: Plan, report_dir: Path | None, net: LightningModule | None = None, **fit: Any) -> LoaderMonitor:
+    """Train ``net`` (default: the plan's model) under a LoaderMonitor; ``fit``: the loaders or the datamodule."""
     warnings.filterwarnings("ignore", message="You passed in a `val_dataloader` but have no `validation_step`")
     monitor = LoaderMonitor(report_dir=report_dir, verbose=False)
-    Trainer(callbacks=[monitor], **trainer_kwargs(p)).fit(model(p), **fit)
+    Trainer(callbacks=[monitor], **trainer_kwargs(p)).fit(net if net is not None else model(p), **fit)
     return monitor
 
 

@@ -1,0 +1,279 @@
+"""GPU benchmark (issue 18): how close each loader gets a model to its data-free rate, and how the loaders scale.
+
+Generates photo-like JPEGs (300-640 px, nothing is downloaded), converts them once with FastImageDataModule's
+defaults, then prints two tables from one run:
+
+1. **Training**, ``precision="16-mixed"``, batch 256, crop 224, ``channels_last``, no validation: samples/s over the
+   epochs after the first (LoaderMonitor leaves the warmup epoch out; it synchronizes the GPU at epoch edges), with
+   the data fraction and GPU utilization it measured. Rows: one strided convolution (the loader sets the pace),
+   resnet18, resnet50. Columns: data-free (one normalized batch already on the GPU), torchvision ``ImageFolder``
+   float32 (the standard recipe), ``ImageFolder`` uint8 normalized on the GPU, FastImageDataModule with each engine,
+   and with ``decode="device"``. Every loader gets the same workers (default: every usable CPU).
+2. **The loader alone**, batches copied into GPU memory (FastImageDataModule's are normalized there), over 1, 4, 8
+   and 16 workers or threads: each engine and ``ImageFolder`` uint8.
+
+    python benchmarks/bench_gpu.py                      # everything, ~16,000 images
+    python benchmarks/bench_gpu.py --models resnet50 --columns data-free threads processes device
+    taskset -c 0-3 python benchmarks/bench_gpu.py --models resnet50 --scaling 4   # a CPU-poor node
+
+On a machine without CUDA it says so and exits 0; ``--device cpu`` runs the same code on the CPU (a smoke run, with
+small ``--images`` / ``--image-size``: the figures mean nothing there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import gc
+import json
+import platform
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+from torchvision import datasets, transforms
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from demo import DataFree, Plan, TinyNet, TorchvisionNet, _fit, imagefolder_loader
+
+from lightning_fastdata import FastImageDataModule, make_image_folder, usable_cpu_count
+from lightning_fastdata.transforms import IMAGENET_MEAN, IMAGENET_STD, Normalizer
+
+MODELS = {"conv": "one strided conv", "resnet18": "resnet18", "resnet50": "resnet50"}
+COLUMNS = {
+    "data-free": "data-free",
+    "imagefolder-float": "ImageFolder float",
+    "imagefolder-uint8": "ImageFolder uint8 + GPU normalize",
+    "threads": "FastImageDataModule (threads)",
+    "processes": 'engine="processes"',
+    "device": 'decode="device"',
+}
+SCALING = {"threads": 'FastImageDataModule, engine="threads"', "processes": 'engine="processes"'}
+SCALING_BASELINE = "torchvision ImageFolder, uint8"
+
+
+class _GpuNormalized:
+    """Mixin: a uint8 batch (``ImageFolder`` uint8) is normalized on the device, with constants cached there."""
+
+    normalizer = Normalizer(IMAGENET_MEAN, IMAGENET_STD)
+    channels_last: bool
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        images = batch[0]
+        if not isinstance(images, torch.Tensor) or images.dtype != torch.uint8:
+            return batch  # float already (the DataModule's own hook normalizes its batches)
+        return self.normalizer.batch(images, torch.float32, self.channels_last), *batch[1:]
+
+
+class ConvNet(_GpuNormalized, TinyNet):
+    def __init__(self, num_classes: int, channels_last: bool) -> None:
+        super().__init__(num_classes)
+        self.channels_last = channels_last
+
+
+class Net(_GpuNormalized, TorchvisionNet):
+    def __init__(self, arch: str, num_classes: int, channels_last: bool) -> None:
+        super().__init__(arch, num_classes, channels_last)
+        self.channels_last = channels_last
+
+
+def _model(p: Plan) -> Any:
+    if p.arch == "conv":
+        return ConvNet(p.classes, p.channels_last)
+    return Net(p.arch, p.classes, p.channels_last)
+
+
+def _imagefolder_uint8(images: Path, p: Plan) -> DataLoader:
+    """``ImageFolder`` with the same crop and flip, as uint8 tensors: the model normalizes on the GPU."""
+    augment = transforms.Compose(
+        [transforms.RandomResizedCrop(p.image_size), transforms.RandomHorizontalFlip(), transforms.PILToTensor()]
+    )
+    return DataLoader(
+        datasets.ImageFolder(str(images), transform=augment),
+        batch_size=p.batch_size,
+        shuffle=True,
+        drop_last=True,
+        num_workers=p.workers,
+        persistent_workers=p.workers > 0,
+        pin_memory=p.device == "cuda",
+    )
+
+
+def _datamodule(images: Path, workdir: Path, p: Plan, **kwargs: Any) -> FastImageDataModule:
+    return FastImageDataModule(
+        str(images),
+        cache_dir=str(workdir / "cache"),
+        image_size=p.image_size,
+        batch_size=p.batch_size,
+        num_workers=p.workers,
+        val_fraction=0,
+        channels_last=p.channels_last,
+        **kwargs,
+    )
+
+
+def train_cell(column: str, images: Path, workdir: Path, p: Plan) -> dict[str, Any]:
+    """One training run; returns LoaderMonitor's summary (samples/s, data fraction, GPU utilization)."""
+    fit: dict[str, Any]
+    if column == "data-free":
+        fit = {"train_dataloaders": DataFree(p, p.images // p.batch_size)}
+    elif column == "imagefolder-float":
+        fit = {"train_dataloaders": imagefolder_loader(images, p)}
+    elif column == "imagefolder-uint8":
+        fit = {"train_dataloaders": _imagefolder_uint8(images, p)}
+    elif column == "device":
+        fit = {"datamodule": _datamodule(images, workdir, p, decode="device")}
+    else:
+        fit = {"datamodule": _datamodule(images, workdir, p, engine=column)}
+    monitor = _fit(p, None, net=_model(p), **fit)
+    summary = dict(monitor.summary)
+    del monitor, fit
+    gc.collect()  # persistent workers of the last run stop before the next starts
+    return summary
+
+
+def loader_rate(make: Callable[[], Any], device: torch.device, warmup: int = 3) -> float:
+    """Images/s over one epoch after ``warmup`` batches, every batch in ``device`` memory (synchronized at the end)."""
+    loader = make()
+    seen, start = 0, 0.0
+    for i, batch in enumerate(loader):
+        images = batch[0]
+        if images.device != device:
+            images = images.to(device, non_blocking=True)
+        if i + 1 == warmup:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+        elif i + 1 > warmup:
+            seen += images.shape[0]
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    rate = seen / (time.perf_counter() - start) if seen else float("nan")
+    del loader
+    gc.collect()
+    return rate
+
+
+def scaling_row(name: str, images: Path, workdir: Path, p: Plan, workers: int) -> float:
+    q = dataclasses.replace(p, workers=workers)
+    device = torch.device(p.device)
+    if name == "imagefolder":
+        return loader_rate(lambda: _imagefolder_uint8(images, q), device)
+
+    def make() -> DataLoader:
+        dm = _datamodule(images, workdir, q, engine=name)
+        dm.setup("fit")
+        return dm.train_dataloader()
+
+    return loader_rate(make, device)
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _cell(summary: dict[str, Any] | None, free: dict[str, Any] | None) -> str:
+    if not summary or not summary.get("samples_per_sec"):
+        return "-"
+    rate = summary["samples_per_sec"]
+    parts = [f"{rate:,.0f}"]
+    if free and free.get("samples_per_sec"):
+        parts.append(f"{rate / free['samples_per_sec']:.0%} of data-free")
+    if summary.get("data_fraction") is not None:
+        parts.append(f"data {summary['data_fraction']:.0%}")
+    if summary.get("gpu_util") is not None:
+        parts.append(f"GPU {summary['gpu_util']:.0%} busy")
+    return f"{parts[0]} ({', '.join(parts[1:])})" if len(parts) > 1 else parts[0]
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workdir", default=".bench_gpu", help="where the generated images and database go")
+    parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    parser.add_argument("--images", type=int, default=16000, help="photo-like JPEGs to generate, in 10 classes")
+    parser.add_argument("--image-size", type=int, default=224)
+    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--epochs", type=int, default=3, help="the first is warmup, left out")
+    parser.add_argument("--workers", type=int, default=None, help="every loader's workers (default: usable CPUs)")
+    parser.add_argument("--models", nargs="*", choices=list(MODELS), default=list(MODELS))
+    parser.add_argument("--columns", nargs="*", choices=list(COLUMNS), default=list(COLUMNS))
+    parser.add_argument("--scaling", nargs="*", type=int, default=[1, 4, 8, 16], help="table 2's worker counts")
+    parser.add_argument("--json", help="also write the results to this file")
+    args = parser.parse_args(argv)
+
+    cuda = torch.cuda.is_available()
+    if args.device != "cpu" and not cuda:
+        print("bench_gpu: no CUDA GPU here; run it on a GPU node (or pass --device cpu for a smoke run).")
+        return {}
+    device = "cuda" if args.device in ("auto", "cuda") else "cpu"
+    workdir = Path(args.workdir)
+    classes = 10
+    per_class = max(1, args.images // classes)
+    workers = args.workers if args.workers is not None else usable_cpu_count()
+    images = workdir / f"images-{classes * per_class}"
+    if not images.is_dir():
+        start = time.perf_counter()
+        make_image_folder(images, classes, per_class, 0, min_size=300, max_size=640, noise=8)
+        print(f"generated {classes * per_class} photo-like JPEGs in {time.perf_counter() - start:.1f} s", flush=True)
+    base = Plan(
+        device, "conv", "16-mixed" if device == "cuda" else None, classes, per_class, args.image_size,
+        args.batch_size, args.epochs, workers, device == "cuda", True,
+    )  # fmt: skip
+    start = time.perf_counter()
+    _datamodule(images, workdir, base).prepare_data()  # the one-time conversion, outside every timing
+    print(f"converted once in {time.perf_counter() - start:.1f} s", flush=True)
+
+    machine = torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "CPU"
+    results: dict[str, Any] = {
+        "machine": machine,
+        "usable_cpus": usable_cpu_count(),
+        "workers": workers,
+        "torch": torch.__version__,
+        "training": {},
+        "scaling": {},
+    }
+    for arch in args.models:
+        p = dataclasses.replace(base, arch=arch)
+        row = results["training"][arch] = {}
+        for column in args.columns:
+            print(f"training {MODELS[arch]} from {COLUMNS[column]} ...", flush=True)
+            row[column] = train_cell(column, images, workdir, p)
+    for name in (*SCALING, "imagefolder"):
+        for w in args.scaling:
+            print(f"loader alone: {name}, {w} workers ...", flush=True)
+            results["scaling"].setdefault(name, {})[w] = scaling_row(name, images, workdir, base, w)
+
+    print(
+        f"\n{machine}, {results['usable_cpus']} usable CPUs, torch {torch.__version__}; {classes * per_class} images"
+        f" (300-640 px JPEGs, stored at short side 256), batch {args.batch_size}, crop {args.image_size},"
+        f" {'16-mixed, channels_last, ' if device == 'cuda' else ''}{workers} workers each, {args.epochs} epochs"
+        " (the first left out)\n"
+    )
+    if results["training"]:
+        columns = list(args.columns)
+        rows = []
+        for arch, row in results["training"].items():
+            free = row.get("data-free")
+            rows.append([MODELS[arch], *(_cell(row.get(c), free if c != "data-free" else None) for c in columns)])
+        print("Training, samples/s:\n" + _table(["model", *(COLUMNS[c] for c in columns)], rows))
+    if results["scaling"]:
+        counts = list(args.scaling)
+        names = {**SCALING, "imagefolder": SCALING_BASELINE}
+        rows = [[names[name], *(f"{results['scaling'][name][w]:,.0f}" for w in counts)] for name in results["scaling"]]
+        title = "\nThe loader alone, batches into device memory, images/s:\n"
+        print(title + _table(["workers", *map(str, counts)], rows))
+    if args.json:
+        with contextlib.suppress(OSError):
+            Path(args.json).write_text(json.dumps(results, indent=2, default=str))
+    return results
+
+
+if __name__ == "__main__":
+    main()
