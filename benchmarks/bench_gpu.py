@@ -39,9 +39,9 @@ from torch.utils.data import DataLoader
 from torchvision import datasets, transforms
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from demo import DataFree, Plan, TinyNet, TorchvisionNet, _fit, imagefolder_loader
+from demo import DataFree, Plan, TinyNet, TorchvisionNet, _fit, fast_datamodule, imagefolder_loader
 
-from lightning_fastdata import FastImageDataModule, make_image_folder, usable_cpu_count
+from lightning_fastdata import make_image_folder, usable_cpu_count
 from lightning_fastdata.transforms import IMAGENET_MEAN, IMAGENET_STD, Normalizer
 
 MODELS = {"conv": "one strided conv", "resnet18": "resnet18", "resnet50": "resnet50"}
@@ -104,19 +104,6 @@ def _imagefolder_uint8(images: Path, p: Plan) -> DataLoader:
     )
 
 
-def _datamodule(images: Path, workdir: Path, p: Plan, **kwargs: Any) -> FastImageDataModule:
-    return FastImageDataModule(
-        str(images),
-        cache_dir=str(workdir / "cache"),
-        image_size=p.image_size,
-        batch_size=p.batch_size,
-        num_workers=p.workers,
-        val_fraction=0,
-        channels_last=p.channels_last,
-        **kwargs,
-    )
-
-
 def train_cell(column: str, images: Path, workdir: Path, p: Plan) -> dict[str, Any]:
     """One training run; returns LoaderMonitor's summary (samples/s, data fraction, GPU utilization)."""
     fit: dict[str, Any]
@@ -127,9 +114,9 @@ def train_cell(column: str, images: Path, workdir: Path, p: Plan) -> dict[str, A
     elif column == "imagefolder-uint8":
         fit = {"train_dataloaders": _imagefolder_uint8(images, p)}
     elif column == "device":
-        fit = {"datamodule": _datamodule(images, workdir, p, decode="device")}
+        fit = {"datamodule": fast_datamodule(images, workdir, p, decode="device")}
     else:
-        fit = {"datamodule": _datamodule(images, workdir, p, engine=column)}
+        fit = {"datamodule": fast_datamodule(images, workdir, p, engine=column)}
     monitor = _fit(p, None, net=_model(p), **fit)
     summary = dict(monitor.summary)
     del monitor, fit
@@ -166,7 +153,7 @@ def scaling_row(name: str, images: Path, workdir: Path, p: Plan, workers: int) -
         return loader_rate(lambda: _imagefolder_uint8(images, q), device)
 
     def make() -> DataLoader:
-        dm = _datamodule(images, workdir, q, engine=name)
+        dm = fast_datamodule(images, workdir, q, engine=name)
         dm.setup("fit")
         return dm.train_dataloader()
 
@@ -227,7 +214,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.batch_size, args.epochs, workers, device == "cuda", True,
     )  # fmt: skip
     start = time.perf_counter()
-    _datamodule(images, workdir, base).prepare_data()  # the one-time conversion, outside every timing
+    fast_datamodule(images, workdir, base).prepare_data()  # the one-time conversion, outside every timing
     print(f"converted once in {time.perf_counter() - start:.1f} s", flush=True)
 
     machine = torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "CPU"

@@ -161,6 +161,20 @@ def imagefolder_loader(images: Path, p: Plan) -> DataLoader:
     )
 
 
+def fast_datamodule(images: Path, workdir: Path, p: Plan, **kwargs: Any) -> FastImageDataModule:
+    """FastImageDataModule with the plan's settings and its own defaults otherwise (``kwargs`` win)."""
+    return FastImageDataModule(
+        str(images),
+        cache_dir=str(workdir / "cache"),
+        image_size=p.image_size,
+        batch_size=p.batch_size,
+        num_workers=p.workers,
+        val_fraction=0,
+        channels_last=p.channels_last,
+        **kwargs,
+    )
+
+
 class DataFree:
     """``steps`` times one batch already on the device: the model's rate when data costs nothing."""
 
@@ -257,15 +271,7 @@ def compare(
     else:
         print(f"[1/{steps}] reusing {images}")
 
-    dm = FastImageDataModule(
-        str(images),
-        cache_dir=str(workdir / "cache"),
-        image_size=p.image_size,
-        batch_size=p.batch_size,
-        num_workers=p.workers,
-        val_fraction=0,
-        channels_last=p.channels_last,
-    )
+    dm = fast_datamodule(images, workdir, p)
     start = time.perf_counter()
     dm.prepare_data()  # the one-time conversion, outside every timing
     print(f"[2/{steps}] converted once into {dm.database_path} in {time.perf_counter() - start:.1f} s")
