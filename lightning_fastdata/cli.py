@@ -1,4 +1,9 @@
-"""The ``lightning-fastdata`` command line: ``convert``, ``synth``, and LightningCLI's ``fit``/``validate``/``test``."""
+"""The ``lightning-fastdata`` command line.
+
+``convert`` (and ``convert --clean DIR``), ``synth``, ``bench`` and ``profile`` are parsed here; ``fit``,
+``validate``, ``test`` and ``predict`` are LightningCLI's, with any LightningModule and any
+:class:`~lightning_fastdata.FastImageDataModule` subclass named by ``class_path``.
+"""
 
 from __future__ import annotations
 
