@@ -1,9 +1,8 @@
 """Loader throughput against the peers, side by side in one run, on the same images and the same cores.
 
 Every loader reads the same photo-like JPEGs (stored at short side 256, quality 90), does the same work —
-RandomResizedCrop(224) + horizontal flip, batch 64, shuffled epochs (`--epochs`, default 2, after a warm-up one) — with
-the same number of workers or threads,
-each in its own process, interleaved over rounds (the median is reported):
+RandomResizedCrop(224) + horizontal flip, batch 64, shuffled epochs (``--epochs``, default 2, after a warm-up one) —
+with the same number of workers or threads, each in its own process, interleaved over rounds (the median is reported):
 
 * torchvision ``ImageFolder`` + PIL transforms (the baseline), normalized float32;
 * ``FastImageDataModule`` (threads), normalized float32 and uint8 (what a GPU trainer receives); and with
