@@ -476,16 +476,16 @@ def _damaged_copy(database: Path, tmp_path: Path, index: int, payload: Any = Non
     """A copy of ``database`` whose training record ``index`` holds a JPEG cut short (or ``payload``)."""
     import lmdb
 
-    from lightning_fastdata import _format
+    from lightning_fastdata.store import format as store_format
 
     dst = tmp_path / "damaged.lmdb"
     shutil.copytree(database, dst)
     env = lmdb.open(str(dst), map_size=1 << 26)
     with env.begin(write=True) as txn:
-        key = _format.record_key("train", index)
-        header, data = _format.unpack_record(txn.get(key))
+        key = store_format.record_key("train", index)
+        header, data = store_format.unpack_record(txn.get(key))
         new = bytes(data[:40]) if payload is None else payload
-        txn.put(key, _format.pack_record(header.encoding, header.label, header.height, header.width, new))
+        txn.put(key, store_format.pack_record(header.encoding, header.label, header.height, header.width, new))
     env.close()
     return dst
 
