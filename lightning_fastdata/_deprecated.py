@@ -9,7 +9,9 @@ from typing import Any
 
 
 def moved(old: str, homes: tuple[str, ...]) -> Callable[[str], Any]:
-    """A module ``__getattr__`` (PEP 562) for the shim ``old``: finds a name in the first of ``homes`` defining it.
+    """A module ``__getattr__`` (PEP 562) for the shim ``old``: finds a name in the first of ``homes`` holding it.
+
+    ``homes`` go in import order, each before the modules that import from it, so the first holding a name defines it.
 
     Each lookup warns once, in one line, naming where to import the name from now: ``lightning_fastdata`` for the
     public API, else the module that defines it. Dunder names (``__all__``, ``__path__``, ...) are never forwarded,
@@ -22,11 +24,8 @@ def moved(old: str, homes: tuple[str, ...]) -> Callable[[str], Any]:
                 module = importlib.import_module(home)
                 if name in vars(module):
                     value = getattr(module, name)
-                    where = getattr(value, "__module__", None)  # a function or class: where it is defined
-                    if name in importlib.import_module("lightning_fastdata").__all__:
-                        where = "lightning_fastdata"  # the public API: the package itself
-                    elif where not in homes:
-                        where = home
+                    public = name in importlib.import_module("lightning_fastdata").__all__
+                    where = "lightning_fastdata" if public else home
                     warnings.warn(
                         f"`{old}` is deprecated: import `{name}` from `{where}` instead.",
                         DeprecationWarning,

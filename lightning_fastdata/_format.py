@@ -2,4 +2,4 @@
 
 from lightning_fastdata._deprecated import moved
 
-__getattr__ = moved(__name__, ("lightning_fastdata.store.format", "lightning_fastdata.store.cache"))
+__getattr__ = moved(__name__, ("lightning_fastdata.store.cache", "lightning_fastdata.store.format"))

@@ -10,6 +10,6 @@ __getattr__ = moved(
     __name__,
     tuple(
         f"lightning_fastdata.store.{home}"
-        for home in ("conversion", "summary", "sources", "encode", "writer", "hf", "format", "cache")
+        for home in ("cache", "format", "summary", "sources", "encode", "hf", "writer", "conversion")
     ),
 )
