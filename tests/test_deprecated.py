@@ -110,6 +110,8 @@ def test_convert_and_convert_dataset_share_each_option(name):
     assert one.parameters[name].annotation == other.parameters[name].annotation
     entry = next(line for line in conversion._OPTIONS_DOC.splitlines() if line.startswith(f"{name}: "))
     for func in (conversion.convert, conversion.convert_dataset):
-        assert f"        {entry}\n" in func.__doc__
+        dst = next(line for line in func.__doc__.splitlines() if line.lstrip().startswith("dst: "))
+        indent = dst[: len(dst) - len(dst.lstrip())]  # 8 spaces, or 4 where Python 3.13 dedents docstrings
+        assert f"\n{indent}{entry}\n" in func.__doc__
         assert "{options}" not in func.__doc__
         assert "as in :func:`convert`" not in func.__doc__

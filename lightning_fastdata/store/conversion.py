@@ -30,17 +30,18 @@ from lightning_fastdata.store.writer import INITIAL_MAP_SIZE, write_database
 __all__ = ["ConversionSummary", "SkippedFile", "convert", "convert_dataset"]
 
 #: The arguments :func:`convert` and :func:`convert_dataset` share (their defaults too), documented once: each of
-#: their docstrings holds a line ``{options}`` that becomes these entries, so ``help()`` shows them in full.
+#: their docstrings holds a line ``{options}`` that becomes these entries, so ``help()`` shows them in full. Lines are
+#: 112 wide: 120 where they land, under ``Args:``.
 _OPTIONS_DOC = """\
 short_side: downscale images whose short side is larger to this many pixels (256 fits training at 224) and store
     them as JPEG; ``None`` or ``0`` keeps the original size. Smaller images are never upscaled.
 quality: JPEG quality of re-encoded images.
-keep_original: store the source bytes untouched wherever the source already is an RGB or grayscale JPEG, even when
-    larger than ``short_side``. Small JPEGs are always stored untouched.
-encoding: ``"jpeg"`` (compact, decoded per read) or ``"raw"`` (uint8 pixels: about 10x the size, no decode at all
-    when reading; for datasets that fit the page cache and CPU-bound input pipelines).
-num_workers: worker processes; default: the CPUs this process may use (affinity and cgroup quota). ``0`` converts
-    in this process. A dataset reaches the workers by fork, or is pickled once under spawn.
+keep_original: store the source bytes untouched wherever the source already is an RGB or grayscale JPEG, even
+    when larger than ``short_side``. Small JPEGs are always stored untouched.
+encoding: ``"jpeg"`` (compact, decoded per read) or ``"raw"`` (uint8 pixels: about 10x the size, no decode at
+    all when reading; for datasets that fit the page cache and CPU-bound input pipelines).
+num_workers: worker processes; default: the CPUs this process may use (affinity and cgroup quota). ``0``
+    converts in this process. A dataset reaches the workers by fork, or is pickled once under spawn.
 strict: fail, writing nothing, if any input is skipped (corrupt, truncated, empty, not an image).
 force: rebuild even if ``dst`` is up to date, or replace a database converted from another source.
 progress: show a progress bar with images/s and ETA.
