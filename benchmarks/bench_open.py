@@ -33,8 +33,9 @@ import lmdb
 import numpy as np
 import simplejpeg
 
-from lightning_fastdata import _format
 from lightning_fastdata.__about__ import __version__
+from lightning_fastdata.errors import DatasetFormatError
+from lightning_fastdata.store import format as store_format
 
 # One process: import the reader (not timed), then time the open and the first record, then read 1,000 more
 _OPEN = r"""
@@ -44,18 +45,18 @@ def memory():
     fields = dict(line.split(":", 1) for line in open("/proc/self/status"))
     return {k: int(fields[k].split()[0]) // 1024 for k in ("VmRSS", "RssAnon", "RssFile")}  # MiB
 
-from lightning_fastdata import _format
-from lightning_fastdata.dataset import LmdbImageDataset
+from lightning_fastdata.store import format as store_format
+from lightning_fastdata.store.reader import LmdbImageDataset
 
 path = sys.argv[1]
 if sys.argv[2] == "cold":  # evict the data file from the page cache, as after a reboot or on another node
-    fd = os.open(os.path.join(path, _format.DATA_FILE), os.O_RDONLY)
+    fd = os.open(os.path.join(path, store_format.DATA_FILE), os.O_RDONLY)
     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     os.close(fd)
 before = memory()
 walks = []
-walk = _format._check_structure
-_format._check_structure = lambda p: walks.append(1) or walk(p)
+walk = store_format._check_structure
+store_format._check_structure = lambda p: walks.append(1) or walk(p)
 start = time.perf_counter()
 dataset = LmdbImageDataset(path, "train")
 dataset[0]
@@ -71,13 +72,13 @@ print(json.dumps({"seconds": seconds, "walked": bool(walks), "before": before, "
 def generate(path: Path, train: int, val: int, classes: int) -> float:
     """Write the database at ``path`` unless it is already there; the seconds it took (0 when reused)."""
     try:
-        meta = _format.read_meta(path)
+        meta = store_format.read_meta(path)
         if {name: s["length"] for name, s in meta["splits"].items()} == {"train": train, "val": val}:
             return 0.0
-    except (FileNotFoundError, _format.DatasetFormatError):
+    except (FileNotFoundError, DatasetFormatError):
         pass
     start = time.perf_counter()
-    tmp = _format.partial_path(path)
+    tmp = store_format.partial_path(path)
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.rmtree(path, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -87,13 +88,13 @@ def generate(path: Path, train: int, val: int, classes: int) -> float:
         pixels = np.empty((8, 8, 3), np.uint8)
         pixels[:] = rng.integers(0, 256, 3)
         payload = simplejpeg.encode_jpeg(pixels, quality=90, colorspace="RGB")
-        records.append(_format.pack_record(_format.ENCODING_JPEG, label, 8, 8, payload))
+        records.append(store_format.pack_record(store_format.ENCODING_JPEG, label, 8, 8, payload))
     splits = {"train": train, "val": val}
     labels = {name: (np.arange(n, dtype=np.int64) * classes // n).astype("<i4") for name, n in splits.items()}
     size = sum(n * (len(records[0]) + 64) for n in splits.values()) * 3 // 2 + (256 << 20)
     env = lmdb.open(str(tmp), map_size=size, subdir=True, readahead=False, meminit=False, sync=False)
     meta = {
-        "format_version": _format.FORMAT_VERSION,
+        "format_version": store_format.FORMAT_VERSION,
         "complete": True,
         "classes": [f"n{c:08d}" for c in range(classes)],
         "splits": {
@@ -106,17 +107,17 @@ def generate(path: Path, train: int, val: int, classes: int) -> float:
         "writer": f"lightning_fastdata {__version__} (benchmarks/bench_open.py)",
     }
     with env.begin(write=True) as txn:
-        txn.put(_format.META_KEY, _format.dump_meta(meta))
+        txn.put(store_format.META_KEY, store_format.dump_meta(meta))
         for name in splits:
-            txn.put(_format.labels_key(name), labels[name].tobytes())
+            txn.put(store_format.labels_key(name), labels[name].tobytes())
             sources = [f"n{c:08d}/{i:08d}.JPEG" for i, c in enumerate(labels[name].tolist())]
-            txn.put(_format.sources_key(name), json.dumps(sources).encode())
+            txn.put(store_format.sources_key(name), json.dumps(sources).encode())
     for name, n in splits.items():  # keys in sorted order: appends, no B-tree searches
         split_labels = labels[name].tolist()
         for start_index in range(0, n, 100_000):
             with env.begin(write=True) as txn:
                 for i in range(start_index, min(n, start_index + 100_000)):
-                    txn.put(_format.record_key(name, i), records[split_labels[i]], append=True)
+                    txn.put(store_format.record_key(name, i), records[split_labels[i]], append=True)
     env.sync(True)
     env.close()
     os.replace(tmp, path)
@@ -130,8 +131,8 @@ def open_in_a_new_process(path: Path, cache: str) -> dict:
 
 def forget_walks(path: Path) -> None:
     """Remove the records of earlier walks, so that the next open is a first open."""
-    (path / _format.VERIFIED_FILE).unlink(missing_ok=True)
-    for marker in (_format.default_cache_dir() / "verified").glob("*.json"):
+    (path / store_format.VERIFIED_FILE).unlink(missing_ok=True)
+    for marker in (store_format.default_cache_dir() / "verified").glob("*.json"):
         if json.loads(marker.read_text()).get("database") == str(path.absolute()):
             marker.unlink()
 
@@ -144,8 +145,8 @@ def report(name: str, path: Path, opens: int) -> dict:
         assert first[cache]["walked"], "the first open must walk the pages"
     later = {cache: [open_in_a_new_process(path, cache) for _ in range(opens)] for cache in ("warm", "cold")}
     assert not any(run["walked"] for runs in later.values() for run in runs), "a later open walked again"
-    records = sum(s["length"] for s in _format.read_meta(path)["splits"].values())
-    size = (path / _format.DATA_FILE).stat().st_size
+    records = sum(s["length"] for s in store_format.read_meta(path)["splits"].values())
+    size = (path / store_format.DATA_FILE).stat().st_size
     print(f"{name}: {records:,} records, {size / 2**20:,.0f} MiB data file")
     for cache, run in first.items():
         print(f"  first open, {cache} page cache (walks every lookup, records it): {run['seconds'] * 1000:,.0f} ms")

@@ -30,8 +30,8 @@ from torch.utils.data import DataLoader
 from torchvision import datasets, transforms
 
 from lightning_fastdata import FastImageDataModule, LoaderMonitor, make_image_folder, usable_cpu_count
-from lightning_fastdata.convert import train_folder
-from lightning_fastdata.datamodule import IMAGENET_MEAN, IMAGENET_STD
+from lightning_fastdata.store.sources import train_folder
+from lightning_fastdata.transforms import IMAGENET_MEAN, IMAGENET_STD
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 from torchvision import datasets, transforms
 
 from lightning_fastdata import LoaderMonitor, make_image_folder
-from lightning_fastdata.convert import train_folder
+from lightning_fastdata.store.sources import train_folder
 
 
 def main() -> None:

@@ -10,17 +10,16 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+# The deprecated submodule `convert` shares its name with the function, which must win: import the module first (its
+# import binds it here), then the function over it, so a later `import lightning_fastdata.convert` changes nothing.
+from lightning_fastdata import convert as _convert_module  # noqa: F401
 from lightning_fastdata.__about__ import __version__
-
-# eager: the submodule `convert` shares its name with the function, which must win (about 0.1 s: numpy, PIL, lmdb)
-from lightning_fastdata.convert import ConversionSummary, SkippedFile, convert, convert_dataset
+from lightning_fastdata.store.conversion import ConversionSummary, SkippedFile, convert, convert_dataset  # numpy, lmdb
 
 if TYPE_CHECKING:
     from lightning_fastdata import presets
-    from lightning_fastdata._format import read_meta, read_sources
     from lightning_fastdata.cpus import usable_cpu_count
     from lightning_fastdata.datamodule import FastImageDataModule
-    from lightning_fastdata.dataset import LmdbImageDataset
     from lightning_fastdata.errors import (
         ConversionError,
         CorruptRecordError,
@@ -33,6 +32,8 @@ if TYPE_CHECKING:
     )
     from lightning_fastdata.monitor import LoaderMonitor
     from lightning_fastdata.prefetch import DevicePrefetchLoader
+    from lightning_fastdata.store.format import read_meta, read_sources
+    from lightning_fastdata.store.reader import LmdbImageDataset
     from lightning_fastdata.synthetic import make_image_folder
 
 #: public name -> the module that defines it
@@ -44,14 +45,14 @@ _HOMES = {
     "DevicePrefetchLoader": "prefetch",
     "FastDataError": "errors",
     "FastImageDataModule": "datamodule",
-    "LmdbImageDataset": "dataset",
+    "LmdbImageDataset": "store.reader",
     "LoaderMonitor": "monitor",
     "ReadOnlyDestinationError": "errors",
     "SampleError": "errors",
     "SourceLayoutError": "errors",
     "make_image_folder": "synthetic",
-    "read_meta": "_format",
-    "read_sources": "_format",
+    "read_meta": "store.format",
+    "read_sources": "store.format",
     "usable_cpu_count": "cpus",
 }
 _LIGHTNING_MODULES = ("datamodule", "monitor", "prefetch")

@@ -175,7 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from lightning_fastdata.convert import clean_stale_conversions, convert
+    from lightning_fastdata.store.conversion import convert
+    from lightning_fastdata.store.writer import clean_stale_conversions
 
     if args.clean is not None:
         if args.src is not None:
@@ -422,7 +423,7 @@ def _help_cache(command: str) -> Path | None:
     import shutil
     from importlib import metadata
 
-    from lightning_fastdata._format import default_cache_dir
+    from lightning_fastdata.store.cache import default_cache_dir
 
     parts = [__version__, sys.version, sys.executable, command, str(shutil.get_terminal_size().columns)]
     for package in ("lightning", "jsonargparse", "torch"):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import math
 import os
@@ -20,15 +19,17 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from typing_extensions import override
 
-from lightning_fastdata import _format, cpus
-from lightning_fastdata._format import default_cache_dir
-from lightning_fastdata.convert import canonical_split, convert, folder_classes
-from lightning_fastdata.dataset import LmdbImageDataset
+from lightning_fastdata import cpus
 from lightning_fastdata.device_decode import EncodedImages, encoded_batch_to_images
 from lightning_fastdata.errors import DestinationError, ReadOnlyDestinationError, SourceLayoutError
 from lightning_fastdata.loader import BatchReader, FastLoader
 from lightning_fastdata.resumable import ResumableSampler
 from lightning_fastdata.skipping import SkipCounter
+from lightning_fastdata.store import cache
+from lightning_fastdata.store import format as _format
+from lightning_fastdata.store.conversion import convert
+from lightning_fastdata.store.reader import LmdbImageDataset
+from lightning_fastdata.store.sources import canonical_split, folder_classes
 from lightning_fastdata.transforms import (
     IMAGENET_MEAN,
     IMAGENET_STD,
@@ -247,7 +248,7 @@ class FastImageDataModule(LightningDataModule):
     @property
     def cache_root(self) -> Path:
         """The directory holding conversions and the ``num_workers="tune"`` cache."""
-        return (Path(self.cache_dir).expanduser() if self.cache_dir else default_cache_dir()).absolute()
+        return cache.cache_root(self.cache_dir)
 
     @property
     def database_path(self) -> Path:
@@ -255,11 +256,7 @@ class FastImageDataModule(LightningDataModule):
         source = Path(self.data_dir).expanduser().absolute()
         if self.is_database:
             return source
-        # keyed by the source and the conversion settings: changing `short_side` converts into a new slot, and
-        # switching back finds the earlier conversion up to date
-        key = json.dumps([str(source), self.store_short_side(), self.quality, self.encoding])
-        digest = hashlib.sha256(key.encode()).hexdigest()[:10]
-        return self.cache_root / f"{source.name}-{digest}.lmdb"
+        return cache.converted_path(source, self.cache_root, self.store_short_side(), self.quality, self.encoding)
 
     def store_short_side(self) -> int | None:
         """The short side a conversion stores (``None``: original sizes): ``short_side``, or one fit for the crops."""

@@ -40,13 +40,13 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset, DistributedSampler, default_collate, get_worker_info
 
-from lightning_fastdata._format import RecordHeader
-from lightning_fastdata.dataset import LmdbImageDataset, collate_labels
 from lightning_fastdata.device_decode import collate_encoded, encoded_sample
 from lightning_fastdata.errors import FastDataError, SampleError
 from lightning_fastdata.keyed_random import AugmentKey, sample_key
 from lightning_fastdata.resumable import ResumableLoader
 from lightning_fastdata.skipping import SkipCounter
+from lightning_fastdata.store.format import RecordHeader
+from lightning_fastdata.store.reader import LmdbImageDataset, collate_labels
 from lightning_fastdata.transforms import Box, Normalizer, crop_resize_into, is_crop_transform
 
 Output = Literal["uint8", "float", "encoded"]

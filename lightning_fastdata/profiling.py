@@ -19,8 +19,8 @@ import numpy as np
 import torch
 from torch.utils.data import default_collate
 
-from lightning_fastdata import _format
-from lightning_fastdata.dataset import LmdbImageDataset
+from lightning_fastdata.store import format as _format
+from lightning_fastdata.store.reader import LmdbImageDataset
 from lightning_fastdata.transforms import IMAGENET_MEAN, IMAGENET_STD, RandomResizedCropFlip, crop_resize_into
 
 
@@ -165,7 +165,7 @@ def profile_folder(
     """
     from torchvision import transforms
 
-    from lightning_fastdata.convert import image_folder, open_image_file, train_folder
+    from lightning_fastdata.store.sources import image_folder, open_image_file, train_folder
 
     train = train_folder(root)
     dataset = image_folder(train)

@@ -384,8 +384,8 @@ def sweep_dataset(
     step on CUDA: :class:`TrainingLoaders`), an image folder through torchvision's ``ImageFolder`` with the standard
     transforms (RandomResizedCrop, flip, ToTensor, Normalize).
     """
-    from lightning_fastdata import _format
-    from lightning_fastdata.convert import image_folder, train_folder
+    from lightning_fastdata.store import format as _format
+    from lightning_fastdata.store.sources import image_folder, train_folder
 
     path = Path(data).expanduser()
     if not path.exists():

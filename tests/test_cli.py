@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import ast
-import importlib
 import os
 import re
 import subprocess
@@ -97,8 +96,7 @@ def test_convert_keyboard_interrupt_returns_130(split_folder, tmp_path, capsys, 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    # ``lightning_fastdata.convert`` is the re-exported function, so patch the module by its import name
-    monkeypatch.setattr(importlib.import_module("lightning_fastdata.convert"), "convert", interrupted)
+    monkeypatch.setattr("lightning_fastdata.store.conversion.convert", interrupted)
     assert main(_convert_args(split_folder, tmp_path / "db")) == 130
     assert "nothing was published" in capsys.readouterr().err
 
@@ -181,7 +179,7 @@ def test_convert_waits_for_a_held_lock_and_says_so(split_folder, tmp_path, caplo
     with open(tmp_path / ".db.lock", "a+") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
         threading.Timer(0.5, fcntl.flock, (held, fcntl.LOCK_UN)).start()
-        with caplog.at_level("WARNING", logger="lightning_fastdata.convert"):
+        with caplog.at_level("WARNING", logger="lightning_fastdata.store.writer"):
             summary = convert(split_folder, dst, num_workers=0, progress=False)
     assert summary.written == 33
     assert f"waiting for another conversion to {dst} to finish" in caplog.text

@@ -26,12 +26,12 @@ from lightning_fastdata import (
     LmdbImageDataset,
     SkippedFile,
     SourceLayoutError,
-    _format,
     convert,
     convert_dataset,
     make_image_folder,
     read_meta,
 )
+from lightning_fastdata.store import format as store_format
 
 LAYOUT_HINT = "SRC/<class_a>/<image>.jpg"
 
@@ -121,7 +121,7 @@ def test_summary_and_report_of_a_clean_conversion(split_folder, tmp_path):
     text = summary.format()
     assert f"wrote 33 images (train=24, val=9) to {dst}" in text
     assert "skipped   0" in text
-    report = json.loads((dst / _format.REPORT_FILE).read_text())
+    report = json.loads((dst / store_format.REPORT_FILE).read_text())
     assert report["written"] == 33
     assert report["skipped"] == []
     assert report["meta"]["complete"] is True
@@ -364,7 +364,7 @@ def test_bad_inputs_are_skipped_counted_and_reported(tmp_path):
     assert "skipped   5" in text
     for path, reason in reasons.items():
         assert f"skipped {path}: {reason}" in text
-    report = json.loads((dst / _format.REPORT_FILE).read_text())
+    report = json.loads((dst / store_format.REPORT_FILE).read_text())
     assert {item["path"]: item["reason"] for item in report["skipped"]} == reasons
     assert report["written"] == 3
     ds = LmdbImageDataset(dst)
@@ -382,7 +382,7 @@ def test_summary_format_lists_at_most_max_skipped():
     text = summary.format(max_skipped=2)
     assert "skipped /s/1.jpg: bad" in text
     assert "/s/2.jpg" not in text
-    assert f"... and 3 more, listed in {_format.REPORT_FILE}" in text
+    assert f"... and 3 more, listed in {store_format.REPORT_FILE}" in text
     assert summary.to_dict()["skipped"][4] == {"path": "/s/4.jpg", "reason": "bad"}
 
 
@@ -637,7 +637,7 @@ def test_foreign_lmdb_at_dst_is_refused_and_untouched(split_folder, tmp_path):
         _run(split_folder, dst)
     assert sorted(p.name for p in dst.iterdir()) == ["data.mdb", "lock.mdb"]
     # the converter looked at it through the shared read-only environment (LMDB allows one per process)
-    with _format.open_readonly(dst).begin() as txn:
+    with store_format.open_readonly(dst).begin() as txn:
         assert txn.get(b"precious") == b"data"
 
 
@@ -662,8 +662,8 @@ def test_incomplete_own_database_at_dst_is_replaced(split_folder, database_copy)
     """Our own database marked incomplete at ``dst`` is replaced by a complete conversion."""
     env = lmdb.open(str(database_copy), map_size=1 << 24)
     with env.begin(write=True) as txn:
-        meta = _format.load_meta(txn.get(_format.META_KEY), database_copy)
-        txn.put(_format.META_KEY, _format.dump_meta({**meta, "complete": False}))
+        meta = store_format.load_meta(txn.get(store_format.META_KEY), database_copy)
+        txn.put(store_format.META_KEY, store_format.dump_meta({**meta, "complete": False}))
     env.close()
     with pytest.raises(DatasetFormatError, match="incomplete"):
         read_meta(database_copy)
@@ -959,7 +959,7 @@ def test_raw_encoding_stores_pixels_and_reads_them_back(split_folder_copy, tmp_p
     raw, jpeg = LmdbImageDataset(raw_db, "val"), LmdbImageDataset(jpeg_db, "val")
     for i in range(len(raw)):
         header, data = raw.read_record(i)
-        assert header.encoding == _format.ENCODING_RAW
+        assert header.encoding == store_format.ENCODING_RAW
         assert len(data) == header.height * header.width * 3
         (a, la), (b, lb) = raw[i], jpeg[i]
         assert la == lb
@@ -1300,11 +1300,10 @@ def test_a_finished_conversion_leaves_no_lock_file(split_folder, tmp_path):
 # kills it; the file `ready` appears once a worker blocks (the pool inherits the patch through fork)
 _BLOCKED_CONVERSION = textwrap.dedent(
     """
-    import importlib, sys, time
+    import sys, time
     from pathlib import Path
     from lightning_fastdata.cli import main
-
-    convert_module = importlib.import_module("lightning_fastdata.convert")  # the module, not the function
+    from lightning_fastdata.store import encode
 
     ready = Path(sys.argv[1])
 
@@ -1312,7 +1311,7 @@ _BLOCKED_CONVERSION = textwrap.dedent(
         ready.touch()
         time.sleep(600)
 
-    convert_module._encode_image = blocked
+    encode._encode_image = blocked
     sys.exit(main(sys.argv[2:]))
     """
 )
@@ -1328,8 +1327,8 @@ def _blocked_conversion(src: Path, dst: Path, tmp_path: Path):
     )
     try:
         deadline = time.monotonic() + 120
-        partial = _format.partial_path(dst)
-        while not (ready.exists() and _format.converter_of(dst) and _has_incomplete_meta(partial)):
+        partial = store_format.partial_path(dst)
+        while not (ready.exists() and store_format.converter_of(dst) and _has_incomplete_meta(partial)):
             assert proc.poll() is None, proc.communicate()
             assert time.monotonic() < deadline, "the conversion never started"
             time.sleep(0.01)
@@ -1342,12 +1341,12 @@ def _blocked_conversion(src: Path, dst: Path, tmp_path: Path):
 
 
 def _has_incomplete_meta(partial: Path) -> bool:
-    if not (partial / _format.DATA_FILE).exists():
+    if not (partial / store_format.DATA_FILE).exists():
         return False
     env = lmdb.open(str(partial), readonly=True, lock=False, subdir=True)  # a private handle: not the shared one
     try:
         with env.begin() as txn:
-            return txn.get(_format.META_KEY) is not None
+            return txn.get(store_format.META_KEY) is not None
     finally:
         env.close()
 
@@ -1379,14 +1378,14 @@ def test_a_running_conversion_is_named_and_left_alone_by_clean(tmp_path):
     from lightning_fastdata.cli import main
 
     src, dst = _two_class_source(tmp_path / "src"), tmp_path / "out" / "db.lmdb"
-    partial = _format.partial_path(dst)
+    partial = store_format.partial_path(dst)
     with _blocked_conversion(src, dst, tmp_path) as proc:
         with pytest.raises(DatasetFormatError, match=f"is being converted by process {proc.pid} ") as info:
             LmdbImageDataset(partial)
         assert f"Wait for it, then open {str(dst)!r}" in str(info.value)
         assert main(["convert", "--clean", str(dst.parent)]) == 0
         assert partial.is_dir()
-        assert _format.lock_path(dst).is_file()
+        assert store_format.lock_path(dst).is_file()
         assert proc.poll() is None
 
 
@@ -1397,7 +1396,7 @@ def test_a_killed_conversion_is_reported_and_cleaned_by_convert_clean(tmp_path, 
     from lightning_fastdata.cli import main
 
     src, dst = _two_class_source(tmp_path / "src"), tmp_path / "out" / "db.lmdb"
-    partial = _format.partial_path(dst)
+    partial = store_format.partial_path(dst)
     with _blocked_conversion(src, dst, tmp_path) as proc:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate(timeout=60)
@@ -1407,7 +1406,7 @@ def test_a_killed_conversion_is_reported_and_cleaned_by_convert_clean(tmp_path, 
     assert f"lightning-fastdata convert --clean {str(dst.parent)!r}" in str(info.value)
 
     other = dst.parent / "other.lmdb"
-    with caplog.at_level("WARNING", logger="lightning_fastdata.convert"):
+    with caplog.at_level("WARNING", logger="lightning_fastdata.store.writer"):
         _run(src, other)
     assert "1 incomplete conversion(s) left by converters that are no longer running" in caplog.text
     assert f".db.lmdb.partial. Remove them with `lightning-fastdata convert --clean {dst.parent}`" in caplog.text
@@ -1415,7 +1414,7 @@ def test_a_killed_conversion_is_reported_and_cleaned_by_convert_clean(tmp_path, 
     assert main(["convert", "--clean", str(dst.parent)]) == 0
     out = capsys.readouterr().out
     assert f"removed {partial} (" in out
-    assert f"removed {_format.lock_path(dst)}, the lock file" in out
+    assert f"removed {store_format.lock_path(dst)}, the lock file" in out
     assert sorted(p.name for p in dst.parent.iterdir()) == ["other.lmdb"]
     assert len(LmdbImageDataset(other)) == 6
     assert main(["convert", "--clean", str(dst.parent)]) == 0
@@ -1424,7 +1423,7 @@ def test_a_killed_conversion_is_reported_and_cleaned_by_convert_clean(tmp_path, 
 
 def test_clean_puts_back_a_database_moved_aside_by_a_killed_replacement(split_folder, tmp_path):
     """A ``.X.old`` whose ``X`` is missing (killed between the two renames of a replacement) is restored, not lost."""
-    from lightning_fastdata.convert import clean_stale_conversions
+    from lightning_fastdata.store.writer import clean_stale_conversions
 
     dst = tmp_path / "db"
     _run(split_folder, dst)

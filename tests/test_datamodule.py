@@ -17,8 +17,7 @@ from lightning.pytorch import Trainer
 from torch.utils.data import DataLoader
 
 from lightning_fastdata import FastImageDataModule, LmdbImageDataset, convert, make_image_folder
-from lightning_fastdata.datamodule import IMAGENET_MEAN, IMAGENET_STD
-from lightning_fastdata.transforms import CenterCropResize, RandomResizedCropFlip
+from lightning_fastdata.transforms import IMAGENET_MEAN, IMAGENET_STD, CenterCropResize, RandomResizedCropFlip
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -23,11 +23,11 @@ from lightning_fastdata import (
     CorruptRecordError,
     DatasetFormatError,
     LmdbImageDataset,
-    _format,
     convert_dataset,
     read_meta,
 )
-from lightning_fastdata._format import ENCODING_JPEG, ENCODING_PNG, pack_record, record_key
+from lightning_fastdata.store import format as store_format
+from lightning_fastdata.store.format import ENCODING_JPEG, ENCODING_PNG, pack_record, record_key
 
 
 def _tiny_database(dst: Path, n: int, seed: int = 0, classes: tuple[str, ...] = ("a", "b", "c")) -> Path:
@@ -200,8 +200,8 @@ def test_incomplete_database_raises_format_error(database_copy):
     """A database whose metadata says ``complete: false`` is refused."""
     env = lmdb.open(str(database_copy), map_size=1 << 26)
     with env.begin(write=True) as txn:
-        meta = _format.load_meta(txn.get(_format.META_KEY), database_copy)
-        txn.put(_format.META_KEY, _format.dump_meta({**meta, "complete": False}))
+        meta = store_format.load_meta(txn.get(store_format.META_KEY), database_copy)
+        txn.put(store_format.META_KEY, store_format.dump_meta({**meta, "complete": False}))
     env.close()
     with pytest.raises(DatasetFormatError, match="incomplete"):
         LmdbImageDataset(database_copy)
@@ -306,7 +306,7 @@ def _mutate(value: bytes, kind: int, rng: random.Random) -> bytes | None:
     if kind == 4:
         return None
     if kind == 5:  # one header byte
-        damaged[rng.randrange(_format.HEADER.size)] ^= rng.randrange(1, 256)
+        damaged[rng.randrange(store_format.HEADER.size)] ^= rng.randrange(1, 256)
         return bytes(damaged)
     if kind == 6:  # trailing garbage
         return value + rng.randbytes(rng.randint(1, 64))
@@ -355,7 +355,7 @@ def test_unverified_payload_damage_decodes_or_raises_corrupt_record_error(tmp_pa
         for index in range(120):
             key = record_key("train", index)
             damaged = bytearray(txn.get(key))
-            position = rng.randrange(_format.HEADER.size, len(damaged))
+            position = rng.randrange(store_format.HEADER.size, len(damaged))
             damaged[position] ^= rng.randrange(1, 256)
             txn.put(key, bytes(damaged))
     env.close()
@@ -430,7 +430,7 @@ def test_png_records_decode(database_copy, output):
 @pytest.mark.parametrize("labels", [None, b"\x00\x00\x00"])
 def test_damaged_label_array_raises(database_copy, labels):
     """A missing or wrong-length label array makes ``targets`` raise ``CorruptRecordError``."""
-    _put(database_copy, {_format.labels_key("val"): labels})
+    _put(database_copy, {store_format.labels_key("val"): labels})
     ds = LmdbImageDataset(database_copy, "val")
     with pytest.raises(CorruptRecordError, match="label array of split 'val'"):
         _ = ds.targets
@@ -459,7 +459,9 @@ def test_raw_record_of_the_wrong_length_raises_even_unverified(tmp_path, output)
     convert_dataset(images, dst, encoding="raw", num_workers=0, progress=False)
     env = lmdb.open(str(dst), map_size=1 << 24)
     with env.begin(write=True) as txn:
-        txn.put(record_key("train", 1), _format.pack_record(_format.ENCODING_RAW, 1, 4, 6, bytes(6 * 4 * 3 - 5)))
+        txn.put(
+            record_key("train", 1), store_format.pack_record(store_format.ENCODING_RAW, 1, 4, 6, bytes(6 * 4 * 3 - 5))
+        )
     env.close()
     ds = LmdbImageDataset(dst, output=output, verify_checksums=False)
     assert ds[0][1] == 0

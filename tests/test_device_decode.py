@@ -18,7 +18,6 @@ from torch.utils.data import DataLoader, Dataset
 from torchvision.io import ImageReadMode, decode_jpeg
 
 from lightning_fastdata import FastImageDataModule, LmdbImageDataset, convert, device_decode, make_image_folder
-from lightning_fastdata.datamodule import IMAGENET_MEAN, IMAGENET_STD
 from lightning_fastdata.device_decode import (
     EncodedCropDataset,
     EncodedImages,
@@ -29,7 +28,13 @@ from lightning_fastdata.device_decode import (
 from lightning_fastdata.errors import CorruptRecordError
 from lightning_fastdata.loader import BatchReader
 from lightning_fastdata.prefetch import DevicePrefetchLoader
-from lightning_fastdata.transforms import CenterCropResize, RandomResizedCropFlip, normalize_float
+from lightning_fastdata.transforms import (
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    CenterCropResize,
+    RandomResizedCropFlip,
+    normalize_float,
+)
 
 #: the generated databases: 2 classes x (10 train + 4 val); the plain one has no val split
 TRAIN_SIZE, VAL_SIZE, PLAIN_SIZE = 20, 8, 20
@@ -465,16 +470,16 @@ def _damaged_copy(database: Path, tmp_path: Path, index: int, payload: Any = Non
     """A copy of ``database`` whose training record ``index`` holds a JPEG cut short (or ``payload``)."""
     import lmdb
 
-    from lightning_fastdata import _format
+    from lightning_fastdata.store import format as store_format
 
     dst = tmp_path / "damaged.lmdb"
     shutil.copytree(database, dst)
     env = lmdb.open(str(dst), map_size=1 << 26)
     with env.begin(write=True) as txn:
-        key = _format.record_key("train", index)
-        header, data = _format.unpack_record(txn.get(key))
+        key = store_format.record_key("train", index)
+        header, data = store_format.unpack_record(txn.get(key))
         new = bytes(data[:40]) if payload is None else payload
-        txn.put(key, _format.pack_record(header.encoding, header.label, header.height, header.width, new))
+        txn.put(key, store_format.pack_record(header.encoding, header.label, header.height, header.width, new))
     env.close()
     return dst
 

@@ -40,11 +40,11 @@ from lightning_fastdata import (
     FastImageDataModule,
     LmdbImageDataset,
     SampleError,
-    _format,
     convert,
     make_image_folder,
     read_meta,
 )
+from lightning_fastdata.store import format as store_format
 
 
 @pytest.fixture(scope="module")
@@ -164,9 +164,9 @@ def _damage_record(db: Path, index: int) -> None:
     env = lmdb.open(str(db), map_size=1 << 26)
     try:
         with env.begin(write=True) as txn:
-            key = _format.record_key("train", index)
+            key = store_format.record_key("train", index)
             value = bytearray(txn.get(key))
-            value[_format.HEADER.size + 10] ^= 0xFF
+            value[store_format.HEADER.size + 10] ^= 0xFF
             txn.put(key, bytes(value))
     finally:
         env.close()
@@ -298,19 +298,19 @@ def _open_then_truncate(db: str, size: int) -> list[str]:
     """This process opens and reads ``db``, then its data file is cut short in place (same inode), then reopened."""
     dataset = LmdbImageDataset(db)
     dataset[len(dataset) - 1]
-    os.truncate(os.path.join(db, _format.DATA_FILE), size)
+    os.truncate(os.path.join(db, store_format.DATA_FILE), size)
     return _open_errors(db)
 
 
 @pytest.mark.parametrize("fraction", [0.5, 0.9])
 def test_truncated_data_file_is_a_format_error(fault_db: Path, tmp_path: Path, fraction: float) -> None:
     """A ``data.mdb`` cut short is a DatasetFormatError saying "truncated", never a SIGBUS, even if opened before."""
-    full = (fault_db / _format.DATA_FILE).stat().st_size
+    full = (fault_db / store_format.DATA_FILE).stat().st_size
     page = 4096
     size = int(full * fraction) // page * page
     assert 2 * page < size < full
     fresh = _copy(fault_db, tmp_path / "fresh.lmdb")
-    os.truncate(fresh / _format.DATA_FILE, size)
+    os.truncate(fresh / store_format.DATA_FILE, size)
     code, messages, stderr = _run_forked(_open_errors, str(fresh))
     assert code == 0, stderr
     assert len(messages) == 2
@@ -327,7 +327,7 @@ def test_truncated_data_file_is_a_format_error(fault_db: Path, tmp_path: Path, f
 def test_data_file_shorter_than_its_meta_pages_is_a_format_error(fault_db: Path, tmp_path: Path, size: int) -> None:
     """A ``data.mdb`` too short to hold even LMDB's meta pages is a DatasetFormatError too."""
     db = _copy(fault_db, tmp_path / "db.lmdb")
-    os.truncate(db / _format.DATA_FILE, size)
+    os.truncate(db / store_format.DATA_FILE, size)
     code, messages, stderr = _run_forked(_open_errors, str(db))
     assert code == 0, stderr
     assert len(messages) == 2
@@ -378,7 +378,7 @@ def test_overwritten_blocks_raise_only_package_errors(fault_db: Path, tmp_path: 
     outcomes = {}
     for seed in range(24):
         db = _copy(fault_db, tmp_path / f"seed{seed}.lmdb")
-        _overwrite_blocks(db / _format.DATA_FILE, seed)
+        _overwrite_blocks(db / store_format.DATA_FILE, seed)
         outcomes[seed] = _run_forked(_read_everything, str(db))
     hangs = [seed for seed, (code, _, _) in outcomes.items() if code is None]
     assert not hangs, f"reading hung for seeds {hangs}"
@@ -411,7 +411,7 @@ def _damage_root_page(db: Path) -> None:
     env = lmdb.open(str(db), readonly=True, lock=False)
     stat = env.stat()
     env.close()
-    data_file = db / _format.DATA_FILE
+    data_file = db / store_format.DATA_FILE
     data = data_file.read_bytes()
     root, depth, entries = _main_db(data, stat["psize"])
     assert (depth, entries) == (stat["depth"], stat["entries"])
@@ -439,7 +439,7 @@ def test_a_page_damaged_after_its_walk_was_recorded_is_still_a_clear_error(fault
     db = _copy(fault_db, tmp_path / "db.lmdb")
     code, summary, stderr = _run_forked(_read_everything, str(db))
     assert (code, summary["package_errors"]) == (0, 0), stderr
-    assert (db / _format.VERIFIED_FILE).is_file()  # walked and recorded
+    assert (db / store_format.VERIFIED_FILE).is_file()  # walked and recorded
     _damage_root_page(db)
     for _ in range(2):  # and the damage is not recorded as walked either
         code, summary, stderr = _run_forked(_read_everything, str(db))
@@ -497,7 +497,7 @@ def test_disk_full_during_conversion_publishes_nothing(tmp_path: Path) -> None:
     reference = tmp_path / "reference.lmdb"
     convert(src, reference, short_side=0, num_workers=0, progress=False)
     limit = 200 << 10
-    assert (reference / _format.DATA_FILE).stat().st_size > 3 * limit  # the limit cuts the write early
+    assert (reference / store_format.DATA_FILE).stat().st_size > 3 * limit  # the limit cuts the write early
     source_before = _tree_digest(src)
     out = tmp_path / "out"
     out.mkdir()

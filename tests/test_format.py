@@ -11,8 +11,9 @@ from pathlib import Path
 import lmdb
 import pytest
 
-from lightning_fastdata import _format
-from lightning_fastdata._format import (
+from lightning_fastdata.errors import CorruptRecordError, DatasetFormatError, FastDataError
+from lightning_fastdata.store import format as store_format
+from lightning_fastdata.store.format import (
     ENCODING_JPEG,
     ENCODING_PNG,
     FORMAT_VERSION,
@@ -26,7 +27,6 @@ from lightning_fastdata._format import (
     record_key,
     unpack_record,
 )
-from lightning_fastdata.errors import CorruptRecordError, DatasetFormatError, FastDataError
 
 PAYLOAD = bytes(range(7, 47))  # 40 bytes that are not all alike
 RECORD = pack_record(ENCODING_JPEG, 3, 480, 640, PAYLOAD)
@@ -59,7 +59,7 @@ def test_pack_unpack_round_trip():
 def test_pack_unpack_round_trip_png_and_empty_payload():
     """The PNG encoding code and an empty payload round-trip too."""
     header, payload = unpack_record(pack_record(ENCODING_PNG, 0, 1, 1, b""))
-    assert header == _format.RecordHeader(ENCODING_PNG, 0, 1, 1)
+    assert header == store_format.RecordHeader(ENCODING_PNG, 0, 1, 1)
     assert bytes(payload) == b""
 
 
@@ -160,7 +160,7 @@ def test_record_and_label_keys_are_computed():
     assert labels_key("val") == b"__labels__/val"
     keys = [record_key("train", i) for i in (0, 9, 10, 99, 100, 12345)]
     assert keys == sorted(keys)
-    assert _format.META_KEY not in keys
+    assert store_format.META_KEY not in keys
 
 
 def test_meta_round_trip():
@@ -269,7 +269,7 @@ def test_read_meta_of_garbage_data_file(tmp_path):
 
 def test_read_meta_of_incomplete_lmdb(tmp_path):
     """An LMDB holding metadata with ``complete: false`` raises ``DatasetFormatError`` mentioning incomplete."""
-    path = _make_lmdb(tmp_path / "partial", {_format.META_KEY: dump_meta(_valid_meta(complete=False))})
+    path = _make_lmdb(tmp_path / "partial", {store_format.META_KEY: dump_meta(_valid_meta(complete=False))})
     with pytest.raises(DatasetFormatError, match="incomplete"):
         read_meta(path)
 
@@ -321,21 +321,21 @@ def test_open_readonly_writes_no_lock_file(tmp_path):
 def walks(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
     """The databases whose pages get walked from now on, in order (the walk itself still runs)."""
     calls: list[Path] = []
-    walk = _format._check_structure
+    walk = store_format._check_structure
 
     def counted(path: Path) -> bool:
         calls.append(path)
         return walk(path)
 
-    monkeypatch.setattr(_format, "_check_structure", counted)
-    monkeypatch.setattr(_format, "_VERIFIED", set())
+    monkeypatch.setattr(store_format, "_check_structure", counted)
+    monkeypatch.setattr(store_format, "_VERIFIED", set())
     return calls
 
 
 def _as_a_new_process(monkeypatch: pytest.MonkeyPatch) -> None:
     """Forget this process's environments and walks, as a process started now would have none."""
-    _format._close_inherited()
-    monkeypatch.setattr(_format, "_VERIFIED", set())
+    store_format._close_inherited()
+    monkeypatch.setattr(store_format, "_VERIFIED", set())
 
 
 def test_a_walked_database_is_not_walked_again_by_another_process(database_copy, walks, monkeypatch):
@@ -343,9 +343,9 @@ def test_a_walked_database_is_not_walked_again_by_another_process(database_copy,
     _as_a_new_process(monkeypatch)
     assert read_meta(database_copy)["complete"] is True
     assert walks == [database_copy]
-    record = json.loads((database_copy / _format.VERIFIED_FILE).read_text())
-    st = (database_copy / _format.DATA_FILE).stat()
-    assert record[_format.DATA_FILE] == {
+    record = json.loads((database_copy / store_format.VERIFIED_FILE).read_text())
+    st = (database_copy / store_format.DATA_FILE).stat()
+    assert record[store_format.DATA_FILE] == {
         "inode": st.st_ino,
         "size": st.st_size,
         "mtime_ns": st.st_mtime_ns,
@@ -377,7 +377,7 @@ def test_a_changed_data_file_is_walked_again(database_copy, walks, monkeypatch, 
     """A new size, mtime or inode of ``data.mdb`` walks the pages again (then records the new identity)."""
     _as_a_new_process(monkeypatch)
     read_meta(database_copy)
-    change(database_copy / _format.DATA_FILE)
+    change(database_copy / store_format.DATA_FILE)
     _as_a_new_process(monkeypatch)
     read_meta(database_copy)
     _as_a_new_process(monkeypatch)
@@ -391,7 +391,7 @@ def test_a_copied_database_with_its_record_is_walked_again(database_copy, walks,
     read_meta(database_copy)
     copy = tmp_path / "again.lmdb"
     shutil.copytree(database_copy, copy)
-    assert (copy / _format.VERIFIED_FILE).is_file()
+    assert (copy / store_format.VERIFIED_FILE).is_file()
     read_meta(copy)
     assert walks == [database_copy, copy]
 
@@ -400,7 +400,7 @@ def test_a_record_that_cannot_be_written_costs_only_speed(database_copy, walks, 
     """A read-only database folder records the walk in the user's cache; with no writable place, every open walks."""
     cache = tmp_path / "cache"
     monkeypatch.setenv("LIGHTNING_FASTDATA_CACHE", str(cache))
-    (database_copy / _format.VERIFIED_FILE).unlink(missing_ok=True)  # copied along with the session's database
+    (database_copy / store_format.VERIFIED_FILE).unlink(missing_ok=True)  # copied along with the session's database
     mode = database_copy.stat().st_mode
     database_copy.chmod(0o555)
     try:
@@ -409,7 +409,7 @@ def test_a_record_that_cannot_be_written_costs_only_speed(database_copy, walks, 
         _as_a_new_process(monkeypatch)
         read_meta(database_copy)
         assert walks == [database_copy]
-        assert not (database_copy / _format.VERIFIED_FILE).exists()
+        assert not (database_copy / store_format.VERIFIED_FILE).exists()
         assert len(list((cache / "verified").glob("*.json"))) == 1
 
         blocker = tmp_path / "a file"
@@ -444,12 +444,14 @@ def test_an_incomplete_or_foreign_database_is_never_recorded(tmp_path, walks, mo
 
 def test_concurrent_records_replace_each_other_whole(database_copy):
     """Processes recording the same walk at once each rename a whole file into place: the result is valid JSON."""
-    st = (database_copy / _format.DATA_FILE).stat()
-    identity = _format._file_identity(st)
-    threads = [threading.Thread(target=_format._write_marker, args=(database_copy, st, identity)) for _ in range(8)]
+    st = (database_copy / store_format.DATA_FILE).stat()
+    identity = store_format._file_identity(st)
+    threads = [
+        threading.Thread(target=store_format._write_marker, args=(database_copy, st, identity)) for _ in range(8)
+    ]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    assert json.loads((database_copy / _format.VERIFIED_FILE).read_text())[_format.DATA_FILE] == identity
+    assert json.loads((database_copy / store_format.VERIFIED_FILE).read_text())[store_format.DATA_FILE] == identity
     assert sorted(p.name for p in database_copy.iterdir() if p.suffix == ".tmp") == []

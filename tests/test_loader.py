@@ -17,11 +17,12 @@ import torch
 from torchvision.transforms import RandomResizedCrop
 from torchvision.transforms.v2 import functional as TF
 
-from lightning_fastdata import LmdbImageDataset, SampleError, _format, convert_dataset
+from lightning_fastdata import LmdbImageDataset, SampleError, convert_dataset
 from lightning_fastdata.errors import CorruptRecordError
 from lightning_fastdata.loader import BatchReader, FastLoader, KeyedIndices
 from lightning_fastdata.resumable import ResumableSampler
 from lightning_fastdata.skipping import SkipCounter
+from lightning_fastdata.store import format as store_format
 from lightning_fastdata.transforms import CenterCropResize, Normalizer, RandomResizedCropFlip, _apply, crop_resize_into
 
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
@@ -312,10 +313,10 @@ def test_target_transform_applies_on_the_fused_path(database: Path) -> None:
 def _damaged(database_copy: Path, index: int) -> Path:
     env = lmdb.open(str(database_copy), map_size=1 << 26)
     with env.begin(write=True) as txn:
-        key = _format.record_key("train", index)
-        header, payload = _format.unpack_record(txn.get(key))
+        key = store_format.record_key("train", index)
+        header, payload = store_format.unpack_record(txn.get(key))
         broken = bytes(payload[: len(payload) // 3])  # a JPEG cut short
-        txn.put(key, _format.pack_record(header.encoding, header.label, header.height, header.width, broken))
+        txn.put(key, store_format.pack_record(header.encoding, header.label, header.height, header.width, broken))
     env.close()
     return database_copy
 

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from lightning_fastdata.dataset import LmdbImageDataset
+from lightning_fastdata.store.reader import LmdbImageDataset
 from lightning_fastdata.transforms import CenterCropResize
 
 

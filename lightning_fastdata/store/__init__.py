@@ -1,0 +1,17 @@
+"""Storage: how images become a database, what a database is on disk, and how it is read back.
+
+One module per concern, in the order a sample travels:
+
+* :mod:`~lightning_fastdata.store.sources`: reading a source (image folders, split folders, list files) into a plan;
+* :mod:`~lightning_fastdata.store.hf`: the Hugging Face ``datasets`` adapter of ``convert_dataset``;
+* :mod:`~lightning_fastdata.store.encode`: the per-image options and encoding, in worker processes;
+* :mod:`~lightning_fastdata.store.writer`: the LMDB writer, the lock per target, publishing and cleaning up;
+* :mod:`~lightning_fastdata.store.conversion`: the entry points ``convert`` and ``convert_dataset``;
+* :mod:`~lightning_fastdata.store.summary`: what a conversion reports (``ConversionSummary``, ``SkippedFile``);
+* :mod:`~lightning_fastdata.store.format`: the on-disk format shared by writer and reader (``read_meta``, ...);
+* :mod:`~lightning_fastdata.store.reader`: ``LmdbImageDataset``, the reader;
+* :mod:`~lightning_fastdata.store.cache`: the cache folder, and the database a source converts into there.
+
+Nothing is imported here: ``lightning-fastdata --help`` imports neither torch nor Lightning, and only ``reader``
+imports torch.
+"""

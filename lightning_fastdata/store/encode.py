@@ -1,0 +1,257 @@
+"""Per-image encoding: one source image (a file, encoded bytes or a PIL image) to one record's payload.
+
+:class:`EncodeOptions` is the one definition of how images are stored (``short_side``, ``quality``,
+``keep_original``, ``encoding``): :func:`check_options` validates what ``convert`` and ``convert_dataset`` were
+given, and the database's metadata records it (``meta["encoding"]``), so a re-run with other options converts again.
+:func:`encode_all` encodes a conversion's tasks in order, in a pool of worker processes or in this one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import math
+import multiprocessing
+import signal
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
+
+import numpy as np
+import simplejpeg
+from PIL import Image, UnidentifiedImageError
+
+from lightning_fastdata._cv import cv2
+from lightning_fastdata.store.format import ENCODING_JPEG, ENCODING_RAW
+
+if TYPE_CHECKING:
+    from lightning_fastdata.store.sources import Task
+
+
+class _Skip(Exception):
+    """An input that cannot become a record; the message is the reason shown to the user."""
+
+
+Encoding = Literal["jpeg", "raw"]
+
+
+@dataclass(frozen=True)
+class EncodeOptions:
+    """How each image is stored; ``asdict`` of it is the ``encoding`` entry of a database's metadata.
+
+    The fields are ``convert``'s arguments of the same names (documented there), after :func:`check_options`.
+    """
+
+    short_side: int | None
+    quality: int
+    keep_original: bool
+    encoding: Encoding = "jpeg"
+
+
+def check_options(short_side: int | None, quality: int, keep_original: bool, encoding: str) -> EncodeOptions:
+    """The options of a conversion, checked; ``0`` and ``None`` for ``short_side`` both keep the original size.
+
+    Raises:
+        ValueError: an option is out of range, or ``keep_original`` is combined with ``encoding="raw"``.
+
+    """
+    if short_side is not None and short_side < 0:
+        raise ValueError(f"`short_side` must be >= 0 (0 or None keeps the original size), got {short_side}.")
+    if not 1 <= quality <= 100:
+        raise ValueError(f"`quality` must be in 1..100, got {quality}.")
+    if encoding not in ("jpeg", "raw"):
+        raise ValueError(f"`encoding` must be 'jpeg' or 'raw', got {encoding!r}.")
+    if encoding == "raw" and keep_original:
+        raise ValueError("`keep_original` stores JPEG bytes and cannot be combined with `encoding='raw'`.")
+    return EncodeOptions(short_side or None, quality, keep_original, encoding)  # type: ignore[arg-type]
+
+
+def _target_size(width: int, height: int, short_side: int | None) -> tuple[int, int] | None:
+    """The (width, height) that makes the short side ``short_side``, or ``None`` when no downscale is needed."""
+    short = min(width, height)
+    if not short_side or short <= short_side:
+        return None
+    if width <= height:
+        return short_side, max(1, round(height * short_side / width))
+    return max(1, round(width * short_side / height)), short_side
+
+
+def _to_rgb(img: Image.Image) -> Image.Image:
+    """Any PIL mode to 8-bit RGB: 16-bit and float grayscale are rescaled, palette transparency handled."""
+    mode = img.mode
+    if mode == "RGB":
+        return img
+    if mode.startswith("I") or mode == "F":
+        arr = np.asarray(img, dtype=np.float64)
+        high = 65535.0 if mode.startswith("I;16") or arr.max(initial=0) > 255 else 255.0
+        if mode == "F" and arr.max(initial=0) <= 1.0:
+            high = 1.0
+        gray = np.clip(arr * (255.0 / high), 0, 255).round().astype(np.uint8)
+        return Image.fromarray(gray).convert("RGB")
+    if mode == "P" and "transparency" in img.info:
+        return img.convert("RGBA").convert("RGB")
+    return img.convert("RGB")
+
+
+def _encode_image(source: Any, opts: EncodeOptions) -> tuple[int, int, int, bytes]:
+    """Turn encoded bytes or a PIL image into ``(encoding, height, width, payload)``; raise ``_Skip`` if unusable."""
+    raw: bytes | None = None
+    if isinstance(source, Image.Image):
+        img = source
+    elif isinstance(source, (bytes, bytearray, memoryview)):
+        raw = bytes(source)
+        if not raw:
+            raise _Skip("empty file (0 bytes)")
+        try:
+            img = Image.open(io.BytesIO(raw))
+        except UnidentifiedImageError:
+            raise _Skip("not an image: the content is in no format Pillow can read") from None
+        except (OSError, SyntaxError, ValueError) as err:
+            raise _Skip(f"unreadable image header: {err}") from None
+    else:
+        raise _Skip(f"expected a PIL image or encoded image bytes, got {type(source).__name__}")
+    try:
+        width, height = img.size
+        target = _target_size(width, height, opts.short_side)
+        if (
+            opts.encoding == "jpeg"
+            and raw is not None
+            and img.format == "JPEG"
+            and img.mode in ("RGB", "L")
+            and (target is None or opts.keep_original)
+        ):
+            # Store the source bytes untouched (no generation loss), after checking the whole stream decodes;
+            # draft mode makes that check an 1/8-scale decode.
+            img.draft(img.mode, (max(1, width // 8), max(1, height // 8)))
+            img.load()
+            return ENCODING_JPEG, height, width, raw
+        jpeg_in_jpeg_out = raw is not None and img.format == "JPEG" and opts.encoding == "jpeg"
+        if target is not None and jpeg_in_jpeg_out and img.mode in ("RGB", "L"):
+            return _downscale_jpeg(raw, target, opts.quality)  # type: ignore[arg-type]
+        if target is not None and img.format == "JPEG":
+            img.draft("RGB", target)  # DCT-domain downscale to the smallest scale still >= target
+        img.load()
+        img = _to_rgb(img)
+        if target is not None:
+            img = img.resize(target, Image.Resampling.BICUBIC, reducing_gap=3.0)
+        if opts.encoding == "raw":
+            return ENCODING_RAW, img.height, img.width, img.tobytes()
+        out = io.BytesIO()
+        img.save(out, format="JPEG", quality=opts.quality)
+        return ENCODING_JPEG, img.height, img.width, out.getvalue()
+    except _Skip:
+        raise
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
+        raise _Skip(f"corrupt or truncated image: {err}") from None
+
+
+def _downscale_jpeg(raw: bytes, target: tuple[int, int], quality: int) -> tuple[int, int, int, bytes]:
+    """The common case, fast: an RGB or grayscale JPEG to ``target`` (width, height), re-encoded as JPEG.
+
+    libjpeg-turbo decodes (at half scale in the DCT when the source is at least twice the target: exact and SIMD);
+    a Gaussian prefilter then a bilinear resize shrink it, antialiased; libjpeg-turbo encodes with 4:2:0 chroma, as
+    Pillow does. The prefilter's sigma, ``0.5 * sqrt(ratio**2 - 1)``, blurs about as much as an antialiased bilinear
+    (triangle) filter of the same ratio, Pillow's and torchvision's: files come out the size Pillow's give (16.3 vs
+    16.0 KiB per photo here), where scikit-image's weaker ``(ratio - 1) / 2`` kept grain that made them 20% larger,
+    and slower to decode in every epoch. Measured on one core here, per 300-640 px photo: 2.2 ms, against 4.8 ms
+    with Pillow's decode, bicubic resize and encode (3.1 ms with OpenCV's ``INTER_AREA``).
+    """
+    try:
+        height, width, _, _ = simplejpeg.decode_jpeg_header(raw)
+        half = min(height, width) >= 2 * min(target)
+        image = simplejpeg.decode_jpeg(raw, "RGB", min_factor=2 if half else 1, strict=True)
+        ratio = min(image.shape[:2]) / min(target)
+        sigma = 0.5 * math.sqrt(max(0.0, ratio * ratio - 1.0))
+        if sigma > 0.05:
+            image = cv2.GaussianBlur(image, (0, 0), sigmaX=sigma)
+        resized = cv2.resize(image, target, interpolation=cv2.INTER_LINEAR)
+        payload = simplejpeg.encode_jpeg(resized, quality=quality, colorspace="RGB", colorsubsampling="420")
+    except (ValueError, cv2.error) as err:
+        raise _Skip(f"corrupt or truncated image: {err}") from None
+    return ENCODING_JPEG, target[1], target[0], payload
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Encoding a conversion's tasks, in worker processes or in this one
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class EncodeResult(NamedTuple):
+    """What encoding one task gave: a record's fields and payload, or (``payload is None``) why it was skipped."""
+
+    label: int
+    bytes_in: int
+    encoding: int
+    height: int
+    width: int
+    payload: bytes | None
+    reason: str | None
+
+
+# Per-worker state, installed by the pool initializer (inherited under fork, pickled once under spawn).
+_STATE: dict[str, Any] = {}
+
+
+def _init_worker(datasets: Mapping[str, Any] | None, opts: EncodeOptions) -> None:
+    # Ctrl-C reaches the whole process group: the main process handles it (and stops the pool); a worker would only
+    # print its own KeyboardInterrupt traceback
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _STATE["datasets"] = datasets
+    _STATE["opts"] = opts
+    with contextlib.suppress(Exception):  # one thread per worker: the pool already uses every core
+        import torch
+
+        torch.set_num_threads(1)
+
+
+def _load_task(task: Task) -> tuple[Any, int, int]:
+    """Read the task's input: ``(source, label, bytes_in)``."""
+    split, item, label = task
+    if isinstance(item, str):
+        try:
+            with open(item, "rb") as fh:
+                raw = fh.read()
+        except OSError as err:
+            raise _Skip(f"cannot read file: {err.strerror or err}") from None
+        return raw, label, len(raw)
+    try:
+        source, label = _STATE["datasets"][split][item]
+    except Exception as err:  # a user's dataset may raise anything; the sample is skipped and reported
+        raise _Skip(f"dataset raised {type(err).__name__}: {err}") from None
+    if isinstance(label, bool) or not isinstance(label, (int, np.integer)) or int(label) < 0:
+        raise _Skip(f"label must be a non-negative int, got {label!r}")
+    size = len(source) if isinstance(source, (bytes, bytearray, memoryview)) else 0
+    return source, int(label), size
+
+
+def _work(task: Task) -> EncodeResult:
+    """Pool entry point: the encoded record of ``task``, or the reason it is skipped."""
+    label, size = task[2], 0
+    try:
+        source, label, size = _load_task(task)
+        encoding, height, width, payload = _encode_image(source, _STATE["opts"])
+    except _Skip as skip:
+        return EncodeResult(label, size, 0, 0, 0, None, str(skip))
+    return EncodeResult(label, size, encoding, height, width, payload, None)
+
+
+@contextlib.contextmanager
+def encode_all(
+    tasks: list[Task], datasets: Mapping[str, Any] | None, opts: EncodeOptions, workers: int
+) -> Iterator[Iterator[EncodeResult]]:
+    """The :class:`EncodeResult` of each task in order, from a process pool (``workers > 0``) or this process.
+
+    ``datasets`` (``convert_dataset``'s, by split) reach the pool's workers by fork, or are pickled once under spawn.
+    """
+    if workers == 0:
+        # not `_init_worker`: its one-thread cap is for pool workers and must not stick to the caller's process
+        _STATE["datasets"] = datasets
+        _STATE["opts"] = opts
+        try:
+            yield map(_work, tasks)
+        finally:
+            _STATE.clear()
+        return
+    chunksize = max(1, min(32, len(tasks) // (workers * 8)))
+    with multiprocessing.get_context().Pool(workers, initializer=_init_worker, initargs=(datasets, opts)) as pool:
+        yield pool.imap(_work, tasks, chunksize=chunksize)

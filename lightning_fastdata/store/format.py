@@ -1,0 +1,512 @@
+"""The on-disk layout of a lightning_fastdata image database, shared by the writer and the reader.
+
+A database is an LMDB environment directory (``data.mdb`` + ``lock.mdb``) holding:
+
+* one record per image under the key ``b"<split>/<index:010d>"``: a fixed 20-byte little-endian header followed
+  by the encoded image bytes (see :data:`HEADER`);
+* the labels of each split as a packed ``int32`` array under ``b"__labels__/<split>"``;
+* where each record came from, as a UTF-8 JSON list of strings under ``b"__sources__/<split>"`` (the path relative to
+  the source folder, the path as listed, or the index in a dataset), in record order;
+* the dataset metadata as UTF-8 JSON under ``b"__meta__"``, written in the last transaction with
+  ``"complete": true``.
+
+Beside a database ``DST`` a conversion keeps, while it runs, the hidden working copy ``.DST.partial`` (renamed to
+``DST`` when complete) and the lock file ``.DST.lock``, which holds the converter's process id and host as JSON and
+is removed when the conversion ends. A database opened once records that its LMDB pages were walked in
+``verified.json`` (see :func:`open_readonly`).
+
+Nothing is ever unpickled: reading a database someone else made runs none of their code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import socket
+import struct
+import tempfile
+import threading
+import zlib
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import lmdb
+
+from lightning_fastdata.errors import CorruptRecordError, DatasetFormatError
+from lightning_fastdata.store.cache import default_cache_dir
+
+try:  # advisory locks between converters, and readers asking whether one is at work (POSIX only)
+    import fcntl
+except ImportError:  # pragma: no cover - Windows
+    fcntl = None  # type: ignore[assignment]
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+MAGIC = b"LF"
+META_KEY = b"__meta__"
+DATA_FILE = "data.mdb"
+REPORT_FILE = "convert_report.json"
+#: beside ``data.mdb``: the identity of the data file whose LMDB pages were walked without a crash
+VERIFIED_FILE = "verified.json"
+
+ENCODING_JPEG = 1
+ENCODING_PNG = 2
+ENCODING_RAW = 3  # uint8 RGB pixels, row-major HWC: no decode at read time
+ENCODING_NAMES = {ENCODING_JPEG: "jpeg", ENCODING_PNG: "png", ENCODING_RAW: "raw"}
+
+#: magic, format version, encoding, label, height, width, crc32 of (header without crc + payload)
+HEADER = struct.Struct("<2sBBiIII")
+
+
+def record_key(split: str, index: int) -> bytes:
+    """The LMDB key of sample ``index`` of ``split``: computed, so the reader keeps no key list."""
+    return f"{split}/{index:010d}".encode()
+
+
+def labels_key(split: str) -> bytes:
+    """The LMDB key of the packed ``int32`` label array of ``split``."""
+    return f"__labels__/{split}".encode()
+
+
+def sources_key(split: str) -> bytes:
+    """The LMDB key of the JSON list of ``split``'s source names (relative paths, listed paths or dataset indices)."""
+    return f"__sources__/{split}".encode()
+
+
+@dataclass(frozen=True)
+class RecordHeader:
+    """The decoded fixed header of one record."""
+
+    encoding: int
+    label: int
+    height: int
+    width: int
+
+
+def _checksum(encoding: int, label: int, height: int, width: int, payload: bytes | memoryview) -> int:
+    head = HEADER.pack(MAGIC, FORMAT_VERSION, encoding, label, height, width, 0)
+    return zlib.crc32(payload, zlib.crc32(head))
+
+
+def pack_record(encoding: int, label: int, height: int, width: int, payload: bytes) -> bytes:
+    """Serialize one image record: the fixed header, then the encoded image bytes."""
+    crc = _checksum(encoding, label, height, width, payload)
+    return HEADER.pack(MAGIC, FORMAT_VERSION, encoding, label, height, width, crc) + payload
+
+
+def unpack_record(record: bytes | memoryview, verify: bool = True) -> tuple[RecordHeader, memoryview]:
+    """Parse a record into its header and a view of the encoded image bytes.
+
+    Raises:
+        CorruptRecordError: the record is too short, has a bad magic, version or encoding, or fails its checksum.
+
+    """
+    view = memoryview(record)
+    if len(view) < HEADER.size:
+        raise CorruptRecordError(f"record is {len(view)} bytes, shorter than its {HEADER.size}-byte header")
+    magic, version, encoding, label, height, width, crc = HEADER.unpack_from(view)
+    if magic != MAGIC:
+        raise CorruptRecordError(f"bad record magic {bytes(magic)!r} (expected {MAGIC!r})")
+    if version != FORMAT_VERSION:
+        raise CorruptRecordError(f"record format version {version}, this package reads version {FORMAT_VERSION}")
+    if encoding not in ENCODING_NAMES:
+        raise CorruptRecordError(f"unknown image encoding code {encoding}")
+    payload = view[HEADER.size :]
+    if verify and _checksum(encoding, label, height, width, payload) != crc:
+        raise CorruptRecordError("checksum mismatch: the record was modified or truncated after conversion")
+    return RecordHeader(encoding, label, height, width), payload
+
+
+def dump_meta(meta: dict[str, Any]) -> bytes:
+    """Serialize the dataset metadata (JSON, never pickle)."""
+    return json.dumps(meta, sort_keys=True).encode()
+
+
+def load_meta(raw: bytes | None, path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Parse and validate the dataset metadata read from ``path``.
+
+    Raises:
+        DatasetFormatError: no metadata (not our database), unreadable JSON, an unknown format version, or a
+            conversion that never finished.
+
+    """
+    if raw is None:
+        raise DatasetFormatError(
+            f"{os.fspath(path)!r} is an LMDB database but not one made by lightning_fastdata (no `__meta__` record)."
+            " Create one with `lightning-fastdata convert SRC DST`."
+        )
+    try:
+        meta = json.loads(bytes(raw).decode())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise DatasetFormatError(
+            f"the metadata of {os.fspath(path)!r} is not valid JSON ({err}); the database is damaged."
+            " Convert the source again with `lightning-fastdata convert`."
+        ) from err
+    if not isinstance(meta, dict):
+        raise DatasetFormatError(f"the metadata of {os.fspath(path)!r} is not a JSON object; the database is damaged.")
+    version = meta.get("format_version")
+    if version != FORMAT_VERSION:
+        raise DatasetFormatError(
+            f"{os.fspath(path)!r} has format version {version!r}, this lightning_fastdata reads version"
+            f" {FORMAT_VERSION}. Convert the source again with this version, or install the version that wrote it."
+        )
+    if meta.get("complete") is not True:
+        raise DatasetFormatError(_incomplete_message(Path(path)))
+    return meta
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Where things live beside a database, and who is converting it
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def partial_path(dst: Path) -> Path:
+    """The hidden working copy a conversion to ``dst`` writes, renamed to ``dst`` when complete."""
+    return dst.parent / f".{dst.name}.partial"
+
+
+def lock_path(dst: Path) -> Path:
+    """The lock file a conversion to ``dst`` holds while it runs (JSON: the converter's pid, host and start)."""
+    return dst.parent / f".{dst.name}.lock"
+
+
+def target_of_partial(path: Path) -> Path | None:
+    """The database a working copy ``.NAME.partial`` becomes (``NAME`` beside it), or ``None`` for other paths."""
+    name = path.name
+    if name.startswith(".") and name.endswith(".partial") and len(name) > len("..partial"):
+        return path.parent / name[1 : -len(".partial")]
+    return None
+
+
+def converter_of(dst: Path) -> dict[str, Any] | None:
+    """The converter now writing ``dst`` (``{"pid": ..., "host": ..., "started": ...}``), or ``None`` if none is.
+
+    A converter holds an exclusive ``flock`` on :func:`lock_path` for as long as it runs; the lock dies with its
+    process, so a lock file nobody holds (left by a killed converter) means no conversion is under way.
+    """
+    if fcntl is None:  # pragma: no cover - Windows
+        return None
+    try:
+        fh = open(lock_path(dst), "rb")  # noqa: SIM115 - closed below; read-only, so a read-only folder works
+    except OSError:
+        return None
+    with fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            try:
+                info = json.loads(fh.read(4096).decode() or "{}")
+            except (UnicodeDecodeError, ValueError):
+                info = {}
+            return info if isinstance(info, dict) else {}
+        except OSError:
+            return None
+        fcntl.flock(fh, fcntl.LOCK_UN)
+    return None
+
+
+def converter_record() -> bytes:
+    """What a converter writes into the lock file it holds: its pid, host and start time, as JSON."""
+    started = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    return json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": started}).encode()
+
+
+def describe_converter(info: dict[str, Any]) -> str:
+    """``"process 1234 on host h (started ...)"`` from what :func:`converter_of` returned."""
+    text = f"process {info['pid']}" if "pid" in info else "another process"
+    if info.get("host") and info["host"] != socket.gethostname():
+        text += f" on host {info['host']}"
+    return text + (f" (started {info['started']})" if info.get("started") else "")
+
+
+def _incomplete_message(path: Path) -> str:
+    """Why ``path`` (incomplete) cannot be read: a conversion is writing it, or one was interrupted."""
+    target = target_of_partial(path.absolute())
+    info = converter_of(target) if target is not None else None
+    if target is not None and info is not None:
+        return (
+            f"{os.fspath(path)!r} is being converted by {describe_converter(info)}: it is the working copy of"
+            f" {str(target)!r}, which appears when the conversion finishes. Wait for it, then open {str(target)!r}."
+        )
+    if target is not None:
+        return (
+            f"{os.fspath(path)!r} is an incomplete conversion of {str(target)!r} left by a converter that is no longer"
+            " running (it was interrupted or failed). Run `lightning-fastdata convert` again (it starts over), or"
+            f" remove it with `lightning-fastdata convert --clean {str(path.absolute().parent)!r}`."
+        )
+    return (
+        f"{os.fspath(path)!r} is an incomplete conversion (it was interrupted or failed)."
+        " Run `lightning-fastdata convert` again: it starts over and replaces it."
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Read-only environments: one per database file per process
+# ---------------------------------------------------------------------------------------------------------------
+# LMDB refuses a second open of the same files in one process, so readers of one database (train and val, say)
+# share an environment. A forked child must not use its parent's environments: they are closed in the child right
+# after the fork, and reopened on first use.
+
+_ENVS: dict[str, tuple[tuple[int, int, int], lmdb.Environment]] = {}
+_ENVS_LOCK = threading.Lock()
+
+
+def _close_inherited() -> None:
+    for _, env in _ENVS.values():
+        env.close()
+    _ENVS.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_close_inherited)
+
+
+def open_readonly(path: str | os.PathLike[str]) -> lmdb.Environment:
+    """This process's read-only environment of the database at ``path`` (opened once, shared).
+
+    Opened with ``readonly=True, lock=False, readahead=False, meminit=False``: no lock file is written, so a
+    read-only directory works, and many processes can read at once.
+
+    The first open of a data file walks every lookup the reader will make in a throwaway child process, so that
+    damaged LMDB pages (which crash LMDB itself) are a :class:`DatasetFormatError` here instead of a crash in
+    training. A walk that passes is recorded in ``verified.json`` beside ``data.mdb`` (or, where the database's
+    directory is read-only, under ``default_cache_dir()/verified``) with the data file's inode, size, mtime and
+    ctime; later opens by any process that find the same identity skip the walk, and any change to the file walks
+    it again. A record that cannot be written costs only speed: the next process walks again.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        DatasetFormatError: ``path`` is not an LMDB database directory, or its pages are damaged.
+
+    """
+    path = Path(path).expanduser().absolute()
+    if not path.exists():
+        raise FileNotFoundError(
+            f"{str(path)!r} does not exist. Create a database with `lightning-fastdata convert SRC {path}`."
+        )
+    data = path / DATA_FILE
+    try:
+        st = data.stat()
+    except OSError:
+        raise DatasetFormatError(
+            f"{str(path)!r} is not a lightning_fastdata database (no {DATA_FILE} in it)."
+            " Create one with `lightning-fastdata convert SRC DST` and pass DST."
+        ) from None
+    # the size too: a data file cut short in place (same inode) must be checked again, not read past its end
+    identity = (st.st_dev, st.st_ino, st.st_size)
+    with _ENVS_LOCK:
+        cached = _ENVS.get(str(path))
+        if cached is not None and cached[0] == identity:
+            return cached[1]
+        if cached is not None:  # the database was replaced (re-converted) or its file changed size since we opened it
+            cached[1].close()
+            del _ENVS[str(path)]
+        try:
+            env = lmdb.open(
+                str(path), readonly=True, lock=False, readahead=False, meminit=False, subdir=True, max_spare_txns=4
+            )
+        except lmdb.Error as err:
+            raise DatasetFormatError(f"{str(path)!r} cannot be opened as an LMDB database: {err}") from err
+        _check_size(env, st.st_size, path)
+        try:
+            _verify_once(path, st)
+        except DatasetFormatError:
+            env.close()
+            raise
+        _ENVS[str(path)] = (identity, env)
+        return env
+
+
+#: data files (device, inode, size, mtime, ctime) whose LMDB pages were walked without a crash, here or in a parent
+_VERIFIED: set[tuple[int, int, int, int, int]] = set()
+
+
+def _file_identity(st: os.stat_result) -> dict[str, int]:
+    """What must stay the same for a walk of a data file to hold: any write changes the mtime or the ctime."""
+    return {"inode": st.st_ino, "size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns}
+
+
+def _verify_once(path: Path, st: os.stat_result) -> None:
+    """Walk the pages of ``path`` unless this file, unchanged, was walked before (in any process)."""
+    key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    if key in _VERIFIED:
+        return
+    identity = _file_identity(st)
+    if any(_read_marker(marker) == identity for marker in _marker_paths(path, st)):
+        _VERIFIED.add(key)
+        return
+    if not _check_structure(path):
+        return  # not a complete database of ours: nothing was walked, so nothing is recorded
+    try:
+        after = (path / DATA_FILE).stat()
+    except OSError:
+        return
+    if _file_identity(after) != identity:
+        return  # the file changed while it was walked: the next open walks it again
+    _VERIFIED.add(key)
+    _write_marker(path, st, identity)
+
+
+def _marker_paths(path: Path, st: os.stat_result) -> list[Path]:
+    """Where the walk of ``path`` is recorded: in the database, else in the user's cache (per device and inode)."""
+    digest = hashlib.sha256(f"{path}\0{st.st_dev}\0{st.st_ino}".encode()).hexdigest()[:32]
+    return [path / VERIFIED_FILE, default_cache_dir() / "verified" / f"{digest}.json"]
+
+
+def _writable(folder: Path) -> bool:
+    """Whether to write into ``folder``: not when its mode says read-only, even to root, who could."""
+    try:
+        return bool(folder.stat().st_mode & 0o222)
+    except OSError:
+        return False
+
+
+def _read_marker(marker: Path) -> dict[str, Any] | None:
+    try:
+        record = json.loads(marker.read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    return record.get(DATA_FILE) if isinstance(record, dict) else None
+
+
+def _write_marker(path: Path, st: os.stat_result, identity: dict[str, int]) -> None:
+    """Record the walk atomically (a temporary file renamed into place) in the first place that can be written."""
+    record = {
+        DATA_FILE: identity,
+        "database": str(path),
+        "walked": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+    for marker in _marker_paths(path, st):
+        tmp = None
+        if marker.parent == path and not _writable(path):
+            continue
+        try:
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=f".{marker.name}.", suffix=".tmp", dir=marker.parent)
+            with os.fdopen(fd, "w") as fh:
+                json.dump(record, fh)
+            os.replace(tmp, marker)
+            return
+        except OSError as err:
+            if tmp is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+            log.debug("cannot record the verification of %s in %s: %s", path, marker, err)
+
+
+# Runs in a fresh interpreter that imports only lmdb: it looks up every key the reader will ever ask for, the way the
+# reader does (values as views: record bytes are not read; their CRC covers them, and a missing or damaged record is
+# reported when it is read, naming its split and index). LMDB trusts its own B-tree pages, so a damaged branch or
+# leaf page can abort or SIGBUS the process that walks it; here that process is a throwaway child, and its death
+# becomes a clear error at open instead of a crash in training. Exit status 3: not a complete database of ours,
+# nothing walked.
+_STRUCTURE_CHECK = r"""
+import json, sys
+import lmdb
+env = lmdb.open(sys.argv[1], readonly=True, lock=False, readahead=False, meminit=False, subdir=True)
+with env.begin(buffers=True) as txn:
+    raw = txn.get(b"__meta__")
+    try:
+        meta = json.loads(bytes(raw).decode())
+        assert meta["complete"] is True
+        lengths = {str(name): int(info["length"]) for name, info in meta["splits"].items()}
+    except Exception:
+        sys.exit(3)  # not ours, incomplete or unreadable metadata: load_meta says which, clearly
+    for name, length in lengths.items():
+        txn.get(f"__labels__/{name}".encode())
+        txn.get(f"__sources__/{name}".encode())
+        for i in range(length):
+            txn.get(f"{name}/{i:010d}".encode())  # a view: walks the pages, reads no record bytes
+"""
+
+
+def _check_structure(path: Path) -> bool:
+    """Walk every lookup of the database in a child process; if LMDB crashes on it, raise a clear error instead.
+
+    Returns:
+        Whether the pages were walked (``False``: not a complete database of ours; :func:`load_meta` says why).
+
+    """
+    import signal
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-c", _STRUCTURE_CHECK, str(path)], capture_output=True, text=True, timeout=3600
+    )
+    if proc.returncode in (0, 3):
+        return proc.returncode == 0
+    last_line = (proc.stderr.strip().splitlines() or [""])[-1]
+    if proc.returncode < 0:
+        name = signal.Signals(-proc.returncode).name
+        detail = f"walking its index pages crashed LMDB ({name}{': ' + last_line if last_line else ''})"
+    else:
+        detail = proc.stdout.strip() or last_line or f"the check exited with status {proc.returncode}"
+    raise DatasetFormatError(
+        f"{str(path)!r} is damaged: {detail}. Its LMDB pages were overwritten after conversion; convert the source"
+        " again, or copy the database again."
+    )
+
+
+def _check_size(env: lmdb.Environment, size: int, path: Path) -> None:
+    """Refuse a data file shorter than the pages LMDB says it uses: reading past its end would crash (SIGBUS)."""
+    needed = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
+    if size < needed:
+        env.close()
+        raise DatasetFormatError(
+            f"{str(path)!r} is truncated: {DATA_FILE} has {size} bytes but its pages need {needed}. The file was"
+            " cut short after conversion (a failed copy or a full disk); convert the source again, or copy the"
+            " database again."
+        )
+
+
+def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The validated metadata of the database at ``path``.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        DatasetFormatError: ``path`` is not a complete lightning_fastdata database of a readable version.
+
+    """
+    try:
+        with open_readonly(path).begin() as txn:
+            raw = txn.get(META_KEY)
+    except lmdb.Error as err:
+        raise DatasetFormatError(f"reading the metadata of {os.fspath(path)!r} failed: {err}") from err
+    return load_meta(raw, path)
+
+
+def read_sources(path: str | os.PathLike[str], split: str = "train") -> list[str] | None:
+    """Where each record of ``split`` came from, in record order; ``None`` for databases written before sources.
+
+    Each entry is the record's path relative to the converted folder, its path as written in a list file, or its index
+    in a converted dataset. Convert an older database again to add them.
+
+    Raises:
+        ValueError: ``split`` is not in the database.
+        DatasetFormatError: the database is not usable, or its list of sources is damaged.
+
+    """
+    splits = read_meta(path)["splits"]
+    if split not in splits:
+        raise ValueError(f"`split` {split!r} is not in {os.fspath(path)!r}; it holds {sorted(splits)}.")
+    try:
+        with open_readonly(path).begin() as txn:
+            raw = txn.get(sources_key(split))
+    except lmdb.Error as err:
+        raise DatasetFormatError(f"reading the sources of {os.fspath(path)!r} failed: {err}") from err
+    if raw is None:
+        return None
+    try:
+        sources = json.loads(bytes(raw).decode())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise DatasetFormatError(f"the sources of split {split!r} of {os.fspath(path)!r} are damaged: {err}") from err
+    if not isinstance(sources, list) or len(sources) != int(splits[split]["length"]):
+        raise DatasetFormatError(f"the sources of split {split!r} of {os.fspath(path)!r} are damaged.")
+    return [str(item) for item in sources]

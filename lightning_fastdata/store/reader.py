@@ -1,0 +1,293 @@
+"""The reader of a database: :class:`LmdbImageDataset` (lazy, fork- and spawn-safe) and :func:`collate_labels`.
+
+It mirrors the writer (:mod:`lightning_fastdata.store.writer`); both follow :mod:`lightning_fastdata.store.format`.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Literal
+
+import lmdb
+import numpy as np
+import simplejpeg
+import torch
+from PIL import Image
+from torch.utils.data import Dataset, default_collate
+
+from lightning_fastdata.errors import CorruptRecordError, SampleError
+from lightning_fastdata.store.format import (
+    DATA_FILE,
+    ENCODING_JPEG,
+    ENCODING_RAW,
+    RecordHeader,
+    labels_key,
+    open_readonly,
+    read_meta,
+    record_key,
+    unpack_record,
+)
+
+Output = Literal["tensor", "pil", "encoded"]
+
+
+def collate_labels(labels: list[Any]) -> Any:
+    """A batch's labels: one ``int64`` tensor for class indices (no per-label tensor), else ``default_collate``."""
+    if all(type(label) is int for label in labels):
+        return torch.tensor(labels, dtype=torch.int64)
+    return default_collate(labels)
+
+
+class LmdbImageDataset(Dataset):
+    """Images and labels of one split of a database made by ``lightning-fastdata convert``.
+
+    A drop-in for torchvision's ``ImageFolder``: it has ``classes``, ``class_to_idx`` and ``targets`` and returns
+    ``(image, label)``. Nothing is loaded in ``__init__`` beyond the metadata; the LMDB environment opens lazily in
+    the process that reads (a DataLoader worker, under fork or spawn) and is never pickled. Memory does not grow
+    with the number of samples: keys are computed from the index.
+
+    Args:
+        path: the database directory.
+        split: which split to read (``"train"``, ``"val"``, ...).
+        transform: applied to the image (a ``uint8`` CHW tensor, or a PIL image with ``output="pil"``: classic PIL
+            transforms such as ``Compose([RandomResizedCrop(224), ToTensor(), Normalize(...)])`` need ``"pil"``).
+        target_transform: applied to the label.
+        output: ``"tensor"`` decodes (libjpeg-turbo through ``simplejpeg``) to a ``uint8`` RGB tensor of shape
+            ``(3, H, W)`` (a view of HWC memory);
+            ``"pil"`` gives an RGB PIL image for PIL transforms; ``"encoded"`` gives the stored bytes as a 1-D
+            ``uint8`` tensor, for decoding later (e.g. on the GPU).
+        verify_checksums: check each record's CRC32 before decoding (a few microseconds per image).
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        DatasetFormatError: ``path`` is not a complete database of a version this package reads.
+        ValueError: ``split`` is not in the database, or ``output`` is unknown.
+
+    Example:
+        >>> from torch.utils.data import DataLoader
+        >>> from lightning_fastdata import LmdbImageDataset
+        >>> train = LmdbImageDataset("data/imagenette.lmdb", split="train")
+        >>> image, label = train[0]  # uint8 tensor (3, H, W), int
+        >>> loader = DataLoader(train, batch_size=64, num_workers=4)
+
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        split: str = "train",
+        transform: Callable[[Any], Any] | None = None,
+        target_transform: Callable[[int], Any] | None = None,
+        output: Output = "tensor",
+        verify_checksums: bool = True,
+    ) -> None:
+        if output not in ("tensor", "pil", "encoded"):
+            raise ValueError(f"`output` must be 'tensor', 'pil' or 'encoded', got {output!r}.")
+        meta = read_meta(path)
+        splits = meta["splits"]
+        if split not in splits:
+            raise ValueError(f"`split` {split!r} is not in {os.fspath(path)!r}; it holds {sorted(splits)}.")
+        self.path = str(Path(path).expanduser().absolute())
+        self.split = split
+        self.transform = transform
+        self.target_transform = target_transform
+        self.output = output
+        self.verify_checksums = verify_checksums
+        self.classes: list[str] = list(meta["classes"])
+        self.class_to_idx = {name: i for i, name in enumerate(self.classes)}
+        self.class_counts: list[int] = list(splits[split]["class_counts"])
+        self.splits: list[str] = sorted(splits)
+        self.encoding: dict[str, Any] = dict(meta["encoding"])
+        self._length = int(splits[split]["length"])
+        self._env: lmdb.Environment | None = None
+        self._pid: int | None = None
+        self._file_size = 0
+
+    def __len__(self) -> int:
+        return self._length
+
+    def _environment(self) -> lmdb.Environment:
+        """The LMDB environment of this process, opened on first use (and again after a fork)."""
+        if self._env is None or self._pid != os.getpid():
+            self._env = open_readonly(self.path)
+            self._file_size = os.path.getsize(os.path.join(self.path, DATA_FILE))
+            self._pid = os.getpid()
+        return self._env
+
+    def _where(self, index: int) -> str:
+        return f"split {self.split!r} index {index} of {self.path!r}"
+
+    def read_record(self, index: int) -> tuple[RecordHeader, bytearray]:
+        """The header and the encoded image bytes of sample ``index``, checksum verified.
+
+        Raises:
+            IndexError: ``index`` is out of range.
+            CorruptRecordError: the record is missing or damaged; the message names the split and index.
+
+        """
+        with self.records() as read:
+            header, payload = read(index)
+            return header, bytearray(payload)  # one copy out of the memory map, writable for torch.frombuffer
+
+    @contextmanager
+    def records(self) -> Iterator[Callable[[int], tuple[RecordHeader, memoryview]]]:
+        """Many records in one read transaction (the batch path's way): yields ``read(index) -> (header, payload)``.
+
+        ``payload`` is a view into the database's memory map, valid until the ``with`` block ends: decode it there, or
+        copy it. ``read`` raises as :meth:`read_record` does.
+        """
+        try:
+            txn = self._environment().begin(buffers=True)
+        except lmdb.Error as err:
+            raise CorruptRecordError(f"reading {self.path!r} failed: {err}") from err
+        try:
+            yield functools.partial(self._read, txn)
+        finally:
+            txn.abort()  # read-only: nothing to commit
+
+    def _read(self, txn: lmdb.Transaction, index: int) -> tuple[RecordHeader, memoryview]:
+        length = self._length
+        if not -length <= index < length:
+            raise IndexError(f"index {index} is out of range for split {self.split!r} of length {length}")
+        index %= length
+        try:
+            record = txn.get(record_key(self.split, index))
+            if record is None:
+                raise CorruptRecordError("the record is missing")
+            if len(record) > self._file_size:  # a damaged length: touching it would read past the file's end
+                raise CorruptRecordError(f"the record claims {len(record)} bytes, more than the whole file")
+            header, payload = unpack_record(record, verify=self.verify_checksums)
+        except (CorruptRecordError, lmdb.Error) as err:
+            raise CorruptRecordError(
+                f"{self._where(index)}: {err}. The database is damaged: convert the source again with"
+                " `lightning-fastdata convert --force`."
+            ) from err
+        if not 0 <= header.label < len(self.classes):
+            raise CorruptRecordError(
+                f"{self._where(index)}: label {header.label} is outside the {len(self.classes)} classes"
+            )
+        return header, payload
+
+    def decode(self, index: int, header: RecordHeader, data: bytearray) -> Any:
+        """Decode a record read by :meth:`read_record` into this dataset's ``output`` form (before ``transform``).
+
+        Raises:
+            CorruptRecordError: the bytes do not decode to the stored size; the message names the split and index.
+
+        """
+        if self.output == "encoded":
+            return torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+        if self.output == "pil":
+            return self._pil_image(index, header, data)
+        return torch.from_numpy(self.decode_hwc(index, header, data)).permute(2, 0, 1)
+
+    def decode_hwc(
+        self,
+        index: int,
+        header: RecordHeader,
+        data: bytearray | memoryview,
+        buffer: np.ndarray | None = None,
+        fast: bool = False,
+    ) -> np.ndarray:
+        """Decode a record into a ``uint8`` RGB HWC NumPy array (the batch path's form; no tensor, no copy).
+
+        JPEGs decode with libjpeg-turbo (``simplejpeg``; the GIL is released), into ``buffer`` when given (at least
+        ``height * width * 3`` bytes); ``fast`` uses its fast DCT and upsampling (about 10% faster, differences of a
+        few levels: the training path's choice). Raw records are a view of ``data``.
+
+        Raises:
+            CorruptRecordError: the bytes do not decode to the stored size; the message names the split and index.
+
+        """
+        if header.encoding == ENCODING_RAW:
+            return self._raw_image(index, header, data)
+        try:
+            if header.encoding == ENCODING_JPEG:
+                image = simplejpeg.decode_jpeg(data, "RGB", fastdct=fast, fastupsample=fast, buffer=buffer)
+            else:
+                image = np.array(self._pil_image(index, header, data))  # writable, as decoded JPEGs are
+        except (RuntimeError, OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
+            raise CorruptRecordError(f"{self._where(index)}: the image does not decode: {err}") from err
+        if image.shape[:2] != (header.height, header.width):
+            raise CorruptRecordError(
+                f"{self._where(index)}: decoded size {image.shape[:2]} differs from the stored"
+                f" {(header.height, header.width)}"
+            )
+        return image
+
+    def _pil_image(self, index: int, header: RecordHeader, data: bytearray) -> Image.Image:
+        if header.encoding == ENCODING_RAW:
+            return Image.fromarray(self._raw_image(index, header, data))
+        try:
+            image = Image.open(io.BytesIO(data))
+            image.load()
+            image = image.convert("RGB")
+        except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
+            raise CorruptRecordError(f"{self._where(index)}: the image does not decode: {err}") from err
+        if (image.height, image.width) != (header.height, header.width):
+            raise CorruptRecordError(
+                f"{self._where(index)}: decoded size {(image.height, image.width)} differs from the stored"
+                f" {(header.height, header.width)}"
+            )
+        return image
+
+    def _raw_image(self, index: int, header: RecordHeader, data: bytearray | memoryview) -> np.ndarray:
+        expected = header.height * header.width * 3
+        if len(data) != expected or expected == 0:
+            raise CorruptRecordError(
+                f"{self._where(index)}: a raw {header.height}x{header.width} RGB record needs {expected} bytes,"
+                f" found {len(data)}"
+            )
+        return np.frombuffer(data, dtype=np.uint8).reshape(header.height, header.width, 3)
+
+    def __getitem__(self, index: int) -> tuple[Any, Any]:
+        header, data = self.read_record(index)
+        image = self.decode(index, header, data)
+        label: Any = header.label
+        if self.transform is not None:
+            try:
+                image = self.transform(image)
+            except Exception as err:
+                hint = ""
+                if self.output == "tensor" and isinstance(err, TypeError) and "PIL" in str(err):
+                    hint = (
+                        " This transform expects a PIL image (classic torchvision transforms such as ToTensor), but"
+                        " images are uint8 tensors by default: pass `output='pil'` to LmdbImageDataset."
+                    )
+                raise SampleError(
+                    f"{self._where(index)}: the transform raised {type(err).__name__}: {err}.{hint}"
+                ) from err
+        if self.target_transform is not None:
+            label = self.target_transform(label)
+        return image, label
+
+    @property
+    def targets(self) -> list[int]:
+        """The label of every sample, read from the database on each access (not kept in memory)."""
+        try:
+            with self._environment().begin() as txn:
+                raw = txn.get(labels_key(self.split))
+        except lmdb.Error as err:
+            raise CorruptRecordError(
+                f"reading the labels of split {self.split!r} of {self.path!r} failed: {err}"
+            ) from err
+        if raw is None or len(raw) != 4 * self._length:
+            raise CorruptRecordError(f"the label array of split {self.split!r} of {self.path!r} is missing or damaged")
+        return np.frombuffer(raw, dtype="<i4").tolist()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_env"] = None  # an LMDB environment must never cross a process boundary
+        state["_pid"] = None
+        return state
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(path={self.path!r}, split={self.split!r}, len={len(self)},"
+            f" classes={len(self.classes)}, output={self.output!r})"
+        )

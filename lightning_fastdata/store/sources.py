@@ -1,0 +1,402 @@
+"""Reading a source: image folders, roots of split folders and ``path,label`` list files, scanned into a plan.
+
+A conversion starts here: :func:`scan_folder` and :func:`scan_list` turn a source into a :class:`ConversionPlan`
+(what to encode, the class names, a fingerprint of the source). The same knowledge of layouts serves those who read
+folders without converting: :func:`train_folder`, :func:`folder_classes`, :func:`canonical_split`, and
+:func:`image_folder` / :func:`open_image_file` (torchvision's ``ImageFolder`` with a conversion's tolerance).
+"""
+
+from __future__ import annotations
+
+import csv
+import difflib
+import hashlib
+import io
+import json
+import os
+import warnings
+from collections import Counter
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeAlias
+
+from PIL import Image
+
+from lightning_fastdata.errors import SampleError, SourceLayoutError
+from lightning_fastdata.store.summary import SkippedFile
+
+#: File extensions read as images (matched case-insensitively), as torchvision's ``ImageFolder``.
+IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+
+#: Folder names (matched case-insensitively) read as splits, and the split name each is stored under.
+SPLIT_ALIASES = {
+    "train": "train",
+    "training": "train",
+    "val": "val",
+    "valid": "val",
+    "validation": "val",
+    "dev": "val",
+    "test": "test",
+    "testing": "test",
+}
+
+#: Files accepted as a list source: ``path,label`` rows (CSV with a header) or a JSON list of objects.
+LIST_EXTENSIONS = (".csv", ".json")
+
+_LAYOUT_HELP = """Expected an ImageFolder tree:
+    SRC/<class_a>/<image>.jpg
+    SRC/<class_b>/<image>.png
+or a root holding one such tree per split (train/training, val/valid/validation/dev, test/testing, any case):
+    SRC/train/<class>/<image>.jpg
+    SRC/val/<class>/<image>.jpg
+or a list file SRC.csv (header `path,label`, optional `split`) or SRC.json ([{"path": ..., "label": ...}, ...])."""
+
+#: One input to encode: ``(split, path or dataset index, label)`` (label ``-1``: the dataset gives it).
+Task: TypeAlias = tuple[str, str | int, int]
+
+
+@dataclass
+class ConversionPlan:
+    """Everything to convert: ``tasks[split]`` lists ``(split, path-or-index, label)``.
+
+    ``names[split]`` holds, in the same order, what identifies each input to the user (a path relative to the source,
+    a path as listed, or a dataset index): it is stored beside the records so predictions map back to their files.
+    """
+
+    classes: list[str] | None
+    tasks: dict[str, list[Task]]
+    fingerprint: str | None
+    source: str
+    names: dict[str, list[str]] = field(default_factory=dict)
+    #: the size of the source files (0 for datasets): estimates the space a conversion needs
+    source_bytes: int = 0
+    skipped: list[SkippedFile] = field(default_factory=list)
+    ignored: list[SkippedFile] = field(default_factory=list)
+
+
+def canonical_split(name: str) -> str | None:
+    """The split a folder or list entry named ``name`` is stored as (``"train"``, ``"val"``, ``"test"``), else None."""
+    return SPLIT_ALIASES.get(name.strip().lower())
+
+
+_KNOWN_SPLITS = "train/training, val/valid/validation/dev, test/testing (any case)"
+
+
+def warn_split_typos(names: Mapping[str, str], where: str) -> None:
+    """Warn about each split name that is not a known one but close to one (``trian``): most likely a typo.
+
+    ``names`` maps each name to what carries it (``"the split folder"``, ``"3 row(s) with split"``); names far from
+    every known one are custom splits, kept silently as documented.
+    """
+    for name, carrier in names.items():
+        if canonical_split(name) is not None:
+            continue
+        close = difflib.get_close_matches(name.strip().lower(), list(SPLIT_ALIASES), n=1, cutoff=0.7)
+        if close:
+            warnings.warn(
+                f"{where}: {carrier} {name!r}, which is not a known split name; it is stored as a split named"
+                f" {name!r}. Did you mean {close[0]!r}? Known names: {_KNOWN_SPLITS}.",
+                UserWarning,
+                stacklevel=4,
+            )
+
+
+def _class_dirs(root: Path) -> list[str]:
+    return sorted(e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith("."))
+
+
+def _walk_files(folder: Path) -> Iterator[str]:
+    """Every file under ``folder`` (following links), sorted, skipping hidden files and folders."""
+    for dirpath, dirnames, filenames in os.walk(folder, followlinks=True):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        for name in sorted(filenames):
+            if not name.startswith("."):
+                yield os.path.join(dirpath, name)
+
+
+def _is_image_name(path: str) -> bool:
+    return path.lower().endswith(IMG_EXTENSIONS)
+
+
+def _has_image(folder: Path) -> bool:
+    return any(_is_image_name(path) for path in _walk_files(folder))
+
+
+def _split_folders(src: Path) -> tuple[dict[str, Path], dict[str, list[str]]]:
+    """The split roots of ``src`` and the class folders of each; raises ``SourceLayoutError`` on a bad layout.
+
+    ``src`` is a root of splits when one of its folders has a split name (:data:`SPLIT_ALIASES`, any case) and holds
+    class folders; otherwise it is one ImageFolder tree, stored as split ``train``, and a top-level folder with a split
+    name is read as a class, with a warning.
+    """
+    if not src.exists():
+        raise SourceLayoutError(f"`src` {str(src)!r} does not exist.\n{_LAYOUT_HELP}")
+    if not src.is_dir():
+        raise SourceLayoutError(f"`src` {str(src)!r} is a file, not a folder.\n{_LAYOUT_HELP}")
+    top = _class_dirs(src)
+    if not top:
+        raise SourceLayoutError(f"`src` {str(src)!r} has no sub-folders (one per class are needed).\n{_LAYOUT_HELP}")
+    split_like = [name for name in top if canonical_split(name)]
+    split_mode = any(_class_dirs(src / name) for name in split_like)
+    if not split_mode:
+        for name in split_like:
+            warnings.warn(
+                f"`src` {str(src)!r}: the folder {name!r} has a split name but holds no class folders, so it is read"
+                f" as a class of images. If it is a split, put its images in {name}/<class>/; otherwise rename it.",
+                UserWarning,
+                stacklevel=3,
+            )
+        split_roots = {"train": src}
+    else:
+        split_roots = {}
+        warn_split_typos(dict.fromkeys(top, "the split folder"), f"`src` {str(src)!r}")
+        for name in top:
+            split = canonical_split(name) or name
+            if split in split_roots:
+                raise SourceLayoutError(
+                    f"`src` {str(src)!r} holds two folders for split {split!r}: {split_roots[split].name!r} and"
+                    f" {name!r}. Merge them, or move one out of `src`."
+                )
+            split_roots[split] = src / name
+    per_split = {}
+    for split, root in split_roots.items():
+        classes = _class_dirs(root)
+        if not classes:
+            raise SourceLayoutError(
+                f"split folder {str(root)!r} has no class sub-folders, but {str(src)!r} looks like a root of"
+                f" splits because it holds {', '.join(repr(n + '/') for n in split_like)}.\n{_LAYOUT_HELP}"
+            )
+        per_split[split] = classes
+    return split_roots, per_split
+
+
+def _nonempty_classes(split_roots: dict[str, Path], per_split: dict[str, list[str]]) -> list[str]:
+    """The class names (sorted, across splits) whose folder holds an image file in at least one split."""
+    names = sorted(set().union(*per_split.values()))
+    classes = [n for n in names if any(n in per_split[s] and _has_image(root / n) for s, root in split_roots.items())]
+    if len(classes) == 1:
+        _refuse_nested_classes(split_roots, classes[0])
+    return classes
+
+
+def _refuse_nested_classes(split_roots: dict[str, Path], name: str) -> None:
+    """Refuse a single class folder whose images all lie in two or more sub-folders: the classes one level deeper.
+
+    ``root/dataset/<class>/<image>`` would otherwise convert to one class, ``dataset``, and train a 1-class model.
+    """
+    nested: dict[Path, list[str]] = {}
+    for root in split_roots.values():
+        folder = root / name
+        if not folder.is_dir():
+            continue
+        with os.scandir(folder) as entries:
+            if any(e.is_file() and _is_image_name(e.name) and not e.name.startswith(".") for e in entries):
+                return
+        subfolders = [d for d in _class_dirs(folder) if _has_image(folder / d)]
+        if len(subfolders) < 2:
+            return
+        nested[folder] = subfolders
+    if not nested:
+        return
+    folder, subfolders = next(iter(nested.items()))
+    shown = ", ".join(repr(d) for d in subfolders[:5])
+    shown += f" and {len(subfolders) - 5} more" if len(subfolders) > 5 else ""
+    if folder.parent in split_roots.values() and len(split_roots) == 1:
+        fix = f"Pass {str(folder)!r} as `src` (`data_dir`) instead."
+    else:
+        fix = f"Move the class folders of {str(folder)!r} up one level, into {str(folder.parent)!r}."
+    raise SourceLayoutError(
+        f"{str(folder.parent)!r} holds a single class folder, {name!r}, and all its images are in its sub-folders"
+        f" {shown}: the classes seem to be nested one level deeper, and converting would make a 1-class dataset."
+        f" {fix} (To convert one class whose images lie in sub-folders, list them in a CSV file: path,label.)"
+    )
+
+
+def train_folder(src: str | os.PathLike[str]) -> Path:
+    """The ImageFolder tree of ``src``'s training split (``src`` itself when it has no split folders).
+
+    Raises:
+        SourceLayoutError: ``src`` is missing or not an image folder, or has split folders but no training split.
+
+    """
+    path = Path(src).expanduser()
+    split_roots, _ = _split_folders(path)
+    if "train" not in split_roots:
+        raise SourceLayoutError(f"`src` {str(path)!r} has split folders but no training split (train/, training/).")
+    return split_roots["train"]
+
+
+def image_folder(root: str | os.PathLike[str], transform: Any = None) -> Any:
+    """An ``ImageFolder`` (torchvision's) over ``root``, with the tolerance of a conversion.
+
+    Hidden and empty class folders are left out (torchvision refuses a class folder without images), and images are
+    opened with :func:`open_image_file`, whose errors name the file.
+
+    Raises:
+        SourceLayoutError: no class folder of ``root`` holds an image file.
+
+    """
+    from torchvision import datasets
+
+    path = Path(root)
+    classes = _nonempty_classes({"train": path}, {"train": _class_dirs(path)})
+    if not classes:
+        raise SourceLayoutError(
+            f"found no image files under {str(path)!r} (looked for {' '.join(IMG_EXTENSIONS)}, any case, in the class"
+            f" folders).\n{_LAYOUT_HELP}"
+        )
+
+    class _Folder(datasets.ImageFolder):
+        def find_classes(self, directory: str) -> tuple[list[str], dict[str, int]]:
+            return classes, {name: i for i, name in enumerate(classes)}
+
+    return _Folder(str(path), transform=transform, loader=open_image_file)
+
+
+def open_image_file(path: str, data: bytes | None = None) -> Image.Image:
+    """Open an image file (or its bytes, already read) as RGB, as ``ImageFolder`` does, with errors naming the file.
+
+    Raises:
+        SampleError: the file cannot be read or decoded.
+
+    """
+    try:
+        if data is None:
+            with open(path, "rb") as fh:
+                data = fh.read()
+        return Image.open(io.BytesIO(data)).convert("RGB")
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
+        raise SampleError(
+            f"{path!r} cannot be read as an image ({type(err).__name__}: {err}). Fix or remove it, or convert the"
+            " folder with `lightning-fastdata convert` (it skips and lists bad files) and use the database."
+        ) from None
+
+
+def folder_classes(src: str | os.PathLike[str]) -> list[str]:
+    """The class names a conversion of ``src`` will have (sorted, across splits; empty class folders left out)."""
+    path = Path(src).expanduser()
+    if path.is_file() and path.suffix.lower() in LIST_EXTENSIONS:
+        return list(scan_list(path.absolute()).classes or [])
+    return _nonempty_classes(*_split_folders(path))
+
+
+class _Scan:
+    """Collects tasks, the source fingerprint, and the inputs skipped before conversion (unreadable paths)."""
+
+    def __init__(self) -> None:
+        self.tasks: dict[str, list[Task]] = {}
+        self.names: dict[str, list[str]] = {}
+        self.skipped: list[SkippedFile] = []
+        self.ignored: list[SkippedFile] = []
+        self.digest = hashlib.sha256()
+        self.bytes = 0
+
+    def add(self, split: str, path: str, label: int, name: str) -> None:
+        self.tasks.setdefault(split, [])
+        self.names.setdefault(split, [])
+        try:
+            st = os.stat(path)
+        except OSError as err:
+            dangling = os.path.islink(path)
+            reason = "dangling symbolic link (its target does not exist)" if dangling else f"cannot read file: {err}"
+            self.skipped.append(SkippedFile(path, reason))
+            return
+        self.tasks[split].append((split, path, label))
+        self.names[split].append(name)
+        self.bytes += st.st_size
+        self.digest.update(f"{name}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+
+    def plan(self, src: Path, classes: list[str]) -> ConversionPlan:
+        if not any(self.tasks.values()) and not self.skipped:
+            exts = " ".join(IMG_EXTENSIONS)
+            raise SourceLayoutError(
+                f"found no image files under {str(src)!r} (looked for {exts}, any case, in the class folders).\n"
+                f"{_LAYOUT_HELP}"
+            )
+        return ConversionPlan(
+            classes=classes,
+            tasks=self.tasks,
+            fingerprint=self.digest.hexdigest(),
+            source=str(src),
+            names=self.names,
+            skipped=self.skipped,
+            ignored=self.ignored,
+            source_bytes=self.bytes,
+        )
+
+
+def scan_folder(src: Path) -> ConversionPlan:
+    """A plan from an ImageFolder tree or a root of split trees; non-image files and empty classes are ignored."""
+    split_roots, per_split = _split_folders(src)
+    classes = _nonempty_classes(split_roots, per_split)
+    scan = _Scan()
+    for name in sorted(set().union(*per_split.values())):
+        if name not in classes:
+            folders = [str(root / name) for split, root in split_roots.items() if name in per_split[split]]
+            scan.ignored.append(SkippedFile(folders[0], "empty class folder: no image files in it; left out"))
+    class_to_idx = {name: i for i, name in enumerate(classes)}
+    for split, root in split_roots.items():
+        scan.tasks[split], scan.names[split] = [], []
+        for name in per_split[split]:
+            if name not in class_to_idx:
+                continue
+            for path in _walk_files(root / name):
+                if not _is_image_name(path):
+                    reason = f"not an image file name (looked for {' '.join(IMG_EXTENSIONS)})"
+                    scan.ignored.append(SkippedFile(path, reason))
+                    continue
+                scan.add(split, path, class_to_idx[name], Path(os.path.relpath(path, src)).as_posix())
+    return scan.plan(src, classes)
+
+
+def _read_list(src: Path) -> list[dict[str, Any]]:
+    """The rows of a CSV (with a header) or JSON (a list of objects) list file, keys lower-cased."""
+    try:
+        text = src.read_text(encoding="utf-8-sig")
+    except (OSError, UnicodeDecodeError) as err:
+        raise SourceLayoutError(f"`src` {str(src)!r} cannot be read as a UTF-8 list file: {err}") from None
+    if src.suffix.lower() == ".json":
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise SourceLayoutError(f"`src` {str(src)!r} is not valid JSON: {err}.\n{_LAYOUT_HELP}") from None
+        if not isinstance(rows, list) or not all(isinstance(row, dict) for row in rows):
+            raise SourceLayoutError(f"`src` {str(src)!r} must hold a JSON list of objects.\n{_LAYOUT_HELP}")
+    else:
+        rows = list(csv.DictReader(io.StringIO(text)))
+    rows = [{str(k).strip().lower(): v for k, v in row.items() if k is not None} for row in rows]
+    if not rows:
+        raise SourceLayoutError(f"`src` {str(src)!r} lists no images.\n{_LAYOUT_HELP}")
+    missing = {"path", "label"} - set(rows[0])
+    if missing:
+        raise SourceLayoutError(
+            f"`src` {str(src)!r} has no {' or '.join(sorted(missing))} column; its columns are {sorted(rows[0])}."
+            f" Name the columns `path` and `label` (and optionally `split`).\n{_LAYOUT_HELP}"
+        )
+    return rows
+
+
+def scan_list(src: Path) -> ConversionPlan:
+    """A plan from a list of ``path,label[,split]`` rows; relative paths are relative to the list file's folder."""
+    rows = _read_list(src)
+    labels = [str(row.get("label", "")).strip() for row in rows]
+    if all(label.isdigit() for label in labels):  # numeric labels keep their value as the class index
+        classes = [str(i) for i in range(max(int(label) for label in labels) + 1)]
+        index = {label: int(label) for label in labels}
+    else:
+        classes = sorted(set(labels))
+        index = {name: i for i, name in enumerate(classes)}
+    scan = _Scan()
+    scan.digest.update(src.read_bytes())
+    split_names = [str(row.get("split") or "train").strip() for row in rows]
+    counts = Counter(split_names)
+    warn_split_typos({name: f"{n} row(s) with split" for name, n in counts.items()}, f"`src` {str(src)!r}")
+    for line, (row, label, split_name) in enumerate(zip(rows, labels, split_names, strict=True), start=2):
+        listed = str(row.get("path") or "").strip()
+        split = canonical_split(split_name) or split_name
+        if not listed or not label:
+            scan.skipped.append(SkippedFile(f"{src} row {line - 1}", "row without a path or a label"))
+            continue
+        scan.add(split, str(src.parent / Path(listed).expanduser()), index[label], listed)
+    return scan.plan(src, classes)

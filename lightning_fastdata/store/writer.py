@@ -1,0 +1,540 @@
+"""The writer of a database: records into a hidden working copy, published by rename, under a lock per target.
+
+:func:`write_database` carries one conversion through: take the lock of ``dst`` (``.DST.lock``), stop early when
+``dst`` is up to date, encode the plan's tasks (:mod:`~lightning_fastdata.store.encode`) and write them into
+``.DST.partial`` with metadata marked complete last, then move it into place (:func:`_publish`). An interruption
+leaves the previous database or none; :func:`stale_conversions` finds what killed converters left, and
+:func:`clean_stale_conversions` removes it. The reader (:mod:`~lightning_fastdata.store.reader`) mirrors this
+module; both follow :mod:`~lightning_fastdata.store.format`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import logging
+import os
+import shutil
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import asdict
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import lmdb
+import numpy as np
+from tqdm.auto import tqdm
+
+from lightning_fastdata.__about__ import __version__
+from lightning_fastdata.cpus import usable_cpu_count
+from lightning_fastdata.errors import ConversionError, DatasetFormatError, DestinationError, ReadOnlyDestinationError
+from lightning_fastdata.store.encode import EncodeOptions, encode_all
+from lightning_fastdata.store.format import (
+    DATA_FILE,
+    FORMAT_VERSION,
+    META_KEY,
+    REPORT_FILE,
+    converter_of,
+    converter_record,
+    describe_converter,
+    dump_meta,
+    fcntl,  # advisory lock so two converters never build one target at once
+    labels_key,
+    lock_path,
+    open_readonly,
+    pack_record,
+    partial_path,
+    read_meta,
+    record_key,
+    sources_key,
+)
+from lightning_fastdata.store.sources import ConversionPlan
+from lightning_fastdata.store.summary import ConversionSummary, SkippedFile, human_bytes
+
+log = logging.getLogger(__name__)
+
+#: what ``mkdir``/``open`` raise in a folder this process may not write to
+_READ_ONLY = (errno.EROFS, errno.EACCES, errno.EPERM)
+
+
+INITIAL_MAP_SIZE = 1 << 28  # 256 MiB; doubled whenever the database fills it
+_TXN_RECORDS = 512
+_TXN_BYTES = 64 << 20
+
+
+class _LmdbWriter:
+    """Batches puts into transactions and grows ``map_size`` (doubling) whenever the database is full."""
+
+    def __init__(self, path: Path, map_size: int) -> None:
+        self.map_size = map_size
+        self.env = lmdb.open(str(path), map_size=map_size, subdir=True, readahead=False, meminit=False, sync=False)
+        self._pending: list[tuple[bytes, bytes]] = []
+        self._pending_bytes = 0
+
+    def put(self, key: bytes, value: bytes) -> None:
+        self._pending.append((key, value))
+        self._pending_bytes += len(value)
+        if len(self._pending) >= _TXN_RECORDS or self._pending_bytes >= _TXN_BYTES:
+            self.flush()
+
+    def flush(self) -> None:
+        while self._pending:
+            try:
+                with self.env.begin(write=True) as txn:
+                    for key, value in self._pending:
+                        txn.put(key, value)
+            except lmdb.MapFullError:
+                self.map_size *= 2
+                log.debug("LMDB map full; growing map_size to %d bytes", self.map_size)
+                self.env.set_mapsize(self.map_size)
+                continue
+            self._pending.clear()
+            self._pending_bytes = 0
+
+    def close(self) -> None:
+        self.flush()
+        self.env.sync(True)
+        self.env.close()
+
+
+def _existing_meta(dst: Path) -> dict[str, Any] | None:
+    """The metadata of a complete database at ``dst``, ``None`` if there is none; refuse to clobber other data."""
+    if not dst.exists():
+        return None
+    if dst.is_dir() and not any(dst.iterdir()):
+        return None
+    try:
+        return read_meta(dst)
+    except DatasetFormatError as err:
+        if (dst / DATA_FILE).is_file() and _has_meta_record(dst):
+            return None  # our own incomplete or outdated database: safe to replace
+        raise DestinationError(
+            f"`dst` {str(dst)!r} exists and is not a lightning_fastdata database; refusing to replace it."
+            " Pass a new or empty path."
+        ) from err
+
+
+def _has_meta_record(dst: Path) -> bool:
+    """Whether the LMDB at ``dst`` holds a ``__meta__`` record, i.e. was written by lightning_fastdata."""
+    try:
+        with open_readonly(dst).begin() as txn:
+            return txn.get(META_KEY) is not None
+    except (DatasetFormatError, lmdb.Error):
+        return False
+
+
+@contextlib.contextmanager
+def _target_lock(dst: Path, wait: bool = True) -> Iterator[OSError | None]:
+    """Hold the conversion lock of ``dst`` while the block runs; yields the error when its folder cannot be written.
+
+    The lock file holds this converter's pid and host (readers name it: "is being converted by process N") and is
+    removed at the end while still held: a waiter that then gets the lock sees that its file is gone and locks the new
+    one, so no zero-byte lock file stays beside each database.
+
+    Raises:
+        BlockingIOError: ``wait`` is false and another process holds the lock.
+
+    """
+    if fcntl is None:  # pragma: no cover - Windows
+        yield None
+        return
+    path = lock_path(dst)
+    while True:
+        try:
+            fh = open(path, "a+b")  # noqa: SIM115 - held for the whole block, closed in `finally`
+        except OSError as err:
+            if err.errno not in _READ_ONLY:
+                raise
+            yield err  # a read-only folder: no conversion can happen here, but a complete database can be used
+            return
+        try:
+            try:
+                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                if not wait:
+                    raise
+                holder = converter_of(dst) or {}
+                log.warning(
+                    "waiting for another conversion to %s to finish (%s holds %s); this one then reuses or replaces"
+                    " its result",
+                    dst,
+                    describe_converter(holder),
+                    path,
+                )
+                fcntl.flock(fh, fcntl.LOCK_EX)
+            if _same_file(fh.fileno(), path):
+                break
+        except BaseException:
+            fh.close()
+            raise
+        fh.close()  # the converter we waited for removed this lock file: lock the current one
+    try:
+        fh.truncate(0)
+        fh.write(converter_record())
+        fh.flush()
+        yield None
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        fcntl.flock(fh, fcntl.LOCK_UN)
+        fh.close()
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    own = os.fstat(fd)
+    return (own.st_dev, own.st_ino) == (st.st_dev, st.st_ino)
+
+
+def _dir_size(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+
+
+def _make_parent(dst: Path) -> None:
+    """Create the folder ``dst`` goes into; a file in the way or a read-only folder is a ``DestinationError``."""
+    try:
+        dst.parent.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        blocker = next((p for p in [dst.parent, *dst.parent.parents] if p.exists() and not p.is_dir()), dst.parent)
+        raise DestinationError(
+            f"`dst` {str(dst)!r} cannot be created: {str(blocker)!r} is a file, not a folder. Choose a `dst` whose"
+            " parent folders are folders, or move that file away."
+        ) from None
+    except OSError as err:
+        if err.errno in _READ_ONLY:
+            raise _read_only_error(dst, err) from err
+        raise
+
+
+def _read_only_error(dst: Path, err: OSError | None = None, outdated: bool = False) -> ReadOnlyDestinationError:
+    """The error for a conversion into a folder this process cannot write to."""
+    reason = f" ({err.strerror})" if err is not None and err.strerror else ""
+    what = (
+        "holds a database that is out of date (its source or the conversion settings changed), and"
+        if outdated
+        else "cannot be written:"
+    )
+    return ReadOnlyDestinationError(
+        f"`dst` {str(dst)!r} {what} its folder {str(dst.parent)!r} is read-only{reason}. Convert into a writable"
+        " folder, or convert there first and make it read-only afterwards."
+    )
+
+
+def _recover_interrupted_publish(dst: Path) -> None:
+    """Put back the previous database if a conversion died between moving it aside and moving the new one in."""
+    old = dst.parent / f".{dst.name}.old"
+    if old.is_dir() and not dst.exists():
+        log.warning("restoring %s from %s, left by a conversion interrupted while it replaced it", dst, old)
+        os.replace(old, dst)
+
+
+def stale_conversions(folder: str | os.PathLike[str]) -> list[Path]:
+    """What interrupted conversions left in ``folder``: working copies and lock files that no running converter holds.
+
+    Each ``.NAME.partial`` (an unfinished database), ``.NAME.old`` (a replaced one) and ``.NAME.lock`` whose lock is
+    not held by a live converter is listed; those of a conversion under way are not.
+    """
+    root = Path(folder).expanduser().absolute()
+    try:
+        names = sorted(e.name for e in os.scandir(root) if e.name.startswith("."))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    stale = []
+    for name in names:
+        for suffix in (".partial", ".old", ".lock"):
+            if name.endswith(suffix) and len(name) > len(suffix) + 1:
+                path, target = root / name, root / name[1 : -len(suffix)]
+                if _is_ours(path, target) and converter_of(target) is None:
+                    stale.append(path)
+    return stale
+
+
+def _is_ours(path: Path, target: Path) -> bool:
+    """Whether ``path`` (``.NAME.partial``, ``.NAME.old`` or ``.NAME.lock``) was left by a conversion.
+
+    Not another program's: a database folder (or a working copy not yet started), or a lock file beside one or
+    holding a converter's record.
+    """
+    if path.suffix == ".lock":
+        if not path.is_file():
+            return False
+        if (target / DATA_FILE).is_file() or partial_path(target).is_dir():
+            return True
+        with contextlib.suppress(OSError, UnicodeDecodeError, ValueError):
+            record = json.loads(path.read_text() or "null")
+            return isinstance(record, dict) and "pid" in record and "host" in record
+        return False
+    return path.is_dir() and ((path / DATA_FILE).is_file() or not any(path.iterdir()))
+
+
+def clean_stale_conversions(folder: str | os.PathLike[str]) -> list[str]:
+    """Remove what interrupted conversions left in ``folder`` (:func:`stale_conversions`); one line per action.
+
+    A ``.NAME.old`` whose database ``NAME`` is missing (a conversion died while replacing it) is put back as
+    ``NAME`` rather than removed. Each ``NAME``'s leftovers are removed while holding its conversion lock, so a
+    conversion that starts meanwhile is never touched.
+
+    Raises:
+        FileNotFoundError: ``folder`` does not exist.
+        ReadOnlyDestinationError: ``folder`` is read-only.
+
+    """
+    root = Path(folder).expanduser().absolute()
+    if not root.is_dir():
+        raise FileNotFoundError(f"`folder` {str(root)!r} does not exist or is not a folder. Pass the folder to clean.")
+    leftovers: dict[Path, list[Path]] = {}
+    for path in stale_conversions(root):
+        leftovers.setdefault(root / path.name[1 : -len(path.suffix)], []).append(path)
+    done = []
+    for target, paths in leftovers.items():
+        try:
+            with _target_lock(target, wait=False) as read_only:
+                if read_only is not None:
+                    raise _read_only_error(target, read_only) from read_only
+                done += [_clean(path, target) for path in paths]
+        except BlockingIOError:
+            continue  # a conversion to `target` started meanwhile: its files are in use
+    return done
+
+
+def _clean(path: Path, target: Path) -> str:
+    """Remove (or, for a database moved aside, put back) one leftover of a conversion to ``target``."""
+    if path.suffix == ".old" and not target.exists():
+        os.replace(path, target)
+        return f"restored {target} from {path.name}, left by a conversion interrupted while replacing it"
+    if path.is_dir():
+        size = _dir_size(path)
+        shutil.rmtree(path, ignore_errors=True)
+        return f"removed {path} ({human_bytes(size)}), left by an interrupted conversion"
+    return f"removed {path}, the lock file of a conversion that is no longer running"  # removed when the lock ends
+
+
+def _report_stale(dst: Path) -> None:
+    """Name the working copies that dead converters left beside ``dst`` (this one's own is replaced anyway)."""
+    own = partial_path(dst)
+    stale = [p for p in stale_conversions(dst.parent) if p.suffix == ".partial" and p != own]
+    if stale:
+        sizes = sum(_dir_size(p) for p in stale if p.is_dir())
+        log.warning(
+            "%d incomplete conversion(s) left by converters that are no longer running take %s in %s: %s. Remove them"
+            " with `lightning-fastdata convert --clean %s`.",
+            len(stale),
+            human_bytes(sizes),
+            dst.parent,
+            ", ".join(p.name for p in stale),
+            dst.parent,
+        )
+
+
+def _write_failure(err: BaseException, tmp: Path, dst: Path, plan: ConversionPlan, summary: ConversionSummary) -> str:
+    """Why writing failed: a full disk, named with the free space and an estimate of what the database needs."""
+    try:
+        free: int | None = shutil.disk_usage(dst.parent).free
+    except OSError:
+        free = None
+    try:
+        written = (tmp / DATA_FILE).stat().st_size
+    except OSError:
+        written = 0
+    total = sum(len(tasks) for tasks in plan.tasks.values())
+    if summary.written > 0:  # the records handed to LMDB so far, committed or not
+        needed = summary.bytes_out / summary.written * total
+        basis = f"{human_bytes(round(summary.bytes_out / summary.written))} per image so far, for {total} images"
+    else:
+        needed = float(plan.source_bytes)
+        basis = f"the {human_bytes(plan.source_bytes)} of the {total} source images"
+    code = getattr(err, "errno", None)
+    full = code in (errno.ENOSPC, errno.EDQUOT) or isinstance(err, lmdb.DiskError)
+    full = full or (free is not None and needed > 0 and free < needed - written)
+    if not full:
+        return (
+            f"writing the database under {str(tmp)!r} failed: {err}. Check free disk space and permissions of"
+            f" {str(dst.parent)!r}, then run the conversion again; nothing was published."
+        )
+    missing = max(0.0, needed - written - (free or 0))
+    return (
+        f"writing the database under {str(tmp)!r} failed: the disk is full (ENOSPC; LMDB said: {err})."
+        f" {human_bytes(free or 0)} is free on the disk of {str(dst.parent)!r}; the database needs about"
+        f" {human_bytes(round(needed))} (estimated from {basis}), so free about {human_bytes(round(missing))}"
+        " more, or convert onto another disk, then run the conversion again; nothing was published."
+    )
+
+
+def write_database(
+    plan: ConversionPlan,
+    dst: str | os.PathLike[str],
+    datasets: Mapping[str, Any] | None,
+    opts: EncodeOptions,
+    num_workers: int | None,
+    strict: bool,
+    force: bool,
+    progress: bool,
+    initial_map_size: int,
+) -> ConversionSummary:
+    """Convert ``plan`` into the database ``dst``, or find it up to date; the arguments are ``convert``'s.
+
+    Raises:
+        DestinationError: ``dst`` holds other data, or (without ``force``) a database of another source.
+        ReadOnlyDestinationError: the folder of ``dst`` is read-only and ``dst`` is not an up-to-date database.
+        ConversionError: nothing could be converted, an input was skipped under ``strict``, or writing failed.
+
+    """
+    dst = Path(dst).absolute()
+    _make_parent(dst)
+    encoding_meta = asdict(opts)
+    workers = usable_cpu_count() if num_workers is None else num_workers
+    if workers < 0:
+        raise ValueError(f"`num_workers` must be >= 0 (0 converts in this process), got {workers}.")
+    summary = ConversionSummary(destination=str(dst), workers=workers, ignored=list(plan.ignored))
+    start = time.perf_counter()
+    with _target_lock(dst) as read_only:
+        if read_only is None:
+            _recover_interrupted_publish(dst)
+        old = _existing_meta(dst)
+        old_source = old.get("source", {}).get("path") if old is not None else None
+        # a dataset's source is only its type name: two datasets cannot be told apart, and re-running must work
+        both_datasets = str(old_source).startswith("<") and plan.source.startswith("<")
+        if old is not None and not force and old_source != plan.source and not both_datasets:
+            raise DestinationError(
+                f"`dst` {str(dst)!r} holds a database converted from {old_source!r}, not from {plan.source!r};"
+                " refusing to replace it (it may be the only copy of that data). Choose another `dst`, or pass"
+                " --force (`force=True`) to replace it."
+            )
+        if (
+            old is not None
+            and not force
+            and plan.fingerprint is not None
+            and old.get("source", {}).get("fingerprint") == plan.fingerprint
+            and old.get("encoding") == encoding_meta
+        ):
+            summary.up_to_date = True
+            summary.written = sum(s["length"] for s in old["splits"].values())
+            summary.splits = {name: s["length"] for name, s in old["splits"].items()}
+            return summary
+        if read_only is not None:
+            raise _read_only_error(dst, read_only, outdated=old is not None) from read_only
+
+        _report_stale(dst)
+        tmp = partial_path(dst)
+        if tmp.exists():
+            log.info("removing %s (%s), left by an interrupted conversion", tmp, human_bytes(_dir_size(tmp)))
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(dst.parent / f".{dst.name}.old", ignore_errors=True)
+        tmp.mkdir()
+        summary.skipped.extend(plan.skipped)
+        try:
+            try:
+                meta = _write(plan, tmp, datasets, opts, workers, progress, initial_map_size, summary)
+            except (lmdb.Error, OSError) as err:
+                raise ConversionError(_write_failure(err, tmp, dst, plan, summary)) from err
+            summary.seconds = time.perf_counter() - start
+            if strict and summary.skipped:
+                raise ConversionError(
+                    f"{len(summary.skipped)} input(s) could not be converted and `strict` is set; nothing was"
+                    f" written to {str(dst)!r}. First: {summary.skipped[0].path}: {summary.skipped[0].reason}."
+                    " Fix or remove those files, or convert without --strict to skip them."
+                )
+            if summary.written == 0:
+                first = f" First: {summary.skipped[0].path}: {summary.skipped[0].reason}." if summary.skipped else ""
+                raise ConversionError(f"none of the {len(summary.skipped)} inputs could be converted.{first}")
+            summary.bytes_out = _dir_size(tmp)
+            report = {"meta": meta, **summary.to_dict()}
+            try:
+                (tmp / REPORT_FILE).write_text(json.dumps(report, indent=2, default=str))
+            except OSError as err:
+                raise ConversionError(
+                    f"writing {REPORT_FILE} under {str(tmp)!r} failed: {err}. Check free disk space; nothing"
+                    " was published."
+                ) from err
+            _publish(tmp, dst)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return summary
+
+
+def _publish(tmp: Path, dst: Path) -> None:
+    """Move the finished database into place; an interruption leaves either the old or the new one, or none."""
+    if dst.exists():
+        old = dst.parent / f".{dst.name}.old"
+        os.replace(dst, old)
+        os.replace(tmp, dst)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, dst)
+
+
+def _write(
+    plan: ConversionPlan,
+    tmp: Path,
+    datasets: Mapping[str, Any] | None,
+    opts: EncodeOptions,
+    workers: int,
+    progress: bool,
+    initial_map_size: int,
+    summary: ConversionSummary,
+) -> dict[str, Any]:
+    meta: dict[str, Any] = {
+        "format_version": FORMAT_VERSION,
+        "complete": False,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "writer": f"lightning_fastdata {__version__}",
+        "encoding": asdict(opts),
+        "source": {"path": plan.source, "fingerprint": plan.fingerprint},
+    }
+    all_tasks = [task for split_tasks in plan.tasks.values() for task in split_tasks]
+    all_names = [name for split in plan.tasks for name in plan.names.get(split, [])]
+    if len(all_names) != len(all_tasks):
+        all_names = [f"{task[0]}[{task[1]}]" for task in all_tasks]
+    labels: dict[str, list[int]] = {split: [] for split in plan.tasks}
+    sources: dict[str, list[str]] = {split: [] for split in plan.tasks}
+    bar = tqdm(total=len(all_tasks), unit="img", desc=f"convert {Path(plan.source).name}", disable=not progress)
+    # The pool starts before the LMDB environment opens: a forked child must never inherit an open environment.
+    with bar, encode_all(all_tasks, datasets, opts, workers) as results:
+        writer = _LmdbWriter(tmp, initial_map_size)
+        try:
+            writer.put(META_KEY, dump_meta(meta))  # complete=False until the very end
+            writer.flush()
+            for task, name, result in zip(all_tasks, all_names, results, strict=True):
+                split = task[0]
+                summary.bytes_in += result.bytes_in
+                if result.reason is not None or result.payload is None:
+                    shown = task[1] if isinstance(task[1], str) else f"{split}[{task[1]}]"
+                    summary.skipped.append(SkippedFile(str(shown), str(result.reason)))
+                    bar.set_postfix(skipped=len(summary.skipped), refresh=False)
+                else:
+                    record = pack_record(result.encoding, result.label, result.height, result.width, result.payload)
+                    writer.put(record_key(split, len(labels[split])), record)
+                    labels[split].append(result.label)
+                    sources[split].append(name)
+                    summary.written += 1  # live, with bytes_out: a full disk's message estimates the space needed
+                    summary.bytes_out += len(record)
+                bar.update()
+            classes = plan.classes
+            if classes is None:
+                top = max((max(ls) for ls in labels.values() if ls), default=-1)
+                classes = [str(i) for i in range(top + 1)]
+            elif any(ls and max(ls) >= len(classes) for ls in labels.values()):
+                raise ConversionError(f"a label is >= the number of classes ({len(classes)}); pass the full `classes`.")
+            for split, split_labels in labels.items():
+                writer.put(labels_key(split), np.asarray(split_labels, dtype="<i4").tobytes())
+                writer.put(sources_key(split), json.dumps(sources[split]).encode())
+            meta["classes"] = classes
+            meta["splits"] = {
+                split: {"length": len(ls), "class_counts": np.bincount(ls, minlength=len(classes)).tolist()}
+                for split, ls in labels.items()
+            }
+            meta["complete"] = True
+            writer.put(META_KEY, dump_meta(meta))
+        except BaseException:
+            writer.env.close()  # drop pending writes: the partial directory is deleted by the caller
+            raise
+        writer.close()
+    summary.splits = {split: len(ls) for split, ls in labels.items()}
+    summary.written = sum(summary.splits.values())
+    return meta
