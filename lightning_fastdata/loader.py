@@ -40,6 +40,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset, DistributedSampler, default_collate, get_worker_info
 
+from lightning_fastdata._fast_path import inherits
 from lightning_fastdata._format import RecordHeader
 from lightning_fastdata.dataset import LmdbImageDataset, collate_labels
 from lightning_fastdata.device_decode import collate_encoded, encoded_sample
@@ -150,12 +151,10 @@ class BatchReader(Dataset):
         self.base, self.indices = _split_view(dataset)
         transform = getattr(self.base, "transform", None)
         self.fused = (
-            isinstance(self.base, LmdbImageDataset)
+            # a subclass that reads or decodes its own way keeps its way (the per-sample path calls it)
+            inherits(self.base, LmdbImageDataset, "__getitem__", "decode")
             and self.base.output == "tensor"
             and is_crop_transform(transform)
-            # a subclass that reads or decodes its own way keeps its way (the per-sample path calls it)
-            and type(self.base).__getitem__ is LmdbImageDataset.__getitem__
-            and type(self.base).decode is LmdbImageDataset.decode
         )
         if output == "encoded" and (
             not isinstance(self.base, LmdbImageDataset) or not callable(getattr(transform, "box", None))
