@@ -84,7 +84,7 @@ class FastImageDataModule(LightningDataModule):
 
     ``prepare_data`` converts the image folder into an LMDB database (once: later runs find it up to date);
     ``setup`` opens it. Loader threads (or worker processes, ``engine="processes"``) decode each image and crop,
-    resize and flip it straight into one batch buffer (:mod:`lightning_fastdata.loader` follows a sample from
+    resize and flip it straight into one batch buffer (:mod:`lightning_fastdata.pipeline` follows a sample from
     record to device batch). On CUDA the batch stays ``uint8`` (a quarter of the bytes of float32) and is normalized
     on the device; on a CPU it is normalized to ``float32`` in the loader threads. Batches are ``(images, labels)``.
 
