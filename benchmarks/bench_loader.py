@@ -178,8 +178,7 @@ def run_fast(args, output: str, engine: str) -> dict[str, float]:
     import torch
 
     from lightning_fastdata import FastImageDataModule, LmdbImageDataset
-    from lightning_fastdata.loader import BatchReader, FastLoader
-    from lightning_fastdata.resumable import ResumableSampler
+    from lightning_fastdata.pipeline import create_loader
     from lightning_fastdata.transforms import RandomResizedCropFlip
 
     if output == "float":  # as a user gets it: the DataModule on a CPU hands out normalized float32 batches
@@ -189,10 +188,17 @@ def run_fast(args, output: str, engine: str) -> dict[str, float]:
         dm.setup("fit")
         loader = dm.train_dataloader()
     else:  # what the DataModule hands a CUDA trainer before the device copy: uint8, NHWC memory
-        reader = BatchReader(LmdbImageDataset(args.db, transform=RandomResizedCropFlip(SIZE)), output="uint8")
-        sampler = ResumableSampler(reader, num_replicas=1, rank=0, shuffle=True)
-        workers = {"threads": args.workers} if engine == "threads" else {"num_workers": args.workers}
-        loader = FastLoader(reader, batch_size=args.batch_size, sampler=sampler, drop_last=True, **workers)
+        loader = create_loader(
+            LmdbImageDataset(args.db, transform=RandomResizedCropFlip(SIZE)),
+            args.batch_size,
+            shuffle=True,
+            resumable=True,
+            drop_last=True,
+            engine=engine,
+            workers=args.workers,
+            persistent_workers=False,
+            output="uint8",
+        )
 
     def epoch(k: int):
         loader.sampler.set_epoch(k)

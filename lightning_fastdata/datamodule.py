@@ -16,14 +16,13 @@ import torch
 from lightning.fabric.utilities.warnings import PossibleUserWarning
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
 from lightning_fastdata import cpus
-from lightning_fastdata.device_decode import EncodedImages, encoded_batch_to_images
 from lightning_fastdata.errors import DestinationError, ReadOnlyDestinationError, SourceLayoutError
-from lightning_fastdata.loader import BatchReader, FastLoader
-from lightning_fastdata.resumable import ResumableSampler
+from lightning_fastdata.loader import Output
+from lightning_fastdata.pipeline import DeviceStage, FastLoader, create_loader
 from lightning_fastdata.skipping import SkipCounter
 from lightning_fastdata.store import cache
 from lightning_fastdata.store import format as _format
@@ -42,14 +41,6 @@ from lightning_fastdata.tuning import LoaderConfig, TuneCache, quick_tune
 log = logging.getLogger(__name__)
 
 _PRECISION_DTYPES = {"16-true": torch.float16, "bf16-true": torch.bfloat16, "64-true": torch.float64}
-
-
-def _worker_init(worker_id: int) -> None:
-    """One intra-op thread per worker: the workers already use every core the budget gives them.
-
-    OpenCV needs nothing here: :mod:`lightning_fastdata._cv` switched its thread pool off in the parent.
-    """
-    torch.set_num_threads(1)
 
 
 def _quiet_lightning_worker_check() -> None:
@@ -94,7 +85,7 @@ class FastImageDataModule(LightningDataModule):
 
     ``prepare_data`` converts the image folder into an LMDB database (once: later runs find it up to date);
     ``setup`` opens it. Loader threads (or worker processes, ``engine="processes"``) decode each image and crop,
-    resize and flip it straight into one batch buffer (:mod:`lightning_fastdata.loader` follows a sample from
+    resize and flip it straight into one batch buffer (:mod:`lightning_fastdata.pipeline` follows a sample from
     record to device batch). On CUDA the batch stays ``uint8`` (a quarter of the bytes of float32) and is normalized
     on the device; on a CPU it is normalized to ``float32`` in the loader threads. Batches are ``(images, labels)``.
 
@@ -235,6 +226,8 @@ class FastImageDataModule(LightningDataModule):
         self._warned_workers = False
         self._warned_decode = False
         self._tuned: int | None = None
+        #: whether this DataModule's loaders run the device stage themselves, on the side stream
+        self._stage_in_loader = False
 
     # ------------------------------------------------------------------------------------------------------------
     # Where the data is
@@ -521,61 +514,16 @@ class FastImageDataModule(LightningDataModule):
         What ``num_workers="tune"`` and ``lightning-fastdata bench`` time: the batch path, the engine and, on CUDA, the
         copy to the device and the normalization there.
         """
-        settings = {
-            "num_workers": config.num_workers,
-            "engine": config.engine,
-            "batch_size": config.batch_size,
-            "prefetch_factor": config.prefetch_factor,
-            "pin_memory": config.pin_memory,
-        }
-        saved = {name: getattr(self, name) for name in settings}
-        try:
-            for name, value in settings.items():
-                setattr(self, name, value)
-            return self.train_dataloader()
-        finally:
-            for name, value in saved.items():
-                setattr(self, name, value)
+        if self.train_dataset is None:
+            self.setup("fit")
+        assert self.train_dataset is not None
+        return self._loader(self.train_dataset, shuffle=True, drop_last=self.drop_last, train=True, config=config)
 
     def _on_cuda(self) -> bool:
         trainer = self.trainer
         if trainer is None:
             return torch.cuda.is_available()
         return trainer.strategy.root_device.type == "cuda"
-
-    def _loader_kwargs(self) -> dict[str, Any]:
-        workers = self.resolved_num_workers()
-        kwargs: dict[str, Any] = {
-            "batch_size": self.batch_size,
-            "pin_memory": self._on_cuda() if self.pin_memory is None else self.pin_memory,
-        }
-        if self.engine == "threads":
-            kwargs["threads"] = workers
-            if self.prefetch_factor is not None:
-                kwargs["prefetch_batches"] = self.prefetch_factor * max(1, workers)
-            return kwargs
-        kwargs["num_workers"] = workers
-        if workers > 0:
-            kwargs["persistent_workers"] = True if self.persistent_workers is None else self.persistent_workers
-            kwargs["worker_init_fn"] = _worker_init
-            if self.prefetch_factor is not None:
-                kwargs["prefetch_factor"] = self.prefetch_factor
-        return kwargs
-
-    def _sampler(self, dataset: Dataset, shuffle: bool, resumable: bool = False) -> DistributedSampler:
-        # A DistributedSampler seeded with `seed` in every case: Lightning leaves a DistributedSampler in place and
-        # calls its `set_epoch` each epoch, so shuffling changes by epoch, is reproducible from `seed`, and shards
-        # across ranks with the Trainer's own `distributed_sampler_kwargs` (num_replicas, rank).
-        trainer = self.trainer
-        dist_kwargs = (trainer.distributed_sampler_kwargs if trainer is not None else None) or {}
-        sampler_class = ResumableSampler if resumable else DistributedSampler
-        return sampler_class(
-            dataset,
-            num_replicas=dist_kwargs.get("num_replicas", 1),
-            rank=dist_kwargs.get("rank", 0),
-            shuffle=shuffle,
-            seed=self.seed,
-        )
 
     def _device(self) -> torch.device:
         trainer = self.trainer
@@ -602,39 +550,57 @@ class FastImageDataModule(LightningDataModule):
             )
         return False
 
-    def _reader(self, dataset: Dataset, pin_memory: bool = False) -> BatchReader:
-        """How batches of ``dataset`` are built: encoded for device decode, uint8 for CUDA, normalized float on CPU."""
+    def _output(self) -> Output:
+        """What the loaders read: encoded for device decode, uint8 for CUDA, normalized float on a CPU."""
         if self.uses_device_decode():
-            output = "encoded"
-        elif self._device().type == "cuda":
-            output = "uint8"
+            return "encoded"
+        return "uint8" if self._device().type == "cuda" else "float"
+
+    def _loader(
+        self, dataset: Dataset, shuffle: bool, drop_last: bool, train: bool = False, config: LoaderConfig | None = None
+    ) -> FastLoader:
+        """The loader of one split, with this DataModule's settings (or ``config``'s, for tuning).
+
+        :mod:`lightning_fastdata.pipeline` follows a sample from record to device batch.
+        """
+        if config is None:
+            engine, workers, batch_size = self.engine, self.resolved_num_workers(), self.batch_size
+            prefetch_factor, pin_memory = self.prefetch_factor, self.pin_memory
         else:
-            output = "float"
-        skip = self._skip_counter if self.on_bad_sample == "skip" else None
-        return BatchReader(
+            engine, workers, batch_size = config.engine, config.num_workers, config.batch_size
+            prefetch_factor, pin_memory = config.prefetch_factor, config.pin_memory
+        if engine == "threads" and workers > 0:
+            _quiet_lightning_worker_check()
+        trainer = self.trainer
+        # A DistributedSampler seeded with `seed` in every case: Lightning leaves a DistributedSampler in place and
+        # calls its `set_epoch` each epoch, so shuffling changes by epoch, is reproducible from `seed`, and shards
+        # across ranks with the Trainer's own `distributed_sampler_kwargs` (num_replicas, rank).
+        dist_kwargs = (trainer.distributed_sampler_kwargs if trainer is not None else None) or {}
+        limit = getattr(trainer, "limit_train_batches", 1.0) if train else 1.0
+        loader = create_loader(
             dataset,
-            output=output,  # type: ignore[arg-type]
+            batch_size,
+            shuffle=shuffle,
+            seed=self.seed,
+            num_replicas=dist_kwargs.get("num_replicas", 1),
+            rank=dist_kwargs.get("rank", 0),
+            resumable=train,
+            drop_last=drop_last,
+            engine=engine,  # type: ignore[arg-type]
+            workers=workers,
+            prefetch_factor=prefetch_factor,
+            persistent_workers=self.persistent_workers,
+            output=self._output(),
             normalizer=self.normalizer,
             channels_last=self.channels_last,
-            skip_counter=skip,
-            pin_memory=pin_memory and self.engine == "threads",
-        )
-
-    def _loader(self, dataset: Dataset, shuffle: bool, drop_last: bool, train: bool = False) -> DataLoader:
-        """The loader of one split; :mod:`lightning_fastdata.loader` follows a sample from record to device batch."""
-        kwargs = self._loader_kwargs()
-        if kwargs.get("threads", 0) > 0:
-            _quiet_lightning_worker_check()
-        limit = getattr(self.trainer, "limit_train_batches", 1.0) if train else 1.0
-        return FastLoader(
-            self._reader(dataset, pin_memory=kwargs["pin_memory"]),
-            sampler=self._sampler(dataset, shuffle=shuffle, resumable=train),
-            drop_last=drop_last,
+            skip_counter=self._skip_counter if self.on_bad_sample == "skip" else None,
+            pin_memory=self._on_cuda() if pin_memory is None else pin_memory,
             device=self._device() if self.uses_prefetch() else None,
-            on_device=self.to_model_input,
+            device_stage=self._device_stage(),
             limit_batches=limit if isinstance(limit, (int, float)) else 1.0,
-            **kwargs,
         )
+        self._stage_in_loader = loader.prefetching
+        return loader
 
     @override
     def train_dataloader(self) -> DataLoader:
@@ -691,35 +657,30 @@ class FastImageDataModule(LightningDataModule):
             return torch.float32
         return _PRECISION_DTYPES.get(str(trainer.precision), torch.float32)
 
+    def _device_stage(self) -> DeviceStage:
+        """The on-device transform of this DataModule's batches, for the Trainer's device and precision."""
+        return DeviceStage(
+            self.normalizer,
+            dtype=self.batch_dtype(),
+            channels_last=self.channels_last,
+            device=self._device(),
+            image_size=self.image_size,
+            skip=self._skip_counter.skip if self.on_bad_sample == "skip" else None,
+        )
+
     def to_model_input(self, batch: Any) -> Any:
         """uint8 images, or still-encoded ones, in the first element of a batch -> normalized floats on its device.
 
-        Runs in ``on_after_batch_transfer``, or on the side stream when prefetching to the device; a batch that is
-        already floating point passes through.
+        The device stage (:class:`~lightning_fastdata.pipeline.DeviceStage`): the loaders run it on the side stream
+        when they copy batches ahead, ``on_after_batch_transfer`` otherwise. A batch that is already floating point
+        only takes the model's dtype.
         """
-        if not isinstance(batch, (tuple, list)) or not batch:
-            return batch
-        first = batch[0]
-        if isinstance(first, EncodedImages):
-            dtype, channels_last = self.batch_dtype(), self.channels_last
-            return encoded_batch_to_images(
-                batch,
-                self.image_size,
-                self._device(),
-                lambda x: self.normalizer.float_(x, dtype, channels_last),
-                skip=self._skip_counter.skip if self.on_bad_sample == "skip" else None,
-            )
-        if not isinstance(first, torch.Tensor):
-            return batch
-        if first.dtype == torch.uint8:
-            images = self.normalizer.batch(first, self.batch_dtype(), self.channels_last)
-        elif first.is_floating_point() and first.dtype != self.batch_dtype():  # normalized by the loader threads
-            images = first.to(self.batch_dtype())
-        else:
-            return batch
-        return type(batch)([images, *batch[1:]]) if isinstance(batch, list) else (images, *batch[1:])
+        return self._device_stage()(batch)
 
     @override
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        """Turn the uint8 images (first element of the batch) into normalized floats on the batch's device."""
-        return self.to_model_input(batch)
+        """Turn the uint8 images (first element of the batch) into normalized floats on the batch's device.
+
+        Nothing to do when the loader already did it on the side stream.
+        """
+        return batch if self._stage_in_loader else self.to_model_input(batch)

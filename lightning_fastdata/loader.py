@@ -1,49 +1,40 @@
-"""The batch path in one place: a sample's whole trip from its database record to a batch on the device.
+"""Record to pixels: :class:`BatchReader` builds a whole batch of one split from its database records.
 
-:class:`FastLoader` is what :class:`~lightning_fastdata.FastImageDataModule` hands to Lightning. Read top-down:
+This is step 3 of the batch path; :mod:`lightning_fastdata.pipeline` follows a sample's whole trip, from its
+database record to a batch on the device, and :func:`~lightning_fastdata.pipeline.create_loader` builds the loader
+that runs it (:class:`~lightning_fastdata.pipeline.FastLoader`, also importable from here).
 
-1. **Order.** The sampler (a seeded ``DistributedSampler`` that can start part-way into an epoch, for exact resume)
-   gives this rank's indices; they are cut into batches.
-2. **Engine.** Each batch is built whole by one of ``threads`` threads in this process (the default), or by one of
-   ``num_workers`` DataLoader worker processes. Threads share the process's memory: no worker start-up, no copy of
-   the dataset per worker, no inter-process transfer of batches, and the decode and resize kernels below release the
-   GIL, so they run in parallel.
-3. **Record to pixels** (:meth:`BatchReader.read_batch`). The batch's records are read in one LMDB transaction (the
-   environment opened lazily in the process that reads, checksums verified) and decoded straight from the memory map
-   (libjpeg-turbo through ``simplejpeg``); the batch's crop boxes and flips are drawn at once, from a seed the
-   consuming thread draws in batch order; each image is then cropped, resized (antialiased when shrinking) and
-   flipped *straight into its slot* of one preallocated ``uint8`` NHWC batch buffer (OpenCV). For CPU training each
-   sample is also normalized to ``float32`` in the same thread. A user's own transform (or dataset) takes the
-   per-sample path instead: ``dataset[i]``, then stacking.
-4. **Bad samples.** Under ``on_bad_sample="skip"`` a sample that fails with one of this package's errors is left
+1. **Records.** The batch's records are read in one LMDB transaction (the environment opened lazily in the process
+   that reads, checksums verified) and decoded straight from the memory map (libjpeg-turbo through ``simplejpeg``).
+2. **Crops.** The batch's crop boxes and flips are drawn at once, each sample's from its key ``(seed, epoch,
+   sample)``; each image is then cropped, resized (antialiased when shrinking) and flipped *straight into its slot*
+   of one preallocated ``uint8`` NHWC batch buffer (OpenCV). For CPU training each sample is also normalized to
+   ``float32`` in the same thread. A user's own transform (or dataset) takes the per-sample path instead:
+   ``dataset[i]``, then stacking.
+3. **Bad samples.** Under ``on_bad_sample="skip"`` a sample that fails with one of this package's errors is left
    out of its batch and counted; otherwise the error propagates with the split and index.
-5. **Device.** On CUDA the host batch (page-locked) is copied ``non_blocking`` on a side stream one batch ahead and
-   normalized there (:func:`~lightning_fastdata.prefetch.prefetch_to_device`); with ``decode="device"`` the batch
-   holds JPEG bytes and crop boxes, decoded by nvJPEG on the device.
-6. **Position.** Batches are counted as they are handed out, so a checkpoint resumes after the last one
-   (:class:`~lightning_fastdata.resumable.ResumableLoader`).
+
+With ``decode="device"`` the batch holds the still-encoded JPEGs and their crop boxes instead, decoded by nvJPEG on
+the device.
 """
 
 from __future__ import annotations
 
-import itertools
 import random
 import sys
 import threading
-from collections import deque
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import numpy as np
 import torch
 from torch import Tensor
-from torch.utils.data import Dataset, DistributedSampler, default_collate, get_worker_info
+from torch.utils.data import Dataset, default_collate, get_worker_info
 
+from lightning_fastdata._fast_path import inherits
 from lightning_fastdata.device_decode import collate_encoded, encoded_sample
 from lightning_fastdata.errors import FastDataError, SampleError
 from lightning_fastdata.keyed_random import AugmentKey, sample_key
-from lightning_fastdata.resumable import ResumableLoader
 from lightning_fastdata.skipping import SkipCounter
 from lightning_fastdata.store.format import RecordHeader
 from lightning_fastdata.store.reader import LmdbImageDataset, collate_labels
@@ -150,12 +141,10 @@ class BatchReader(Dataset):
         self.base, self.indices = _split_view(dataset)
         transform = getattr(self.base, "transform", None)
         self.fused = (
-            isinstance(self.base, LmdbImageDataset)
+            # a subclass that reads or decodes its own way keeps its way (the per-sample path calls it)
+            inherits(self.base, LmdbImageDataset, "__getitem__", "decode")
             and self.base.output == "tensor"
             and is_crop_transform(transform)
-            # a subclass that reads or decodes its own way keeps its way (the per-sample path calls it)
-            and type(self.base).__getitem__ is LmdbImageDataset.__getitem__
-            and type(self.base).decode is LmdbImageDataset.decode
         )
         if output == "encoded" and (
             not isinstance(self.base, LmdbImageDataset) or not callable(getattr(transform, "box", None))
@@ -379,106 +368,11 @@ class KeyedIndices(list):
         self.key = key
 
 
-class _KeyedBatches:
-    """A loader's batch sampler, each batch keyed with the epoch's ``(seed, epoch)``.
+def __getattr__(name: str) -> Any:
+    # `FastLoader`, the loader that runs this reader, lives with the rest of the batch path in `pipeline`; imported on
+    # first use, as `pipeline` imports this module (and worker processes need only this one)
+    if name == "FastLoader":
+        from lightning_fastdata.pipeline import FastLoader
 
-    The key is read when an epoch's iteration starts, after Lightning's ``set_epoch``: the sampler's ``seed`` and
-    ``epoch`` (a ``DistributedSampler``), or else a seed drawn from :mod:`random` for the epoch. It holds the samplers,
-    not the loader: an iterator that kept its loader alive would be freed only by the garbage collector, and worker
-    processes would stop late.
-    """
-
-    def __init__(self, batch_sampler: Any, sampler: Any) -> None:
-        self.batch_sampler = batch_sampler
-        self.sampler = sampler
-
-    def __len__(self) -> int:
-        return len(self.batch_sampler)
-
-    def __iter__(self) -> Iterator[KeyedIndices]:
-        sampler = self.sampler
-        if isinstance(sampler, DistributedSampler):
-            key = (int(sampler.seed), int(sampler.epoch))
-        else:
-            key = (random.getrandbits(63), 0)
-        for indices in self.batch_sampler:
-            yield KeyedIndices(indices, key)
-
-
-def _threaded_batches(
-    batch_indices: Iterator[Sequence[int]],
-    read_batch: Callable[[Sequence[int]], Any],
-    threads: int,
-    ahead: int,
-) -> Iterator[Any]:
-    """Build batches on ``threads`` threads, each batch whole on one thread, ``ahead`` batches in flight, in order."""
-    pool = ThreadPoolExecutor(threads, thread_name_prefix="lightning_fastdata")
-    pending: deque[Future] = deque(pool.submit(read_batch, b) for b in itertools.islice(batch_indices, ahead))
-    try:
-        while pending:
-            batch = pending.popleft().result()
-            following = next(batch_indices, None)
-            if following is not None:
-                pending.append(pool.submit(read_batch, following))
-            yield batch
-    finally:  # the epoch ended, or the consumer stopped early: stop the queued batches, let running ones finish
-        pool.shutdown(wait=False, cancel_futures=True)
-
-
-class FastLoader(ResumableLoader):
-    """The training and evaluation loader of :class:`~lightning_fastdata.FastImageDataModule` (see module docs).
-
-    A :class:`~torch.utils.data.DataLoader`, so Lightning treats it as any loader: it reaches the sampler for
-    ``set_epoch``, uses ``len()`` for limits and progress, and saves the loader state for exact resume.
-
-    Args:
-        dataset: a :class:`BatchReader`.
-        *args: the arguments of :class:`~lightning_fastdata.resumable.ResumableLoader`.
-        threads: with ``num_workers=0``, build batches on this many threads in this process (``0``: on the calling
-            thread, as a plain DataLoader does).
-        prefetch_batches: batches in flight on the threads (default: two per thread).
-        **kwargs: the keyword arguments of :class:`~lightning_fastdata.resumable.ResumableLoader`.
-
-    """
-
-    def __init__(
-        self,
-        dataset: Dataset,
-        *args: Any,
-        threads: int = 0,
-        prefetch_batches: int | None = None,
-        **kwargs: Any,
-    ) -> None:
-        if threads < 0:
-            raise ValueError(f"`threads` must be >= 0, got {threads}.")
-        kwargs.setdefault("collate_fn", _batch_as_is if isinstance(dataset, BatchReader) else None)
-        super().__init__(dataset, *args, **kwargs)
-        self.threads = threads
-        self.prefetch_batches = prefetch_batches
-
-    @property
-    def engine(self) -> str:
-        """Where batches are built: ``"threads"``, ``"processes"`` or ``"main"`` (the calling thread)."""
-        if self.num_workers > 0:
-            return "processes"
-        return "threads" if self.threads > 0 and isinstance(self.dataset, BatchReader) else "main"
-
-    @property
-    def workers(self) -> int:
-        """Threads or worker processes building batches (``0``: the calling thread builds them)."""
-        return self.num_workers if self.num_workers > 0 else (self.threads if self.engine == "threads" else 0)
-
-    @property
-    def _index_sampler(self) -> Any:
-        # What every engine's iterator draws index batches from (torch's DataLoader reads this property): for a
-        # BatchReader, batches keyed with the epoch's augmentation key.
-        if isinstance(self.dataset, BatchReader) and self.batch_sampler is not None:
-            return _KeyedBatches(self.batch_sampler, self.sampler)
-        return super()._index_sampler
-
-    def _get_iterator(self) -> Any:
-        if self.engine != "threads":
-            return super()._get_iterator()
-        assert isinstance(self.dataset, BatchReader)
-        ahead = self.prefetch_batches or 2 * self.threads
-        return _threaded_batches(iter(self._index_sampler), self.dataset.read_batch, self.threads, ahead)
+        return FastLoader
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,8 +1,9 @@
 """Copy batch N+1 to the GPU on a side CUDA stream while batch N computes.
 
-Integration point: a :class:`~torch.utils.data.DataLoader` subclass whose iterator does the look-ahead. Lightning
-still sees a real DataLoader, so everything it does with loaders keeps working unchanged: the sampler stays
-reachable for ``set_epoch`` (and for injection, when Lightning injects one), ``len()`` and
+Integration point: a :class:`~torch.utils.data.DataLoader` subclass whose iterator does the look-ahead (the
+package's own :class:`~lightning_fastdata.pipeline.FastLoader`, or :class:`DevicePrefetchLoader` around one's own
+dataset). Lightning still sees a real DataLoader, so everything it does with loaders keeps working unchanged: the
+sampler stays reachable for ``set_epoch`` (and for injection, when Lightning injects one), ``len()`` and
 ``limit_train_batches`` use the loader's length, Lightning's own one-batch look-ahead still detects the last batch,
 and checkpoint/resume treats it as any loader. A batch-hook cannot overlap anything (Lightning calls
 ``transfer_batch_to_device`` only when the step is about to start), and replacing the loop's data fetcher would

@@ -12,17 +12,19 @@ Under DDP the ranks run in lockstep, so the one state in the checkpoint (rank ze
 From an end-of-epoch checkpoint (``ModelCheckpoint``'s default, saved in ``on_train_epoch_end``) Lightning does not
 restart the epoch: it calls no ``load_state_dict``, sets the sampler to the next epoch with ``set_epoch`` and starts
 it from the beginning. It creates the loader's iterator before that ``set_epoch``, though, so the loader draws an
-epoch's order only when its first batch is asked for (see :meth:`ResumableLoader.__iter__`).
+epoch's order only when its first batch is asked for (see :meth:`~lightning_fastdata.pipeline.FastLoader.__iter__`).
+
+The loader is :class:`~lightning_fastdata.pipeline.FastLoader`, which counts the batches it hands out; this module
+holds the sampler and the two halves of the position: :func:`position_state` and :func:`restore_position`.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
 from torch.utils.data import DistributedSampler
-
-from lightning_fastdata.prefetch import DevicePrefetchLoader
 
 
 class ResumableSampler(DistributedSampler):
@@ -42,93 +44,75 @@ class ResumableSampler(DistributedSampler):
         return iter(indices[skip:])
 
 
-class ResumableLoader(DevicePrefetchLoader):
-    """A training DataLoader whose position within the epoch is saved in checkpoints and restored on resume.
+def batches_per_epoch(length: int, limit_batches: int | float) -> int:
+    """The batches the training loop takes from an epoch of ``length``: cut by ``limit_batches``, as Lightning does."""
+    if isinstance(limit_batches, int):
+        return min(length, limit_batches)
+    return int(length * limit_batches)
 
-    Needs a :class:`ResumableSampler`; with any other sampler it behaves as :class:`DevicePrefetchLoader` and saves
-    no state. Batches are counted as they are handed to the training loop (after any device look-ahead), so a
-    checkpoint taken after batch ``k`` resumes with batch ``k + 1``.
 
-    Args:
-        *args: the arguments of :class:`~lightning_fastdata.DevicePrefetchLoader`.
-        limit_batches: the Trainer's ``limit_train_batches``: an epoch that handed out this many batches (an int, or
-            a share of ``len()`` as a float) was complete, so resuming from it starts the next epoch.
-        **kwargs: the keyword arguments of :class:`~lightning_fastdata.DevicePrefetchLoader`.
+def position_state(sampler: Any, batch_size: int | None, handed_out: int) -> dict[str, Any]:
+    """The position in the epoch: epoch, batches handed out, and what the order depends on.
 
+    ``{}`` for a sampler other than :class:`ResumableSampler`: nothing to resume.
     """
+    if not isinstance(sampler, ResumableSampler):
+        return {}
+    return {
+        "epoch": sampler.epoch,
+        "batches": handed_out,
+        "batch_size": batch_size,
+        "num_samples": sampler.num_samples,
+        "seed": sampler.seed,
+        "shuffle": sampler.shuffle,
+    }
 
-    def __init__(self, *args: Any, limit_batches: int | float = 1.0, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.limit_batches = limit_batches
-        self._handed_out = 0
-        self._resume_at = 0
 
-    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
-        """Iterate the epoch, counting the batches handed out; the epoch's order is drawn at its first batch."""
-        if not isinstance(self.sampler, ResumableSampler):
-            return super().__iter__()
-        return self._epoch()
+def restore_position(sampler: Any, state: dict[str, Any], batch_size: int | None, per_epoch: int) -> int | None:
+    """Set ``sampler`` to continue the saved epoch after its last handed-out batch.
 
-    def _epoch(self) -> Iterator[Any]:
-        # A generator: nothing below runs until the first batch is asked for. Lightning creates the iterator before it
-        # calls `set_epoch` (for the first epoch of a fit, and of a fit resumed from an end-of-epoch checkpoint, where
-        # it does not call `load_state_dict` either), and DataLoader workers draw their indices as soon as the
-        # DataLoader's own iterator exists. Drawn here, the order is that of the epoch the sampler is set to when
-        # training really starts, whoever set it and in whatever order.
-        batches = super().__iter__()
-        self._handed_out, self._resume_at = self._resume_at, 0
-        for batch in batches:
-            self._handed_out += 1
-            yield batch
+    An epoch that was complete (``per_epoch`` batches) is followed by the next one, from its beginning. Returns the
+    batches already handed out in the epoch that continues, or ``None`` when no epoch continues part-way.
+    """
+    if not state or not isinstance(sampler, ResumableSampler):
+        return None
+    expected = {
+        "batch_size": batch_size,
+        "num_samples": sampler.num_samples,
+        "seed": sampler.seed,
+        "shuffle": sampler.shuffle,
+    }
+    changed = {k: (state.get(k), v) for k, v in expected.items() if state.get(k) != v}
+    if changed:
+        from lightning.pytorch.utilities import rank_zero_warn  # here: worker processes import this module too
 
-    def batches_per_epoch(self) -> int:
-        """The batches the training loop takes from an epoch: ``len()`` cut by ``limit_batches``, as Lightning does."""
-        if isinstance(self.limit_batches, int):
-            return min(len(self), self.limit_batches)
-        return int(len(self) * self.limit_batches)
+        found = ", ".join(f"{k}: checkpoint {old!r}, now {new!r}" for k, (old, new) in changed.items())
+        rank_zero_warn(
+            f"The training data changed since the checkpoint ({found}), so the resume cannot be exact: epoch"
+            f" {state.get('epoch')} restarts from the beginning of its order while the Trainer counts on from"
+            f" batch {state.get('batches')}; for the rest of that epoch some samples are seen twice and some not"
+            " at all. Later epochs are complete."
+        )
+        sampler.set_epoch(int(state.get("epoch", 0)))
+        return None
+    epoch, batches = int(state["epoch"]), int(state["batches"])
+    if batches >= per_epoch:  # the epoch was complete: the next one starts from its beginning
+        sampler.set_epoch(epoch + 1)
+        return None
+    sampler.set_epoch(epoch)  # before the iterator exists, which reads the sampler (at once, with workers)
+    sampler.skip = batches * int(batch_size or 1)
+    return batches
 
-    def state_dict(self) -> dict[str, Any]:
-        """The position in the epoch: epoch, batches handed out, and what the order depends on."""
-        sampler = self.sampler
-        if not isinstance(sampler, ResumableSampler):
-            return {}
-        return {
-            "epoch": sampler.epoch,
-            "batches": self._handed_out,
-            "batch_size": self.batch_size,
-            "num_samples": sampler.num_samples,
-            "seed": sampler.seed,
-            "shuffle": sampler.shuffle,
-        }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue the saved epoch after its last handed-out batch (or start the next one if it was complete)."""
-        sampler = self.sampler
-        if not state or not isinstance(sampler, ResumableSampler):
-            return
-        expected = {
-            "batch_size": self.batch_size,
-            "num_samples": sampler.num_samples,
-            "seed": sampler.seed,
-            "shuffle": sampler.shuffle,
-        }
-        changed = {k: (state.get(k), v) for k, v in expected.items() if state.get(k) != v}
-        if changed:
-            from lightning.pytorch.utilities import rank_zero_warn  # here: worker processes import this module too
+def __getattr__(name: str) -> Any:
+    if name == "ResumableLoader":  # deprecated: the pipeline's one loader saves its position itself
+        warnings.warn(
+            "`lightning_fastdata.resumable.ResumableLoader` is deprecated; use"
+            " `lightning_fastdata.loader.FastLoader` (or `lightning_fastdata.pipeline.create_loader`).",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        from lightning_fastdata.pipeline import FastLoader
 
-            found = ", ".join(f"{k}: checkpoint {old!r}, now {new!r}" for k, (old, new) in changed.items())
-            rank_zero_warn(
-                f"The training data changed since the checkpoint ({found}), so the resume cannot be exact: epoch"
-                f" {state.get('epoch')} restarts from the beginning of its order while the Trainer counts on from"
-                f" batch {state.get('batches')}; for the rest of that epoch some samples are seen twice and some not"
-                " at all. Later epochs are complete."
-            )
-            sampler.set_epoch(int(state.get("epoch", 0)))
-            return
-        epoch, batches = int(state["epoch"]), int(state["batches"])
-        if batches >= self.batches_per_epoch():  # the epoch was complete: the next one starts from its beginning
-            sampler.set_epoch(epoch + 1)
-            return
-        sampler.set_epoch(epoch)  # before the iterator exists, which reads the sampler (at once, with workers)
-        sampler.skip = batches * int(self.batch_size or 1)
-        self._resume_at = batches
+        return FastLoader
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

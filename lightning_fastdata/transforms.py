@@ -4,8 +4,8 @@ Two entry points share one kernel, :func:`crop_resize_into`:
 
 * the transforms (:class:`RandomResizedCropFlip`, :class:`CenterCropResize`) take and return ``uint8`` CHW tensors,
   for a user's own ``Dataset`` or ``Compose``;
-* the batch path (:mod:`lightning_fastdata.loader`) asks them only for a crop box and writes each crop straight
-  into its slot of a preallocated ``uint8`` NHWC batch.
+* the batch path (:class:`~lightning_fastdata.loader.BatchReader`) asks them only for a crop box and writes each
+  crop straight into its slot of a preallocated ``uint8`` NHWC batch.
 
 The kernel is OpenCV on HWC ``uint8`` (the layout JPEG decoders produce), antialiased whenever it shrinks, like
 torchvision's ``antialias=True`` bilinear:
@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from lightning_fastdata._cv import cv2
+from lightning_fastdata._fast_path import inherits
 from lightning_fastdata.keyed_random import AugmentKey, current_uniforms, keyed_uniforms
 
 #: ImageNet's per-channel mean and standard deviation on the 0-1 scale: the package's default normalization
@@ -198,8 +199,7 @@ class RandomResizedCropFlip:
         (seeded by ``seed_everything`` and per DataLoader worker, as :meth:`box` is). A subclass that overrides
         :meth:`box` or :meth:`flip` gets its own method called per image.
         """
-        cls = RandomResizedCropFlip
-        if type(self).box is not cls.box or type(self).flip is not cls.flip:
+        if not inherits(self, RandomResizedCropFlip, "box", "flip"):
             return [self.box(int(h), int(w)) for h, w in zip(heights, widths, strict=True)], [
                 self.flip() for _ in heights
             ]
@@ -240,7 +240,7 @@ class RandomResizedCropFlip:
         the same the batch path draws for it.
         """
         height, width = image.shape[-2], image.shape[-1]
-        uniforms = current_uniforms(self.draws) if type(self).box is RandomResizedCropFlip.box else None
+        uniforms = current_uniforms(self.draws) if inherits(self, RandomResizedCropFlip, "box") else None
         if uniforms is not None:
             (box,), (flip,) = self._boxes_from([height], [width], uniforms)
             return _apply(image, box, self.size, flip)
@@ -306,9 +306,7 @@ def is_crop_transform(transform: object) -> bool:
 
     A subclass that overrides ``__call__`` does something of its own, so it takes the per-sample path.
     """
-    return (
-        isinstance(transform, RandomResizedCropFlip) and type(transform).__call__ is RandomResizedCropFlip.__call__
-    ) or (isinstance(transform, CenterCropResize) and type(transform).__call__ is CenterCropResize.__call__)
+    return inherits(transform, RandomResizedCropFlip, "__call__") or inherits(transform, CenterCropResize, "__call__")
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ class LoaderConfig:
     batch_size: int
     prefetch_factor: int | None = None
     pin_memory: bool = False
-    #: ``"processes"`` (DataLoader workers) or ``"threads"`` (a :class:`~lightning_fastdata.loader.FastLoader`'s)
+    #: ``"processes"`` (DataLoader workers) or ``"threads"`` (a :class:`~lightning_fastdata.pipeline.FastLoader`'s)
     engine: str = "processes"
 
     def cost(self) -> tuple[int, int, int, int]:
@@ -214,11 +214,20 @@ def _wait_for(batch: Any) -> None:
 
 
 def _loader(dataset: Dataset, sampler: Any, config: LoaderConfig) -> DataLoader:
-    from lightning_fastdata.loader import BatchReader, FastLoader
+    """A loader of ``dataset`` as it comes (a ``BatchReader`` reads whole batches), built as every loader is."""
+    from lightning_fastdata.pipeline import create_loader
 
-    if isinstance(dataset, BatchReader):  # whole batches: the package's own loader, with either engine
-        return FastLoader(dataset, sampler=sampler, **config.loader_kwargs())
-    return DataLoader(dataset, sampler=sampler, **config.loader_kwargs())
+    return create_loader(
+        dataset,
+        config.batch_size,
+        sampler=sampler,
+        engine="threads" if config.engine == "threads" else "processes",
+        workers=config.num_workers,
+        prefetch_factor=config.prefetch_factor,
+        persistent_workers=False,  # a fresh loader per point: its workers stop with it
+        output=None,
+        pin_memory=config.pin_memory,
+    )
 
 
 def _batch_len(batch: Any) -> int:

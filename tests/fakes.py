@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from types import SimpleNamespace
 from typing import Any
 
@@ -24,3 +25,23 @@ def fake_trainer(device: str | torch.device = "cpu", **kwargs: Any) -> Any:
         "strategy": SimpleNamespace(root_device=torch.device(device)),
     }
     return SimpleNamespace(**{**defaults, **kwargs})
+
+
+class _FakeStream:
+    """A CUDA stream for ``prefetch_to_device``: ``wait_stream`` does nothing."""
+
+    def wait_stream(self, other: Any) -> None:
+        pass
+
+
+def patch_cuda_streams(monkeypatch: Any) -> None:
+    """CUDA streams patched so a loader's device look-ahead runs on the CPU (copies are the identity)."""
+    from lightning_fastdata import prefetch
+
+    compute = _FakeStream()
+    monkeypatch.setattr(prefetch, "_SIDE_STREAMS", {})
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: _FakeStream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: compute)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(prefetch, "_to_device", lambda batch, device: batch)

@@ -1,9 +1,9 @@
-"""Real two-process DDP on CPU through ``DevicePrefetchLoader``, run as a script by ``test_prefetch.py``.
+"""Real two-process DDP on CPU through a loader that looks ahead to the device, run as a script by ``test_prefetch.py``.
 
 Usage: ``python prefetch_ddp_script.py DATA_DIR OUT_DIR EPOCHS``. The datamodule is forced to build
-``DevicePrefetchLoader`` loaders (on CPU they pass batches through), so Lightning's DDP sampler handling, ``set_epoch``
-and batch counting run against the subclass. Each rank writes ``OUT_DIR/rank<r>.json`` with the sample indices it saw
-per epoch.
+loaders that look ahead to the device (on CPU they pass batches through), so Lightning's DDP sampler handling,
+``set_epoch`` and batch counting run against them. Each rank writes ``OUT_DIR/rank<r>.json`` with the sample
+indices it saw per epoch.
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ from pathlib import Path
 from indexed import IndexedDataModule, RecordingModel
 from lightning.pytorch import Trainer
 
-from lightning_fastdata import DevicePrefetchLoader
+from lightning_fastdata.pipeline import FastLoader
 
 
 class PrefetchIndexedDataModule(IndexedDataModule):
-    """Batches ``(images, labels, indices)``, always through ``DevicePrefetchLoader`` (a passthrough on CPU)."""
+    """Batches ``(images, labels, indices)``, always through the device look-ahead (a passthrough on CPU)."""
 
     def uses_prefetch(self) -> bool:
         return True
@@ -44,7 +44,7 @@ def main(data_dir: str, out_dir: str, epochs: int) -> None:
     )
     trainer.fit(model, datamodule=dm)
     loader = trainer.train_dataloader
-    assert isinstance(loader, DevicePrefetchLoader), type(loader)
+    assert isinstance(loader, FastLoader), type(loader)
     assert not loader.prefetching  # a CPU device: batches pass through
     result = {
         "rank": trainer.global_rank,

@@ -27,7 +27,7 @@ from lightning_fastdata.device_decode import (
 )
 from lightning_fastdata.errors import CorruptRecordError
 from lightning_fastdata.loader import BatchReader
-from lightning_fastdata.prefetch import DevicePrefetchLoader
+from lightning_fastdata.pipeline import FastLoader
 from lightning_fastdata.transforms import (
     IMAGENET_MEAN,
     IMAGENET_STD,
@@ -330,7 +330,7 @@ def test_decode_device_on_cuda_reads_encoded_records(databases: dict[str, Path])
         warnings.simplefilter("error")  # no fallback warning on CUDA
         train, val = dm.train_dataloader(), dm.val_dataloader()
     assert dm.uses_device_decode()
-    assert isinstance(train, DevicePrefetchLoader)  # prefetch (and decode there) by default on CUDA
+    assert isinstance(train, FastLoader)  # prefetch (and decode there) by default on CUDA
     assert train.prefetching
     for loader, source, flip_p in ((train, dm.train_dataset, 0.5), (val, dm.val_dataset, 0.0)):
         reader = loader.dataset

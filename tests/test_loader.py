@@ -494,6 +494,9 @@ def test_a_worker_process_imports_neither_lightning_nor_torchvision() -> None:
     import subprocess
     import sys
 
-    code = "import sys, lightning_fastdata.loader; print(sorted({'lightning', 'torchvision'} & set(sys.modules)))"
+    code = (
+        "import sys, lightning_fastdata.loader, lightning_fastdata.pipeline;"  # pipeline: the worker_init_fn's home
+        " print(sorted({'lightning', 'torchvision'} & set(sys.modules)))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
     assert out.stdout.strip() == "[]", out.stderr

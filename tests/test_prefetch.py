@@ -26,8 +26,8 @@ from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 from lightning_fastdata import DevicePrefetchLoader, FastImageDataModule
 from lightning_fastdata import prefetch as prefetch_module
+from lightning_fastdata.pipeline import DeviceStage, FastLoader
 from lightning_fastdata.prefetch import prefetch_to_device, side_stream
-from lightning_fastdata.resumable import ResumableLoader
 
 DDP_SCRIPT = Path(__file__).with_name("prefetch_ddp_script.py")
 
@@ -367,21 +367,25 @@ def test_datamodule_on_cpu_gives_plain_loaders(
         dm.trainer = trainer
         assert not dm.uses_prefetch()
         train = dm.train_dataloader()
-        assert isinstance(train, ResumableLoader)
+        assert isinstance(train, FastLoader)
+        assert train.resumable
         assert not train.prefetching
         assert not dm.val_dataloader().prefetching
 
 
 def test_datamodule_on_cuda_prefetches_by_default(database: Path) -> None:
-    """Training on CUDA: loaders are DevicePrefetchLoaders to the root device, normalizing with ``to_model_input``."""
+    """Training on CUDA: loaders look ahead to the root device, normalizing there with the DataModule's settings."""
     dm = _dm(database, pin_memory=None)
     dm.trainer = fake_trainer(torch.device("cuda", 0))
     assert dm.uses_prefetch()
     for loader in (dm.train_dataloader(), dm.val_dataloader()):
-        assert isinstance(loader, DevicePrefetchLoader)
+        assert isinstance(loader, FastLoader)
         assert loader.prefetching
         assert loader.device == torch.device("cuda", 0)
-        assert loader.on_device == dm.to_model_input
+        stage = loader.on_device  # the device stage, owned by the loader
+        assert isinstance(stage, DeviceStage)
+        assert stage.normalizer is dm.normalizer
+        assert (stage.dtype, stage.channels_last, stage.device) == (torch.float32, False, torch.device("cuda", 0))
         assert loader.pin_memory  # asynchronous copies need page-locked batches
         assert isinstance(loader.sampler, DistributedSampler)
     assert len(dm.train_dataloader()) == TRAIN_SIZE // 4
@@ -446,7 +450,7 @@ class _EpochRecorder(LightningModule):
 
 
 class _ForcedPrefetch(FastImageDataModule):
-    """Builds DevicePrefetchLoaders on any device (on the CPU they pass batches through)."""
+    """Builds loaders that look ahead on any device (on the CPU they pass batches through)."""
 
     def uses_prefetch(self) -> bool:
         return True
@@ -472,7 +476,8 @@ def test_fit_on_cpu_with_prefetch_to_device(database: Path, cls: type[FastImageD
     )
     trainer.fit(model, datamodule=dm)
     loader = trainer.train_dataloader
-    assert isinstance(loader, DevicePrefetchLoader)  # the training loader always is one (resumable)
+    assert isinstance(loader, FastLoader)
+    assert loader.resumable
     assert loader.device == (torch.device("cpu") if cls is _ForcedPrefetch else None)
     assert model.batches == [3, 3]
     assert trainer.global_step == 6
@@ -483,13 +488,13 @@ def test_fit_on_cpu_with_prefetch_to_device(database: Path, cls: type[FastImageD
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Real DDP on CPU through DevicePrefetchLoader
+# Real DDP on CPU through the device look-ahead
 # ----------------------------------------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
 def ddp_run(database: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    """The records of rank 0 and rank 1 of a two-epoch DDP fit through DevicePrefetchLoader."""
+    """The records of rank 0 and rank 1 of a two-epoch DDP fit through the device look-ahead."""
     out = tmp_path_factory.mktemp("prefetch_ddp")
     env = {k: v for k, v in os.environ.items() if k not in _DIST_VARS}
     proc = subprocess.run(
@@ -505,12 +510,12 @@ def ddp_run(database: Path, tmp_path_factory: pytest.TempPathFactory) -> list[di
 
 @pytest.mark.slow
 def test_ddp_through_prefetch_loader_covers_the_training_set(ddp_run: list[dict[str, Any]]) -> None:
-    """Each epoch, the two ranks' DevicePrefetchLoaders together see every training sample (padding aside)."""
+    """Each epoch, the two ranks' look-ahead loaders together see every training sample (padding aside)."""
     rank0, rank1 = ddp_run
     for rank, record in enumerate(ddp_run):
         assert record["rank"] == record["sampler_rank"] == rank
         assert record["world_size"] == record["num_replicas"] == 2
-        assert record["loader"] == "FastLoader"  # a DevicePrefetchLoader that also saves its position
+        assert record["loader"] == "FastLoader"  # looks ahead to the device and saves its position
         assert record["dtypes"] == ["torch.float32"]
         assert record["sampler_epochs"] == [0, 1]
     n = rank0["train_size"]

@@ -17,12 +17,12 @@ from unittest.mock import Mock
 
 import pytest
 import torch
-from fakes import fake_trainer
+from fakes import fake_trainer, patch_cuda_streams
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
 
 from lightning_fastdata import FastImageDataModule
-from lightning_fastdata import prefetch as prefetch_module
-from lightning_fastdata.resumable import ResumableLoader, ResumableSampler
+from lightning_fastdata.pipeline import FastLoader
+from lightning_fastdata.resumable import ResumableSampler
 
 SCRIPT = Path(__file__).with_name("resume_script.py")
 
@@ -58,12 +58,12 @@ def _loader(
     rank: int = 0,
     dataset: Dataset | None = None,
     **kwargs: Any,
-) -> ResumableLoader:
+) -> FastLoader:
     """A resumable loader as the DataModule builds it: a seeded, shuffling ``ResumableSampler`` set to ``epoch``."""
     dataset = _dataset() if dataset is None else dataset
     sampler = ResumableSampler(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed)
     sampler.set_epoch(epoch)
-    return ResumableLoader(dataset, sampler=sampler, batch_size=batch_size, **kwargs)
+    return FastLoader(dataset, sampler=sampler, batch_size=batch_size, **kwargs)
 
 
 def _ids(batches: Any) -> list[list[int]]:
@@ -81,7 +81,7 @@ def _reference(
     return _ids(DataLoader(dataset, sampler=sampler, batch_size=batch_size))
 
 
-def _take(loader: ResumableLoader, k: int) -> dict[str, Any]:
+def _take(loader: FastLoader, k: int) -> dict[str, Any]:
     """Hand out ``k`` batches of a fresh epoch of ``loader`` and return its state."""
     batches = iter(loader)
     for _ in range(k):
@@ -96,7 +96,7 @@ def _state(epoch: int, batches: int, seed: int = 0, **changes: Any) -> dict[str,
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# ResumableSampler and ResumableLoader
+# ResumableSampler and FastLoader's position
 # ----------------------------------------------------------------------------------------------------------------
 
 
@@ -280,10 +280,10 @@ def test_non_resumable_sampler_has_no_state(sampler: str) -> None:
     dataset = _dataset()
     if sampler == "distributed":
         plain = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=0)
-        loader = ResumableLoader(dataset, sampler=plain, batch_size=BATCH)
+        loader = FastLoader(dataset, sampler=plain, batch_size=BATCH)
         expected = _reference(0, 0)
     else:
-        loader = ResumableLoader(dataset, batch_size=BATCH)
+        loader = FastLoader(dataset, batch_size=BATCH)
         expected = [list(range(i, min(i + BATCH, N))) for i in range(0, N, BATCH)]
     assert loader.state_dict() == {}
     assert _take(loader, 2) == {}
@@ -308,23 +308,10 @@ class _RecordingDataset(Dataset):
         return (torch.tensor(index),)
 
 
-class _FakeStream:
-    """A CUDA stream for ``prefetch_to_device``: ``wait_stream`` does nothing."""
-
-    def wait_stream(self, other: Any) -> None:
-        pass
-
-
 @pytest.fixture
 def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     """CUDA streams patched so the loader's device look-ahead runs on the CPU (copies are the identity)."""
-    compute = _FakeStream()
-    monkeypatch.setattr(prefetch_module, "_SIDE_STREAMS", {})
-    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: _FakeStream())
-    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: compute)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(prefetch_module, "_to_device", lambda batch, device: batch)
+    patch_cuda_streams(monkeypatch)
 
 
 @pytest.mark.usefixtures("fake_cuda")
@@ -376,7 +363,7 @@ def test_datamodule_loader_takes_the_trainers_limit(
             limit_train_batches=limit,
         )
     loader = dm.train_dataloader()
-    assert isinstance(loader, ResumableLoader)
+    assert isinstance(loader, FastLoader)
     assert isinstance(loader.sampler, ResumableSampler)
     assert loader.sampler.seed == 1
     assert loader.batches_per_epoch() == per_epoch

@@ -8,7 +8,8 @@ import pytest
 import torch
 from torchvision.transforms import v2
 
-from lightning_fastdata.transforms import CenterCropResize, RandomResizedCropFlip, normalize_batch
+from lightning_fastdata._fast_path import inherits
+from lightning_fastdata.transforms import CenterCropResize, RandomResizedCropFlip, is_crop_transform, normalize_batch
 
 MEAN = torch.tensor([0.485, 0.456, 0.406])
 STD = torch.tensor([0.229, 0.224, 0.225])
@@ -246,3 +247,28 @@ def test_center_crop_resize_bad_arguments(size: int, crop_fraction: float, name:
     """Invalid size or crop_fraction raise ValueError naming the argument."""
     with pytest.raises(ValueError, match=f"`{name}`"):
         CenterCropResize(size, crop_fraction=crop_fraction)
+
+
+class _OwnBox(RandomResizedCropFlip):
+    def box(self, height: int, width: int) -> tuple[int, int, int, int]:
+        return 0, 0, height, width
+
+
+class _OwnCall(CenterCropResize):
+    def __call__(self, image: torch.Tensor) -> torch.Tensor:
+        return image
+
+
+def test_the_fast_path_contract_is_one_rule() -> None:
+    """A fast path is taken by an instance that keeps the methods it stands in for; an override opts out."""
+    own_box = _OwnBox(8, flip_p=0.0)
+    assert inherits(RandomResizedCropFlip(8), RandomResizedCropFlip, "box", "flip", "__call__")
+    assert not inherits(own_box, RandomResizedCropFlip, "box", "flip")
+    assert inherits(own_box, RandomResizedCropFlip, "__call__")  # still fused: only the box is its own
+    assert not inherits(CenterCropResize(8), RandomResizedCropFlip)
+    assert is_crop_transform(own_box)
+    assert not is_crop_transform(_OwnCall(8))
+    assert not is_crop_transform(lambda image: image)
+    boxes, flips = own_box.boxes([20, 30], [40, 50], seed=0)
+    assert (boxes, flips) == ([(0, 0, 20, 40), (0, 0, 30, 50)], [False, False])  # its own box, per image
+    assert own_box(torch.zeros(3, 20, 40, dtype=torch.uint8)).shape == (3, 8, 8)

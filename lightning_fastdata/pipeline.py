@@ -1,0 +1,391 @@
+"""The batch path, top-down: :func:`create_loader` builds it, :class:`FastLoader` runs it, one epoch at a time.
+
+A training batch on CUDA, from database record to model input:
+
+1. **Order.** A seeded :class:`~lightning_fastdata.resumable.ResumableSampler` (a ``DistributedSampler`` that can
+   start part-way into an epoch) gives this rank's indices; they are cut into batches, each keyed with the epoch's
+   ``(seed, epoch)`` (:class:`_KeyedBatches`), so a sample's crop and flip are a function of ``(seed, epoch, sample)``
+   on every engine.
+2. **Engine.** Each batch is built whole by one of ``workers`` threads in this process (``engine="threads"``, the
+   default: no worker start-up, no copy of the dataset per worker, no inter-process transfer, and the decode and
+   resize kernels release the GIL), or by one of ``workers`` DataLoader worker processes (``"processes"``).
+3. **Record to pixels** (:meth:`BatchReader.read_batch <lightning_fastdata.loader.BatchReader.read_batch>`, in
+   :mod:`lightning_fastdata.loader`): one LMDB transaction, decode, crop, resize and flip straight into one
+   ``uint8`` batch buffer (page-locked for a GPU); bad samples left out under the skip policy.
+4. **Device.** The host batch is copied ``non_blocking`` one step ahead on a side CUDA stream
+   (:func:`~lightning_fastdata.prefetch.prefetch_to_device`), and :class:`DeviceStage` turns it into model input
+   there: ``uint8`` -> normalized float of the model's dtype, ``channels_last`` if asked; with ``decode="device"``
+   it decodes the still-encoded JPEGs first (nvJPEG).
+5. **Position.** Batches are counted as they are handed to the training loop, after the look-ahead, so a checkpoint
+   resumes after the last one the loop saw (:mod:`lightning_fastdata.resumable`).
+
+Without the look-ahead (training on a CPU, or ``prefetch_to_device=False``) step 4 is Lightning's copy, and the
+DataModule's ``on_after_batch_transfer`` runs the same :class:`DeviceStage`. For CPU training the loader threads
+normalize to ``float32`` in step 3 already, so the device stage only casts to the model's dtype where it differs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Literal
+
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+
+from lightning_fastdata.device_decode import EncodedImages, encoded_batch_to_images
+from lightning_fastdata.errors import CorruptRecordError
+from lightning_fastdata.loader import BatchReader, KeyedIndices, Output, _batch_as_is
+from lightning_fastdata.prefetch import prefetch_to_device
+from lightning_fastdata.resumable import ResumableSampler, batches_per_epoch, position_state, restore_position
+from lightning_fastdata.skipping import SkipCounter
+from lightning_fastdata.transforms import Normalizer
+
+Engine = Literal["threads", "processes"]
+
+
+def create_loader(
+    dataset: Dataset,
+    batch_size: int,
+    *,
+    shuffle: bool = False,
+    seed: int = 0,
+    sampler: Sampler | None = None,
+    num_replicas: int = 1,
+    rank: int = 0,
+    resumable: bool = False,
+    drop_last: bool = False,
+    engine: Engine = "threads",
+    workers: int = 0,
+    prefetch_factor: int | None = None,
+    persistent_workers: bool | None = None,
+    output: Output | None = "uint8",
+    normalizer: Normalizer | None = None,
+    channels_last: bool = False,
+    skip_counter: SkipCounter | None = None,
+    pin_memory: bool = False,
+    device: torch.device | str | None = None,
+    device_stage: DeviceStage | None = None,
+    limit_batches: int | float = 1.0,
+) -> FastLoader:
+    """The loader of one split: every choice of the batch path, made here.
+
+    Args:
+        dataset: the split. Wrapped in a :class:`~lightning_fastdata.loader.BatchReader` (whole batches, fused where
+            it can be) unless it is one already or ``output`` is ``None`` (read sample by sample, as a DataLoader
+            reads it).
+        batch_size: samples per batch.
+        shuffle: shuffle the order, by ``seed`` and the epoch.
+        seed: seeds the order and the augmentation.
+        sampler: a sampler of one's own, instead of the seeded ``DistributedSampler`` made from ``shuffle``,
+            ``seed``, ``num_replicas``, ``rank`` and ``resumable``.
+        num_replicas: training processes sharing the data (``DistributedSampler``).
+        rank: this process's rank among them.
+        resumable: a :class:`~lightning_fastdata.resumable.ResumableSampler`: the loader's position goes into
+            checkpoints and comes back (the training loader).
+        drop_last: drop the last incomplete batch.
+        engine: ``"threads"`` builds batches on ``workers`` threads in this process; ``"processes"`` on ``workers``
+            DataLoader worker processes. ``workers=0``: on the calling thread.
+        workers: threads or worker processes.
+        prefetch_factor: batches in flight per thread or worker (default: 2).
+        persistent_workers: keep worker processes between epochs (default: yes).
+        output: what the batch reader gives: ``"uint8"`` (normalized on the device), ``"float"`` (normalized by the
+            reading thread, for CPU training), ``"encoded"`` (JPEG bytes for ``decode="device"``); ``None``: the
+            dataset's own samples, collated.
+        normalizer: the mean and std for ``output="float"``.
+        channels_last: ``float`` batches in ``channels_last`` memory.
+        skip_counter: leave samples that fail with a package error out of their batch, and count them.
+        pin_memory: page-locked host batches, for asynchronous copies to a GPU.
+        device: copy batches one step ahead to this CUDA device, on a side stream (``None``, or a device other than
+            CUDA: no look-ahead; Lightning copies them).
+        device_stage: runs on the side stream after each copy: :class:`DeviceStage`.
+        limit_batches: the Trainer's ``limit_train_batches``, for where a resumed epoch ends.
+
+    Raises:
+        ValueError: an unknown ``engine``, or a negative ``workers``.
+
+    """
+    if engine not in ("threads", "processes"):
+        raise ValueError(f"`engine` must be 'threads' or 'processes', got {engine!r}.")
+    if workers < 0:
+        raise ValueError(f"`workers` must be >= 0, got {workers}.")
+    reader = dataset
+    if output is not None and not isinstance(dataset, BatchReader):
+        reader = BatchReader(
+            dataset,
+            output=output,
+            normalizer=normalizer,
+            channels_last=channels_last,
+            skip_counter=skip_counter,
+            pin_memory=pin_memory and engine == "threads",  # worker processes hand batches over in shared memory
+        )
+    if sampler is None:
+        sampler_class = ResumableSampler if resumable else DistributedSampler
+        sampler = sampler_class(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed)
+    kwargs: dict[str, Any] = {}
+    if engine == "threads":
+        kwargs["threads"] = workers
+        if prefetch_factor is not None:
+            kwargs["prefetch_batches"] = prefetch_factor * max(1, workers)
+    else:
+        kwargs["num_workers"] = workers
+        if workers > 0:
+            kwargs["persistent_workers"] = True if persistent_workers is None else persistent_workers
+            kwargs["worker_init_fn"] = _worker_init
+            if prefetch_factor is not None:
+                kwargs["prefetch_factor"] = prefetch_factor
+    return FastLoader(
+        reader,
+        batch_size=batch_size,
+        sampler=sampler,
+        drop_last=drop_last,
+        pin_memory=pin_memory,
+        device=device,
+        on_device=device_stage,
+        limit_batches=limit_batches,
+        **kwargs,
+    )
+
+
+def _worker_init(worker_id: int) -> None:
+    """One intra-op thread per worker process: the workers already use every core the budget gives them.
+
+    OpenCV needs nothing here: :mod:`lightning_fastdata._cv` switched its thread pool off in the parent.
+    """
+    torch.set_num_threads(1)
+
+
+class FastLoader(DataLoader):
+    """The package's loader: a DataLoader whose iteration is the batch path (see the module docs).
+
+    A :class:`~torch.utils.data.DataLoader`, so Lightning treats it as any loader: it reaches the sampler for
+    ``set_epoch`` (and injects one under DDP when it must), uses ``len()`` for limits and progress, and saves
+    ``state_dict()`` in checkpoints for exact mid-epoch resume. Build it with :func:`create_loader`.
+
+    Args:
+        dataset: a :class:`~lightning_fastdata.loader.BatchReader` (whole batches), or any dataset (read as a
+            DataLoader reads it).
+        *args: the arguments of :class:`~torch.utils.data.DataLoader`.
+        threads: with ``num_workers=0``, build the batches of a ``BatchReader`` on this many threads in this process
+            (``0``: on the calling thread, as a plain DataLoader does).
+        prefetch_batches: batches in flight on the threads (default: two per thread).
+        device: copy batches one step ahead to this device on a side CUDA stream (only on CUDA).
+        on_device: applied to each batch on the side stream after the copy (:class:`DeviceStage`).
+        limit_batches: the Trainer's ``limit_train_batches``: an epoch that handed out this many batches (an int, or
+            a share of ``len()`` as a float) was complete, so resuming from it starts the next epoch.
+        **kwargs: the keyword arguments of :class:`~torch.utils.data.DataLoader`.
+
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset,
+        *args: Any,
+        threads: int = 0,
+        prefetch_batches: int | None = None,
+        device: torch.device | str | None = None,
+        on_device: Callable[[Any], Any] | None = None,
+        limit_batches: int | float = 1.0,
+        **kwargs: Any,
+    ) -> None:
+        if threads < 0:
+            raise ValueError(f"`threads` must be >= 0, got {threads}.")
+        kwargs.setdefault("collate_fn", _batch_as_is if isinstance(dataset, BatchReader) else None)
+        super().__init__(dataset, *args, **kwargs)
+        self.threads = threads
+        self.prefetch_batches = prefetch_batches
+        self.device = torch.device(device) if device is not None else None
+        self.on_device = on_device
+        self.limit_batches = limit_batches
+        self._handed_out = 0
+        self._resume_at = 0
+
+    @property
+    def engine(self) -> str:
+        """Where batches are built: ``"threads"``, ``"processes"`` or ``"main"`` (the calling thread)."""
+        if self.num_workers > 0:
+            return "processes"
+        return "threads" if self.threads > 0 and isinstance(self.dataset, BatchReader) else "main"
+
+    @property
+    def workers(self) -> int:
+        """Threads or worker processes building batches (``0``: the calling thread builds them)."""
+        return self.num_workers if self.num_workers > 0 else (self.threads if self.engine == "threads" else 0)
+
+    @property
+    def prefetching(self) -> bool:
+        """Whether batches are copied to the device one step ahead (only on CUDA)."""
+        return self.device is not None and self.device.type == "cuda"
+
+    @property
+    def resumable(self) -> bool:
+        """Whether the epoch position is saved: with a :class:`~lightning_fastdata.resumable.ResumableSampler`."""
+        return isinstance(self.sampler, ResumableSampler)
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        """One epoch: index batches -> engine -> device (copy, then the device stage) -> counted as handed out."""
+        return self._counted() if self.resumable else self._stages()
+
+    def _stages(self) -> Iterator[Any]:
+        # 1. index batches, keyed with the epoch's (seed, epoch): `_index_sampler`, which torch's iterators read too
+        # 2-3. the engine builds each batch whole, record to pixels, with `BatchReader.read_batch`
+        if self.engine == "threads":
+            assert isinstance(self.dataset, BatchReader)
+            ahead = self.prefetch_batches or 2 * self.threads
+            batches = _threaded_batches(iter(self._index_sampler), self.dataset.read_batch, self.threads, ahead)
+        else:
+            batches = super().__iter__()  # torch's: the calling thread, or worker processes (kept between epochs)
+        # 4. to the device one step ahead on the side stream, and the device stage there
+        if self.prefetching:
+            assert self.device is not None
+            batches = prefetch_to_device(batches, self.device, self.on_device)
+        return batches
+
+    def _counted(self) -> Iterator[Any]:
+        # 5. A generator: nothing below runs until the first batch is asked for. Lightning creates the iterator before
+        # it calls `set_epoch` (for the first epoch of a fit, and of a fit resumed from an end-of-epoch checkpoint,
+        # where it does not call `load_state_dict` either), and DataLoader workers draw their indices as soon as the
+        # DataLoader's own iterator exists. Drawn here, the order is that of the epoch the sampler is set to when
+        # training really starts, whoever set it and in whatever order. Counted after the look-ahead: a batch read
+        # ahead but never handed out is not lost on resume.
+        batches = self._stages()
+        self._handed_out, self._resume_at = self._resume_at, 0
+        for batch in batches:
+            self._handed_out += 1
+            yield batch
+
+    @property
+    def _index_sampler(self) -> Any:
+        # What every engine draws index batches from (torch's DataLoader iterators read this property): for a
+        # BatchReader, batches keyed with the epoch's augmentation key.
+        if isinstance(self.dataset, BatchReader) and self.batch_sampler is not None:
+            return _KeyedBatches(self.batch_sampler, self.sampler)
+        return super()._index_sampler
+
+    def batches_per_epoch(self) -> int:
+        """The batches the training loop takes from an epoch: ``len()`` cut by ``limit_batches``, as Lightning does."""
+        return batches_per_epoch(len(self), self.limit_batches)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position in the epoch: epoch, batches handed out, and what the order depends on."""
+        return position_state(self.sampler, self.batch_size, self._handed_out)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue the saved epoch after its last handed-out batch (or start the next one if it was complete)."""
+        resume_at = restore_position(self.sampler, state, self.batch_size, self.batches_per_epoch())
+        if resume_at is not None:
+            self._resume_at = resume_at
+
+
+class DeviceStage:
+    """The last stage: a batch's images, ``uint8`` or still encoded, to model input on the device.
+
+    ``uint8`` images become normalized floats of ``dtype`` (``channels_last`` if asked); still-encoded ones
+    (``decode="device"``) are decoded, cropped and resized on the device first; floats already normalized by the
+    loader threads only take ``dtype`` where it differs. Anything else passes through, as do the batch's other
+    elements. Constants live on the device (:class:`~lightning_fastdata.transforms.Normalizer` caches them): nothing
+    here waits for the device.
+
+    Runs on the side stream right after each copy when the loader looks ahead (``FastLoader(on_device=...)``), else
+    in ``FastImageDataModule.on_after_batch_transfer``.
+
+    Args:
+        normalizer: the mean and std.
+        dtype: the model's input dtype.
+        channels_last: batches in ``channels_last`` memory.
+        device: where still-encoded images are decoded.
+        image_size: the side of decoded crops.
+        skip: called with the error of a still-encoded image that fails to decode (then left out); ``None``: raise.
+
+    """
+
+    def __init__(
+        self,
+        normalizer: Normalizer,
+        dtype: torch.dtype = torch.float32,
+        channels_last: bool = False,
+        device: torch.device | None = None,
+        image_size: int | None = None,
+        skip: Callable[[CorruptRecordError], None] | None = None,
+    ) -> None:
+        self.normalizer = normalizer
+        self.dtype = dtype
+        self.channels_last = channels_last
+        self.device = device
+        self.image_size = image_size
+        self.skip = skip
+
+    def __call__(self, batch: Any) -> Any:
+        """The batch with its first element, the images, as model input."""
+        if not isinstance(batch, (tuple, list)) or not batch:
+            return batch
+        first = batch[0]
+        if isinstance(first, EncodedImages):
+            if self.device is None or self.image_size is None:
+                raise ValueError("Still-encoded images need `DeviceStage(device=..., image_size=...)` to decode.")
+            return encoded_batch_to_images(batch, self.image_size, self.device, self._finish, skip=self.skip)
+        if not isinstance(first, torch.Tensor):
+            return batch
+        if first.dtype == torch.uint8:
+            images = self.normalizer.batch(first, self.dtype, self.channels_last)
+        elif first.is_floating_point() and first.dtype != self.dtype:  # normalized by the loader threads
+            images = first.to(self.dtype)
+        else:
+            return batch
+        return type(batch)([images, *batch[1:]]) if isinstance(batch, list) else (images, *batch[1:])
+
+    def _finish(self, images: torch.Tensor) -> torch.Tensor:
+        """Decoded float images in 0-255 -> normalized ``dtype``."""
+        return self.normalizer.float_(images, self.dtype, self.channels_last)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(dtype={self.dtype}, channels_last={self.channels_last}, device={self.device})"
+
+
+class _KeyedBatches:
+    """A loader's batch sampler, each batch keyed with the epoch's ``(seed, epoch)``.
+
+    The key is read when an epoch's iteration starts, after Lightning's ``set_epoch``: the sampler's ``seed`` and
+    ``epoch`` (a ``DistributedSampler``), or else a seed drawn from :mod:`random` for the epoch. It holds the samplers,
+    not the loader: an iterator that kept its loader alive would be freed only by the garbage collector, and worker
+    processes would stop late.
+    """
+
+    def __init__(self, batch_sampler: Any, sampler: Any) -> None:
+        self.batch_sampler = batch_sampler
+        self.sampler = sampler
+
+    def __len__(self) -> int:
+        return len(self.batch_sampler)
+
+    def __iter__(self) -> Iterator[KeyedIndices]:
+        sampler = self.sampler
+        if isinstance(sampler, DistributedSampler):
+            key = (int(sampler.seed), int(sampler.epoch))
+        else:
+            key = (random.getrandbits(63), 0)
+        for indices in self.batch_sampler:
+            yield KeyedIndices(indices, key)
+
+
+def _threaded_batches(
+    batch_indices: Iterator[Sequence[int]],
+    read_batch: Callable[[Sequence[int]], Any],
+    threads: int,
+    ahead: int,
+) -> Iterator[Any]:
+    """Build batches on ``threads`` threads, each batch whole on one thread, ``ahead`` batches in flight, in order."""
+    pool = ThreadPoolExecutor(threads, thread_name_prefix="lightning_fastdata")
+    pending: deque[Future] = deque(pool.submit(read_batch, b) for b in itertools.islice(batch_indices, ahead))
+    try:
+        while pending:
+            batch = pending.popleft().result()
+            following = next(batch_indices, None)
+            if following is not None:
+                pending.append(pool.submit(read_batch, following))
+            yield batch
+    finally:  # the epoch ended, or the consumer stopped early: stop the queued batches, let running ones finish
+        pool.shutdown(wait=False, cancel_futures=True)
