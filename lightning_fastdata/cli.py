@@ -142,7 +142,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
 def _add_profile(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "profile",
-        help="time each loading stage per sample: read, decode, transforms, collate, copy",
+        help="time each loading stage per sample (folder: read, decode, transforms, collate; database: the batch path)",
         description=(
             "Per-stage time per sample of the loading path of DATA (an image folder or a database), and of its"
             " counterpart when it exists (a database's source folder; a folder's conversion), with a conclusion."

@@ -118,7 +118,8 @@ class FastImageDataModule(LightningDataModule):
         val_fraction: share of ``train`` held out for validation when the data has no ``val`` split (``0`` for
             none); the split is deterministic for a given ``seed``.
         seed: seeds the validation split and the training shuffle (which also changes with the epoch).
-        mean: per-channel mean on the 0-1 scale, subtracted on the device.
+        mean: per-channel mean on the 0-1 scale: subtracted by the loader threads for CPU training, on the device
+            for CUDA training.
         std: per-channel standard deviation on the 0-1 scale.
         scale: ``RandomResizedCrop`` area range for training.
         crop_fraction: validation centre crop as a share of the short side (0.875 = 224 of 256).
@@ -604,9 +605,11 @@ class FastImageDataModule(LightningDataModule):
 
     @override
     def train_dataloader(self) -> DataLoader:
-        """Shuffled, seeded training batches of ``(uint8 NCHW images, int64 labels)``.
+        """Shuffled, seeded training batches of ``(images, int64 labels)``.
 
-        When prefetching to the device they arrive on the GPU, already normalized.
+        For CPU training the images are normalized ``float32`` (the loader threads normalize them); for CUDA training
+        they are ``uint8`` NCHW (``channels_last`` memory), and when prefetching to the device they arrive on the GPU
+        already normalized.
         """
         if self.train_dataset is None:
             self.setup("fit")
