@@ -285,6 +285,44 @@ def test_num_workers_auto_divides_cpus_by_processes_per_node(
     assert len(loader.sampler) == -(-SPLIT_TRAIN // 8)
 
 
+@pytest.mark.filterwarnings("ignore:This DataLoader will create 8 worker processes")
+def test_engine_auto_picks_processes_for_cuda_training_with_enough_workers(
+    split_root: Path, shared_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``engine="auto"`` (the default): worker processes for uint8 CUDA batches from 4 workers on, else threads; each
+    choice is logged once, and an explicit engine is kept."""
+    from lightning_fastdata import cpus, datamodule
+
+    infos: list[str] = []
+    monkeypatch.setattr(
+        datamodule,
+        "rank_zero_info",
+        lambda message, *a, **k: infos.append(str(message)) if "engine=" in message else None,
+    )
+    dm = _dm(split_root, shared_cache)
+    assert dm.engine == "auto"
+    assert dm.resolved_engine(16) == "threads"  # CPU training: threads write normalized floats into the batch
+    assert dm.resolved_engine(16) == "threads"
+    assert infos == ["FastImageDataModule: engine='auto' chose 'threads' (training on the CPU)."]
+    dm.trainer = fake_trainer("cuda")
+    assert [dm.resolved_engine(w) for w in (0, 2, 3, 4, 16)] == ["threads"] * 3 + ["processes"] * 2
+    assert infos[1:] == ["FastImageDataModule: engine='auto' chose 'processes' (CUDA training with 4 workers)."]
+
+    encoded = _dm(split_root, shared_cache, decode="device")
+    encoded.trainer = fake_trainer("cuda")
+    assert encoded.resolved_engine(16) == "threads"  # workers only read bytes for nvJPEG
+
+    monkeypatch.setattr(cpus, "usable_cpu_count", lambda: 8)
+    dm = _dm(split_root, shared_cache, num_workers="auto")
+    dm.trainer = fake_trainer("cuda")
+    assert (dm.train_dataloader().engine, dm.train_dataloader().workers) == ("processes", 8)
+    explicit = _dm(split_root, shared_cache, num_workers="auto", engine="threads")
+    explicit.trainer = fake_trainer("cuda")
+    assert explicit.train_dataloader().engine == "threads"
+    with pytest.raises(ValueError, match="'auto', 'threads' or 'processes'"):
+        FastImageDataModule(str(split_root), engine="fibers")  # type: ignore[arg-type]
+
+
 def test_num_workers_above_budget_warns_once(
     split_root: Path, shared_cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
