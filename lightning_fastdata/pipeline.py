@@ -6,9 +6,10 @@ A training batch on CUDA, from database record to model input:
    start part-way into an epoch) gives this rank's indices; they are cut into batches, each keyed with the epoch's
    ``(seed, epoch)`` (:class:`_KeyedBatches`), so a sample's crop and flip are a function of ``(seed, epoch, sample)``
    on every engine.
-2. **Engine.** Each batch is built whole by one of ``workers`` threads in this process (``engine="threads"``, the
-   default: no worker start-up, no copy of the dataset per worker, no inter-process transfer, and the decode and
-   resize kernels release the GIL), or by one of ``workers`` DataLoader worker processes (``"processes"``).
+2. **Engine.** Each batch is built whole by one of ``workers`` threads in this process (``engine="threads"``: no
+   worker start-up, no copy of the dataset per worker, no inter-process transfer, and the decode and resize kernels
+   release the GIL), or by one of ``workers`` DataLoader worker processes (``"processes"``). The DataModule's
+   ``engine="auto"`` picks processes for CUDA training with 4 or more workers, threads otherwise.
 3. **Record to pixels** (:meth:`BatchReader.read_batch <lightning_fastdata.loader.BatchReader.read_batch>`, in
    :mod:`lightning_fastdata.loader`): one LMDB transaction, decode, crop, resize and flip straight into one
    ``uint8`` batch buffer (page-locked for a GPU); bad samples left out under the skip policy.
