@@ -432,7 +432,8 @@ def _help_cache(command: str) -> Path | None:
         except metadata.PackageNotFoundError:
             parts.append("-")
     package_dir = Path(__file__).parent
-    parts += [f"{p.name}:{p.stat().st_mtime_ns}" for p in sorted(package_dir.glob("*.py"))]  # an edited checkout
+    # an edited checkout: every module, the subpackages' too (store/, monitor/)
+    parts += [f"{p.relative_to(package_dir)}:{p.stat().st_mtime_ns}" for p in sorted(package_dir.rglob("*.py"))]
     parts += sorted(f"{k}={v}" for k, v in os.environ.items() if k.startswith("JSONARGPARSE"))
     digest = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:20]
     return default_cache_dir() / "cli-help" / f"{command}-{digest}.txt"

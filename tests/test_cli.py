@@ -287,3 +287,20 @@ def test_fit_help_a_second_time_imports_neither_torch_nor_lightning(tmp_path, mo
     out, imported = _main_in_a_new_process("fit", "--help")
     assert imported == []
     assert out == first
+
+
+def test_fit_help_cache_is_keyed_by_the_subpackages_too(tmp_path, monkeypatch):
+    """An edited module of ``store/`` or ``monitor/`` changes where ``--help`` is cached, so stale text is not shown."""
+    from lightning_fastdata import cli
+    from lightning_fastdata.monitor import verdict
+
+    monkeypatch.setenv("LIGHTNING_FASTDATA_CACHE", str(tmp_path))
+    before = cli._help_cache("fit")
+    source = Path(verdict.__file__)
+    stat = source.stat()
+    try:
+        os.utime(source, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))
+        assert cli._help_cache("fit") != before
+    finally:
+        os.utime(source, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert cli._help_cache("fit") == before
