@@ -36,7 +36,6 @@ from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
-from torchvision import datasets, transforms
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from demo import DataFree, Plan, TinyNet, TorchvisionNet, _fit, fast_datamodule, imagefolder_loader
@@ -88,22 +87,6 @@ def _model(p: Plan) -> Any:
     return Net(p.arch, p.classes, p.channels_last)
 
 
-def _imagefolder_uint8(images: Path, p: Plan) -> DataLoader:
-    """``ImageFolder`` with the same crop and flip, as uint8 tensors: the model normalizes on the GPU."""
-    augment = transforms.Compose(
-        [transforms.RandomResizedCrop(p.image_size), transforms.RandomHorizontalFlip(), transforms.PILToTensor()]
-    )
-    return DataLoader(
-        datasets.ImageFolder(str(images), transform=augment),
-        batch_size=p.batch_size,
-        shuffle=True,
-        drop_last=True,
-        num_workers=p.workers,
-        persistent_workers=p.workers > 0,
-        pin_memory=p.device == "cuda",
-    )
-
-
 def train_cell(column: str, images: Path, workdir: Path, p: Plan) -> dict[str, Any]:
     """One training run; returns LoaderMonitor's summary (samples/s, data fraction, GPU utilization)."""
     fit: dict[str, Any]
@@ -112,7 +95,7 @@ def train_cell(column: str, images: Path, workdir: Path, p: Plan) -> dict[str, A
     elif column == "imagefolder-float":
         fit = {"train_dataloaders": imagefolder_loader(images, p)}
     elif column == "imagefolder-uint8":
-        fit = {"train_dataloaders": _imagefolder_uint8(images, p)}
+        fit = {"train_dataloaders": imagefolder_loader(images, p, uint8=True)}
     elif column == "device":
         fit = {"datamodule": fast_datamodule(images, workdir, p, decode="device")}
     else:
@@ -150,7 +133,7 @@ def scaling_row(name: str, images: Path, workdir: Path, p: Plan, workers: int) -
     q = dataclasses.replace(p, workers=workers)
     device = torch.device(p.device)
     if name == "imagefolder":
-        return loader_rate(lambda: _imagefolder_uint8(images, q), device)
+        return loader_rate(lambda: imagefolder_loader(images, q, uint8=True), device)
 
     def make() -> DataLoader:
         dm = fast_datamodule(images, workdir, q, engine=name)

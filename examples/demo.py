@@ -139,15 +139,18 @@ def _fit(p: Plan, report_dir: Path | None, net: LightningModule | None = None, *
     return monitor
 
 
-def imagefolder_loader(images: Path, p: Plan) -> DataLoader:
-    """The usual first attempt: ImageFolder, the standard torchvision transforms, one worker per usable CPU."""
+def imagefolder_loader(images: Path, p: Plan, uint8: bool = False) -> DataLoader:
+    """The usual first attempt: ImageFolder, the standard torchvision transforms, one worker per usable CPU.
+
+    ``uint8``: the same crop and flip, images left as uint8 tensors for the model to normalize on the device.
+    """
+    to_input = (
+        [transforms.PILToTensor()]
+        if uint8
+        else [transforms.ToTensor(), transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD)]
+    )
     standard = transforms.Compose(
-        [
-            transforms.RandomResizedCrop(p.image_size),
-            transforms.RandomHorizontalFlip(),
-            transforms.ToTensor(),
-            transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD),
-        ]
+        [transforms.RandomResizedCrop(p.image_size), transforms.RandomHorizontalFlip(), *to_input]
     )
     train = datasets.ImageFolder(str(train_folder(images)), transform=standard)  # images/train/ when it has splits
     return DataLoader(

@@ -236,6 +236,8 @@ class FastImageDataModule(LightningDataModule):
         self._tuned: int | None = None
         #: whether this DataModule's loaders run the device stage themselves, on the side stream
         self._stage_in_loader = False
+        #: the device stage of the last loader built (for the Trainer it was built for), which the hook reuses
+        self._stage: DeviceStage | None = None
 
     # ------------------------------------------------------------------------------------------------------------
     # Where the data is
@@ -618,6 +620,7 @@ class FastImageDataModule(LightningDataModule):
         # across ranks with the Trainer's own `distributed_sampler_kwargs` (num_replicas, rank).
         dist_kwargs = (trainer.distributed_sampler_kwargs if trainer is not None else None) or {}
         limit = getattr(trainer, "limit_train_batches", 1.0) if train else 1.0
+        self._stage = self._device_stage()
         loader = create_loader(
             dataset,
             batch_size,
@@ -637,7 +640,7 @@ class FastImageDataModule(LightningDataModule):
             skip_counter=self._skip_counter if self.on_bad_sample == "skip" else None,
             pin_memory=self._on_cuda() if pin_memory is None else pin_memory,
             device=self._device() if self.uses_prefetch() else None,
-            device_stage=self._device_stage(),
+            device_stage=self._stage,
             limit_batches=limit if isinstance(limit, (int, float)) else 1.0,
         )
         self._stage_in_loader = loader.prefetching
@@ -724,6 +727,9 @@ class FastImageDataModule(LightningDataModule):
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """Turn the uint8 images (first element of the batch) into normalized floats on the batch's device.
 
-        Nothing to do when the loader already did it on the side stream.
+        Nothing to do when the loader already did it on the side stream; otherwise the stage built with the loader
+        runs here (one object for the run, not one per batch).
         """
-        return batch if self._stage_in_loader else self.to_model_input(batch)
+        if self._stage_in_loader:
+            return batch
+        return (self._stage or self._device_stage())(batch)

@@ -70,6 +70,16 @@ def make_database(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Pat
     return make
 
 
+@pytest.fixture(scope="session")
+def plain_photo_database(make_database: Callable[..., Path]) -> Path:
+    """A plain ImageFolder (no splits) of 2 classes x 40 JPEGs, 64-160 px, converted at short side 96; its source
+    folder is ``plain_photo_database.parent / "src"``. Read-only by convention."""
+    return make_database(
+        "plain_photo", short_side=96, num_classes=2, train_per_class=40, val_per_class=0, min_size=64, max_size=160,
+        num_workers=None,
+    )  # fmt: skip
+
+
 @pytest.fixture
 def database_copy(database: Path, tmp_path: Path) -> Path:
     """A private copy of the session database that a test may modify."""

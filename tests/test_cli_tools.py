@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -13,24 +12,13 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.fixture(scope="module")
-def database(make_database: Callable[..., Path]) -> Path:
-    """A plain ImageFolder of 2 classes x 40 JPEGs, 64-160 px, converted at short side 96."""
-    return make_database(
-        "cli_tools",
-        short_side=96,
-        num_classes=2,
-        train_per_class=40,
-        val_per_class=0,
-        min_size=64,
-        max_size=160,
-        num_workers=None,
-    )
+def database(plain_photo_database: Path) -> Path:
+    return plain_photo_database
 
 
 @pytest.fixture(scope="module")
-def folder(database: Path) -> Path:
-    """The database's source folder."""
-    return database.parent / "src"
+def folder(plain_photo_database: Path) -> Path:
+    return plain_photo_database.parent / "src"
 
 
 def test_bench_prints_the_table_and_writes_json_and_plot(database, tmp_path, capsys):

@@ -120,7 +120,12 @@ def test_the_device_stage_runs_once_in_the_loader_or_in_the_hook(database: Path)
     assert dm.on_after_batch_transfer(uint8, 0) is uint8  # nothing left for the hook
     dm.prefetch_to_device = False
     assert next(iter(dm.train_dataloader()))[0].dtype == torch.uint8
+    built = []
+    make_stage = dm._device_stage
+    dm._device_stage = lambda: built.append(1) or make_stage()
     out, _ = dm.on_after_batch_transfer(uint8, 0)
+    dm.on_after_batch_transfer(uint8, 0)
+    assert built == []  # the stage built with the loader, not one per batch
     assert out.dtype == torch.float32
     torch.testing.assert_close(out, dm.to_model_input(uint8)[0])
 

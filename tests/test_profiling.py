@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -16,24 +15,13 @@ DATABASE_STAGES = ["read", "decode", "transforms", "normalize"]  # training on t
 
 
 @pytest.fixture(scope="module")
-def database(make_database: Callable[..., Path]) -> Path:
-    """A plain ImageFolder of 2 classes x 40 JPEGs, 64-160 px, converted at short side 96."""
-    return make_database(
-        "profiling",
-        short_side=96,
-        num_classes=2,
-        train_per_class=40,
-        val_per_class=0,
-        min_size=64,
-        max_size=160,
-        num_workers=None,
-    )
+def database(plain_photo_database: Path) -> Path:
+    return plain_photo_database
 
 
 @pytest.fixture(scope="module")
-def folder(database: Path) -> Path:
-    """The database's source folder."""
-    return database.parent / "src"
+def folder(plain_photo_database: Path) -> Path:
+    return plain_photo_database.parent / "src"
 
 
 def _check_profile(p: PipelineProfile, name: str, path: Path, stages: list[str], samples: int) -> None:
