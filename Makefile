@@ -12,6 +12,8 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[test]'
+	# LightningCLI's `fit --help` (and validate, test, predict), rendered once now: even the first call is then quick
+	$(BIN)/python -c "from lightning_fastdata.cli import cache_help; cache_help()"
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -29,6 +29,9 @@ if TYPE_CHECKING:
 LIGHTNING_COMMANDS = ("fit", "validate", "test", "predict")
 #: The command's name in usage lines and messages, however it was started.
 PROG = "lightning-fastdata"
+# `COMMAND --help` is rendered at most this wide, as click does by default: one cached text then serves every terminal
+# at least this wide, and `make` can cache it ahead, where there is no terminal (80 columns)
+HELP_COLUMNS = 80
 
 
 def _add_convert(sub: argparse._SubParsersAction) -> None:
@@ -417,15 +420,21 @@ def _option_strings(parser: Any) -> list[str]:
     return options + [f"--data.init_args.{name}" for name in _init_arguments(FastImageDataModule)]
 
 
-def _help_cache(command: str) -> Path | None:
+def _help_columns() -> int:
+    """The width ``--help`` is rendered at: the terminal's, up to :data:`HELP_COLUMNS`."""
+    import shutil
+
+    return min(shutil.get_terminal_size().columns, HELP_COLUMNS)
+
+
+def _help_cache(command: str) -> Path:
     """Where ``lightning-fastdata COMMAND --help``'s text is kept, keyed by everything it depends on."""
     import hashlib
-    import shutil
     from importlib import metadata
 
     from lightning_fastdata.store.cache import default_cache_dir
 
-    parts = [__version__, sys.version, sys.executable, command, str(shutil.get_terminal_size().columns)]
+    parts = [__version__, sys.version, sys.executable, command, str(_help_columns())]
     for package in ("lightning", "jsonargparse", "torch"):
         try:
             parts.append(metadata.version(package))
@@ -439,12 +448,11 @@ def _help_cache(command: str) -> Path | None:
     return default_cache_dir() / "cli-help" / f"{command}-{digest}.txt"
 
 
-def _lightning_help(command: str, from_console: bool) -> NoReturn:
-    """``COMMAND --help``: LightningCLI's text, kept in the cache, so that only the first call imports Lightning."""
-    path = _help_cache(command)
-    with contextlib.suppress(OSError, UnicodeDecodeError):
-        sys.stdout.write(path.read_text())
-        raise SystemExit(0)
+def _render_help(command: str, from_console: bool = False) -> tuple[int | str | None, str]:
+    """LightningCLI's ``COMMAND --help``: its exit code and text, at :func:`_help_columns` wide."""
+    columns = _help_columns()
+    saved = os.environ.get("COLUMNS")
+    os.environ["COLUMNS"] = str(columns)  # argparse and jsonargparse wrap at COLUMNS - 2
     buffer = io.StringIO()
     code: int | str | None = 0
     try:
@@ -452,14 +460,57 @@ def _lightning_help(command: str, from_console: bool) -> NoReturn:
             lightning_cli(None if from_console else [command, "--help"], parser_kwargs={"prog": PROG})
     except SystemExit as done:
         code = done.code
-    text = buffer.getvalue()
+    finally:
+        if saved is None:
+            del os.environ["COLUMNS"]
+        else:
+            os.environ["COLUMNS"] = saved
+    return code, buffer.getvalue()
+
+
+def _keep_help(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` whole (a reader never sees half of it); a read-only cache keeps nothing."""
+    with contextlib.suppress(OSError):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(text)
+        os.replace(tmp, path)
+
+
+def cache_help(commands: Sequence[str] = LIGHTNING_COMMANDS) -> list[Path]:
+    """Render ``COMMAND --help`` for each command into the cache now, importing Lightning once for all of them.
+
+    The first ``lightning-fastdata fit --help`` after an install otherwise pays for importing Lightning (seconds);
+    ``make`` calls this after installing, and an image build (a Dockerfile) can do the same::
+
+        python -c "from lightning_fastdata.cli import cache_help; cache_help()"
+
+    Returns the cached files. Text already cached is kept; nothing is written where the cache is read-only.
+    """
+    paths = []
+    for command in commands:
+        if command not in LIGHTNING_COMMANDS:
+            raise ValueError(f"{command!r} is not one of LightningCLI's commands {LIGHTNING_COMMANDS}")
+        path = _help_cache(command)
+        if not path.is_file():
+            code, text = _render_help(command)
+            if code not in (0, None) or not text:
+                raise RuntimeError(f"`{PROG} {command} --help` exited {code!r}:\n{text}")
+            _keep_help(path, text)
+        paths.append(path)
+    return paths
+
+
+def _lightning_help(command: str, from_console: bool) -> NoReturn:
+    """``COMMAND --help``: LightningCLI's text, kept in the cache, so that only the first call imports Lightning."""
+    path = _help_cache(command)
+    with contextlib.suppress(OSError, UnicodeDecodeError):
+        sys.stdout.write(path.read_text())
+        raise SystemExit(0)
+    code, text = _render_help(command, from_console)
     sys.stdout.write(text)
     if code in (0, None) and text:
-        with contextlib.suppress(OSError):
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-            tmp.write_text(text)
-            os.replace(tmp, path)
+        _keep_help(path, text)
     raise SystemExit(code)
 
 

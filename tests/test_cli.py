@@ -289,6 +289,30 @@ def test_fit_help_a_second_time_imports_neither_torch_nor_lightning(tmp_path, mo
     assert out == first
 
 
+def test_cache_help_ahead_makes_the_first_call_quick_in_any_wide_terminal(tmp_path, monkeypatch):
+    """``cache_help()`` (what ``make`` runs after installing) renders the help where there is no terminal; the first
+    ``fit --help`` in a wider terminal then prints it without importing torch or Lightning."""
+    from lightning_fastdata.cli import HELP_COLUMNS, cache_help
+
+    monkeypatch.setenv("LIGHTNING_FASTDATA_CACHE", str(tmp_path))
+    monkeypatch.delenv("COLUMNS", raising=False)
+    monkeypatch.setattr(sys, "argv", ["lightning-fastdata"])
+    (path,) = cache_help(["fit"])
+    assert "COLUMNS" not in os.environ  # put back as it was
+    text = path.read_text()
+    assert text.startswith("usage: lightning-fastdata [options] fit")
+    # the options' descriptions are wrapped to the width (the usage's `[--option METAVAR]` are never broken)
+    described = [line for line in text.splitlines() if line.startswith(" " * 24) and line.lstrip()[:1] != "["]
+    assert len(described) > 100
+    assert max(map(len, described)) <= HELP_COLUMNS
+    monkeypatch.setenv("COLUMNS", "200")
+    out, imported = _main_in_a_new_process("fit", "--help")
+    assert imported == []
+    assert out == text
+    with pytest.raises(ValueError, match="'fitt' is not one of LightningCLI's commands"):
+        cache_help(["fitt"])
+
+
 def test_fit_help_cache_is_keyed_by_the_subpackages_too(tmp_path, monkeypatch):
     """An edited module of ``store/`` or ``monitor/`` changes where ``--help`` is cached, so stale text is not shown."""
     from lightning_fastdata import cli
