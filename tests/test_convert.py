@@ -1080,6 +1080,23 @@ def test_dangling_link_non_image_files_and_empty_classes_are_listed(tmp_path):
         _run(src, tmp_path / "strict", strict=True)
 
 
+@pytest.mark.parametrize("workers", [0, 1])
+def test_an_image_over_pillows_size_limit_is_skipped_with_the_way_to_allow_it(tmp_path, monkeypatch, workers):
+    """A file over Pillow's decompression-bomb limit is skipped and listed, not a traceback that stops the
+    conversion; the caller's ``PIL.Image.MAX_IMAGE_PIXELS`` reaches the pool's workers, so raising it lets it in."""
+    src = _tree(tmp_path / "src", {"cat": 2, "dog": 2})
+    _save(src / "cat" / "huge.jpg", width=100, height=100)  # 10,000 pixels; the others 48 x 32 = 1,536
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 2000)  # Pillow refuses more than twice this
+    summary = _run(src, tmp_path / "db", num_workers=workers)
+    assert summary.written == 4
+    ((path, reason),) = [(Path(s.path).name, s.reason) for s in summary.skipped]
+    assert path == "huge.jpg"
+    assert reason.startswith("too large to open safely (Image size (10000 pixels) exceeds limit of 4000 pixels")
+    assert "raise `PIL.Image.MAX_IMAGE_PIXELS`" in reason
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", None)
+    assert _run(src, tmp_path / "db", num_workers=workers, force=True).written == 5
+
+
 def test_replacing_another_sources_database_needs_force(split_folder, tmp_path):
     """Converting folder B onto folder A's database is refused (``DestinationError``), unless ``force``."""
     from lightning_fastdata import DestinationError

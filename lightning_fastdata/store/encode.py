@@ -106,6 +106,11 @@ def _encode_image(source: Any, opts: EncodeOptions) -> tuple[int, int, int, byte
             img = Image.open(io.BytesIO(raw))
         except UnidentifiedImageError:
             raise _Skip("not an image: the content is in no format Pillow can read") from None
+        except Image.DecompressionBombError as err:
+            raise _Skip(
+                f"too large to open safely ({err}); if the file is trusted, raise `PIL.Image.MAX_IMAGE_PIXELS`"
+                " (or set it to None) before converting"
+            ) from None
         except (OSError, SyntaxError, ValueError) as err:
             raise _Skip(f"unreadable image header: {err}") from None
     else:
@@ -192,10 +197,11 @@ class EncodeResult(NamedTuple):
 _STATE: dict[str, Any] = {}
 
 
-def _init_worker(datasets: Mapping[str, Any] | None, opts: EncodeOptions) -> None:
+def _init_worker(datasets: Mapping[str, Any] | None, opts: EncodeOptions, max_image_pixels: int | None) -> None:
     # Ctrl-C reaches the whole process group: the main process handles it (and stops the pool); a worker would only
     # print its own KeyboardInterrupt traceback
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    Image.MAX_IMAGE_PIXELS = max_image_pixels  # the caller's limit, also under spawn
     _STATE["datasets"] = datasets
     _STATE["opts"] = opts
     with contextlib.suppress(Exception):  # one thread per worker: the pool already uses every core
@@ -253,5 +259,5 @@ def encode_all(
             _STATE.clear()
         return
     chunksize = max(1, min(32, len(tasks) // (workers * 8)))
-    with multiprocessing.get_context().Pool(workers, initializer=_init_worker, initargs=(datasets, opts)) as pool:
+    with multiprocessing.get_context().Pool(workers, initializer=_init_worker, initargs=(datasets, opts, Image.MAX_IMAGE_PIXELS)) as pool:
         yield pool.imap(_work, tasks, chunksize=chunksize)
