@@ -1160,6 +1160,20 @@ def test_list_file_numeric_labels_and_missing_columns(tmp_path):
         _run(src, tmp_path / "db2")
 
 
+@pytest.mark.parametrize(
+    ("labels", "classes", "targets"), [("cat,,dog", ["cat", "dog"], [0, 1]), ("0,,1", ["0", "1"], [0, 1])]
+)
+def test_a_list_row_without_a_label_is_skipped_and_makes_no_class(tmp_path, labels, classes, targets):
+    """A row with an empty label is skipped and listed; it adds no class ``''`` that would shift every label."""
+    _tree(tmp_path / "images", {"x": 3})
+    src = tmp_path / "list.csv"
+    src.write_text("path,label\n" + "".join(f"images/x/{n}.jpg,{label}\n" for n, label in enumerate(labels.split(","))))
+    summary = _run(src, tmp_path / "db")
+    assert [s.reason for s in summary.skipped] == ["row without a path or a label"]
+    train = LmdbImageDataset(tmp_path / "db")
+    assert (train.classes, train.targets) == (classes, targets)
+
+
 class _HfLike:
     """A duck-typed stand-in for a Hugging Face ``datasets.Dataset``: mapping rows and a ``ClassLabel`` feature."""
 

@@ -381,11 +381,13 @@ def scan_list(src: Path) -> ConversionPlan:
     """A plan from a list of ``path,label[,split]`` rows; relative paths are relative to the list file's folder."""
     rows = _read_list(src)
     labels = [str(row.get("label", "")).strip() for row in rows]
-    if all(label.isdigit() for label in labels):  # numeric labels keep their value as the class index
-        classes = [str(i) for i in range(max(int(label) for label in labels) + 1)]
-        index = {label: int(label) for label in labels}
+    # the classes of the rows that are kept: a row without a path or a label is skipped, and is no class `''`
+    named = [label for row, label in zip(rows, labels, strict=True) if label and str(row.get("path") or "").strip()]
+    if named and all(label.isdigit() for label in named):  # numeric labels keep their value as the class index
+        classes = [str(i) for i in range(max(int(label) for label in named) + 1)]
+        index = {label: int(label) for label in named}
     else:
-        classes = sorted(set(labels))
+        classes = sorted(set(named))
         index = {name: i for i, name in enumerate(classes)}
     scan = _Scan()
     scan.digest.update(src.read_bytes())
