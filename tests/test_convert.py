@@ -1097,6 +1097,22 @@ def test_an_image_over_pillows_size_limit_is_skipped_with_the_way_to_allow_it(tm
     assert _run(src, tmp_path / "db", num_workers=workers, force=True).written == 5
 
 
+def test_a_class_missing_from_train_is_kept_with_a_warning_naming_it(tmp_path):
+    """A class folder with images in val or test but none in train is kept, with one warning naming it, its splits
+    and the closest train class (a misspelled folder); classes every split shares, or only train has, are silent."""
+    layout = {"train/cat": 1, "train/dog": 1, "train/bird": 1, "val/cat": 1, "test/cat": 1, "test/dgo": 1, "val/fox": 1}
+    src = _tree(tmp_path / "src", layout)
+    with pytest.warns(UserWarning) as record:
+        _run(src, tmp_path / "db")
+    (message,) = [str(w.message) for w in record if "none in train" in str(w.message)]
+    assert message == (
+        f"`src` {str(src)!r}: 2 class(es) have images in another split but none in train, so the model never learns"
+        " them: 'dgo' (in test; did you mean 'dog'?), 'fox' (in val). They are kept as classes; rename or move the"
+        " folders if that is a mistake."
+    )
+    assert read_meta(tmp_path / "db")["classes"] == ["bird", "cat", "dgo", "dog", "fox"]
+
+
 def test_replacing_another_sources_database_needs_force(split_folder, tmp_path):
     """Converting folder B onto folder A's database is refused (``DestinationError``), unless ``force``."""
     from lightning_fastdata import DestinationError

@@ -259,5 +259,7 @@ def encode_all(
             _STATE.clear()
         return
     chunksize = max(1, min(32, len(tasks) // (workers * 8)))
-    with multiprocessing.get_context().Pool(workers, initializer=_init_worker, initargs=(datasets, opts, Image.MAX_IMAGE_PIXELS)) as pool:
+    with multiprocessing.get_context().Pool(
+        workers, initializer=_init_worker, initargs=(datasets, opts, Image.MAX_IMAGE_PIXELS)
+    ) as pool:
         yield pool.imap(_work, tasks, chunksize=chunksize)

@@ -173,11 +173,32 @@ def _split_folders(src: Path) -> tuple[dict[str, Path], dict[str, list[str]]]:
 
 def _nonempty_classes(split_roots: dict[str, Path], per_split: dict[str, list[str]]) -> list[str]:
     """The class names (sorted, across splits) whose folder holds an image file in at least one split."""
-    names = sorted(set().union(*per_split.values()))
-    classes = [n for n in names if any(n in per_split[s] and _has_image(root / n) for s, root in split_roots.items())]
+    found = {split: {n for n in per_split[split] if _has_image(root / n)} for split, root in split_roots.items()}
+    classes = sorted(set().union(*found.values()))
     if len(classes) == 1:
         _refuse_nested_classes(split_roots, classes[0])
+    if "train" in found and len(found) > 1:
+        _warn_classes_missing_from_train(split_roots["train"].parent, found)
     return classes
+
+
+def _warn_classes_missing_from_train(src: Path, found: dict[str, set[str]]) -> None:
+    """Warn about classes with images in another split but none in ``train``: most often a misspelled folder."""
+    missing = sorted(set().union(*found.values()) - found["train"])
+    if not missing:
+        return
+    described = []
+    for name in missing:
+        splits = " and ".join(split for split in sorted(found) if name in found[split])
+        close = difflib.get_close_matches(name, sorted(found["train"]), n=1)
+        described.append(f"{name!r} (in {splits}" + (f"; did you mean {close[0]!r}?)" if close else ")"))
+    warnings.warn(
+        f"`src` {str(src)!r}: {len(missing)} class(es) have images in another split but none in train, so the model"
+        f" never learns them: {', '.join(described)}. They are kept as classes; rename or move the folders if that"
+        " is a mistake.",
+        UserWarning,
+        stacklevel=4,
+    )
 
 
 def _refuse_nested_classes(split_roots: dict[str, Path], name: str) -> None:
