@@ -272,11 +272,18 @@ class FastImageDataModule(LightningDataModule):
         needed = math.ceil(self.image_size / self.crop_fraction)
         if stored is None or stored >= needed:
             return
+        if self.is_database:  # its images are what they are: only a new conversion changes them
+            fix = (
+                f"Convert the source again with `lightning-fastdata convert SRC {self.data_dir} --short-side {needed}"
+                " --force` (or 0 to keep original sizes), or pass the source folder as `data_dir`."
+            )
+        else:
+            fix = (
+                f"Pass `short_side={needed}` (or leave it at None, which follows `image_size`; 0 keeps original sizes)."
+            )
         rank_zero_warn(
             f"The database stores images with a short side of at most {stored} px, but `image_size={self.image_size}`"
-            f" with `crop_fraction={self.crop_fraction}` needs {needed} px: every crop is upsampled. Pass"
-            f" `short_side={needed}` (or leave it at None, which follows `image_size`; 0 keeps original sizes)"
-            + (", or convert the source again with `--short-side`." if self.is_database else ".")
+            f" with `crop_fraction={self.crop_fraction}` needs {needed} px: every crop is upsampled. {fix}"
         )
 
     @property
@@ -360,9 +367,17 @@ class FastImageDataModule(LightningDataModule):
 
     def _open_splits(self) -> None:
         meta = _format.read_meta(self.database_path)
+        if self.is_database and self.short_side is not None:
+            rank_zero_warn(
+                f"`short_side={self.short_side}` is ignored: `data_dir` {self.data_dir!r} is a database, whose images"
+                f" were stored at a short side of {meta.get('encoding', {}).get('short_side') or 'their original size'}"
+                " (`short_side` applies when a DataModule converts a folder)."
+            )
         self._check_store_size(meta.get("encoding", {}).get("short_side"))
         splits = meta["splits"]
         self._splits = sorted(splits)
+        if self.predict_split is not None:
+            self.resolved_predict_split(self._splits)  # a misspelled split fails now, not after the whole fit
         by_role: dict[str, str] = {}
         for name in sorted(splits, key=lambda n: (n != canonical_split(n), n)):  # an exact "val" beats "valid"
             by_role.setdefault(canonical_split(name) or name, name)
@@ -657,7 +672,17 @@ class FastImageDataModule(LightningDataModule):
         if self.train_dataset is None:
             self.setup("fit")
         assert self.train_dataset is not None
-        return self._loader(self.train_dataset, shuffle=True, drop_last=self.drop_last, train=True)
+        loader = self._loader(self.train_dataset, shuffle=True, drop_last=self.drop_last, train=True)
+        if self.drop_last and len(loader) == 0:
+            samples = len(self.train_dataset)  # type: ignore[arg-type]
+            replicas = self.trainer.distributed_sampler_kwargs if self.trainer is not None else None
+            per_process = f" ({math.ceil(samples / replicas['num_replicas'])} per process)" if replicas else ""
+            rank_zero_warn(
+                f"The training split has {samples} images{per_process}, fewer than `batch_size={self.batch_size}`, and"
+                " `drop_last=True` drops that one incomplete batch: there are no training batches. Lower"
+                " `batch_size`, or pass `drop_last=False`."
+            )
+        return loader
 
     @override
     def val_dataloader(self) -> DataLoader | list[DataLoader]:

@@ -627,6 +627,45 @@ def test_a_store_too_small_for_image_size_warns(split_root: Path, tmp_path: Path
         _dm(split_root, tmp_path / "cache", image_size=32, short_side=37)
 
 
+def test_a_database_too_small_for_image_size_names_the_conversion_that_fixes_it(
+    split_root: Path, tmp_path: Path
+) -> None:
+    """With a database as ``data_dir`` only a new conversion helps: the warning says that one, and that the
+    ``short_side`` passed is ignored (it was advised before, and did nothing)."""
+    db = tmp_path / "small.lmdb"
+    convert(split_root, db, short_side=20, num_workers=0, progress=False)
+    with pytest.warns(UserWarning) as record:
+        _dm(db, tmp_path / "cache", image_size=32, short_side=37)
+    assert [str(w.message) for w in record] == [
+        f"`short_side=37` is ignored: `data_dir` {str(db)!r} is a database, whose images were stored at a short side"
+        " of 20 (`short_side` applies when a DataModule converts a folder).",
+        "The database stores images with a short side of at most 20 px, but `image_size=32` with `crop_fraction=0.875`"
+        f" needs 37 px: every crop is upsampled. Convert the source again with `lightning-fastdata convert SRC {db}"
+        " --short-side 37 --force` (or 0 to keep original sizes), or pass the source folder as `data_dir`.",
+    ]
+
+
+def test_a_misspelled_predict_split_fails_at_setup_not_after_fit(split_root: Path, shared_cache: Path) -> None:
+    """``predict_split`` names a split the database lacks: ``setup`` says so, before any training."""
+    with pytest.raises(ValueError, match=r"`predict_split` 'tst' is not in .*; it holds \['train', 'val'\]"):
+        _dm(split_root, shared_cache, predict_split="tst")
+
+
+def test_a_training_split_smaller_than_a_batch_warns_that_nothing_trains(split_root: Path, shared_cache: Path) -> None:
+    """Fewer training images than ``batch_size`` with ``drop_last=True`` is no batch at all: a warning says so and
+    what to change; with ``drop_last=False`` the one short batch trains, silently."""
+    dm = _dm(split_root, shared_cache, batch_size=64)
+    with pytest.warns(UserWarning) as record:
+        assert len(dm.train_dataloader()) == 0
+    assert [str(w.message) for w in record] == [
+        f"The training split has {SPLIT_TRAIN} images, fewer than `batch_size=64`, and `drop_last=True` drops that one"
+        " incomplete batch: there are no training batches. Lower `batch_size`, or pass `drop_last=False`."
+    ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert len(_dm(split_root, shared_cache, batch_size=64, drop_last=False).train_dataloader()) == 1
+
+
 def test_threaded_loaders_get_no_lightning_advice_to_add_worker_processes(
     database: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
