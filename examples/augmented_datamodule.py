@@ -1,18 +1,21 @@
 """A FastImageDataModule subclass that changes the training augmentation: brightness/contrast jitter on uint8.
 
+Its random numbers come from ``sample_rng()``: a function of (seed, epoch, sample), so two runs with the same seed
+train on the same batches, with either engine, and a resumed run continues exactly.
+
 Use it from a config with ``class_path: examples.augmented_datamodule.JitterDataModule``; every argument of
 FastImageDataModule passes through ``**kwargs``.
 """
 
 from __future__ import annotations
 
-import random
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from lightning_fastdata import FastImageDataModule
+from lightning_fastdata.keyed_random import sample_rng
 
 
 class _Jitter:
@@ -22,8 +25,9 @@ class _Jitter:
 
     def __call__(self, image: torch.Tensor) -> torch.Tensor:
         image = self.base(image)
-        gain = 1.0 + random.uniform(-self.strength, self.strength)
-        offset = 255.0 * random.uniform(-self.strength, self.strength) / 2
+        rng = sample_rng()  # not `random`: its draws differ between runs and loader threads
+        gain = 1.0 + rng.uniform(-self.strength, self.strength)
+        offset = 255.0 * rng.uniform(-self.strength, self.strength) / 2
         # stays uint8: one small float pass on a 224x224 crop, after the resize
         return image.float().mul_(gain).add_(offset).clamp_(0, 255).to(torch.uint8)
 

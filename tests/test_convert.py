@@ -1102,7 +1102,7 @@ def test_a_class_missing_from_train_is_kept_with_a_warning_naming_it(tmp_path):
     and the closest train class (a misspelled folder); classes every split shares, or only train has, are silent."""
     layout = {"train/cat": 1, "train/dog": 1, "train/bird": 1, "val/cat": 1, "test/cat": 1, "test/dgo": 1, "val/fox": 1}
     src = _tree(tmp_path / "src", layout)
-    with pytest.warns(UserWarning) as record:
+    with pytest.warns(UserWarning, match="none in train") as record:
         _run(src, tmp_path / "db")
     (message,) = [str(w.message) for w in record if "none in train" in str(w.message)]
     assert message == (

@@ -480,6 +480,22 @@ def test_jitter_subclass_changes_train_transform_only(
     assert differ >= 5
 
 
+def test_jitter_subclass_batches_are_the_same_in_every_run(
+    split_root: Path, shared_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The example draws from ``sample_rng()``: two runs with the same seed train on the same jittered batches, on
+    loader threads too (it drew from the global ``random`` before, and no two runs matched)."""
+    monkeypatch.syspath_prepend(str(ROOT))
+    from examples.augmented_datamodule import JitterDataModule
+
+    def first_batch() -> torch.Tensor:
+        return next(
+            iter(_dm(split_root, shared_cache, cls=JitterDataModule, jitter=0.4, num_workers=2).train_dataloader())
+        )[0]
+
+    assert torch.equal(first_batch(), first_batch())
+
+
 def _recording_classifier() -> Any:
     """The example `ImageClassifier` (resnet18), recording the dtype and shape of each training batch it gets."""
     from examples.classifier import ImageClassifier
@@ -634,7 +650,7 @@ def test_a_database_too_small_for_image_size_names_the_conversion_that_fixes_it(
     ``short_side`` passed is ignored (it was advised before, and did nothing)."""
     db = tmp_path / "small.lmdb"
     convert(split_root, db, short_side=20, num_workers=0, progress=False)
-    with pytest.warns(UserWarning) as record:
+    with pytest.warns(UserWarning, match="short_side") as record:
         _dm(db, tmp_path / "cache", image_size=32, short_side=37)
     assert [str(w.message) for w in record] == [
         f"`short_side=37` is ignored: `data_dir` {str(db)!r} is a database, whose images were stored at a short side"
@@ -655,7 +671,7 @@ def test_a_training_split_smaller_than_a_batch_warns_that_nothing_trains(split_r
     """Fewer training images than ``batch_size`` with ``drop_last=True`` is no batch at all: a warning says so and
     what to change; with ``drop_last=False`` the one short batch trains, silently."""
     dm = _dm(split_root, shared_cache, batch_size=64)
-    with pytest.warns(UserWarning) as record:
+    with pytest.warns(UserWarning, match="no training batches") as record:
         assert len(dm.train_dataloader()) == 0
     assert [str(w.message) for w in record] == [
         f"The training split has {SPLIT_TRAIN} images, fewer than `batch_size=64`, and `drop_last=True` drops that one"
