@@ -114,6 +114,7 @@ def _add_synth(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-size", type=int, default=640, help="largest side length drawn (default 640)")
     p.add_argument("--noise", type=float, default=0.0, help="photo-like grain, pixel std on 0-255 (default 0: smooth)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--force", action="store_true", help="write into DST even when it already holds files")
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
@@ -206,6 +207,16 @@ def _convert(args: argparse.Namespace) -> int:
 def _synth(args: argparse.Namespace) -> int:
     from lightning_fastdata.synthetic import make_image_folder
 
+    dst = Path(args.dst).expanduser()
+    held = sorted(e.name for e in dst.iterdir() if not e.name.startswith(".")) if dst.is_dir() else []
+    if held and not args.force:
+        print(
+            f"error: `dst` {str(dst)!r} is not empty (it holds {len(held)} entries: {', '.join(held[:3])}"
+            f"{', ...' if len(held) > 3 else ''}); synth would add its classes to them and overwrite same-named"
+            " images. Pick a new folder, or pass --force to write into it anyway.",
+            file=sys.stderr,
+        )
+        return 2
     root = make_image_folder(
         args.dst,
         num_classes=args.classes,

@@ -138,6 +138,28 @@ def test_synth_val_zero_writes_a_plain_image_folder(tmp_path, capsys):
     assert len(list(dst.glob("*/*.jpg"))) == 6
 
 
+def test_synth_into_a_folder_that_holds_files_needs_force(tmp_path, capsys):
+    """``synth`` into a non-empty folder (a user's dataset) exits 2 with one line and writes nothing; ``--force``
+    writes into it. An empty folder, or one holding only hidden files, is written without asking."""
+    dst = tmp_path / "mine"
+    (dst / "cat").mkdir(parents=True)
+    (dst / "cat" / "1.jpg").write_bytes(b"mine")
+    (dst / "dog").mkdir()
+    small = ["--classes", "2", "--train", "1", "--val", "0", "--min-size", "16", "--max-size", "16"]
+    assert main(["synth", str(dst), *small]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: `dst` {str(dst)!r} is not empty (it holds 2 entries: cat, dog); synth would add its classes to them"
+        " and overwrite same-named images. Pick a new folder, or pass --force to write into it anyway."
+    ]
+    assert sorted(p.name for p in dst.iterdir()) == ["cat", "dog"]
+    assert main(["synth", str(dst), *small, "--force"]) == 0
+    assert sorted(p.name for p in dst.iterdir()) == ["cat", "class_0", "class_1", "dog"]
+    hidden = tmp_path / "hidden"
+    hidden.mkdir()
+    (hidden / ".DS_Store").write_bytes(b"")
+    assert main(["synth", str(hidden), *small]) == 0
+
+
 def test_synth_invalid_counts_return_2(tmp_path, capsys):
     """Invalid ``synth`` arguments exit 2 with ``error:``."""
     assert main(["synth", str(tmp_path / "x"), "--classes", "0"]) == 2
