@@ -452,8 +452,12 @@ class FastImageDataModule(LightningDataModule):
         return CenterCropResize(self.image_size, crop_fraction=self.crop_fraction)
 
     def build_dataset(self, split: str, transform: Callable[[Any], Any] | None) -> Dataset:
-        """The dataset of one split of the database; override to add fields or change decoding."""
-        return LmdbImageDataset(self.database_path, split=split, transform=transform)
+        """The dataset of one split of the database; override to add fields or change decoding.
+
+        It decodes as the built-in batch path does (``fast_decode=True``), so a transform of one's own for one split
+        sees the same pixels as the built-in transform of another.
+        """
+        return LmdbImageDataset(self.database_path, split=split, transform=transform, fast_decode=True)
 
     # ------------------------------------------------------------------------------------------------------------
     # Loaders

@@ -6,6 +6,7 @@ import json
 import os
 import random
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -141,7 +142,7 @@ def test_setup_holds_out_val_fraction(plain_root: Path, shared_cache: Path) -> N
 
     # the held-out view reads the training split with the validation transform
     image, label = dm.val_dataset[0]
-    base = LmdbImageDataset(dm.database_path, split="train", transform=CenterCropResize(16))
+    base = LmdbImageDataset(dm.database_path, split="train", transform=CenterCropResize(16), fast_decode=True)
     expected_image, expected_label = base[val[0]]
     assert torch.equal(image, expected_image)
     assert label == expected_label
@@ -478,6 +479,26 @@ def test_jitter_subclass_changes_train_transform_only(
         differ += int(not torch.equal(jittered, expected))
         assert torch.equal(jitter.val_dataset[index][0], plain.val_dataset[index][0])
     assert differ >= 5
+
+
+class _OwnValTransform(FastImageDataModule):
+    """The built-in validation transform, wrapped: validation takes the per-sample path (``dataset[i]``)."""
+
+    def val_transform(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        base = super().val_transform()
+        return lambda image: base(image)
+
+
+def test_a_transform_of_ones_own_sees_the_built_in_paths_pixels(split_root: Path, shared_cache: Path) -> None:
+    """The per-sample path (a transform of one's own) decodes as the built-in batch path does: overriding one split's
+    transform does not give it other pixels than the other split's (before, it decoded accurately and the batch path
+    fast: a grey level apart on average)."""
+    plain = _dm(split_root, shared_cache, num_workers=0)
+    own = _dm(split_root, shared_cache, cls=_OwnValTransform, num_workers=0)
+    uint8 = next(iter(own.val_dataloader()))[0]  # normalized later, in `on_after_batch_transfer`
+    assert uint8.dtype == torch.uint8
+    # a grey level is 0.017 here: the same pixels, up to the float rounding of the two normalizations
+    assert torch.allclose(_normalized(uint8), next(iter(plain.val_dataloader()))[0], atol=1e-4)
 
 
 def test_jitter_subclass_batches_are_the_same_in_every_run(
