@@ -20,7 +20,12 @@ from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
 from lightning_fastdata import cpus
-from lightning_fastdata.errors import DestinationError, ReadOnlyDestinationError, SourceLayoutError
+from lightning_fastdata.errors import (
+    DestinationError,
+    MissingSplitError,
+    ReadOnlyDestinationError,
+    SourceLayoutError,
+)
 from lightning_fastdata.loader import Output
 from lightning_fastdata.pipeline import DeviceStage, FastLoader, create_loader
 from lightning_fastdata.skipping import SkipCounter
@@ -360,7 +365,7 @@ class FastImageDataModule(LightningDataModule):
         if self._splits is None and self.train_dataset is None:
             self._open_splits()
         if stage == "fit" and self.train_dataset is None:
-            raise ValueError(
+            raise MissingSplitError(
                 f"{str(self.database_path)!r} has no `train` split; it holds {self._splits}. Put training images in"
                 " `train/<class>/` (or `training/`) under `data_dir`, or run validate/test/predict only."
             )
@@ -406,7 +411,7 @@ class FastImageDataModule(LightningDataModule):
         names = list(_format.read_meta(self.database_path)["splits"]) if splits is None else list(splits)
         if self.predict_split is not None:
             if self.predict_split not in names:
-                raise ValueError(
+                raise MissingSplitError(
                     f"`predict_split` {self.predict_split!r} is not in {str(self.database_path)!r}; it holds"
                     f" {sorted(names)}."
                 )
@@ -702,13 +707,13 @@ class FastImageDataModule(LightningDataModule):
         """Batches of the ``test`` split (a ``test/``, ``testing/``, ... folder), in order, with validation transforms.
 
         Raises:
-            ValueError: the database has no test split.
+            MissingSplitError: the database has no test split (a ``ValueError``).
 
         """
         if self._splits is None:
             self.setup("test")
         if self.test_dataset is None:
-            raise ValueError(
+            raise MissingSplitError(
                 f"{str(self.database_path)!r} has no test split; it holds {self._splits}. Put test images in"
                 " `test/<class>/` (or `testing/`) beside `train/` under `data_dir`, then run again."
             )

@@ -19,6 +19,10 @@ class SourceLayoutError(FastDataError, ValueError):
     """A conversion source is missing, empty, or not laid out as an image folder."""
 
 
+class MissingSplitError(FastDataError, ValueError):
+    """The data has no split a stage reads (``train`` to fit, ``test`` to test, the named ``predict_split``)."""
+
+
 class ConversionError(FastDataError, RuntimeError):
     """A conversion could not finish (a skipped file under ``strict``, disk full, ...); nothing was published."""
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -240,3 +241,26 @@ def test_a_missing_data_dir_is_one_line(tmp_path: Path, capsys) -> None:
     assert main(["fit", "--config", "examples/configs/cpu.yaml", *args]) == 2
     line = _one_error_line(capsys.readouterr().err)
     assert line.startswith(f"error: `data_dir` {str(missing)!r} does not exist. Pass an ImageFolder root"), line
+
+
+@pytest.mark.usefixtures("in_repo")
+def test_test_without_a_test_split_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """``test`` on data without a ``test/`` split: one line naming the database and its splits, exit 2."""
+    (tmp_path / "tiny_model.py").write_text(
+        "from examples.classifier import ImageClassifier\n\n\n"
+        "class Tested(ImageClassifier):\n    def test_step(self, batch, batch_idx):\n        pass\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    images = make_image_folder(
+        tmp_path / "images", num_classes=2, train_per_class=2, val_per_class=1, min_size=40, max_size=48, num_workers=1
+    )
+    args = ["--model", "tiny_model.Tested", "--data.init_args.data_dir", str(images)]
+    args += ["--data.init_args.cache_dir", str(tmp_path / "cache"), "--trainer.default_root_dir", str(tmp_path / "out")]
+    args += ["--trainer.logger", "false", "--trainer.enable_progress_bar", "false"]
+    assert main(["test", "--config", "examples/configs/cpu.yaml", *args]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert re.fullmatch(
+        r"error: '.*\.lmdb' has no test split; it holds \['train', 'val'\]\. Put test images in `test/<class>/`"
+        r" \(or `testing/`\) beside `train/` under `data_dir`, then run again\.",
+        line,
+    ), line
