@@ -543,6 +543,14 @@ def _lightning(argv: list[str], from_console: bool) -> int:
     except FastDataError as err:
         print(f"error: {_message(err)}", file=sys.stderr)
         return 2
+    except ValueError as err:  # jsonargparse wraps what a class's __init__ raises; only this package's is said so
+        cause = err.__cause__
+        while cause is not None and not isinstance(cause, FastDataError):
+            cause = cause.__cause__
+        if cause is None:
+            raise
+        print(f"error: {_message(cause)}", file=sys.stderr)
+        return 2
     return 0
 
 

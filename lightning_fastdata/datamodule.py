@@ -22,6 +22,7 @@ from typing_extensions import override
 from lightning_fastdata import cpus
 from lightning_fastdata.errors import (
     DestinationError,
+    InvalidArgumentError,
     MissingSplitError,
     ReadOnlyDestinationError,
     SourceLayoutError,
@@ -190,21 +191,21 @@ class FastImageDataModule(LightningDataModule):
     ) -> None:
         super().__init__()
         if image_size < 1 or batch_size < 1:
-            raise ValueError(f"`image_size` ({image_size}) and `batch_size` ({batch_size}) must be >= 1.")
+            raise InvalidArgumentError(f"`image_size` ({image_size}) and `batch_size` ({batch_size}) must be >= 1.")
         if num_workers not in ("auto", "tune") and (not isinstance(num_workers, int) or num_workers < 0):
-            raise ValueError(f"`num_workers` must be 'auto', 'tune' or an int >= 0, got {num_workers!r}.")
+            raise InvalidArgumentError(f"`num_workers` must be 'auto', 'tune' or an int >= 0, got {num_workers!r}.")
         if prefetch_factor is not None and prefetch_factor < 1:
-            raise ValueError(f"`prefetch_factor` must be >= 1 or None, got {prefetch_factor}.")
+            raise InvalidArgumentError(f"`prefetch_factor` must be >= 1 or None, got {prefetch_factor}.")
         if not 0 <= val_fraction < 1:
-            raise ValueError(f"`val_fraction` must be in [0, 1), got {val_fraction}.")
+            raise InvalidArgumentError(f"`val_fraction` must be in [0, 1), got {val_fraction}.")
         if engine not in ("auto", "threads", "processes"):
-            raise ValueError(f"`engine` must be 'auto', 'threads' or 'processes', got {engine!r}.")
+            raise InvalidArgumentError(f"`engine` must be 'auto', 'threads' or 'processes', got {engine!r}.")
         if decode not in ("cpu", "device"):
-            raise ValueError(f"`decode` must be 'cpu' or 'device', got {decode!r}.")
+            raise InvalidArgumentError(f"`decode` must be 'cpu' or 'device', got {decode!r}.")
         if on_bad_sample not in ("raise", "skip"):
-            raise ValueError(f"`on_bad_sample` must be 'raise' or 'skip', got {on_bad_sample!r}.")
+            raise InvalidArgumentError(f"`on_bad_sample` must be 'raise' or 'skip', got {on_bad_sample!r}.")
         if len(mean) != 3 or len(std) != 3 or min(std) <= 0:
-            raise ValueError(f"`mean` and `std` need 3 values each and `std` > 0, got {mean} and {std}.")
+            raise InvalidArgumentError(f"`mean` and `std` need 3 values each and `std` > 0, got {mean} and {std}.")
         self.save_hyperparameters()
         self.data_dir = data_dir
         self.cache_dir = cache_dir
@@ -328,7 +329,9 @@ class FastImageDataModule(LightningDataModule):
             )
         target = self.database_path
         if target == source or target.is_relative_to(source):
-            raise ValueError(f"`cache_dir` {self.cache_dir!r} must not be inside `data_dir` {self.data_dir!r}.")
+            raise InvalidArgumentError(
+                f"`cache_dir` {self.cache_dir!r} must not be inside `data_dir` {self.data_dir!r}."
+            )
         try:
             summary = convert(
                 source, target, short_side=self.store_short_side(), quality=self.quality, encoding=self.encoding

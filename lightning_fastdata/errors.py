@@ -19,6 +19,10 @@ class SourceLayoutError(FastDataError, ValueError):
     """A conversion source is missing, empty, or not laid out as an image folder."""
 
 
+class InvalidArgumentError(FastDataError, ValueError):
+    """An argument is out of its range or not one of its choices (``FastImageDataModule(image_size=0)``)."""
+
+
 class MissingSplitError(FastDataError, ValueError):
     """The data has no split a stage reads (``train`` to fit, ``test`` to test, the named ``predict_split``)."""
 

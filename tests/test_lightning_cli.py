@@ -244,6 +244,18 @@ def test_a_missing_data_dir_is_one_line(tmp_path: Path, capsys) -> None:
 
 
 @pytest.mark.usefixtures("in_repo")
+def test_a_value_the_datamodule_rejects_is_one_line(capsys) -> None:
+    """``val_fraction 2`` or ``image_size 0`` parse but fail ``__init__``: its message in one line, exit 2."""
+    cases = [
+        (["--data.init_args.val_fraction", "2"], "`val_fraction` must be in [0, 1), got 2.0."),
+        (["--data.init_args.image_size", "0"], "`image_size` (0) and `batch_size` (32) must be >= 1."),
+    ]
+    for extra, expected in cases:
+        assert main(["fit", "--config", "examples/configs/cpu.yaml", *extra]) == 2
+        assert _one_error_line(capsys.readouterr().err) == f"error: {expected}"
+
+
+@pytest.mark.usefixtures("in_repo")
 def test_test_without_a_test_split_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
     """``test`` on data without a ``test/`` split: one line naming the database and its splits, exit 2."""
     (tmp_path / "tiny_model.py").write_text(
