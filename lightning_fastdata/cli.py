@@ -375,8 +375,61 @@ def _usage_line(parser: Any, message: str) -> str:
             close = difflib.get_close_matches(options[0], _option_strings(parser), n=1, cutoff=0.6)
             hint = f"; did you mean `{close[0]}`?" if close else f". `{parser.prog} --help` lists every option."
             return f"unrecognized option `{options[0]}`{hint}"
-    detail = next((line[2:] for line in lines if line.startswith("- ") and "NoneType" not in line), None)
-    return f"{lines[0]} {detail}" if detail and len(lines) > 1 and key else lines[0]
+    return _rejected_value(message) or lines[0]
+
+
+def _rejected_value(message: str) -> str | None:
+    """``key: reason`` for a value jsonargparse rejects, from the innermost of its nested errors.
+
+    jsonargparse nests a ``Parser key "..."`` block per level (``data``, then the class's argument), lists every
+    union member's error (``- Expected a <class 'NoneType'>`` among them) and ends each level with the given value.
+    """
+    keys: list[str] = []
+    class_path = None
+    expected: list[tuple[int, str, str | None]] = []  # (indent, type, value)
+    given, reasons = None, []
+    for raw in message.splitlines():
+        text = raw.strip().removeprefix("- ")
+        if (found := re.fullmatch(r'Parser key "([^"]+)":', text)) is not None:
+            keys += ["init_args", found[1]] if class_path and keys else [found[1]]
+            class_path = None
+        elif (found := re.fullmatch(r"Problem with given class_path '([^']+)':", text)) is not None:
+            class_path = found[1]
+        elif (found := re.fullmatch(r"Expected a (.+?)(?:\. Got value: (.*))?", text)) is not None:
+            if found[1] != "<class 'NoneType'>" and not found[1].startswith("path but "):
+                expected.append((len(raw) - len(raw.lstrip()), found[1], found[2]))
+        elif text.startswith("Given value: "):
+            given = given if given is not None else text.removeprefix("Given value: ")
+        elif text and not text.startswith(("Does not validate against", "Subtypes:", "Errors:", "Given value type:")):
+            reasons.append(text)
+    if not keys:
+        return None
+    key = ".".join(keys)
+    if expected:
+        deepest = max(indent for indent, _, _ in expected)
+        types = [_type_name(hint) for indent, hint, _ in expected if indent == deepest]
+        value = next((got for indent, _, got in expected if indent == deepest and got is not None), given)
+        return f"`{key}`: expected {' or '.join(types)}" + (f", got {value!r}" if value is not None else "")
+    if not reasons:
+        return None
+    if class_path is None:
+        return f"`{key}`: {reasons[-1]}"
+    hint = ""
+    missing = re.fullmatch(r"module '([\w.]+)' has no attribute '(\w+)'", reasons[-1])
+    if missing is not None and missing[1] in sys.modules:  # a misspelled class of a module that imports
+        names = [name for name, obj in vars(sys.modules[missing[1]]).items() if isinstance(obj, type)]
+        close = difflib.get_close_matches(missing[2], names, n=1, cutoff=0.6)
+        hint = f"; did you mean `{missing[1]}.{close[0]}`?" if close else ""
+    return f"`{key}.class_path` {class_path!r}: {reasons[-1]}{hint}"
+
+
+def _type_name(hint: str) -> str:
+    """``an int``, ``one of 'a', 'b'``: a jsonargparse type hint (``<class 'int'>``, ``typing.Literal['a', 'b']``)."""
+    literal = re.fullmatch(r"typing(?:_extensions)?\.Literal\[(.*)\]", hint)
+    if literal is not None:
+        return f"one of {literal[1]}"
+    name = re.sub(r"<class '(?:[\w.]*\.)?(\w+)'>", r"\1", hint)
+    return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"
 
 
 def _class_of(parser: Any, key: str, message: str) -> type | None:

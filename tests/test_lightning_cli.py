@@ -244,6 +244,33 @@ def test_a_missing_data_dir_is_one_line(tmp_path: Path, capsys) -> None:
 
 
 @pytest.mark.usefixtures("in_repo")
+def test_a_value_of_the_wrong_type_is_one_line_with_the_reason(tmp_path: Path, capsys) -> None:
+    """A value jsonargparse rejects, or a misspelled class_path: one line that keeps the reason, exit 2."""
+    config = tmp_path / "typo.yaml"
+    config.write_text("model:\n  class_path: examples.classifier.ImageClassifer\n")
+    hint = " (`lightning-fastdata fit --help` lists every option)"
+    cases = [
+        (["--data.init_args.batch_size", "abc"], "`data.init_args.batch_size`: expected an int, got 'abc'" + hint),
+        (
+            ["--data.init_args.engine", "thread"],
+            "`data.init_args.engine`: expected one of 'auto', 'threads', 'processes', got 'thread'" + hint,
+        ),
+        (
+            ["--data.init_args.num_workers", "x"],
+            "`data.init_args.num_workers`: expected an int or one of 'auto', 'tune', got 'x'" + hint,
+        ),
+        (
+            ["--config", str(config)],
+            "`model.class_path` 'examples.classifier.ImageClassifer': module 'examples.classifier' has no attribute"
+            " 'ImageClassifer'; did you mean `examples.classifier.ImageClassifier`?",
+        ),
+    ]
+    for extra, expected in cases:
+        assert main(["fit", "--config", "examples/configs/cpu.yaml", *extra]) == 2
+        assert _one_error_line(capsys.readouterr().err) == f"error: {expected}"
+
+
+@pytest.mark.usefixtures("in_repo")
 def test_a_value_the_datamodule_rejects_is_one_line(capsys) -> None:
     """``val_fraction 2`` or ``image_size 0`` parse but fail ``__init__``: its message in one line, exit 2."""
     cases = [
