@@ -342,12 +342,12 @@ def _one_line_parser() -> type:
         def error(self, message: str, ex: Exception | None = None) -> NoReturn:
             if not self.exit_on_error:  # jsonargparse's own attempts (union members, nested parsers) catch these
                 super().error(message, ex)
-            raise _UsageError(_usage_line(self, message))
+            raise _UsageError(_usage_line(self, message, ex))
 
     return _Parser
 
 
-def _usage_line(parser: Any, message: str) -> str:
+def _usage_line(parser: Any, message: str, ex: Exception | None = None) -> str:
     """One line for a jsonargparse error, naming the nearest valid key for a misspelled one."""
     lines = [line.strip() for line in message.splitlines() if line.strip()]
     group = re.match(r'Parser key "([^"]+)"', lines[0])
@@ -360,6 +360,14 @@ def _usage_line(parser: Any, message: str) -> str:
         owner = f" ({cls.__name__})" if cls is not None else ""
         hint = f"; did you mean `{close[0]}` (`--{key}.init_args.{close[0]}`)?" if close else "."
         return f"`{key}`{owner} has no argument `{name}`{hint}"
+    unknown_key = re.match(r"(Subcommand|Group) '([^']+)' does not accept option '([^']+)'", lines[0])
+    if unknown_key is not None:  # a config's key: `trainer: {max_epoch: 2}`
+        kind, owner, name = unknown_key.groups()
+        name = name if kind == "Subcommand" else f"{owner}.{name}"
+        keys = [action.dest for action in getattr(ex, "subcommand_parser", parser)._actions]
+        keys = [dest for dest in keys if not name.startswith(f"{dest}.")]  # `trainer` is no answer to `trainer.zzz`
+        close = difflib.get_close_matches(name, keys, n=1, cutoff=0.6)
+        return f"unknown key `{name}`" + (f"; did you mean `{close[0]}`?" if close else "")
     required = next((m for m in (re.search(r"arguments are required: (.+)", line) for line in lines) if m), None)
     if required is not None:
         names = [n.strip() for n in required.group(1).split(",")]

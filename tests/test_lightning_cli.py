@@ -303,3 +303,13 @@ def test_test_without_a_test_split_is_one_line(tmp_path: Path, monkeypatch: pyte
         r" \(or `testing/`\) beside `train/` under `data_dir`, then run again\.",
         line,
     ), line
+
+
+@pytest.mark.usefixtures("in_repo")
+def test_a_misspelled_trainer_key_in_a_config_names_the_nearest_key(tmp_path: Path, capsys) -> None:
+    """``trainer: {max_epoch: 2}`` in a config: one line naming ``trainer.max_epochs``, exit 2."""
+    config = tmp_path / "trainer.yaml"
+    config.write_text("trainer:\n  max_epoch: 2\n")
+    assert main(["fit", "--config", "examples/configs/cpu.yaml", "--config", str(config)]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert line == "error: unknown key `trainer.max_epoch`; did you mean `trainer.max_epochs`?"
