@@ -390,6 +390,31 @@ def test_warmup_epoch_is_left_out_of_the_summary():
     ]
 
 
+def test_warmup_is_the_first_epoch_a_resumed_fit_runs():
+    """A fit resumed at epoch 2 starts its workers and page cache cold too: its first epoch is the warmup."""
+    trainer, module, clock = _mock_trainer(max_epochs=4), _cpu_module(), _Clock()
+    monitor = LoaderMonitor(warmup_epochs=1, verbose=False)
+    with (
+        patch("lightning_fastdata.cpus.CpuMeter"),
+        patch(PERF_COUNTER, side_effect=clock),
+        patch(f"{CALLBACK}.rank_zero_info") as info,
+    ):
+        monitor.on_train_start(trainer, module)
+        for epoch, (wait, step) in [(2, (500.0, 10.0)), (3, (0.1, 10.0))]:
+            trainer.current_epoch = epoch
+            monitor.on_train_epoch_start(trainer, module)
+            _drive(monitor, trainer, module, clock, [(wait, step)] * 3)
+            monitor.on_train_epoch_end(trainer, module)
+        monitor.on_train_end(trainer, module)
+    assert list(monitor.warmup) == [1, 1, 1, 0, 0, 0]
+    assert (monitor.summary["warmup_steps"], monitor.summary["measured_steps"]) == (3, 3)
+    assert monitor.summary["verdict"] == "compute-bound"
+    lines = [c.args[0] for c in info.call_args_list if c.args[0].startswith("LoaderMonitor epoch")]
+    assert lines[0].startswith("LoaderMonitor epoch 2:")
+    assert lines[0].endswith("(warmup: not in the verdict)")
+    assert not lines[1].endswith("(warmup: not in the verdict)")
+
+
 def test_warmup_steps_leave_out_the_first_batches():
     """`warmup_steps=2` flags the first two batches of the run, whatever the epoch."""
     trainer, module, clock = _mock_trainer(), _cpu_module(), _Clock()

@@ -48,7 +48,8 @@ class LoaderMonitor(Callback):
     logged from a CUDA module is copied to the GPU, and that copy waits for the queue); one ``synchronize()`` at the
     end of each epoch reads what is left.
 
-    The first epoch is warmup (worker start-up, cold page cache): it is logged but left out of the verdict.
+    The first epoch this fit runs is warmup (worker start-up, cold page cache), also when it resumes from a checkpoint
+    at a later epoch: it is logged but left out of the verdict.
 
     **Logged Metrics** (through ``LightningModule.log``, so at the same steps and in the same rows as the model's own
     ``self.log`` metrics: every ``Trainer(log_every_n_steps)`` optimizer steps):
@@ -67,9 +68,10 @@ class LoaderMonitor(Callback):
     data were free ((wait + step) / step), and — when input-bound — advice computed from this run.
 
     Args:
-        warmup_epochs: epochs at the start left out of the verdict.
-        warmup_steps: training batches at the start left out of the verdict (for long epochs; a batch is warmup if
-            either applies).
+        warmup_epochs: the first epochs this fit runs (whatever their number, on a resumed fit) left out of the
+            verdict.
+        warmup_steps: the first training batches this fit runs left out of the verdict (for long epochs; a batch is
+            warmup if either applies).
         batch_size_fn: returns the number of samples in a batch, for batches whose first tensor is not the batch.
         report_dir: write ``loader_report.json`` (per-step series and summary) and, with matplotlib,
             ``loader_report.png`` here at the end of fit.
@@ -235,7 +237,8 @@ class LoaderMonitor(Callback):
         size = self.batch_size_fn(batch) if self.batch_size_fn is not None else _batch_size(batch)
         self.samples.append(int(size))
         self.epochs.append(trainer.current_epoch)
-        warm = trainer.current_epoch < self.warmup_epochs or index < self.warmup_steps
+        # counted from this fit's first epoch, not epoch 0: a fit resumed from a checkpoint starts cold too
+        warm = trainer.current_epoch - self.epochs[0] < self.warmup_epochs or index < self.warmup_steps
         self.warmup.append(1 if warm else 0)
         # Lightning writes the model's step metrics after this hook when (batches that stepped before this one + 1)
         # is a multiple of `log_every_n_steps`: logged through the module, these go in that write, at its step. With
