@@ -65,7 +65,8 @@ class LoaderMonitor(Callback):
 
     At the end of each epoch (one line) and of fit (a table), rank zero reports p50/p90 wait and step, the data
     fraction, throughput, GPU utilization, a verdict (input-bound, balanced, compute-bound), the speedup available if
-    data were free ((wait + step) / step), and — when input-bound — advice computed from this run.
+    data were free ((wait + step) / step), and — when input-bound, or balanced on the CPU on worker processes — advice
+    computed from this run.
 
     Args:
         warmup_epochs: the first epochs this fit runs (whatever their number, on a resumed fit) left out of the
