@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
 from torchvision.datasets import ImageFolder
 from torchvision.datasets.folder import default_loader
 
-from lightning_fastdata import LmdbImageDataset, LoaderMonitor
+from lightning_fastdata import FastImageDataModule, LmdbImageDataset, LoaderMonitor
 from lightning_fastdata.loader import BatchReader, FastLoader
 from lightning_fastdata.monitor.gpu import GpuSampler, nvml_handles
 from lightning_fastdata.monitor.report import epoch_line, format_table
@@ -672,6 +672,39 @@ def test_cpu_training_on_worker_processes_is_told_about_the_threads_engine(datab
     if judged == "balanced":
         assert on_cpu == threads
         assert on_cuda == plain == []
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_cpu_training_on_busy_cpus_is_not_told_to_add_workers(workers):
+    """On the CPU the loader and the model share the cores: when they are busy, more workers only take cores from the
+    training step, so the advice is to make each sample cheaper; with idle cores, or on CUDA, the budget stands."""
+    loader = DataLoader(_in_memory(4), num_workers=workers)
+    with patch("lightning_fastdata.cpus.usable_cpu_count", return_value=2):
+        busy = _advice(loader, summary={"cpu_util": 0.98})
+        idle = _advice(loader, summary={"cpu_util": 0.5})
+        on_cuda = _advice(loader, cuda=True, summary={"cpu_util": 0.98})
+    assert not any("set num_workers" in item or "raise it" in item for item in busy), busy
+    assert any(
+        item.startswith("training runs on the CPU and its 2 usable CPUs were 98% busy: the loader and the model")
+        and "fewer or cheaper transforms, a smaller image size" in item
+        for item in busy
+    ), busy
+    assert not any("look right" in item for item in busy), busy
+    raise_it = "set num_workers=2" if workers == 0 else "raise it to 2"
+    assert any(raise_it in item for item in idle), idle
+    assert any(raise_it in item for item in on_cuda), on_cuda
+
+
+def test_a_tuned_worker_count_is_kept(database):
+    """A count that `num_workers="tune"` measured on this machine is not overruled by the budget."""
+    datamodule = FastImageDataModule(str(database), num_workers="tune")
+    loader = DataLoader(_in_memory(4))  # the tuner's pick: 0
+    with patch("lightning_fastdata.cpus.usable_cpu_count", return_value=2):
+        tuned = _advice(loader, cuda=True, datamodule=datamodule, summary={"cpu_util": 0.5})
+        busy = _advice(loader, datamodule=datamodule, summary={"cpu_util": 0.98})
+    assert not any("set num_workers" in item for item in tuned + busy), tuned + busy
+    assert any(item.startswith("num_workers=0 is the pick of num_workers='tune'") for item in tuned), tuned
+    assert any("keep num_workers=0, the pick of num_workers='tune'" in item for item in busy), busy
 
 
 def test_loader_at_the_budget_gets_the_fallback_advice():

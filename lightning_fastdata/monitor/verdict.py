@@ -21,6 +21,8 @@ if TYPE_CHECKING:
 #: data fraction (wait / (wait + step)) above which a run is input-bound, and below which it is compute-bound
 INPUT_BOUND = 0.2
 COMPUTE_BOUND = 0.05
+#: CPU utilization (0-1) from which CPU training has no idle core to give more loader workers
+CPU_SATURATED = 0.85
 
 
 def verdict(fraction: float) -> str:
@@ -143,17 +145,19 @@ def advise(
 ) -> list[str]:
     """What to change in the training dataloader, computed from the run; ``[]`` when nothing needs to change.
 
-    Input-bound runs get advice on the loader's settings. A balanced run trained on the CPU on worker processes is
-    told about the threads engine too: the workers' copies slow the step they share the CPUs with, so the data
-    fraction understates their cost.
+    Input-bound runs get advice on the loader's settings, but no more workers than a ``num_workers="tune"`` pick, nor
+    when training on the CPU with its CPUs busy: the workers would take cores from the training step. A balanced run
+    trained on the CPU on worker processes is told about the threads engine too: the workers' copies slow the step
+    they share the CPUs with, so the data fraction understates their cost.
 
     A ``FastLoader`` builds batches on threads (``engine="threads"``) or worker processes, and counts them in
     ``workers``; a ``DataLoader`` builds them on ``num_workers`` worker processes.
 
     Args:
-        trainer: the Trainer, for its training dataloader, world size, nodes and ``max_epochs``.
-        summary: the summary (``verdict``, ``data_fraction``, ``wait_p50_ms``, ``wait_p90_ms``, ``gpu_util`` when
-            measured).
+        trainer: the Trainer, for its training dataloader, its datamodule's ``num_workers``, world size, nodes and
+            ``max_epochs``.
+        summary: the summary (``verdict``, ``data_fraction``, ``wait_p50_ms``, ``wait_p90_ms``, ``gpu_util`` and
+            ``cpu_util`` when measured).
         cuda: training runs on CUDA.
         epochs: every training batch's epoch.
         wait_ms: every training batch's data wait.
@@ -183,18 +187,34 @@ def advise(
     budget = cpus.worker_budget(trainer.world_size, trainer.num_nodes)
     workers = int(getattr(loader, "workers", loader.num_workers))
     unit = "loader threads" if engine == "threads" else "worker processes"
-    if workers == 0:
+    # a count FastImageDataModule(num_workers="tune") measured on this machine stands against the budget
+    tuned = getattr(getattr(trainer, "datamodule", None), "num_workers", None) == "tune"
+    busy = None if cuda else summary.get("cpu_util")
+    if workers > budget:
+        advice.append(
+            f"num_workers={workers} ({unit}) exceeds the budget of {budget} ({cpus.usable_cpu_count()} usable"
+            f" CPUs / {processes} process(es)): they fight over cores; lower it to {max(1, budget)}"
+        )
+    elif busy is not None and busy >= CPU_SATURATED:
+        keep = f"; keep num_workers={workers}, the pick of num_workers='tune'" if tuned else ""
+        advice.append(
+            f"training runs on the CPU and its {cpus.usable_cpu_count()} usable CPUs were {busy:.0%} busy: the loader"
+            " and the model share them, so more workers would only take cores from the training step; make each"
+            f" sample cheaper (fewer or cheaper transforms, a smaller image size) or train on a GPU{keep}"
+        )
+    elif tuned:
+        advice.append(
+            f"num_workers={workers} is the pick of num_workers='tune', which measured more workers at most 5% faster"
+            " on this machine: the per-sample work itself is the cost; profile read / decode / transform to find the"
+            " slow stage"
+        )
+    elif workers == 0:
         advice.append(
             f"num_workers=0 loads every batch in the training process; set num_workers={max(1, budget)}"
             f" (the budget: {cpus.usable_cpu_count()} usable CPUs / {processes} process(es) sharing them)"
         )
     elif workers < budget:
         advice.append(f"num_workers={workers} ({unit}) is below the budget of {budget}; raise it to {budget}")
-    elif workers > budget:
-        advice.append(
-            f"num_workers={workers} ({unit}) exceeds the budget of {budget} ({cpus.usable_cpu_count()} usable"
-            f" CPUs / {processes} process(es)): they fight over cores; lower it to {max(1, budget)}"
-        )
     elif cuda and engine == "threads" and workers > 2:  # on the CPU the threads are the faster engine
         advice.append(
             f"the {workers} loader threads use the whole budget, and their Python work per image shares the"
