@@ -123,6 +123,26 @@ def _drive(
         monitor.on_train_batch_end(trainer, module, None, batch, 0)
 
 
+def _run_epochs(
+    monitor: LoaderMonitor, trainer: Mock, module: Mock, epochs: dict[int, list[tuple[float, float]]]
+) -> Mock:
+    """Run a fit of ``{epoch: batches}`` through the hooks (see ``_drive``); returns the patched ``rank_zero_info``."""
+    clock = _Clock()
+    with (
+        patch("lightning_fastdata.cpus.CpuMeter"),
+        patch(PERF_COUNTER, side_effect=clock),
+        patch(f"{CALLBACK}.rank_zero_info") as info,
+    ):
+        monitor.on_train_start(trainer, module)
+        for epoch, batches in epochs.items():
+            trainer.current_epoch = epoch
+            monitor.on_train_epoch_start(trainer, module)
+            _drive(monitor, trainer, module, clock, batches)
+            monitor.on_train_epoch_end(trainer, module)
+        monitor.on_train_end(trainer, module)
+    return info
+
+
 class _SlowDataset(Dataset):
     """``n`` items ``(features, target)`` that each take ``delay`` seconds to load."""
 
@@ -359,20 +379,8 @@ def test_batch_size_reads_the_first_tensor(batch, expected):
 
 def test_warmup_epoch_is_left_out_of_the_summary():
     """With `warmup_epochs=1` the first epoch's (slow) batches are flagged and do not reach the percentiles."""
-    trainer, module, clock = _mock_trainer(), _cpu_module(), _Clock()
     monitor = LoaderMonitor(warmup_epochs=1, verbose=False)
-    with (
-        patch("lightning_fastdata.cpus.CpuMeter"),
-        patch(PERF_COUNTER, side_effect=clock),
-        patch(f"{CALLBACK}.rank_zero_info") as info,
-    ):
-        monitor.on_train_start(trainer, module)
-        for epoch, (wait, step) in enumerate([(500.0, 10.0), (0.1, 10.0)]):
-            trainer.current_epoch = epoch
-            monitor.on_train_epoch_start(trainer, module)
-            _drive(monitor, trainer, module, clock, [(wait, step)] * 3)
-            monitor.on_train_epoch_end(trainer, module)
-        monitor.on_train_end(trainer, module)
+    info = _run_epochs(monitor, _mock_trainer(), _cpu_module(), {0: [(500.0, 10.0)] * 3, 1: [(0.1, 10.0)] * 3})
     assert list(monitor.warmup) == [1, 1, 1, 0, 0, 0]
     assert list(monitor.epochs) == [0, 0, 0, 1, 1, 1]
     summary = monitor.summary
@@ -392,20 +400,9 @@ def test_warmup_epoch_is_left_out_of_the_summary():
 
 def test_warmup_is_the_first_epoch_a_resumed_fit_runs():
     """A fit resumed at epoch 2 starts its workers and page cache cold too: its first epoch is the warmup."""
-    trainer, module, clock = _mock_trainer(max_epochs=4), _cpu_module(), _Clock()
     monitor = LoaderMonitor(warmup_epochs=1, verbose=False)
-    with (
-        patch("lightning_fastdata.cpus.CpuMeter"),
-        patch(PERF_COUNTER, side_effect=clock),
-        patch(f"{CALLBACK}.rank_zero_info") as info,
-    ):
-        monitor.on_train_start(trainer, module)
-        for epoch, (wait, step) in [(2, (500.0, 10.0)), (3, (0.1, 10.0))]:
-            trainer.current_epoch = epoch
-            monitor.on_train_epoch_start(trainer, module)
-            _drive(monitor, trainer, module, clock, [(wait, step)] * 3)
-            monitor.on_train_epoch_end(trainer, module)
-        monitor.on_train_end(trainer, module)
+    resumed = {2: [(500.0, 10.0)] * 3, 3: [(0.1, 10.0)] * 3}  # a fit resumed at epoch 2
+    info = _run_epochs(monitor, _mock_trainer(max_epochs=4), _cpu_module(), resumed)
     assert list(monitor.warmup) == [1, 1, 1, 0, 0, 0]
     assert (monitor.summary["warmup_steps"], monitor.summary["measured_steps"]) == (3, 3)
     assert monitor.summary["verdict"] == "compute-bound"
