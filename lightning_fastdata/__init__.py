@@ -10,9 +10,6 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-# The deprecated submodule `convert` shares its name with the function, which must win: import the module first (its
-# import binds it here), then the function over it, so a later `import lightning_fastdata.convert` changes nothing.
-from lightning_fastdata import convert as _convert_module  # noqa: F401
 from lightning_fastdata.__about__ import __version__
 from lightning_fastdata.store.conversion import ConversionSummary, SkippedFile, convert, convert_dataset  # numpy, lmdb
 

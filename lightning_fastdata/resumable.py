@@ -20,7 +20,6 @@ holds the sampler and the two halves of the position: :func:`position_state` and
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -102,17 +101,3 @@ def restore_position(sampler: Any, state: dict[str, Any], batch_size: int | None
     sampler.set_epoch(epoch)  # before the iterator exists, which reads the sampler (at once, with workers)
     sampler.skip = batches * int(batch_size or 1)
     return batches
-
-
-def __getattr__(name: str) -> Any:
-    if name == "ResumableLoader":  # deprecated: the pipeline's one loader saves its position itself
-        warnings.warn(
-            "`lightning_fastdata.resumable.ResumableLoader` is deprecated; use"
-            " `lightning_fastdata.loader.FastLoader` (or `lightning_fastdata.pipeline.create_loader`).",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        from lightning_fastdata.pipeline import FastLoader
-
-        return FastLoader
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

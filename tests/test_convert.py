@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 import io
 import json
 import os
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import warnings
 from pathlib import Path
 
 import lmdb
@@ -18,6 +20,7 @@ import pytest
 import torch
 from PIL import Image
 
+import lightning_fastdata
 from lightning_fastdata import (
     ConversionError,
     ConversionSummary,
@@ -31,6 +34,7 @@ from lightning_fastdata import (
     make_image_folder,
     read_meta,
 )
+from lightning_fastdata.store import conversion, reader, summary
 from lightning_fastdata.store import format as store_format
 
 LAYOUT_HINT = "SRC/<class_a>/<image>.jpg"
@@ -1479,3 +1483,33 @@ def test_clean_puts_back_a_database_moved_aside_by_a_killed_replacement(split_fo
         f"restored {dst} from .db.old, left by a conversion interrupted while replacing it"
     ]
     assert len(LmdbImageDataset(dst)) == 24
+
+
+def test_the_package_exports_the_new_homes():
+    """The public API names the objects in ``store``; nothing imported from the package warns."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert lightning_fastdata.convert is conversion.convert
+        assert lightning_fastdata.convert_dataset is conversion.convert_dataset
+        assert lightning_fastdata.LmdbImageDataset is reader.LmdbImageDataset
+        assert lightning_fastdata.read_meta is store_format.read_meta
+        assert lightning_fastdata.read_sources is store_format.read_sources
+        assert lightning_fastdata.SkippedFile is summary.SkippedFile
+
+
+SHARED = ("short_side", "quality", "keep_original", "encoding", "num_workers", "strict", "force", "progress")
+
+
+@pytest.mark.parametrize("name", [*SHARED, "initial_map_size"])
+def test_convert_and_convert_dataset_share_each_option(name):
+    """The shared options have one default, one type and one description, shown in full by both functions."""
+    one, other = inspect.signature(conversion.convert), inspect.signature(conversion.convert_dataset)
+    assert one.parameters[name].default == other.parameters[name].default
+    assert one.parameters[name].annotation == other.parameters[name].annotation
+    entry = next(line for line in conversion._OPTIONS_DOC.splitlines() if line.startswith(f"{name}: "))
+    for func in (conversion.convert, conversion.convert_dataset):
+        dst = next(line for line in func.__doc__.splitlines() if line.lstrip().startswith("dst: "))
+        indent = dst[: len(dst) - len(dst.lstrip())]  # 8 spaces, or 4 where Python 3.13 dedents docstrings
+        assert f"\n{indent}{entry}\n" in func.__doc__
+        assert "{options}" not in func.__doc__
+        assert "as in :func:`convert`" not in func.__doc__

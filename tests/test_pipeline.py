@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -128,17 +127,3 @@ def test_the_device_stage_runs_once_in_the_loader_or_in_the_hook(database: Path)
     assert built == []  # the stage built with the loader, not one per batch
     assert out.dtype == torch.float32
     torch.testing.assert_close(out, dm.to_model_input(uint8)[0])
-
-
-def test_resumable_loader_is_a_deprecated_name_for_fast_loader() -> None:
-    """``resumable.ResumableLoader`` still works, as ``FastLoader``, with one warning naming the replacement."""
-    from lightning_fastdata import resumable
-
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        alias = resumable.ResumableLoader
-    assert alias is FastLoader
-    assert [w.category for w in caught] == [DeprecationWarning]
-    assert "FastLoader" in str(caught[0].message)
-    with pytest.raises(AttributeError, match="Nothing"):
-        resumable.Nothing  # noqa: B018
