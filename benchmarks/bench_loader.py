@@ -102,8 +102,8 @@ def _gil_held_us(reader, batch_size: int, batches: int = 20) -> float:
     """
     import simplejpeg
 
-    from lightning_fastdata import loader as loader_module
-    from lightning_fastdata.loader import KeyedIndices
+    from lightning_fastdata.pipeline import kernel as loader_module
+    from lightning_fastdata.pipeline.kernel import KeyedIndices
     from lightning_fastdata.transforms import Normalizer
 
     inside = [0.0]

@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 
 from lightning_fastdata import FastImageDataModule, make_image_folder
-from lightning_fastdata.loader import BatchReader
+from lightning_fastdata.pipeline.kernel import BatchReader
 from lightning_fastdata.tuning import LoaderConfig, measure, sweep
 
 

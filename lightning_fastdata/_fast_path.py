@@ -12,8 +12,8 @@ def inherits(obj: object, base: type[_T], *methods: str) -> TypeGuard[_T]:
 
     Each fast path stands in for some methods of one of the package's classes, and calls none of them:
 
-    * the fused batch path (:class:`~lightning_fastdata.loader.BatchReader`) for a dataset's ``__getitem__`` and
-      ``decode`` and for a crop transform's ``__call__``;
+    * the fused batch path (:class:`~lightning_fastdata.pipeline.kernel.BatchReader`) for a dataset's ``__getitem__``
+      and ``decode`` and for a crop transform's ``__call__``;
     * the vectorized draw of :meth:`~lightning_fastdata.transforms.RandomResizedCropFlip.boxes` for ``box`` and
       ``flip``;
     * the keyed draw of :meth:`~lightning_fastdata.transforms.RandomResizedCropFlip.__call__` for ``box``.

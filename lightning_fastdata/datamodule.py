@@ -27,8 +27,8 @@ from lightning_fastdata.errors import (
     ReadOnlyDestinationError,
     SourceLayoutError,
 )
-from lightning_fastdata.loader import Output
 from lightning_fastdata.pipeline import DeviceStage, FastLoader, create_loader
+from lightning_fastdata.pipeline.kernel import Output
 from lightning_fastdata.skipping import SkipCounter
 from lightning_fastdata.store import cache
 from lightning_fastdata.store import format as _format
@@ -754,9 +754,9 @@ class FastImageDataModule(LightningDataModule):
     def to_model_input(self, batch: Any) -> Any:
         """uint8 images, or still-encoded ones, in the first element of a batch -> normalized floats on its device.
 
-        The device stage (:class:`~lightning_fastdata.pipeline.DeviceStage`): the loaders run it on the side stream
-        when they copy batches ahead, ``on_after_batch_transfer`` otherwise. A batch that is already floating point
-        only takes the model's dtype.
+        The device stage (:class:`~lightning_fastdata.pipeline.device.DeviceStage`): the loaders run it on the side
+        stream when they copy batches ahead, ``on_after_batch_transfer`` otherwise. A batch that is already floating
+        point only takes the model's dtype.
         """
         return self._device_stage()(batch)
 

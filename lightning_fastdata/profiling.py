@@ -2,7 +2,8 @@
 
 Measured in this process, one thread, stage by stage on the same samples, for an image folder (torchvision's
 ``ImageFolder`` with the standard transforms) and for a database made by ``lightning-fastdata convert`` (the batch
-path ``FastImageDataModule`` trains with: :class:`~lightning_fastdata.loader.BatchReader`'s stages, one at a time).
+path ``FastImageDataModule`` trains with: :class:`~lightning_fastdata.pipeline.kernel.BatchReader`'s stages, one at a
+time).
 """
 
 from __future__ import annotations
@@ -203,16 +204,16 @@ def profile_database(
 ) -> PipelineProfile:
     """Profile the batch path ``FastImageDataModule`` trains with on a database, stage by stage.
 
-    The stages of :class:`~lightning_fastdata.loader.BatchReader`'s fused path, with the DataModule's transforms at
-    ``image_size``, run one at a time on each batch: ``read`` (the batch's records in one LMDB transaction,
-    checksums verified), ``decode`` (libjpeg-turbo with its fast DCT, into a reused buffer), ``transforms`` (the
-    batch's crop boxes, then crop, resize and flip into the image's slot of the uint8 batch); then, training on the
-    CPU, ``normalize`` (to float32, as the loader threads do), or on CUDA (``device``; default: CUDA when there is
-    one) ``to_device`` (the pinned batch copied) and ``normalize`` (on the device). The loader's own ``read_batch`` is
-    timed on the same samples too (:attr:`PipelineProfile.batch_path_ms`), to show the stages add up to it.
+    The stages of :class:`~lightning_fastdata.pipeline.kernel.BatchReader`'s fused path, with the DataModule's
+    transforms at ``image_size``, run one at a time on each batch: ``read`` (the batch's records in one LMDB
+    transaction, checksums verified), ``decode`` (libjpeg-turbo with its fast DCT, into a reused buffer), ``transforms``
+    (the batch's crop boxes, then crop, resize and flip into the image's slot of the uint8 batch); then, training on the
+    CPU, ``normalize`` (to float32, as the loader threads do), or on CUDA (``device``; default: CUDA when there is one)
+    ``to_device`` (the pinned batch copied) and ``normalize`` (on the device). The loader's own ``read_batch`` is timed
+    on the same samples too (:attr:`PipelineProfile.batch_path_ms`), to show the stages add up to it.
     """
     from lightning_fastdata.datamodule import FastImageDataModule
-    from lightning_fastdata.loader import BatchReader, KeyedIndices
+    from lightning_fastdata.pipeline.kernel import BatchReader, KeyedIndices
 
     target = _device(device)
     datamodule = FastImageDataModule(str(path), image_size=image_size, val_fraction=0)

@@ -4,8 +4,8 @@ Two entry points share one kernel, :func:`crop_resize_into`:
 
 * the transforms (:class:`RandomResizedCropFlip`, :class:`CenterCropResize`) take and return ``uint8`` CHW tensors,
   for a user's own ``Dataset`` or ``Compose``;
-* the batch path (:class:`~lightning_fastdata.loader.BatchReader`) asks them only for a crop box and writes each
-  crop straight into its slot of a preallocated ``uint8`` NHWC batch.
+* the batch path (:class:`~lightning_fastdata.pipeline.kernel.BatchReader`) asks them only for a crop box and writes
+  each crop straight into its slot of a preallocated ``uint8`` NHWC batch.
 
 The kernel is OpenCV on HWC ``uint8`` (the layout JPEG decoders produce), antialiased whenever it shrinks, like
 torchvision's ``antialias=True`` bilinear:

@@ -31,7 +31,8 @@ class LoaderConfig:
     batch_size: int
     prefetch_factor: int | None = None
     pin_memory: bool = False
-    #: ``"processes"`` (DataLoader workers) or ``"threads"`` (a :class:`~lightning_fastdata.pipeline.FastLoader`'s)
+    #: ``"processes"`` (DataLoader workers) or ``"threads"`` (a
+    #: :class:`~lightning_fastdata.pipeline.factory.FastLoader`'s)
     engine: str = "processes"
 
     def cost(self) -> tuple[int, int, int, int]:

@@ -36,12 +36,12 @@ class _FakeStream:
 
 def patch_cuda_streams(monkeypatch: Any) -> None:
     """CUDA streams patched so a loader's device look-ahead runs on the CPU (copies are the identity)."""
-    from lightning_fastdata import prefetch
+    from lightning_fastdata.pipeline import device, streams
 
     compute = _FakeStream()
-    monkeypatch.setattr(prefetch, "_SIDE_STREAMS", {})
+    monkeypatch.setattr(streams, "_SIDE_STREAMS", {})
     monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: _FakeStream())
     monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: compute)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(prefetch, "_to_device", lambda batch, device: batch)
+    monkeypatch.setattr(device, "_to_device", lambda batch, device: batch)

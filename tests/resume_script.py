@@ -1,4 +1,4 @@
-"""Training runs for the exact mid-epoch resume tests, run as a script by ``test_resumable.py``.
+"""Training runs for the exact mid-epoch resume tests, run as a script by ``test_resume.py``.
 
 Usage: ``python resume_script.py MODE DATA_DIR OUT_DIR SEED DEVICES WORKERS EVERY SLOW_AFTER CKPT [LIMIT [VAL]]``.
 

@@ -212,7 +212,7 @@ def test_val_batches_keep_the_last_partial_batch(split_root: Path, shared_cache:
 
 
 def _uint8_batch(dm: FastImageDataModule) -> tuple[torch.Tensor, torch.Tensor]:
-    from lightning_fastdata.loader import BatchReader
+    from lightning_fastdata.pipeline.kernel import BatchReader
 
     return BatchReader(dm.train_dataset, output="uint8").read_batch(range(4))
 

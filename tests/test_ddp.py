@@ -116,7 +116,7 @@ def test_ddp_order_is_reproducible_from_seed(ddp_database: Path, two_epochs: lis
     """Each rank's order in the real DDP run is the one the seeded sampler gives its rank and epoch, computed in
     another process: a function of the seed alone, so every run repeats it; another seed gives another order.
 
-    (test_resumable's DDP runs also repeat a seeded run's batches across two launches.)
+    (test_resume's DDP runs also repeat a seeded run's batches across two launches.)
     """
     for rank, record in enumerate(two_epochs):
         assert record["epochs"] == _seeded_orders(ddp_database, seed=0, rank=rank, epochs=2)

@@ -1,4 +1,4 @@
-"""Tests for ``lightning_fastdata.device_decode`` and ``FastImageDataModule(decode="device")``."""
+"""Tests for ``lightning_fastdata.pipeline.device_decode`` and ``FastImageDataModule(decode="device")``."""
 
 from __future__ import annotations
 
@@ -17,17 +17,17 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, Dataset
 from torchvision.io import ImageReadMode, decode_jpeg
 
-from lightning_fastdata import FastImageDataModule, LmdbImageDataset, convert, device_decode, make_image_folder
-from lightning_fastdata.device_decode import (
+from lightning_fastdata import FastImageDataModule, LmdbImageDataset, convert, make_image_folder
+from lightning_fastdata.errors import CorruptRecordError
+from lightning_fastdata.pipeline import FastLoader, device_decode
+from lightning_fastdata.pipeline.device_decode import (
     EncodedCropDataset,
     EncodedImages,
     collate_encoded,
     decode_crop,
     encoded_batch_to_images,
 )
-from lightning_fastdata.errors import CorruptRecordError
-from lightning_fastdata.loader import BatchReader
-from lightning_fastdata.pipeline import FastLoader
+from lightning_fastdata.pipeline.kernel import BatchReader
 from lightning_fastdata.transforms import (
     IMAGENET_MEAN,
     IMAGENET_STD,

@@ -30,11 +30,11 @@ from torchvision.datasets import ImageFolder
 from torchvision.datasets.folder import default_loader
 
 from lightning_fastdata import FastImageDataModule, LmdbImageDataset, LoaderMonitor
-from lightning_fastdata.loader import BatchReader, FastLoader
 from lightning_fastdata.monitor.gpu import GpuSampler, nvml_handles
 from lightning_fastdata.monitor.report import epoch_line, format_table
 from lightning_fastdata.monitor.timing import LoopTimer
 from lightning_fastdata.monitor.verdict import advise, judge_slowest_rank, summarize, verdict
+from lightning_fastdata.pipeline import BatchReader, FastLoader
 
 DDP_SCRIPT = Path(__file__).with_name("monitor_ddp_script.py")
 

@@ -11,9 +11,10 @@ from fakes import fake_trainer, patch_cuda_streams
 from torch.utils.data import DistributedSampler, RandomSampler, TensorDataset
 
 from lightning_fastdata import FastImageDataModule, LmdbImageDataset
-from lightning_fastdata.loader import BatchReader
-from lightning_fastdata.pipeline import DeviceStage, FastLoader, _worker_init, create_loader
-from lightning_fastdata.resumable import ResumableSampler
+from lightning_fastdata.pipeline import DeviceStage, FastLoader, create_loader
+from lightning_fastdata.pipeline.kernel import BatchReader
+from lightning_fastdata.pipeline.processes import _worker_init
+from lightning_fastdata.pipeline.resume import ResumableSampler
 from lightning_fastdata.transforms import Normalizer, RandomResizedCropFlip
 
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
@@ -95,7 +96,7 @@ def test_device_stage_turns_images_into_model_input() -> None:
 
 def test_device_stage_needs_a_device_and_size_to_decode() -> None:
     """Still-encoded images without ``device`` and ``image_size`` raise, naming them."""
-    from lightning_fastdata.device_decode import EncodedImages
+    from lightning_fastdata.pipeline.device_decode import EncodedImages
 
     encoded = EncodedImages([torch.zeros(4, dtype=torch.uint8)], torch.zeros(1, 4, dtype=torch.int64), torch.zeros(1))
     with pytest.raises(ValueError, match="image_size"):

@@ -25,9 +25,11 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 from lightning_fastdata import DevicePrefetchLoader, FastImageDataModule
-from lightning_fastdata import prefetch as prefetch_module
 from lightning_fastdata.pipeline import DeviceStage, FastLoader
-from lightning_fastdata.prefetch import prefetch_to_device, side_stream
+from lightning_fastdata.pipeline import device as device_module
+from lightning_fastdata.pipeline import streams as streams_module
+from lightning_fastdata.pipeline.device import prefetch_to_device
+from lightning_fastdata.pipeline.streams import side_stream
 
 DDP_SCRIPT = Path(__file__).with_name("prefetch_ddp_script.py")
 
@@ -103,7 +105,7 @@ class _FakeCuda:
 def side_streams(monkeypatch: pytest.MonkeyPatch) -> dict[tuple[str, int], Any]:
     """An empty side-stream cache for this test (the module's own cache is restored afterwards)."""
     cache: dict[tuple[str, int], Any] = {}
-    monkeypatch.setattr(prefetch_module, "_SIDE_STREAMS", cache)
+    monkeypatch.setattr(streams_module, "_SIDE_STREAMS", cache)
     return cache
 
 
@@ -129,8 +131,8 @@ def logged_copies(fake_cuda: _FakeCuda, monkeypatch: pytest.MonkeyPatch) -> _Fak
     def record_stream(batch: _Batch, stream: _FakeStream) -> None:
         fake_cuda.log.append(f"record {batch.id} {batch.stage} on {stream.name}")
 
-    monkeypatch.setattr(prefetch_module, "_to_device", to_device)
-    monkeypatch.setattr(prefetch_module, "_record_stream", record_stream)
+    monkeypatch.setattr(device_module, "_to_device", to_device)
+    monkeypatch.setattr(device_module, "_record_stream", record_stream)
     return fake_cuda
 
 
@@ -332,7 +334,7 @@ def test_loader_with_persistent_workers_over_two_epochs() -> None:
 
 def test_loader_on_cuda_iterates_through_prefetch(fake_cuda: _FakeCuda, monkeypatch: pytest.MonkeyPatch) -> None:
     """On (patched) CUDA the loader goes through ``prefetch_to_device``: the DataLoader's batches, transformed."""
-    monkeypatch.setattr(prefetch_module, "_to_device", lambda batch, device: batch)  # the real _record_stream stays
+    monkeypatch.setattr(device_module, "_to_device", lambda batch, device: batch)  # the real _record_stream stays
     dataset = _dataset()
     loader = DevicePrefetchLoader(
         dataset, batch_size=4, shuffle=False, device="cuda:0", on_device=lambda b: [b[0] * 10, b[1]]
@@ -405,7 +407,7 @@ def test_datamodule_batches_through_patched_prefetch(
     database: Path, fake_cuda: _FakeCuda, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Through the (patched) side stream the batches equal the plain loader's after ``to_model_input``."""
-    monkeypatch.setattr(prefetch_module, "_to_device", lambda batch, device: batch)
+    monkeypatch.setattr(device_module, "_to_device", lambda batch, device: batch)
     trainer = fake_trainer(torch.device("cuda", 0))
     prefetched, plain = _dm(database), _dm(database, prefetch_to_device=False)
     prefetched.trainer, plain.trainer = trainer, trainer

@@ -7,7 +7,7 @@ import torch
 
 import lightning_fastdata.profiling as profiling
 from lightning_fastdata import FastImageDataModule, LmdbImageDataset, convert, make_image_folder
-from lightning_fastdata.loader import BatchReader
+from lightning_fastdata.pipeline.kernel import BatchReader
 from lightning_fastdata.profiling import PipelineProfile, profile, profile_database, profile_folder
 
 FOLDER_STAGES = ["read", "decode", "transforms", "collate"]

@@ -16,7 +16,7 @@ from torchvision.datasets import ImageFolder
 
 import lightning_fastdata.tuning as tuning
 from lightning_fastdata import FastImageDataModule, convert, make_image_folder
-from lightning_fastdata.loader import FastLoader
+from lightning_fastdata.pipeline import FastLoader
 from lightning_fastdata.tuning import (
     LoaderConfig,
     Measurement,

@@ -1,47 +1,23 @@
-"""The batch path, top-down: :func:`create_loader` builds it, :class:`FastLoader` runs it, one epoch at a time.
+"""The loader factory: :func:`create_loader` makes every choice of the batch path, :class:`FastLoader` runs it.
 
-A training batch on CUDA, from database record to model input:
-
-1. **Order.** A seeded :class:`~lightning_fastdata.resumable.ResumableSampler` (a ``DistributedSampler`` that can
-   start part-way into an epoch) gives this rank's indices; they are cut into batches, each keyed with the epoch's
-   ``(seed, epoch)`` (:class:`_KeyedBatches`), so a sample's crop and flip are a function of ``(seed, epoch, sample)``
-   on every engine.
-2. **Engine.** Each batch is built whole by one of ``workers`` threads in this process (``engine="threads"``: no
-   worker start-up, no copy of the dataset per worker, no inter-process transfer, and the decode and resize kernels
-   release the GIL), or by one of ``workers`` DataLoader worker processes (``"processes"``). The DataModule's
-   ``engine="auto"`` picks processes for CUDA training with 4 or more workers, threads otherwise.
-3. **Record to pixels** (:meth:`BatchReader.read_batch <lightning_fastdata.loader.BatchReader.read_batch>`, in
-   :mod:`lightning_fastdata.loader`): one LMDB transaction, decode, crop, resize and flip straight into one
-   ``uint8`` batch buffer (page-locked for a GPU); bad samples left out under the skip policy.
-4. **Device.** The host batch is copied ``non_blocking`` one step ahead on a side CUDA stream
-   (:func:`~lightning_fastdata.prefetch.prefetch_to_device`), and :class:`DeviceStage` turns it into model input
-   there: ``uint8`` -> normalized float of the model's dtype, ``channels_last`` if asked; with ``decode="device"``
-   it decodes the still-encoded JPEGs first (nvJPEG).
-5. **Position.** Batches are counted as they are handed to the training loop, after the look-ahead, so a checkpoint
-   resumes after the last one the loop saw (:mod:`lightning_fastdata.resumable`).
-
-Without the look-ahead (training on a CPU, or ``prefetch_to_device=False``) step 4 is Lightning's copy, and the
-DataModule's ``on_after_batch_transfer`` runs the same :class:`DeviceStage`. For CPU training the loader threads
-normalize to ``float32`` in step 3 already, so the device stage only casts to the model's dtype where it differs.
+:class:`FastLoader`'s ``__iter__`` composes the stages of one epoch in order; :mod:`lightning_fastdata.pipeline`
+follows a sample through them, from its database record to a batch on the device.
 """
 
 from __future__ import annotations
 
-import itertools
 import random
-from collections import deque
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
-from lightning_fastdata.device_decode import EncodedImages, encoded_batch_to_images
-from lightning_fastdata.errors import CorruptRecordError
-from lightning_fastdata.loader import BatchReader, KeyedIndices, Output, _batch_as_is
-from lightning_fastdata.prefetch import prefetch_to_device
-from lightning_fastdata.resumable import ResumableSampler, batches_per_epoch, position_state, restore_position
+from lightning_fastdata.pipeline.device import DeviceStage, prefetch_to_device
+from lightning_fastdata.pipeline.kernel import BatchReader, KeyedIndices, Output, _batch_as_is
+from lightning_fastdata.pipeline.processes import _worker_init
+from lightning_fastdata.pipeline.resume import ResumableSampler, batches_per_epoch, position_state, restore_position
+from lightning_fastdata.pipeline.threads import threaded_batches
 from lightning_fastdata.skipping import SkipCounter
 from lightning_fastdata.transforms import Normalizer
 
@@ -75,9 +51,9 @@ def create_loader(
     """The loader of one split: every choice of the batch path, made here.
 
     Args:
-        dataset: the split. Wrapped in a :class:`~lightning_fastdata.loader.BatchReader` (whole batches, fused where
-            it can be) unless it is one already or ``output`` is ``None`` (read sample by sample, as a DataLoader
-            reads it).
+        dataset: the split. Wrapped in a :class:`~lightning_fastdata.pipeline.kernel.BatchReader` (whole batches, fused
+            where it can be) unless it is one already or ``output`` is ``None`` (read sample by sample, as a
+            DataLoader reads it).
         batch_size: samples per batch.
         shuffle: shuffle the order, by ``seed`` and the epoch.
         seed: seeds the order and the augmentation.
@@ -85,7 +61,7 @@ def create_loader(
             ``seed``, ``num_replicas``, ``rank`` and ``resumable``.
         num_replicas: training processes sharing the data (``DistributedSampler``).
         rank: this process's rank among them.
-        resumable: a :class:`~lightning_fastdata.resumable.ResumableSampler`: the loader's position goes into
+        resumable: a :class:`~lightning_fastdata.pipeline.resume.ResumableSampler`: the loader's position goes into
             checkpoints and comes back (the training loader).
         drop_last: drop the last incomplete batch.
         engine: ``"threads"`` builds batches on ``workers`` threads in this process; ``"processes"`` on ``workers``
@@ -151,14 +127,6 @@ def create_loader(
     )
 
 
-def _worker_init(worker_id: int) -> None:
-    """One intra-op thread per worker process: the workers already use every core the budget gives them.
-
-    OpenCV needs nothing here: :mod:`lightning_fastdata._cv` switched its thread pool off in the parent.
-    """
-    torch.set_num_threads(1)
-
-
 class FastLoader(DataLoader):
     """The package's loader: a DataLoader whose iteration is the batch path (see the module docs).
 
@@ -167,7 +135,7 @@ class FastLoader(DataLoader):
     ``state_dict()`` in checkpoints for exact mid-epoch resume. Build it with :func:`create_loader`.
 
     Args:
-        dataset: a :class:`~lightning_fastdata.loader.BatchReader` (whole batches), or any dataset (read as a
+        dataset: a :class:`~lightning_fastdata.pipeline.kernel.BatchReader` (whole batches), or any dataset (read as a
             DataLoader reads it).
         *args: the arguments of :class:`~torch.utils.data.DataLoader`.
         threads: with ``num_workers=0``, build the batches of a ``BatchReader`` on this many threads in this process
@@ -223,7 +191,7 @@ class FastLoader(DataLoader):
 
     @property
     def resumable(self) -> bool:
-        """Whether the epoch position is saved: with a :class:`~lightning_fastdata.resumable.ResumableSampler`."""
+        """Whether the epoch position is saved: with a :class:`~lightning_fastdata.pipeline.resume.ResumableSampler`."""
         return isinstance(self.sampler, ResumableSampler)
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
@@ -236,7 +204,7 @@ class FastLoader(DataLoader):
         if self.engine == "threads":
             assert isinstance(self.dataset, BatchReader)
             ahead = self.prefetch_batches or 2 * self.threads
-            batches = _threaded_batches(iter(self._index_sampler), self.dataset.read_batch, self.threads, ahead)
+            batches = threaded_batches(iter(self._index_sampler), self.dataset.read_batch, self.threads, ahead)
         else:
             batches = super().__iter__()  # torch's: the calling thread, or worker processes (kept between epochs)
         # 4. to the device one step ahead on the side stream, and the device stage there
@@ -281,71 +249,6 @@ class FastLoader(DataLoader):
             self._resume_at = resume_at
 
 
-class DeviceStage:
-    """The last stage: a batch's images, ``uint8`` or still encoded, to model input on the device.
-
-    ``uint8`` images become normalized floats of ``dtype`` (``channels_last`` if asked); still-encoded ones
-    (``decode="device"``) are decoded, cropped and resized on the device first; floats already normalized by the
-    loader threads only take ``dtype`` where it differs. Anything else passes through, as do the batch's other
-    elements. Constants live on the device (:class:`~lightning_fastdata.transforms.Normalizer` caches them): nothing
-    here waits for the device.
-
-    Runs on the side stream right after each copy when the loader looks ahead (``FastLoader(on_device=...)``), else
-    in ``FastImageDataModule.on_after_batch_transfer``.
-
-    Args:
-        normalizer: the mean and std.
-        dtype: the model's input dtype.
-        channels_last: batches in ``channels_last`` memory.
-        device: where still-encoded images are decoded.
-        image_size: the side of decoded crops.
-        skip: called with the error of a still-encoded image that fails to decode (then left out); ``None``: raise.
-
-    """
-
-    def __init__(
-        self,
-        normalizer: Normalizer,
-        dtype: torch.dtype = torch.float32,
-        channels_last: bool = False,
-        device: torch.device | None = None,
-        image_size: int | None = None,
-        skip: Callable[[CorruptRecordError], None] | None = None,
-    ) -> None:
-        self.normalizer = normalizer
-        self.dtype = dtype
-        self.channels_last = channels_last
-        self.device = device
-        self.image_size = image_size
-        self.skip = skip
-
-    def __call__(self, batch: Any) -> Any:
-        """The batch with its first element, the images, as model input."""
-        if not isinstance(batch, (tuple, list)) or not batch:
-            return batch
-        first = batch[0]
-        if isinstance(first, EncodedImages):
-            if self.device is None or self.image_size is None:
-                raise ValueError("Still-encoded images need `DeviceStage(device=..., image_size=...)` to decode.")
-            return encoded_batch_to_images(batch, self.image_size, self.device, self._finish, skip=self.skip)
-        if not isinstance(first, torch.Tensor):
-            return batch
-        if first.dtype == torch.uint8:
-            images = self.normalizer.batch(first, self.dtype, self.channels_last)
-        elif first.is_floating_point() and first.dtype != self.dtype:  # normalized by the loader threads
-            images = first.to(self.dtype)
-        else:
-            return batch
-        return type(batch)([images, *batch[1:]]) if isinstance(batch, list) else (images, *batch[1:])
-
-    def _finish(self, images: torch.Tensor) -> torch.Tensor:
-        """Decoded float images in 0-255 -> normalized ``dtype``."""
-        return self.normalizer.float_(images, self.dtype, self.channels_last)
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(dtype={self.dtype}, channels_last={self.channels_last}, device={self.device})"
-
-
 class _KeyedBatches:
     """A loader's batch sampler, each batch keyed with the epoch's ``(seed, epoch)``.
 
@@ -370,23 +273,3 @@ class _KeyedBatches:
             key = (random.getrandbits(63), 0)
         for indices in self.batch_sampler:
             yield KeyedIndices(indices, key)
-
-
-def _threaded_batches(
-    batch_indices: Iterator[Sequence[int]],
-    read_batch: Callable[[Sequence[int]], Any],
-    threads: int,
-    ahead: int,
-) -> Iterator[Any]:
-    """Build batches on ``threads`` threads, each batch whole on one thread, ``ahead`` batches in flight, in order."""
-    pool = ThreadPoolExecutor(threads, thread_name_prefix="lightning_fastdata")
-    pending: deque[Future] = deque(pool.submit(read_batch, b) for b in itertools.islice(batch_indices, ahead))
-    try:
-        while pending:
-            batch = pending.popleft().result()
-            following = next(batch_indices, None)
-            if following is not None:
-                pending.append(pool.submit(read_batch, following))
-            yield batch
-    finally:  # the epoch ended, or the consumer stopped early: stop the queued batches, let running ones finish
-        pool.shutdown(wait=False, cancel_futures=True)

@@ -12,10 +12,11 @@ Under DDP the ranks run in lockstep, so the one state in the checkpoint (rank ze
 From an end-of-epoch checkpoint (``ModelCheckpoint``'s default, saved in ``on_train_epoch_end``) Lightning does not
 restart the epoch: it calls no ``load_state_dict``, sets the sampler to the next epoch with ``set_epoch`` and starts
 it from the beginning. It creates the loader's iterator before that ``set_epoch``, though, so the loader draws an
-epoch's order only when its first batch is asked for (see :meth:`~lightning_fastdata.pipeline.FastLoader.__iter__`).
+epoch's order only when its first batch is asked for (see
+:meth:`~lightning_fastdata.pipeline.factory.FastLoader.__iter__`).
 
-The loader is :class:`~lightning_fastdata.pipeline.FastLoader`, which counts the batches it hands out; this module
-holds the sampler and the two halves of the position: :func:`position_state` and :func:`restore_position`.
+The loader is :class:`~lightning_fastdata.pipeline.factory.FastLoader`, which counts the batches it hands out; this
+module holds the sampler and the two halves of the position: :func:`position_state` and :func:`restore_position`.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from torch.nn import functional as F
 from torch.utils.data import Dataset
 
 from lightning_fastdata.errors import CorruptRecordError, SampleError
-from lightning_fastdata.prefetch import side_stream
+from lightning_fastdata.pipeline.streams import side_stream
 from lightning_fastdata.store import format as _format
 from lightning_fastdata.store.reader import LmdbImageDataset, collate_labels
 from lightning_fastdata.transforms import Box

@@ -1,8 +1,8 @@
 """Record to pixels: :class:`BatchReader` builds a whole batch of one split from its database records.
 
 This is step 3 of the batch path; :mod:`lightning_fastdata.pipeline` follows a sample's whole trip, from its
-database record to a batch on the device, and :func:`~lightning_fastdata.pipeline.create_loader` builds the loader
-that runs it (:class:`~lightning_fastdata.pipeline.FastLoader`, also importable from here).
+database record to a batch on the device, and :func:`~lightning_fastdata.pipeline.factory.create_loader` builds the
+loader that runs it (:class:`~lightning_fastdata.pipeline.factory.FastLoader`, also importable from here).
 
 1. **Records.** The batch's records are read in one LMDB transaction (the environment opened lazily in the process
    that reads, checksums verified) and decoded straight from the memory map (libjpeg-turbo through ``simplejpeg``).
@@ -32,9 +32,9 @@ from torch import Tensor
 from torch.utils.data import Dataset, default_collate, get_worker_info
 
 from lightning_fastdata._fast_path import inherits
-from lightning_fastdata.device_decode import collate_encoded, encoded_sample
 from lightning_fastdata.errors import FastDataError, SampleError
 from lightning_fastdata.keyed_random import AugmentKey, sample_key
+from lightning_fastdata.pipeline.device_decode import collate_encoded, encoded_sample
 from lightning_fastdata.skipping import SkipCounter
 from lightning_fastdata.store.format import RecordHeader
 from lightning_fastdata.store.reader import LmdbImageDataset, collate_labels
@@ -369,10 +369,10 @@ class KeyedIndices(list):
 
 
 def __getattr__(name: str) -> Any:
-    # `FastLoader`, the loader that runs this reader, lives with the rest of the batch path in `pipeline`; imported on
-    # first use, as `pipeline` imports this module (and worker processes need only this one)
+    # `FastLoader`, the loader that runs this reader, lives in `pipeline.factory`; imported on first use, as
+    # `factory` imports this module
     if name == "FastLoader":
-        from lightning_fastdata.pipeline import FastLoader
+        from lightning_fastdata.pipeline.factory import FastLoader
 
         return FastLoader
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

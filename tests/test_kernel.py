@@ -1,4 +1,4 @@
-"""Tests for ``lightning_fastdata.loader``: the fused batch path, its engines, correct pixels, no per-batch copies."""
+"""Tests for ``lightning_fastdata.pipeline.kernel``: the fused batch path, its engines, correct pixels, no copies."""
 
 from __future__ import annotations
 
@@ -19,8 +19,9 @@ from torchvision.transforms.v2 import functional as TF
 
 from lightning_fastdata import LmdbImageDataset, SampleError, convert_dataset
 from lightning_fastdata.errors import CorruptRecordError
-from lightning_fastdata.loader import BatchReader, FastLoader, KeyedIndices
-from lightning_fastdata.resumable import ResumableSampler
+from lightning_fastdata.pipeline import FastLoader
+from lightning_fastdata.pipeline.kernel import BatchReader, KeyedIndices
+from lightning_fastdata.pipeline.resume import ResumableSampler
 from lightning_fastdata.skipping import SkipCounter
 from lightning_fastdata.store import format as store_format
 from lightning_fastdata.transforms import CenterCropResize, Normalizer, RandomResizedCropFlip, _apply, crop_resize_into
@@ -399,7 +400,7 @@ def test_datamodule_to_model_input_copies_nothing_per_batch(copies: list[tuple[i
 
 def test_device_decode_runs_nvjpeg_on_its_own_stream(monkeypatch: pytest.MonkeyPatch) -> None:
     """nvJPEG decodes under a dedicated current stream; the caller's stream waits for it and records the outputs."""
-    from lightning_fastdata import device_decode, prefetch
+    from lightning_fastdata.pipeline import device_decode, streams
 
     log: list[str] = []
 
@@ -431,7 +432,7 @@ def test_device_decode_runs_nvjpeg_on_its_own_stream(monkeypatch: pytest.MonkeyP
         log.append(f"decode on {current[-1].name}")
         return [Output() for _ in inputs]
 
-    monkeypatch.setattr(prefetch, "_SIDE_STREAMS", {})
+    monkeypatch.setattr(streams, "_SIDE_STREAMS", {})
     monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: Stream("decode"))
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[-1])
     monkeypatch.setattr(torch.cuda, "stream", Context)
@@ -495,7 +496,7 @@ def test_a_worker_process_imports_neither_lightning_nor_torchvision() -> None:
     import sys
 
     code = (
-        "import sys, lightning_fastdata.loader, lightning_fastdata.pipeline;"  # pipeline: the worker_init_fn's home
+        "import sys, lightning_fastdata.pipeline.kernel, lightning_fastdata.pipeline.processes;"  # the worker_init_fn
         " print(sorted({'lightning', 'torchvision'} & set(sys.modules)))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)

@@ -1,4 +1,4 @@
-"""Tests for ``lightning_fastdata.resumable``: sampler and loader state, then real runs killed and resumed."""
+"""Tests for ``lightning_fastdata.pipeline.resume``: sampler and loader state, then real runs killed and resumed."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorData
 
 from lightning_fastdata import FastImageDataModule
 from lightning_fastdata.pipeline import FastLoader
-from lightning_fastdata.resumable import ResumableSampler
+from lightning_fastdata.pipeline.resume import ResumableSampler
 
 SCRIPT = Path(__file__).with_name("resume_script.py")
 

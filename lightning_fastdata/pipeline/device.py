@@ -1,0 +1,147 @@
+"""The device stage: batch N+1 copied to the GPU on a side CUDA stream while batch N computes, then made model input.
+
+The handshake is apex's ``data_prefetcher``: copies (and the uint8 -> float normalization) are issued on one
+persistent side stream per device (:func:`~lightning_fastdata.pipeline.streams.side_stream`) — never one per epoch,
+which grows memory (timm issue 2781) — the compute stream waits on the side stream before a batch is handed out, and
+``record_stream`` tells the caching allocator that the compute stream uses those tensors.
+
+The look-ahead lives in a :class:`~torch.utils.data.DataLoader` subclass's iterator (the package's own
+:class:`~lightning_fastdata.pipeline.factory.FastLoader`, or :class:`~lightning_fastdata.DevicePrefetchLoader`
+around one's own dataset). Lightning still sees a real DataLoader, so everything it does with loaders keeps working
+unchanged: the sampler stays reachable for ``set_epoch`` (and for injection, when Lightning injects one), ``len()``
+and ``limit_train_batches`` use the loader's length, Lightning's own one-batch look-ahead still detects the last
+batch, and checkpoint/resume treats it as any loader. A batch-hook cannot overlap anything (Lightning calls
+``transfer_batch_to_device`` only when the step is about to start), and replacing the loop's data fetcher would
+reach into private Trainer state.
+
+:class:`DeviceStage` runs on the side stream right after each copy: ``uint8`` images to normalized floats of the
+model's dtype, still-encoded JPEGs (``decode="device"``) decoded by nvJPEG first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_fastdata.errors import CorruptRecordError
+from lightning_fastdata.pipeline.device_decode import EncodedImages, encoded_batch_to_images
+from lightning_fastdata.pipeline.streams import side_stream
+from lightning_fastdata.transforms import Normalizer
+
+
+class DeviceStage:
+    """The last stage: a batch's images, ``uint8`` or still encoded, to model input on the device.
+
+    ``uint8`` images become normalized floats of ``dtype`` (``channels_last`` if asked); still-encoded ones
+    (``decode="device"``) are decoded, cropped and resized on the device first; floats already normalized by the
+    loader threads only take ``dtype`` where it differs. Anything else passes through, as do the batch's other
+    elements. Constants live on the device (:class:`~lightning_fastdata.transforms.Normalizer` caches them): nothing
+    here waits for the device.
+
+    Runs on the side stream right after each copy when the loader looks ahead (``FastLoader(on_device=...)``), else
+    in ``FastImageDataModule.on_after_batch_transfer``.
+
+    Args:
+        normalizer: the mean and std.
+        dtype: the model's input dtype.
+        channels_last: batches in ``channels_last`` memory.
+        device: where still-encoded images are decoded.
+        image_size: the side of decoded crops.
+        skip: called with the error of a still-encoded image that fails to decode (then left out); ``None``: raise.
+
+    """
+
+    def __init__(
+        self,
+        normalizer: Normalizer,
+        dtype: torch.dtype = torch.float32,
+        channels_last: bool = False,
+        device: torch.device | None = None,
+        image_size: int | None = None,
+        skip: Callable[[CorruptRecordError], None] | None = None,
+    ) -> None:
+        self.normalizer = normalizer
+        self.dtype = dtype
+        self.channels_last = channels_last
+        self.device = device
+        self.image_size = image_size
+        self.skip = skip
+
+    def __call__(self, batch: Any) -> Any:
+        """The batch with its first element, the images, as model input."""
+        if not isinstance(batch, (tuple, list)) or not batch:
+            return batch
+        first = batch[0]
+        if isinstance(first, EncodedImages):
+            if self.device is None or self.image_size is None:
+                raise ValueError("Still-encoded images need `DeviceStage(device=..., image_size=...)` to decode.")
+            return encoded_batch_to_images(batch, self.image_size, self.device, self._finish, skip=self.skip)
+        if not isinstance(first, torch.Tensor):
+            return batch
+        if first.dtype == torch.uint8:
+            images = self.normalizer.batch(first, self.dtype, self.channels_last)
+        elif first.is_floating_point() and first.dtype != self.dtype:  # normalized by the loader threads
+            images = first.to(self.dtype)
+        else:
+            return batch
+        return type(batch)([images, *batch[1:]]) if isinstance(batch, list) else (images, *batch[1:])
+
+    def _finish(self, images: torch.Tensor) -> torch.Tensor:
+        """Decoded float images in 0-255 -> normalized ``dtype``."""
+        return self.normalizer.float_(images, self.dtype, self.channels_last)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(dtype={self.dtype}, channels_last={self.channels_last}, device={self.device})"
+
+
+def _apply(batch: Any, fn: Callable[[Tensor], Any]) -> Any:
+    """``fn`` on every tensor of a batch (Lightning's ``apply_to_collection``).
+
+    Imported where it is used: worker processes import this module to unpickle a batch reader, and importing
+    Lightning costs them seconds.
+    """
+    from lightning.fabric.utilities.apply_func import apply_to_collection
+
+    return apply_to_collection(batch, Tensor, fn)
+
+
+def _to_device(batch: Any, device: torch.device) -> Any:
+    """Every tensor in the batch to ``device``, asynchronously (pinned sources copy without blocking the host)."""
+    return _apply(batch, lambda t: t.to(device, non_blocking=True))
+
+
+def _record_stream(batch: Any, stream: Any) -> None:
+    """Tell the caching allocator that ``stream`` uses the batch's tensors (they were allocated on the side stream)."""
+    _apply(batch, lambda t: t.record_stream(stream) if t.is_cuda else None)
+
+
+def prefetch_to_device(
+    batches: Iterator[Any], device: torch.device, on_device: Callable[[Any], Any] | None = None
+) -> Iterator[Any]:
+    """Yield the batches of ``batches`` on ``device``, each copied (and transformed) one step ahead on a side stream.
+
+    Args:
+        batches: host batches, ideally in pinned memory.
+        device: a CUDA device.
+        on_device: applied to each batch on the side stream after the copy (e.g. uint8 -> normalized float).
+
+    """
+    stream = side_stream(device)
+    pending: Any = None
+    has_pending = False
+    for host_batch in batches:
+        with torch.cuda.stream(stream):
+            ready = _to_device(host_batch, device)
+            if on_device is not None:
+                ready = on_device(ready)
+        if has_pending:
+            yield pending  # batch N computes while the side stream copies batch N + 1
+        compute = torch.cuda.current_stream(device)
+        compute.wait_stream(stream)  # the step that uses `ready` starts after its copy
+        _record_stream(ready, compute)
+        pending, has_pending = ready, True
+    if has_pending:
+        yield pending
