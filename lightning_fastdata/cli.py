@@ -235,7 +235,8 @@ def _synth(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     import json
 
-    from lightning_fastdata.tuning import plot_sweep, sweep, sweep_dataset
+    from lightning_fastdata.bench import sweep_dataset
+    from lightning_fastdata.tuning import plot_sweep, sweep
 
     source, kind = sweep_dataset(args.data, args.image_size, engine=args.engine)
     if kind == "database":  # the training loader as `fit` builds it

@@ -364,67 +364,6 @@ class TuneCache:
             raise
 
 
-class TrainingLoaders:
-    """The training loaders of a :class:`~lightning_fastdata.FastImageDataModule`, one per configuration.
-
-    What ``lightning-fastdata bench`` times for a database: the loader ``fit`` builds (the batch path, its engine, and
-    on CUDA the copy to the device and the normalization there), with the configuration's workers and batch size.
-    ``len()`` is the number of training samples.
-    """
-
-    def __init__(self, datamodule: Any) -> None:
-        self.datamodule = datamodule
-
-    def __call__(self, config: LoaderConfig) -> Iterable[Any]:
-        """The training loader with ``config``."""
-        return self.datamodule.tuning_loader(config)
-
-    def __len__(self) -> int:
-        if self.datamodule.train_dataset is None:
-            self.datamodule.setup("fit")
-        return len(self.datamodule.train_dataset)
-
-
-def sweep_dataset(
-    data: str | os.PathLike[str], image_size: int = 224, engine: str = "threads"
-) -> tuple[Dataset | TrainingLoaders, str]:
-    """What ``lightning-fastdata bench`` measures, and its kind.
-
-    A database is timed through FastImageDataModule's training loader (``engine``, the batch path, and the device
-    step on CUDA: :class:`TrainingLoaders`), an image folder through torchvision's ``ImageFolder`` with the standard
-    transforms (RandomResizedCrop, flip, ToTensor, Normalize).
-    """
-    from lightning_fastdata.store import format as _format
-    from lightning_fastdata.store.sources import image_folder, train_folder
-
-    path = Path(data).expanduser()
-    if not path.exists():
-        raise FileNotFoundError(
-            f"`data` {str(path)!r} does not exist. Pass an image folder or a database made by `lightning-fastdata"
-            " convert`."
-        )
-    if (path / _format.DATA_FILE).is_file():
-        from lightning_fastdata.datamodule import FastImageDataModule
-
-        datamodule = FastImageDataModule(str(path), image_size=image_size, engine=engine, val_fraction=0)  # type: ignore[arg-type]
-        return TrainingLoaders(datamodule), "database"
-    if not path.is_dir():
-        raise FileNotFoundError(f"`data` {str(path)!r} is neither a database nor an image folder.")
-    from torchvision import transforms
-
-    from lightning_fastdata.transforms import IMAGENET_MEAN, IMAGENET_STD
-
-    standard = transforms.Compose(
-        [
-            transforms.RandomResizedCrop(image_size),
-            transforms.RandomHorizontalFlip(),
-            transforms.ToTensor(),
-            transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD),
-        ]
-    )
-    return image_folder(train_folder(path), transform=standard), "image folder"
-
-
 def plot_sweep(result: SweepResult, path: str | os.PathLike[str]) -> None:
     """Images/s against ``num_workers``, one line per batch size, the pick marked (needs matplotlib)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg

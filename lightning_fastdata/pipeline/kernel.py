@@ -2,7 +2,7 @@
 
 This is step 3 of the batch path; :mod:`lightning_fastdata.pipeline` follows a sample's whole trip, from its
 database record to a batch on the device, and :func:`~lightning_fastdata.pipeline.factory.create_loader` builds the
-loader that runs it (:class:`~lightning_fastdata.pipeline.factory.FastLoader`, also importable from here).
+loader that runs it (:class:`~lightning_fastdata.pipeline.factory.FastLoader`).
 
 1. **Records.** The batch's records are read in one LMDB transaction (the environment opened lazily in the process
    that reads, checksums verified) and decoded straight from the memory map (libjpeg-turbo through ``simplejpeg``).
@@ -366,13 +366,3 @@ class KeyedIndices(list):
     def __init__(self, indices: Sequence[int], key: AugmentKey) -> None:
         super().__init__(indices)
         self.key = key
-
-
-def __getattr__(name: str) -> Any:
-    # `FastLoader`, the loader that runs this reader, lives in `pipeline.factory`; imported on first use, as
-    # `factory` imports this module
-    if name == "FastLoader":
-        from lightning_fastdata.pipeline.factory import FastLoader
-
-        return FastLoader
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
