@@ -34,6 +34,16 @@ class _FakeStream:
         pass
 
 
+class FakeEvent:
+    """A CUDA event whose work has always completed: ``record`` does nothing, ``query`` says done."""
+
+    def record(self, stream: Any = None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
 def patch_cuda_streams(monkeypatch: Any) -> None:
     """CUDA streams patched so a loader's device look-ahead runs on the CPU (copies are the identity)."""
     from lightning_fastdata.pipeline import device, streams
@@ -44,4 +54,5 @@ def patch_cuda_streams(monkeypatch: Any) -> None:
     monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: compute)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
     monkeypatch.setattr(device, "_to_device", lambda batch, device: batch)

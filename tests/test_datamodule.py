@@ -362,11 +362,13 @@ def test_loader_defaults_and_pass_through(
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     dm = _dm(split_root, shared_cache, num_workers=0)
     loader = dm.train_dataloader()
-    assert loader.pin_memory is False
+    assert loader.page_locked is False
     assert loader.persistent_workers is False  # no workers to keep
 
     dm.trainer = fake_trainer("cuda")
-    assert dm.train_dataloader().pin_memory is True  # training on CUDA pins by default
+    loader = dm.train_dataloader()
+    assert loader.page_locked is True  # training on CUDA pins by default: the batch slots, once
+    assert loader.pin_memory is False  # so torch runs no pin-memory thread copying each batch again
 
     dm = _dm(split_root, shared_cache, num_workers=2, prefetch_factor=3)
     loader = dm.train_dataloader()
@@ -374,14 +376,14 @@ def test_loader_defaults_and_pass_through(
 
     dm = _dm(split_root, shared_cache, num_workers=1, prefetch_factor=3, engine="processes")
     loader = dm.train_dataloader()
-    assert loader.pin_memory is False
+    assert loader.page_locked is False
     assert loader.persistent_workers is True
     assert loader.prefetch_factor == 3
     assert loader.worker_init_fn is not None
 
     dm = _dm(split_root, shared_cache, num_workers=1, pin_memory=True, persistent_workers=False, engine="processes")
     loader = dm.val_dataloader()
-    assert loader.pin_memory is True
+    assert loader.page_locked is True
     assert loader.persistent_workers is False
     assert loader.prefetch_factor == 2  # PyTorch's default
 

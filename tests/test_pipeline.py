@@ -33,7 +33,8 @@ def test_create_loader_sets_up_each_engine(dataset: LmdbImageDataset, engine: An
     assert isinstance(loader.dataset, BatchReader)
     assert loader.dataset.fused
     assert (loader.engine, loader.workers, loader.batch_size) == (engine, 2, 4)
-    assert loader.pin_memory
+    assert loader.page_locked  # the batch slots, page-locked once (no pin-memory thread: `pin_memory` is off)
+    assert not loader.pin_memory
     if engine == "threads":
         assert (loader.num_workers, loader.threads, loader.prefetch_batches) == (0, 2, 6)
         assert loader.dataset.pin_memory  # the threads build batches in page-locked memory

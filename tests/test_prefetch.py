@@ -18,7 +18,7 @@ from unittest.mock import Mock
 
 import pytest
 import torch
-from fakes import fake_trainer
+from fakes import FakeEvent, fake_trainer
 from lightning.pytorch import LightningModule, Trainer
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
@@ -117,6 +117,7 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch, side_streams: dict[tuple[str, int
     monkeypatch.setattr(torch.cuda, "stream", cuda.stream)
     monkeypatch.setattr(torch.cuda, "current_stream", cuda.current_stream)
     monkeypatch.setattr(torch.cuda, "current_device", cuda.current_device)
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
     return cuda
 
 
@@ -388,7 +389,7 @@ def test_datamodule_on_cuda_prefetches_by_default(database: Path) -> None:
         assert isinstance(stage, DeviceStage)
         assert stage.normalizer is dm.normalizer
         assert (stage.dtype, stage.channels_last, stage.device) == (torch.float32, False, torch.device("cuda", 0))
-        assert loader.pin_memory  # asynchronous copies need page-locked batches
+        assert loader.page_locked  # asynchronous copies need page-locked batches: the slots, locked once
         assert isinstance(loader.sampler, DistributedSampler)
     assert len(dm.train_dataloader()) == TRAIN_SIZE // 4
     assert len(dm.val_dataloader()) == VAL_SIZE // 4
@@ -420,7 +421,8 @@ def test_datamodule_batches_through_patched_prefetch(
         assert images.dtype == torch.float32  # normalized on the side stream already
         torch.testing.assert_close(images, want_images)
         assert torch.equal(labels, want_labels)
-    assert fake_cuda.log.count("enter side0") == len(got)
+    # each batch on the side stream twice: its slot copied to the device, then the device stage
+    assert fake_cuda.log.count("enter side0") == 2 * len(got)
 
 
 class _EpochRecorder(LightningModule):

@@ -220,7 +220,7 @@ def advise(
             f"the {workers} loader threads use the whole budget, and their Python work per image shares the"
             " training process's GIL with the training step: try engine='processes'"
         )
-    if cuda and not loader.pin_memory:
+    if cuda and not getattr(loader, "page_locked", loader.pin_memory):
         advice.append("pin_memory is off while training on CUDA; set pin_memory=True for asynchronous copies")
     if engine == "processes" and not loader.persistent_workers and steps_per_epoch(epochs) and trainer.max_epochs != 1:
         first_waits = [wait_ms[i] for i in epoch_starts(epochs)]

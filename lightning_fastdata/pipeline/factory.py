@@ -6,6 +6,8 @@ follows a sample through them, from its database record to a batch on the device
 
 from __future__ import annotations
 
+import itertools
+import logging
 import random
 from collections.abc import Callable, Iterator
 from typing import Any, Literal
@@ -15,13 +17,22 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from lightning_fastdata.pipeline.device import DeviceStage, prefetch_to_device
 from lightning_fastdata.pipeline.kernel import BatchReader, KeyedIndices, Output, _batch_as_is
-from lightning_fastdata.pipeline.processes import _worker_init
+from lightning_fastdata.pipeline.processes import _worker_init, shared_slots
 from lightning_fastdata.pipeline.resume import ResumableSampler, batches_per_epoch, position_state, restore_position
-from lightning_fastdata.pipeline.threads import threaded_batches
+from lightning_fastdata.pipeline.slots import SlotPool
+from lightning_fastdata.pipeline.threads import private_slots, threaded_batches
 from lightning_fastdata.skipping import SkipCounter
 from lightning_fastdata.transforms import Normalizer
 
 Engine = Literal["threads", "processes"]
+
+#: images per task sent to a worker process: a task of one batch of 64 costs the training process about as much
+#: torch-side (queues, pickling, a wake-up on a cold cache) as the 5 us per image it may spend in all; batches of
+#: fewer images go out several to a task (`FastLoader._task_batches`), at most `TASK_BATCHES`
+TASK_IMAGES = 256
+TASK_BATCHES = 4
+
+log = logging.getLogger(__name__)
 
 
 def create_loader(
@@ -171,18 +182,39 @@ class FastLoader(DataLoader):
         self.limit_batches = limit_batches
         self._handed_out = 0
         self._resume_at = 0
+        #: what a batch slot holds, when batches are built into slots (the fused path): see `_slot_pool`
+        self._slot_layout = (
+            dataset.slot_layout(self.batch_size) if isinstance(dataset, BatchReader) and self.batch_size else None
+        )
+        self._slots: SlotPool | None = None
+        self._threads_instead = False
+        #: whether host batches are page-locked: their slots, once, or else each batch by torch's pin-memory thread
+        self.page_locked = bool(self.pin_memory)
+        if self._slot_layout is not None:
+            self.pin_memory = False  # no pin-memory thread: no copy of each batch, no thread taking the GIL
+        #: batches per task sent to a worker process (one for the other engines)
+        self._task_batches = (
+            min(TASK_BATCHES, -(-TASK_IMAGES // self.batch_size))
+            if self._slot_layout is not None and self.num_workers > 0 and self.batch_size
+            else 1
+        )
 
     @property
     def engine(self) -> str:
-        """Where batches are built: ``"threads"``, ``"processes"`` or ``"main"`` (the calling thread)."""
-        if self.num_workers > 0:
+        """Where batches are built: ``"threads"``, ``"processes"`` or ``"main"`` (the calling thread).
+
+        Worker processes whose batch slots could not be reserved give way to as many threads (logged once).
+        """
+        if self.num_workers > 0 and not self._threads_instead:
             return "processes"
-        return "threads" if self.threads > 0 and isinstance(self.dataset, BatchReader) else "main"
+        return "threads" if self.workers > 0 and isinstance(self.dataset, BatchReader) else "main"
 
     @property
     def workers(self) -> int:
         """Threads or worker processes building batches (``0``: the calling thread builds them)."""
-        return self.num_workers if self.num_workers > 0 else (self.threads if self.engine == "threads" else 0)
+        if self.num_workers > 0:
+            return self.num_workers
+        return self.threads if isinstance(self.dataset, BatchReader) else 0
 
     @property
     def prefetching(self) -> bool:
@@ -198,20 +230,99 @@ class FastLoader(DataLoader):
         """One epoch: index batches -> engine -> device (copy, then the device stage) -> counted as handed out."""
         return self._counted() if self.resumable else self._stages()
 
+    @property
+    def slot_misses(self) -> int:
+        """Batches built in fresh memory because no batch slot was free (the loop kept batches alive)."""
+        return self._slots.misses if self._slots is not None else 0
+
     def _stages(self) -> Iterator[Any]:
-        # 1. index batches, keyed with the epoch's (seed, epoch): `_index_sampler`, which torch's iterators read too
-        # 2-3. the engine builds each batch whole, record to pixels, with `BatchReader.read_batch`
+        # 1. index batches, keyed with the epoch's (seed, epoch) and each given a free slot: `_index_sampler`, which
+        #    torch's iterators read too
+        slots = self._slot_pool()
+        # 2-3. the engine builds each batch whole, record to pixels, into its slot (`BatchReader.__getitems__`)
         if self.engine == "threads":
             assert isinstance(self.dataset, BatchReader)
-            ahead = self.prefetch_batches or 2 * self.threads
-            batches = threaded_batches(iter(self._index_sampler), self.dataset.read_batch, self.threads, ahead)
+            release = (lambda indices: slots.release(getattr(indices, "slot", None))) if slots is not None else None
+            ahead = self.prefetch_batches or (self.prefetch_factor or 2) * self.workers
+            batches = threaded_batches(
+                iter(self._index_sampler), self.dataset.__getitems__, self.workers, ahead, release
+            )
         else:
             batches = super().__iter__()  # torch's: the calling thread, or worker processes (kept between epochs)
-        # 4. to the device one step ahead on the side stream, and the device stage there
+        # 4. slots to tensors: views handed out, or copies to the device one step ahead on the side stream; then the
+        #    device stage there
+        if slots is not None:
+            batches = slots.receive(batches, self.device if self.prefetching else None)
         if self.prefetching:
             assert self.device is not None
             batches = prefetch_to_device(batches, self.device, self.on_device)
         return batches
+
+    def _ahead(self) -> int:
+        """Batches in flight: on the threads, to worker processes, or one on the calling thread.
+
+        With those just received: one batch on threads; for worker processes a whole task, since torch sends the next
+        task out before the batches of the one it received are handed out.
+        """
+        if self.engine == "threads":
+            return (self.prefetch_batches or (self.prefetch_factor or 2) * self.workers) + 1
+        if self.engine == "processes":
+            return (self.num_workers * self._tasks_ahead() + 1) * self._task_batches
+        return 2
+
+    def _tasks_ahead(self) -> int:
+        """Tasks in flight per worker process: ``prefetch_factor`` batches, rounded up to whole tasks."""
+        return -(-(self.prefetch_factor or 2) // self._task_batches)
+
+    def _get_iterator(self) -> Any:
+        # torch counts `prefetch_factor` in tasks, each of `_task_batches` batches here: it reads the attribute as it
+        # makes its iterator, which keeps the count for its life (persistent workers)
+        if self._task_batches == 1 or self.num_workers == 0 or self._threads_instead:
+            return super()._get_iterator()
+        batches_ahead = self.prefetch_factor
+        self.prefetch_factor = self._tasks_ahead()
+        try:
+            return super()._get_iterator()
+        finally:
+            self.prefetch_factor = batches_ahead
+
+    def _slot_pool(self) -> SlotPool | None:
+        """The batch slots of the engine about to run: made once, or for worker processes once per set of workers.
+
+        Persistent workers keep theirs (and the slots) across epochs; otherwise torch starts workers per epoch and
+        they get fresh slots, while the previous set keeps its own until it stops. Worker processes find the slots
+        on the batch reader: forked ones inherit them, spawned ones receive their file descriptor.
+        """
+        layout = self._slot_layout
+        if layout is None:
+            return None
+        processes = self.engine == "processes"
+        if self._slots is not None and (not processes or (self.persistent_workers and self._iterator is not None)):
+            return self._slots
+        pool = None
+        if processes:
+            try:
+                pool = shared_slots(layout, self._ahead())
+            except OSError as err:
+                self._threads_instead = True
+                log.warning(
+                    "engine='processes' could not reserve the shared memory of its batch slots: %s. Batches are built"
+                    " on %d threads in this process instead, which need no shared memory. To use worker processes,"
+                    " give the process more memory (a container's memory limit), or lower `batch_size`,"
+                    " `num_workers` or `prefetch_factor`.",
+                    err,
+                    self.num_workers,
+                )
+        if pool is None:
+            pool = private_slots(layout, self._ahead())
+        if self.page_locked and self.prefetching:
+            reason = pool.pin()
+            if reason is not None:
+                log.warning("Batch slots stay pageable (%s): copies to the GPU will not overlap computation.", reason)
+        assert isinstance(self.dataset, BatchReader)
+        self.dataset.slots = pool.memory
+        self._slots = pool
+        return pool
 
     def _counted(self) -> Iterator[Any]:
         # 5. A generator: nothing below runs until the first batch is asked for. Lightning creates the iterator before
@@ -231,7 +342,10 @@ class FastLoader(DataLoader):
         # What every engine draws index batches from (torch's DataLoader iterators read this property): for a
         # BatchReader, batches keyed with the epoch's augmentation key.
         if isinstance(self.dataset, BatchReader) and self.batch_sampler is not None:
-            return _KeyedBatches(self.batch_sampler, self.sampler)
+            processes = self.engine == "processes"
+            return _KeyedBatches(
+                self.batch_sampler, self.sampler, self._slots, processes, self._task_batches if processes else 1
+            )
         return super()._index_sampler
 
     def batches_per_epoch(self) -> int:
@@ -250,17 +364,31 @@ class FastLoader(DataLoader):
 
 
 class _KeyedBatches:
-    """A loader's batch sampler, each batch keyed with the epoch's ``(seed, epoch)``.
+    """A loader's batch sampler, each batch keyed with the epoch's ``(seed, epoch)`` and given a free batch slot.
 
     The key is read when an epoch's iteration starts, after Lightning's ``set_epoch``: the sampler's ``seed`` and
-    ``epoch`` (a ``DistributedSampler``), or else a seed drawn from :mod:`random` for the epoch. It holds the samplers,
-    not the loader: an iterator that kept its loader alive would be freed only by the garbage collector, and worker
-    processes would stop late.
+    ``epoch`` (a ``DistributedSampler``), or else a seed drawn from :mod:`random` for the epoch. A slot is taken as
+    each batch is sent to be built (torch's iterators draw one index batch per batch they dispatch), ``None`` when
+    none is free. It holds the samplers and the slots, not the loader: an iterator that kept its loader alive would
+    be freed only by the garbage collector, and worker processes would stop late.
+
+    For worker processes the slots sent but never received (an epoch left part-way) are freed when the next epoch
+    starts: torch has by then waited for every batch its persistent workers were building.
     """
 
-    def __init__(self, batch_sampler: Any, sampler: Any) -> None:
+    def __init__(
+        self,
+        batch_sampler: Any,
+        sampler: Any,
+        slots: SlotPool | None = None,
+        to_processes: bool = False,
+        per_task: int = 1,
+    ) -> None:
         self.batch_sampler = batch_sampler
         self.sampler = sampler
+        self.slots = slots
+        self.to_processes = to_processes
+        self.per_task = per_task
 
     def __len__(self) -> int:
         return len(self.batch_sampler)
@@ -271,5 +399,17 @@ class _KeyedBatches:
             key = (int(sampler.seed), int(sampler.epoch))
         else:
             key = (random.getrandbits(63), 0)
-        for indices in self.batch_sampler:
-            yield KeyedIndices(indices, key)
+        slots = self.slots
+        if slots is None:
+            for indices in self.batch_sampler:
+                yield KeyedIndices(indices, key)
+            return
+        if self.to_processes:
+            slots.reclaim()
+        take, capacity = slots.send if self.to_processes else slots.acquire, slots.layout.batch_size
+        batches = (KeyedIndices(i, key, take() if len(i) <= capacity else None) for i in self.batch_sampler)
+        if self.per_task == 1:
+            yield from batches
+            return
+        while task := list(itertools.islice(batches, self.per_task)):
+            yield task

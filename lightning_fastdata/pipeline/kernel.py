@@ -21,7 +21,6 @@ the device.
 from __future__ import annotations
 
 import random
-import sys
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
@@ -35,6 +34,7 @@ from lightning_fastdata._fast_path import inherits
 from lightning_fastdata.errors import FastDataError, SampleError
 from lightning_fastdata.keyed_random import AugmentKey, sample_key
 from lightning_fastdata.pipeline.device_decode import collate_encoded, encoded_sample
+from lightning_fastdata.pipeline.slots import Batches, SlotBatch, SlotLayout, SlotMemory
 from lightning_fastdata.skipping import SkipCounter
 from lightning_fastdata.store.format import RecordHeader
 from lightning_fastdata.store.reader import LmdbImageDataset, collate_labels
@@ -49,48 +49,6 @@ def _split_view(dataset: Dataset) -> tuple[Dataset, np.ndarray | None]:
     if isinstance(inner, LmdbImageDataset) and indices is not None:
         return inner, np.asarray(indices, dtype=np.int64)
     return dataset, None
-
-
-class _BufferPool:
-    """Batch buffers reused once nothing refers to them any more: no page faults and no zeroing per batch.
-
-    A fresh 38 MB float32 batch costs thousands of page faults and a kernel memset on first touch, about as much as
-    normalizing it. A buffer handed out as a tensor (``torch.from_numpy``) is referenced by that tensor's storage,
-    and by every view of it, until the consumer drops the last one; then its reference count falls back to the pool's
-    own and it is reused. Buffers being filled are reserved, so two threads never share one.
-    """
-
-    #: references to a free buffer seen by ``sys.getrefcount`` in :meth:`take`: the list, the loop variable, the call
-    _FREE_REFS = 3
-
-    def __init__(self, limit: int = 16) -> None:
-        self.limit = limit
-        self._buffers: list[np.ndarray] = []
-        self._reserved: set[int] = set()
-        self._lock = threading.Lock()
-
-    def take(self, shape: tuple[int, ...], dtype: type) -> np.ndarray:
-        """A free buffer of ``shape`` and ``dtype`` (a new one when none is free), reserved until :meth:`release`."""
-        with self._lock:
-            for buffer in self._buffers:
-                if (
-                    buffer.shape == shape
-                    and buffer.dtype == dtype
-                    and id(buffer) not in self._reserved
-                    and sys.getrefcount(buffer) == self._FREE_REFS
-                ):
-                    self._reserved.add(id(buffer))
-                    return buffer
-            buffer = np.empty(shape, dtype=dtype)
-            if len(self._buffers) < self.limit:  # a consumer that keeps every batch gets fresh ones past the limit
-                self._buffers.append(buffer)
-                self._reserved.add(id(buffer))
-            return buffer
-
-    def release(self, buffer: np.ndarray) -> None:
-        """The buffer is now referenced by the batch handed out; it is free again once that batch is dropped."""
-        with self._lock:
-            self._reserved.discard(id(buffer))
 
 
 def _batch_as_is(batch: Any) -> Any:
@@ -156,8 +114,9 @@ class BatchReader(Dataset):
                 " pipelines."
             )
         self.transform = transform if self.fused or output == "encoded" else None
+        #: where batches whose indices carry a slot go (:mod:`~lightning_fastdata.pipeline.slots`): set by the loader
+        self.slots: SlotMemory | None = None
         self._scratch = threading.local()
-        self._pool = _BufferPool()
 
     def __len__(self) -> int:
         return len(self.dataset)  # type: ignore[arg-type]
@@ -166,9 +125,41 @@ class BatchReader(Dataset):
         """One sample, as the wrapped dataset gives it."""
         return self.dataset[index]
 
+    def slot_layout(self, batch_size: int) -> SlotLayout | None:
+        """What one batch slot of this reader holds, for batches of ``batch_size``.
+
+        ``None`` when batches are not built into slots: the per-sample path (a transform or dataset of one's own) and
+        still-encoded images (``decode="device"``).
+        """
+        if not self.fused or self.output == "encoded":
+            return None
+        assert self.transform is not None
+        size = self.transform.size
+        if self.output == "uint8":
+            return SlotLayout(batch_size, (size, size, 3), "uint8")
+        return SlotLayout(batch_size, (size, size, 3) if self.channels_last else (3, size, size), "float32")
+
     def __getitems__(self, indices: Sequence[int]) -> Any:
-        """A whole batch (what a DataLoader worker process calls)."""
-        return self.read_batch(indices)
+        """A whole batch, what the engines call: built in the slot its indices carry, if they carry one.
+
+        A list of :class:`KeyedIndices` is a task of several batches (worker processes are sent a few at a time):
+        they are built in order and returned together as :class:`~lightning_fastdata.pipeline.slots.Batches`.
+
+        Into a slot (:class:`KeyedIndices` with a ``slot``, and :attr:`slots` set), the batch is a
+        :class:`~lightning_fastdata.pipeline.slots.SlotBatch`: the slot and the samples in it, all that goes back
+        from a worker process. Otherwise it is :meth:`read_batch`'s ``(images, labels)``.
+        """
+        if indices and type(indices[0]) is KeyedIndices:  # a task of several batches (the process engine)
+            return Batches(self.__getitems__(batch) for batch in indices)
+        slot, slots = getattr(indices, "slot", None), self.slots
+        if slot is None or slots is None or len(indices) > slots.layout.batch_size:
+            return self.read_batch(indices)
+        images = slots.images(slot, len(indices))
+        count, labels = self._fill(indices, getattr(indices, "key", None), images)
+        if all(type(label) is int for label in labels):  # class indices: into the slot too
+            slots.labels(slot, count)[:] = labels
+            return SlotBatch(slot, count)
+        return SlotBatch(slot, count, collate_labels(labels))
 
     def read_batch(self, indices: Sequence[int], seed: int | None = None) -> Any:
         """The batch of samples ``indices``: ``(images, labels)``, bad samples left out under the skip policy.
@@ -207,17 +198,23 @@ class BatchReader(Dataset):
     # -- the fused path --------------------------------------------------------------------------------------------
 
     def _read_fused(self, indices: Sequence[int], key: AugmentKey | None) -> tuple[Tensor, Any]:
-        """The fused path: read, crop boxes, then decode -> crop -> resize -> flip (-> normalize) into the batch.
+        """The fused path into fresh memory (no slot): see :meth:`_fill`."""
+        images = self._new_batch(len(indices))
+        count, labels = self._fill(indices, key, images.numpy())
+        return self._as_nchw(images[:count]), self._pin_labels(collate_labels(labels))
+
+    def _fill(self, indices: Sequence[int], key: AugmentKey | None, out: np.ndarray) -> tuple[int, list[Any]]:
+        """The fused path: read, crop boxes, then decode -> crop -> resize -> flip (-> normalize) into ``out``.
 
         Every record of the batch is read in one LMDB transaction and decoded straight from the memory map; the crop
-        boxes and flips are drawn for the whole batch at once (vectorized); each image then lands in its slot.
+        boxes and flips are drawn for the whole batch at once (vectorized); each image then lands in its place in
+        ``out`` (the batch's memory, in its stored shape), the kept ones first. Returns how many were kept, and their
+        labels.
         """
         base, transform = self.base, self.transform
         assert isinstance(base, LmdbImageDataset)
         assert transform is not None
         pairs = self._records(indices)
-        images = self._new_batch(len(pairs))
-        slots = images.numpy()  # one view of the whole batch: a slot per image without a tensor per image
         labels: list[Any] = []
         with base.records() as read:  # payloads are views of the memory map until this block ends
             found = self._each(pairs, lambda pair: (pair, *read(pair[1])))
@@ -225,14 +222,13 @@ class BatchReader(Dataset):
 
             def crop_into(item: tuple[tuple[tuple[int, int], RecordHeader, memoryview], Box, bool]) -> None:
                 ((_, record), header, payload), box, flip = item
-                self._crop_into(record, header, payload, box, flip, slots[len(labels)])
+                self._crop_into(record, header, payload, box, flip, out[len(labels)])
                 labels.append(header.label)
 
             self._each(list(zip(found, boxes, flips, strict=True)), crop_into)
         if base.target_transform is not None:
             labels = [base.target_transform(label) for label in labels]
-        images = images[: len(labels)]
-        return self._as_nchw(images), self._pin_labels(collate_labels(labels))
+        return len(labels), labels
 
     def _boxes(self, found: list[tuple[Any, ...]], key: AugmentKey | None) -> tuple[list[Box], list[bool]]:
         """The crop boxes and flips of the records ``found`` (``((index, record), header, ...)``), from their keys."""
@@ -302,25 +298,20 @@ class BatchReader(Dataset):
     # -- buffers ---------------------------------------------------------------------------------------------------
 
     def _new_batch(self, n: int) -> Tensor:
-        """The batch buffer: NHWC uint8 (or NCHW / NHWC float32), in shared memory inside a worker process."""
-        assert self.transform is not None
-        size = self.transform.size
-        if self.output == "uint8" or self.channels_last:
-            shape: tuple[int, ...] = (n, size, size, 3)
-        else:
-            shape = (n, 3, size, size)
-        dtype = torch.uint8 if self.output == "uint8" else torch.float32
+        """Fresh memory for a batch built without a slot: NHWC uint8 (or NCHW / NHWC float32).
+
+        In shared memory inside a worker process (PyTorch's, one segment per batch), page-locked when asked for and
+        CUDA is there, else NumPy's (which asks the kernel for huge pages: few page faults).
+        """
+        layout = self.slot_layout(n)
+        assert layout is not None
+        shape, dtype = (n, *layout.sample_shape), torch.uint8 if layout.dtype == "uint8" else torch.float32
         if get_worker_info() is not None:  # a worker process: the batch goes back through shared memory, uncopied
-            nbytes = int(np.prod(shape)) * (1 if dtype == torch.uint8 else 4)
-            storage = torch.UntypedStorage._new_shared(nbytes)
+            storage = torch.UntypedStorage._new_shared(layout.image_bytes)
             return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
         if self._pinned():  # torch's caching host allocator reuses pinned blocks safely
             return torch.empty(shape, dtype=dtype, pin_memory=True)
-        buffer = self._pool.take(shape, np.uint8 if dtype == torch.uint8 else np.float32)
-        try:
-            return torch.from_numpy(buffer)  # the tensor's storage holds the buffer until the batch is dropped
-        finally:
-            self._pool.release(buffer)
+        return torch.from_numpy(np.empty(shape, dtype=layout.dtype))
 
     def _pin_labels(self, labels: Any) -> Any:
         """Labels in page-locked memory when batches are: their copy to the GPU is asynchronous too."""
@@ -344,13 +335,14 @@ class BatchReader(Dataset):
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_scratch"] = state["_pool"] = None  # scratch and buffers stay in their process
+        state["_scratch"] = None  # scratch buffers stay in their process
+        if self.slots is not None and not self.slots.shared:
+            state["slots"] = None  # so do private slots (shared ones travel as their file descriptor)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._scratch = threading.local()
-        self._pool = _BufferPool()
 
     def __repr__(self) -> str:
         path = "fused" if self.fused else "per-sample"
@@ -358,11 +350,13 @@ class BatchReader(Dataset):
 
 
 class KeyedIndices(list):
-    """A batch's sample indices with the key its augmentation is drawn from: ``(seed, epoch)``.
+    """A batch's sample indices with the key its augmentation is drawn from, ``(seed, epoch)``, and its slot.
 
-    A list, so any dataset reads it as indices; it crosses to worker processes as one (pickled with its key).
+    A list, so any dataset reads it as indices; it crosses to worker processes as one (pickled with its key and
+    slot). ``slot``: the batch slot to build the batch in (:mod:`~lightning_fastdata.pipeline.slots`), or ``None``.
     """
 
-    def __init__(self, indices: Sequence[int], key: AugmentKey) -> None:
+    def __init__(self, indices: Sequence[int], key: AugmentKey, slot: int | None = None) -> None:
         super().__init__(indices)
         self.key = key
+        self.slot = slot

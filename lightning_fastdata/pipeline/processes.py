@@ -1,13 +1,33 @@
-"""The process engine (``engine="processes"``): batches built whole by DataLoader worker processes.
+"""The process engine (``engine="processes"``): batches built whole by DataLoader worker processes, into shared slots.
 
-torch's DataLoader runs the workers; each calls :meth:`BatchReader.__getitems__
-<lightning_fastdata.pipeline.kernel.BatchReader.__getitems__>` for a whole batch and hands it back in shared memory.
+torch's DataLoader runs the workers (start method, ``worker_init_fn``, persistent workers, a dead worker's error,
+timeouts); only what a worker returns is this package's. The training process owns a pool of batch slots in memory
+it shares with the workers (:mod:`~lightning_fastdata.pipeline.slots`), made once per set of workers and kept across
+epochs with persistent workers. Each batch's indices go out with a free slot; the worker decodes, crops and resizes
+straight into it (:meth:`BatchReader.__getitems__ <lightning_fastdata.pipeline.kernel.BatchReader.__getitems__>`)
+and sends back only ``(slot, count)``. The training process hands out a view of the slot, or its copy on the device,
+and frees the slot when that is done with: no shared-memory segment, page fault, pickled tensor or pin-memory copy
+per batch. A batch whose indices found no free slot (the loop kept many batches alive) goes through PyTorch's own
+shared memory, as a plain DataLoader's would.
+
 Workers import this module to unpickle the ``worker_init_fn``, so it imports neither Lightning nor torchvision.
 """
 
 from __future__ import annotations
 
 import torch
+
+from lightning_fastdata.pipeline.slots import SLOTS_HELD, SlotLayout, SlotMemory, SlotPool
+
+
+def shared_slots(layout: SlotLayout, ahead: int) -> SlotPool:
+    """The slots of one set of worker processes: one per batch in flight, and :data:`SLOTS_HELD` for the loop.
+
+    Raises:
+        OSError: the shared memory could not be reserved.
+
+    """
+    return SlotPool(SlotMemory(layout, ahead + SLOTS_HELD, shared=True))
 
 
 def _worker_init(worker_id: int) -> None:

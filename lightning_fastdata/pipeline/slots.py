@@ -1,0 +1,367 @@
+"""Batch slots: batch buffers made once and reused, each owned by exactly one party at a time.
+
+A slot is the memory of one batch: its images (up to ``batch_size`` samples of one shape and dtype) and its labels
+(``int64``). A :class:`SlotPool` owns a fixed number of them, made when the loader starts, and passes each one on
+explicitly:
+
+1. **free -> filling.** :meth:`SlotPool.acquire` gives a free slot to whoever builds the next batch: a loader thread,
+   or a DataLoader worker process, which is told its slot with the batch's indices.
+2. **filling -> handed out.** :meth:`SlotPool.hand_out` wraps the filled slot in tensors for the training loop. The
+   tensors' storage holds a view of the slot made for this hand-out alone, and a ``weakref.finalize`` on that view
+   frees the slot when the storage goes: when the last tensor sharing it (the batch, its slices and views, a
+   ``.numpy()`` of it) is gone, whenever and on whichever thread that happens.
+3. **or filling -> copying.** For a CUDA device, :meth:`SlotPool.to_device` copies the slot ``non_blocking`` on the
+   side stream and records an event; the slot is free once that event has completed, which ``acquire`` asks with
+   ``Event.query()`` (never a wait).
+
+No reference count is read anywhere (``sys.getrefcount`` counts borrowed references differently from one CPython
+version to the next). When no slot is free, ``acquire`` says so and that one batch is built in fresh memory: never a
+wait, and never a slot with two owners.
+
+The memory is private to the process (the threads engine) or shared with worker processes (the process engine):
+an anonymous ``memfd`` on Linux, reserved up front with ``posix_fallocate``, so nothing is ever named in
+``/dev/shm`` (nothing can be left behind there, whatever kills the process, and a container's small ``/dev/shm``
+does not limit it), and a shortage of memory is an ``OSError`` at start-up instead of a bus error mid-epoch.
+Forked workers inherit the mapping; spawned ones receive the descriptor when the batch reader is pickled for them.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import math
+import mmap
+import os
+import tempfile
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass
+from multiprocessing import reduction
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from lightning_fastdata.pipeline import device as stage  # the module: its copy is what the tests patch
+from lightning_fastdata.pipeline.streams import side_stream
+
+#: bytes between a slot's images and its labels, and between slots: cache-line (and page) aligned views
+_ALIGN = 64
+
+#: slots beyond those of the batches in flight and just received: the one Lightning's fetcher holds ahead, the one in
+#: the step, the one copied to the device ahead of it, and one to spare
+SLOTS_HELD = 4
+
+
+@dataclass(frozen=True)
+class SlotLayout:
+    """What one slot holds: ``batch_size`` samples of ``sample_shape`` and ``dtype`` (as stored), and their labels.
+
+    ``sample_shape`` is the memory order of one sample: ``(H, W, 3)`` for ``uint8`` and ``channels_last`` batches,
+    ``(3, H, W)`` for contiguous ``float32`` ones.
+    """
+
+    batch_size: int
+    sample_shape: tuple[int, ...]
+    dtype: str = "uint8"
+
+    @property
+    def image_bytes(self) -> int:
+        """Bytes of a full batch of images."""
+        return self.batch_size * math.prod(self.sample_shape) * np.dtype(self.dtype).itemsize
+
+    @property
+    def labels_offset(self) -> int:
+        """Where the labels start in a slot."""
+        return -(-self.image_bytes // _ALIGN) * _ALIGN
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of one slot, rounded up to a page: slots never share a page."""
+        end = self.labels_offset + 8 * self.batch_size
+        return -(-end // mmap.PAGESIZE) * mmap.PAGESIZE
+
+    @property
+    def channels_last(self) -> bool:
+        """Whether samples are stored HWC (handed out as NCHW views of NHWC memory)."""
+        return self.sample_shape[-1] == 3 and len(self.sample_shape) == 3
+
+
+class SlotMemory:
+    """The memory of ``count`` slots of ``layout``: private, or shared with worker processes (see the module notes).
+
+    What a worker needs to fill a slot, and all it receives: pickling a shared one sends its descriptor (spawn,
+    forkserver); a forked worker inherits it as it is.
+
+    Raises:
+        OSError: the memory could not be reserved (a memory limit), with the size that was asked for.
+
+    """
+
+    def __init__(self, layout: SlotLayout, count: int, shared: bool = False) -> None:
+        self.layout = layout
+        self.count = count
+        self.shared = shared
+        self._fd: int | None = None
+        nbytes = count * layout.slot_bytes
+        if not shared:
+            self._map = None
+            self.bytes = np.empty(nbytes, dtype=np.uint8)
+            return
+        fd = _anonymous_file()
+        try:
+            os.posix_fallocate(fd, 0, nbytes)  # the pages now, or ENOSPC / ENOMEM now: never a bus error later
+        except OSError as err:
+            os.close(fd)
+            raise OSError(
+                err.errno, f"reserving {nbytes / 2**20:.0f} MiB of shared memory failed: {err.strerror}"
+            ) from None
+        self._attach(fd)
+
+    def _attach(self, fd: int) -> None:
+        self._fd = fd
+        self._map = mmap.mmap(fd, self.count * self.layout.slot_bytes)
+        self.bytes = np.frombuffer(self._map, dtype=np.uint8)
+        weakref.finalize(self, os.close, fd)
+
+    def slot(self, slot: int) -> np.ndarray:
+        """The whole of slot ``slot``, as flat bytes (a new view each call)."""
+        size = self.layout.slot_bytes
+        return self.bytes[slot * size : (slot + 1) * size]
+
+    def images(self, slot: int, n: int | None = None) -> np.ndarray:
+        """The first ``n`` samples of slot ``slot`` (default: all of them), in their stored shape and dtype."""
+        layout = self.layout
+        n = layout.batch_size if n is None else n
+        nbytes = n * math.prod(layout.sample_shape) * np.dtype(layout.dtype).itemsize
+        return self.slot(slot)[:nbytes].view(layout.dtype).reshape(n, *layout.sample_shape)
+
+    def labels(self, slot: int, n: int | None = None) -> np.ndarray:
+        """The ``int64`` labels of slot ``slot``'s first ``n`` samples."""
+        layout = self.layout
+        n = layout.batch_size if n is None else n
+        start = layout.labels_offset
+        return self.slot(slot)[start : start + 8 * n].view(np.int64)
+
+    @property
+    def address(self) -> int:
+        """The address of the first byte (for page-locking)."""
+        return int(self.bytes.ctypes.data)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all slots."""
+        return int(self.bytes.nbytes)
+
+    def __reduce__(self) -> Any:
+        if not self.shared or self._fd is None:
+            raise TypeError("private batch slots stay in their process")
+        return _attach_shared, (self.layout, self.count, reduction.DupFd(self._fd))
+
+
+def _attach_shared(layout: SlotLayout, count: int, fd: Any) -> SlotMemory:
+    """A worker's side of :class:`SlotMemory`'s pickling: map the memory the descriptor names."""
+    memory = SlotMemory.__new__(SlotMemory)
+    memory.layout, memory.count, memory.shared = layout, count, True
+    memory._attach(fd.detach())
+    return memory
+
+
+def _anonymous_file() -> int:
+    """A descriptor of a file in memory that no path names: a ``memfd`` (Linux), else an unlinked temporary file."""
+    if hasattr(os, "memfd_create"):
+        return os.memfd_create("lightning_fastdata-slots", os.MFD_CLOEXEC)
+    where = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    fd, path = tempfile.mkstemp(prefix="lightning_fastdata-slots-", dir=where)
+    os.unlink(path)
+    return fd
+
+
+class SlotBatch(tuple):
+    """What a producer returns for a batch it built in a slot: ``(slot, count, labels)``.
+
+    All that crosses from a worker process to the training process: a few bytes, however large the batch. ``count``
+    is the samples in the slot (fewer than the batch's indices when bad samples were skipped); ``labels`` are the
+    labels when they are not class indices (those are in the slot), else ``None``. A tuple, so it unpickles without
+    running Python code.
+    """
+
+    __slots__ = ()
+
+    def __new__(cls, slot: int, count: int, labels: Any = None) -> SlotBatch:  # noqa: D102
+        return tuple.__new__(cls, (slot, count, labels))
+
+    def __getnewargs__(self) -> tuple[Any, ...]:
+        return tuple(self)
+
+    @property
+    def slot(self) -> int:
+        """The slot that holds the batch."""
+        return self[0]
+
+    @property
+    def count(self) -> int:
+        """Samples in it."""
+        return self[1]
+
+    @property
+    def labels(self) -> Any:
+        """Labels of another kind than class indices, else ``None``."""
+        return self[2]
+
+    def __repr__(self) -> str:
+        return f"SlotBatch(slot={self[0]}, count={self[1]})"
+
+
+class Batches(tuple):
+    """The batches of one task, in order: what a worker process returns when it is sent several batches at once."""
+
+    __slots__ = ()
+
+
+def _freed(free: collections.deque[int], slot: int, _owner: Any) -> None:
+    """The callback of a hand-out's weak reference: its view is gone, so is every tensor that used the slot."""
+    free.append(slot)
+
+
+class SlotPool:
+    """The owner of a :class:`SlotMemory`'s slots in the training process: who has each slot (module notes).
+
+    Args:
+        memory: the slots.
+
+    """
+
+    def __init__(self, memory: SlotMemory) -> None:
+        self.memory = memory
+        # appended by finalizers (any thread, any time) and popped by `acquire`: a deque does both atomically
+        self._free: collections.deque[int] = collections.deque(range(memory.count))
+        self._copying: collections.deque[tuple[Any, int]] = collections.deque()
+        #: slots given to a worker process whose batch has not come back yet
+        self._in_flight: set[int] = set()
+        self._pinned = False
+        #: batches built in fresh memory because no slot was free
+        self.misses = 0
+        layout = memory.layout  # read once: `hand_out` runs per batch, on a cold cache between training steps
+        self._sample_shape, self._dtype, self._slot_bytes = (
+            layout.sample_shape,
+            np.dtype(layout.dtype),
+            layout.slot_bytes,
+        )
+        self._channels_last = layout.channels_last
+        self._owners: list[weakref.ref | None] = [None] * memory.count
+        self._on_release = [functools.partial(_freed, self._free, slot) for slot in range(memory.count)]
+        self._labels = [memory.labels(slot) for slot in range(memory.count)]
+
+    @property
+    def layout(self) -> SlotLayout:
+        """What one slot holds."""
+        return self.memory.layout
+
+    def acquire(self) -> int | None:
+        """A free slot, now owned by the caller; ``None`` (and one more :attr:`misses`) when none is free."""
+        copying = self._copying
+        while copying and copying[0][0].query():  # copies to the device that have completed free their slots
+            self._free.append(copying.popleft()[1])
+        try:
+            return self._free.popleft()
+        except IndexError:
+            self.misses += 1
+            return None
+
+    def send(self) -> int | None:
+        """A free slot for a batch built in a worker process; it stays in flight until :meth:`receive` sees it."""
+        slot = self.acquire()
+        if slot is not None:
+            self._in_flight.add(slot)
+        return slot
+
+    def reclaim(self) -> None:
+        """Free the slots still in flight: their batches will never be received.
+
+        Only when no worker can still be writing them: torch's DataLoader, starting an epoch on persistent workers,
+        first waits for every batch of the epoch before (and drops those the loop never took).
+        """
+        self._free.extend(self._in_flight)
+        self._in_flight.clear()
+
+    def receive(self, batches: Iterator[Any], device: torch.device | None = None) -> Iterator[Any]:
+        """The batches of an engine, each :class:`SlotBatch` as tensors: on the CPU, or copied to ``device``.
+
+        A :class:`Batches` result gives its batches one by one. Anything else (a batch built in fresh memory) passes
+        through. Copies to a CUDA device are queued on its side stream
+        (:func:`~lightning_fastdata.pipeline.streams.side_stream`).
+        """
+        stream = side_stream(device) if device is not None else None
+        in_flight, hand_out = self._in_flight, self.hand_out
+        for result in batches:
+            for batch in result if type(result) is Batches else (result,):
+                if type(batch) is SlotBatch:
+                    slot, count, labels = batch
+                    in_flight.discard(slot)
+                    if stream is None:
+                        batch = hand_out(slot, count, labels)
+                    else:
+                        assert device is not None
+                        with torch.cuda.stream(stream):
+                            batch = self.to_device(slot, count, device, stream, labels)
+                yield batch
+
+    def release(self, slot: int | None) -> None:
+        """Give ``slot`` back without handing it out (its batch was dropped, or never built); ``None`` is no slot."""
+        if slot is not None:
+            self._free.append(slot)
+
+    def hand_out(self, slot: int, n: int, labels: Any = None) -> tuple[Tensor, Any]:
+        """Slot ``slot``'s first ``n`` samples as ``(images, labels)`` tensors that own the slot until they go.
+
+        Images are NCHW (views of NHWC memory when stored so); the labels are a copy of the slot's (a few bytes), or
+        ``labels`` when given.
+        """
+        # this hand-out's own view: the tensor's storage below holds it, and nothing else does; when it goes, the
+        # weak reference's callback frees the slot (the reference itself is kept here until the slot is reused)
+        view = np.ndarray((n, *self._sample_shape), self._dtype, self.memory.bytes, slot * self._slot_bytes)
+        self._owners[slot] = weakref.ref(view, self._on_release[slot])
+        images = torch.from_numpy(view)
+        if self._channels_last:
+            images = images.permute(0, 3, 1, 2)
+        if labels is None:
+            labels = torch.from_numpy(self._labels[slot][:n].copy())
+        return images, labels
+
+    def to_device(self, slot: int, n: int, device: torch.device, stream: Any, labels: Any = None) -> Any:
+        """Slot ``slot``'s first ``n`` samples copied to ``device`` on ``stream``; the slot is free once they are.
+
+        Call it inside ``torch.cuda.stream(stream)``: the copies (``non_blocking``, from page-locked memory when
+        :meth:`pin` succeeded) and the event that frees the slot are queued there.
+        """
+        images, slot_labels = self._views[slot]
+        batch = stage._to_device((images[:n], slot_labels[:n] if labels is None else labels), device)
+        event = torch.cuda.Event()
+        event.record(stream)
+        self._copying.append((event, slot))
+        return batch
+
+    @functools.cached_property
+    def _views(self) -> list[tuple[Tensor, Tensor]]:
+        """Each slot's whole images (NCHW) and labels, as tensors made once: for copies, freed by their event."""
+        views = []
+        for slot in range(self.memory.count):
+            images = torch.from_numpy(self.memory.images(slot))
+            labels = torch.from_numpy(self.memory.labels(slot))
+            views.append((images.permute(0, 3, 1, 2) if self._channels_last else images, labels))
+        return views
+
+    def pin(self) -> str | None:
+        """Page-lock the whole memory once (``cudaHostRegister``), for asynchronous copies; the reason if it fails."""
+        if self._pinned:
+            return None
+        address, nbytes = self.memory.address, self.memory.nbytes
+        cudart = torch.cuda.cudart()
+        status = cudart.cudaHostRegister(address, nbytes, 0)
+        if int(status) != 0:
+            return f"cudaHostRegister of {nbytes / 2**20:.0f} MiB returned {status}"
+        self._pinned = True
+        weakref.finalize(self.memory, cudart.cudaHostUnregister, address)
+        return None

@@ -1,0 +1,253 @@
+"""Tests for ``lightning_fastdata.pipeline.slots``: who owns a batch slot, through both engines and start methods."""
+
+from __future__ import annotations
+
+import errno
+import gc
+import os
+import pickle
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from fakes import patch_cuda_streams
+from torch.utils.data import DistributedSampler
+
+from lightning_fastdata import LmdbImageDataset
+from lightning_fastdata.pipeline import slots as slots_module
+from lightning_fastdata.pipeline.factory import FastLoader, create_loader
+from lightning_fastdata.pipeline.kernel import BatchReader, KeyedIndices
+from lightning_fastdata.pipeline.processes import _worker_init
+from lightning_fastdata.pipeline.slots import SlotBatch, SlotLayout, SlotMemory, SlotPool
+from lightning_fastdata.transforms import Normalizer, RandomResizedCropFlip
+
+MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+
+
+@pytest.fixture
+def dataset(database: Path) -> LmdbImageDataset:
+    return LmdbImageDataset(database, transform=RandomResizedCropFlip(16))
+
+
+def _pool(count: int = 2, shared: bool = False) -> SlotPool:
+    return SlotPool(SlotMemory(SlotLayout(4, (2, 2, 3)), count, shared=shared))
+
+
+def test_a_slot_is_free_again_only_once_every_tensor_sharing_it_is_gone() -> None:
+    """Images, labels and any view of them keep their slot; when the last goes, the slot is free (no refcount read)."""
+    pool = _pool()
+    first, second = pool.acquire(), pool.acquire()
+    assert {first, second} == {0, 1}
+    assert pool.acquire() is None  # none free: the caller builds this batch in fresh memory
+    assert pool.misses == 1
+    images, labels = pool.hand_out(first, 3)
+    assert (images.shape, labels.shape, labels.dtype) == ((3, 3, 2, 2), (3,), torch.int64)
+    view = images[1:].numpy()  # a NumPy view of a slice keeps it too
+    del images
+    gc.collect()
+    assert pool.acquire() is None
+    del labels
+    gc.collect()
+    assert pool.acquire() is None
+    del view
+    assert pool.acquire() == first  # no garbage collection needed: freed as the last view went
+    pool.release(second)  # a slot given back without being handed out
+    assert pool.acquire() == second
+
+
+def test_a_handed_out_batch_reads_what_was_written_into_its_slot() -> None:
+    """NHWC images come out as NCHW views of the slot, with the slot's int64 labels, or labels given instead."""
+    pool = _pool(1)
+    slot = pool.acquire()
+    assert slot is not None
+    written = np.arange(4 * 2 * 2 * 3, dtype=np.uint8).reshape(4, 2, 2, 3)
+    pool.memory.images(slot)[:] = written
+    pool.memory.labels(slot)[:] = [7, 8, 9, 10]
+    images, labels = pool.hand_out(slot, 2)
+    assert torch.equal(images, torch.from_numpy(written[:2]).permute(0, 3, 1, 2))
+    assert labels.tolist() == [7, 8]
+    del images, labels
+    slot = pool.acquire()
+    assert pool.hand_out(slot, 2, labels=["a", "b"])[1] == ["a", "b"]
+
+
+def test_a_device_copy_frees_its_slot_only_once_its_event_has_completed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On (patched) CUDA a slot copied to the device stays taken until ``Event.query()`` says the copy is done."""
+    patch_cuda_streams(monkeypatch)
+    done = {"copy": False}
+
+    class Event:
+        def record(self, stream: Any = None) -> None:
+            pass
+
+        def query(self) -> bool:
+            return done["copy"]
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    pool = _pool(1)
+    pool.memory.labels(0)[:] = [1, 2, 3, 4]
+    batches = list(pool.receive(iter([SlotBatch(pool.acquire(), 4)]), torch.device("cuda", 0)))
+    assert batches[0][1].tolist() == [1, 2, 3, 4]
+    del batches
+    assert pool.acquire() is None  # the copy is still in flight: never handed to another batch
+    done["copy"] = True
+    assert pool.acquire() == 0
+
+
+def test_shared_slots_name_nothing_in_dev_shm_and_private_ones_refuse_to_travel() -> None:
+    """Shared slots are an anonymous memfd (nothing in /dev/shm to leak); private ones never cross processes."""
+    before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    shared = SlotMemory(SlotLayout(4, (2, 2, 3)), 3, shared=True)
+    after = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    assert not {name for name in after - before if "lightning_fastdata" in name}
+    if hasattr(os, "memfd_create"):
+        with open("/proc/self/maps") as maps:
+            assert "memfd:lightning_fastdata-slots" in maps.read()
+    assert shared.nbytes == 3 * shared.layout.slot_bytes
+    with pytest.raises(TypeError, match="stay in their process"):
+        SlotMemory(SlotLayout(4, (2, 2, 3)), 1).__reduce__()
+
+
+def test_a_shared_memory_shortage_is_an_error_at_once_never_a_bus_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Shared slots reserve their pages up front: a shortage raises OSError with the size, before any batch."""
+
+    def fallocate(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "posix_fallocate", fallocate)
+    with pytest.raises(OSError, match=r"reserving 1 MiB of shared memory failed"):
+        SlotMemory(SlotLayout(1024, (32, 32, 1)), 1, shared=True)
+
+
+def _reference(reader: BatchReader, batch: KeyedIndices) -> tuple[torch.Tensor, torch.Tensor]:
+    return reader.read_batch(KeyedIndices(list(batch), batch.key))
+
+
+def _spy_batches(loader: FastLoader) -> list[KeyedIndices]:
+    """The index batches the loader's engine is given, as they are drawn (recorded on the loader's own sampler)."""
+    drawn: list[KeyedIndices] = []
+    original = type(loader)._index_sampler.fget
+
+    class Recording:
+        def __init__(self, inner: Any) -> None:
+            self.inner = inner
+
+        def __len__(self) -> int:
+            return len(self.inner)
+
+        def __iter__(self) -> Any:
+            for task in self.inner:  # one batch, or a task of several for worker processes
+                for batch in task if type(task) is list else [task]:
+                    drawn.append(KeyedIndices(list(batch), batch.key))
+                yield task
+
+    loader.__class__ = type("Spied", (type(loader),), {"_index_sampler": property(lambda s: Recording(original(s)))})
+    return drawn
+
+
+@pytest.mark.parametrize(
+    ("engine", "context"),
+    [
+        ("threads", None),
+        ("processes", "fork"),
+        pytest.param("processes", "spawn", marks=pytest.mark.slow),
+        pytest.param("processes", "forkserver", marks=pytest.mark.slow),
+    ],
+)
+@pytest.mark.parametrize("output", ["uint8", "float"])
+def test_batches_the_loop_keeps_are_never_overwritten(
+    dataset: LmdbImageDataset, engine: str, context: str | None, output: str
+) -> None:
+    """An epoch's batches all kept alive equal fresh reads of the same indices: the slots ran out and later batches
+    were built in fresh memory, never in a slot still in use. Then, dropping each batch, every one fits in a slot."""
+    kwargs: dict[str, Any] = {}
+    if engine == "processes":
+        kwargs = {"num_workers": 2, "persistent_workers": True, "worker_init_fn": _worker_init}
+        kwargs["multiprocessing_context"] = context
+    else:
+        kwargs = {"threads": 2}
+    reader = BatchReader(dataset, output=output, normalizer=Normalizer(MEAN, STD))
+    sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=3)
+    loader = FastLoader(reader, batch_size=1, sampler=sampler, **kwargs)
+    drawn = _spy_batches(loader)
+    kept = list(loader)
+    assert len(kept) == len(dataset)
+    assert loader.slot_misses > 0  # more batches kept than slots
+    reference = BatchReader(dataset, output=output, normalizer=Normalizer(MEAN, STD))
+    for (images, labels), batch in zip(kept, drawn, strict=True):
+        want_images, want_labels = _reference(reference, batch)
+        torch.testing.assert_close(images, want_images, rtol=0, atol=0)
+        assert torch.equal(labels, want_labels)
+    del kept
+    misses = loader.slot_misses
+    for epoch in range(2):
+        sampler.set_epoch(epoch + 1)
+        drawn.clear()
+        for (images, labels), batch in zip(loader, drawn, strict=False):
+            want_images, want_labels = _reference(reference, batch)
+            torch.testing.assert_close(images, want_images, rtol=0, atol=0)
+            assert torch.equal(labels, want_labels)
+            del images, labels
+    assert loader.slot_misses == misses  # each batch dropped before the next: always a free slot
+    del loader
+
+
+@pytest.mark.parametrize("engine", ["threads", "processes"])
+def test_epochs_left_part_way_give_their_slots_back(dataset: LmdbImageDataset, engine: str) -> None:
+    """Breaking out of epochs after one batch, ten times over, never runs the slots out."""
+    loader = create_loader(dataset, 2, shuffle=True, engine=engine, workers=2, output="uint8")
+    for epoch in range(10):
+        loader.sampler.set_epoch(epoch)
+        for images, _labels in loader:
+            assert images.shape == (2, 3, 16, 16)
+            break
+    assert loader.slot_misses == 0
+    assert loader.engine == engine
+    del loader
+
+
+def test_slots_that_cannot_be_reserved_fall_back_to_threads_with_one_message(
+    dataset: LmdbImageDataset, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """No memory for the shared slots: one warning with the fix, then the same batches built on threads."""
+
+    def fallocate(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOMEM, os.strerror(errno.ENOMEM))
+
+    monkeypatch.setattr(os, "posix_fallocate", fallocate)
+    loader = create_loader(dataset, 4, engine="processes", workers=2, output="uint8", seed=1)
+    plain = create_loader(dataset, 4, engine="threads", workers=0, output="uint8", seed=1)
+    with caplog.at_level("WARNING", logger="lightning_fastdata.pipeline.factory"):
+        got = [(images.clone(), labels) for images, labels in loader]
+        again = list(loader)
+    warnings = [r.getMessage() for r in caplog.records if "could not reserve" in r.getMessage()]
+    assert len(warnings) == 1
+    assert "Cannot allocate memory" in warnings[0]
+    assert "on 2 threads in this process instead" in warnings[0]
+    assert "lower `batch_size`" in warnings[0]
+    assert loader.engine == "threads"
+    assert len(again) == len(got)
+    for (images, labels), (want_images, want_labels) in zip(got, plain, strict=True):
+        torch.testing.assert_close(images, want_images, rtol=0, atol=0)
+        assert torch.equal(labels, want_labels)
+
+
+def test_the_engines_send_only_the_slot_back(dataset: LmdbImageDataset) -> None:
+    """Given a slot, the reader writes the batch into it and returns ``(slot, count)``: no tensor to pickle."""
+    reader = BatchReader(dataset, output="uint8")
+    layout = reader.slot_layout(4)
+    assert layout == SlotLayout(4, (16, 16, 3), "uint8")
+    pool = SlotPool(SlotMemory(layout, 1, shared=True))
+    reader.slots = pool.memory
+    indices = KeyedIndices([0, 1, 2], (5, 0), slot=pool.acquire())
+    result = reader.__getitems__(indices)
+    assert isinstance(result, SlotBatch)
+    assert (result.slot, result.count, result.labels) == (0, 3, None)
+    images, labels = pool.hand_out(result.slot, result.count)
+    want_images, want_labels = reader.read_batch(KeyedIndices([0, 1, 2], (5, 0)))
+    torch.testing.assert_close(images, want_images, rtol=0, atol=0)
+    assert torch.equal(labels, want_labels)
+    assert len(pickle.dumps(result)) < 100
+    assert slots_module.SLOTS_HELD >= 4
