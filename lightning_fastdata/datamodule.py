@@ -115,9 +115,9 @@ class FastImageDataModule(LightningDataModule):
         image_size: side length of the square training and validation crops.
         batch_size: samples per batch (per process under DDP).
         num_workers: loader threads (or worker processes, see ``engine``) per training process; ``"auto"`` budgets
-            them from the usable CPUs; ``"tune"`` measures 0 up to the budget for a few seconds on the training data
-            and keeps the cheapest count within 5% of the fastest (cached under ``cache_dir``, keyed by database,
-            transforms, batch size, engine and CPUs).
+            them from the usable CPUs; ``"tune"`` measures 0 up to the budget for a few seconds on the training data,
+            each count on the engine it would train on, and keeps the cheapest count within 5% of the fastest (cached
+            under ``cache_dir``, keyed by database, transforms, batch size, engine and CPUs).
         engine: ``"threads"`` builds batches on ``num_workers`` threads in the training process (no worker
             start-up, no copy of the dataset per worker, no inter-process transfer; decoding and resizing release the
             GIL); ``"processes"`` on ``num_workers`` DataLoader worker processes. ``"auto"`` (default) picks worker
@@ -510,17 +510,14 @@ class FastImageDataModule(LightningDataModule):
 
         ``"auto"`` follows what issue 18 measured on an H100 node with 16 cores: worker processes fed resnet18 at 8,901
         samples/s against the threads' 5,853, and resnet50 on 4 cores at 3,426 against 3,225, while the threads'
-        kernel launches queued behind the loader threads (step p90 71 ms against a p50 of 23 ms). On a CPU, threads
-        give 1.95x the processes' normalized-float batches (``benchmarks/bench_loader.py``, 2 CPUs).
+        kernel launches queued behind the loader threads (step p90 71 ms against a p50 of 23 ms). Below 4 workers,
+        and for CPU training, threads: no worker start-up, no shared memory for batch slots, and on a CPU worker
+        processes only match them (``benchmarks/bench_engines.py``, 2 CPUs).
         """
-        if self.engine != "auto":
-            return self.engine  # type: ignore[return-value]
         if workers is None:
             workers = self.worker_budget() if self.num_workers in ("auto", "tune") else int(self.num_workers)
-        choice: Literal["threads", "processes"] = (
-            "processes" if self._output() == "uint8" and workers >= AUTO_PROCESSES_MIN_WORKERS else "threads"
-        )
-        if choice != self._chosen_engine:
+        choice = self._engine_for(workers)
+        if self.engine == "auto" and choice != self._chosen_engine:
             self._chosen_engine = choice
             why = (
                 f"CUDA training with {workers} workers"
@@ -534,6 +531,12 @@ class FastImageDataModule(LightningDataModule):
             rank_zero_info(f"FastImageDataModule: engine='auto' chose {choice!r} ({why}).")
         return choice
 
+    def _engine_for(self, workers: int) -> Literal["threads", "processes"]:
+        """The engine for ``workers`` workers: ``engine``, or ``"auto"``'s choice (see :meth:`resolved_engine`)."""
+        if self.engine != "auto":
+            return self.engine  # type: ignore[return-value]
+        return "processes" if self._output() == "uint8" and workers >= AUTO_PROCESSES_MIN_WORKERS else "threads"
+
     def _tune_key(self) -> str:
         meta = _format.read_meta(self.database_path)
         transform = self.train_transform()
@@ -546,7 +549,8 @@ class FastImageDataModule(LightningDataModule):
             "usable_cpus": cpus.usable_cpu_count(),
             "processes_per_node": self._processes_per_node(),
             "decode": self.decode,
-            "engine": self.resolved_engine(),
+            "output": self._output(),
+            "engine": self.engine,  # the setting: "auto" times each count on the engine it picks for that count
         }
         return hashlib.sha256(repr(sorted(parts.items())).encode()).hexdigest()[:16]
 
@@ -561,9 +565,9 @@ class FastImageDataModule(LightningDataModule):
             self._tuned = int(entry["num_workers"])
             return self._tuned
         pin_memory = self._on_cuda() if self.pin_memory is None else self.pin_memory
-        engine = self.resolved_engine()
+        # each count on the engine it would train on: `_loader` resolves the engine from the tuned count the same way
         result = quick_tune(
-            self.tuning_loader, self.batch_size, self.worker_budget(), engine=engine, pin_memory=pin_memory
+            self.tuning_loader, self.batch_size, self.worker_budget(), engine=self._engine_for, pin_memory=pin_memory
         )
         self._tuned = result.pick.config.num_workers
         rank_zero_info(f"num_workers='tune' measured the training loader:\n{result.format_table()}")

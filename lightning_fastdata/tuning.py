@@ -245,7 +245,7 @@ def sweep(
     seconds: float = 1.0,
     tolerance: float = 0.05,
     early_stop: float = 0.1,
-    engine: str = "processes",
+    engine: str | Callable[[int], str] = "processes",
 ) -> SweepResult:
     """Measure ``num_workers`` from 0 up to the usable CPUs plus one, then the other knobs at the best worker count.
 
@@ -260,13 +260,16 @@ def sweep(
         tolerance: the pick is the cheapest configuration within this share of the best.
         early_stop: stop raising workers once throughput falls this share below the best so far with workers
             (``num_workers=0`` is not compared: one worker does the same serial work plus the copying).
-        engine: ``"processes"`` (DataLoader workers) or ``"threads"`` (a ``FastLoader`` over a ``BatchReader``).
+        engine: ``"processes"`` (DataLoader workers) or ``"threads"`` (a ``FastLoader`` over a ``BatchReader``), or
+            a function of the worker count giving one of them: each count is timed on the engine it would run on
+            (``FastImageDataModule(engine="auto")`` picks it by count).
 
     """
     if not batch_sizes or min(batch_sizes) < 1:
         raise ValueError(f"`batch_sizes` needs at least one size >= 1, got {list(batch_sizes)}.")
     if max_workers is not None and max_workers < 0:
         raise ValueError(f"`max_workers` must be >= 0, got {max_workers}.")
+    engine_for = engine if callable(engine) else lambda workers: engine
     cpus = usable_cpu_count()
     top = cpus + 1 if max_workers is None else max_workers
     pins = tuple(pin_memory) if pin_memory is not None else ((False, True) if torch.cuda.is_available() else (False,))
@@ -274,7 +277,7 @@ def sweep(
     for batch_size in batch_sizes:
         best_rate = 0.0
         for workers in range(top + 1):
-            m = measure(source, LoaderConfig(workers, batch_size, engine=engine), seconds)
+            m = measure(source, LoaderConfig(workers, batch_size, engine=engine_for(workers)), seconds)
             result.measurements.append(m)
             if workers == 0:  # loading in the main process is off the curve: one worker is rarely faster, two may be
                 continue
@@ -289,14 +292,13 @@ def sweep(
     if best.num_workers > 0:
         for factor in prefetch_factors:
             if factor != 2:  # 2 is PyTorch's default, already measured
-                result.measurements.append(
-                    measure(source, LoaderConfig(best.num_workers, best.batch_size, factor, engine=engine), seconds)
-                )
+                config = LoaderConfig(best.num_workers, best.batch_size, factor, engine=best.engine)
+                result.measurements.append(measure(source, config, seconds))
     for pin in pins:
         if pin:
             c = result.best.config
             result.measurements.append(
-                measure(source, LoaderConfig(c.num_workers, c.batch_size, c.prefetch_factor, True, engine), seconds)
+                measure(source, LoaderConfig(c.num_workers, c.batch_size, c.prefetch_factor, True, c.engine), seconds)
             )
     return result
 
@@ -306,13 +308,13 @@ def quick_tune(
     batch_size: int,
     budget: int,
     seconds: float = 0.4,
-    engine: str = "processes",
+    engine: str | Callable[[int], str] = "processes",
     pin_memory: bool = False,
 ) -> SweepResult:
     """The bounded sweep of ``num_workers="tune"``.
 
     Workers 0 up to ``budget`` at one batch size (and the training loader's ``pin_memory``), a fraction of a second
-    each, stopping early once throughput falls.
+    each, stopping early once throughput falls; each count on its ``engine`` (see :func:`sweep`).
     """
     return sweep(
         source,

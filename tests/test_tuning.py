@@ -9,6 +9,7 @@ import warnings
 import psutil
 import pytest
 import torch
+from fakes import fake_trainer
 from torch.utils.data import Dataset
 
 import lightning_fastdata.tuning as tuning
@@ -472,6 +473,36 @@ def test_datamodule_tune_picks_the_cheapest_count_within_5_percent_and_caches_it
     assert other._tune_key() != dm._tune_key()
     with pytest.raises(AssertionError, match="cached pick"):
         other.resolved_num_workers()
+
+
+def test_datamodule_tune_times_each_count_on_the_engine_it_trains_on(tmp_path, monkeypatch):
+    """On CUDA with `engine="auto"`, counts below 4 are timed on threads and 4 up on worker processes, as `fit` would
+    run them; the pick then trains on the engine it was timed on."""
+    rates = {0: 100.0, 1: 150.0, 2: 200.0, 3: 250.0, 4: 400.0, 5: 405.0}
+    seen = []
+
+    def scripted(source, config, seconds=1.0, **kwargs):
+        loader = source(config)
+        seen.append((config.num_workers, config.engine, loader.engine))
+        return tuning.Measurement(config, rates[config.num_workers], None, 5, seconds)
+
+    monkeypatch.setattr(tuning, "measure", scripted)
+    monkeypatch.setattr(FastImageDataModule, "worker_budget", lambda self: 5)
+    src = make_image_folder(
+        tmp_path / "src", num_classes=2, train_per_class=4, val_per_class=0, min_size=40, max_size=48
+    )
+    dm = FastImageDataModule(str(src), cache_dir=str(tmp_path / "cache"), num_workers="tune", batch_size=4)
+    dm.trainer = fake_trainer("cuda")
+    dm.prepare_data()
+    dm.setup("fit")
+    assert dm.resolved_num_workers() == 4  # 405 is the best; 400 is within 5% of it
+    engines = ["threads"] * 4 + ["processes"] * 2
+    built = ["main"] + engines[1:]  # no workers: batches built on the calling thread
+    assert seen[:6] == list(zip(range(6), engines, built, strict=True))
+    assert seen[6:] == [(5, "processes", "processes")]  # page-locked, at the best count
+    loader = dm.train_dataloader()
+    assert (loader.engine, loader.workers) == ("processes", 4)  # what was timed for the pick
+    del loader
 
 
 def test_datamodule_tune_stays_within_the_budget(tmp_path, monkeypatch):
