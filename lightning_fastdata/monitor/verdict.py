@@ -146,9 +146,9 @@ def advise(
     """What to change in the training dataloader, computed from the run; ``[]`` when nothing needs to change.
 
     Input-bound runs get advice on the loader's settings, but no more workers than a ``num_workers="tune"`` pick, nor
-    when training on the CPU with its CPUs busy: the workers would take cores from the training step. A balanced run
-    trained on the CPU on worker processes is told about the threads engine too: the workers' copies slow the step
-    they share the CPUs with, so the data fraction understates their cost.
+    when training on the CPU with its CPUs busy: the workers would take cores from the training step. Neither engine
+    is advised over the other for CPU training: worker processes building into batch slots match the threads there
+    (``benchmarks/bench_engines.py``).
 
     A ``FastLoader`` builds batches on threads (``engine="threads"``) or worker processes, and counts them in
     ``workers``; a ``DataLoader`` builds them on ``num_workers`` worker processes.
@@ -173,14 +173,6 @@ def advise(
         return ["the training dataloader is not a torch DataLoader; time its fetch to find the slow stage"]
     advice = []
     engine = getattr(loader, "engine", "processes" if loader.num_workers > 0 else "main")
-    # a FastLoader over a BatchReader can build its batches on threads; a plain DataLoader cannot
-    has_threads = hasattr(loader, "threads") and hasattr(loader.dataset, "read_batch")
-    if not cuda and engine == "processes" and has_threads:
-        advice.append(
-            "training runs on the CPU on worker processes (engine='processes'), which send every normalized float"
-            " batch through shared memory: loader threads write it straight into the batch, about 2x the images/s"
-            " on a CPU; set engine='threads' (engine='auto' picks threads for CPU training)"
-        )
     if judged == "balanced":
         return advice
     processes = cpus.cpu_sharing_processes(cpus.processes_per_node(trainer.world_size, trainer.num_nodes))
