@@ -5,7 +5,9 @@ in its own process, interleaved over rounds (the median is reported):
 
 * ``float``: normalized ``float32`` batches, what the DataModule hands a model training on the CPU;
 * ``uint8``: the batches of CUDA training before the copy to the device. Without CUDA this row builds the same
-  loader less its page-locking (``pin_memory``) and device copy, and says so.
+  loader less its page-locking (``pin_memory``) and device copy, and says so;
+* ``encoded``: the batches of ``decode="device"``, still-encoded JPEGs (``EncodedImages``) with their crop boxes,
+  received and handed over as ``decode_jpeg`` takes them (``.data``) but not decoded: no GPU needed.
 
 For each row: images/s; CPU time per image of the training process (all its threads: ``time.process_time``, which
 counts to the nanosecond, not to the scheduler tick) and of its worker processes (psutil); and their sum. The
@@ -27,7 +29,14 @@ import sys
 import time
 from pathlib import Path
 
-ROWS = ("threads-float", "processes-float", "threads-uint8", "processes-uint8")
+ROWS = (
+    "threads-float",
+    "processes-float",
+    "threads-uint8",
+    "processes-uint8",
+    "threads-encoded",
+    "processes-encoded",
+)
 
 
 def _worker_cpu_seconds() -> float:
@@ -47,11 +56,12 @@ def run_row(args: argparse.Namespace, row: str) -> dict[str, float]:
     import torch
 
     from lightning_fastdata import FastImageDataModule
+    from lightning_fastdata.pipeline.device_decode import EncodedImages
 
     engine, output = row.split("-")
 
     class Module(FastImageDataModule):
-        def _output(self):  # the uint8 row: what CUDA training reads, without CUDA (no pinning, no device copy)
+        def _output(self):  # what CUDA training reads, without CUDA (no pinning, no device copy, no decode)
             return output
 
     dm = Module(args.db, batch_size=args.batch_size, num_workers=args.workers, engine=engine, val_fraction=0)
@@ -63,10 +73,13 @@ def run_row(args: argparse.Namespace, row: str) -> dict[str, float]:
         loader.sampler.set_epoch(k)
         images = 0
         for i, (batch, _labels) in enumerate(loader):
-            if i == 0:  # checked once an epoch: the loop stays what a training loop asks of the loader
+            if output == "encoded":  # the per-image tensors decode_jpeg is handed, as decode_crop asks for them
+                assert isinstance(batch, EncodedImages), type(batch)
+                assert len(batch.data) == len(batch)
+            elif i == 0:  # checked once an epoch: the loop stays what a training loop asks of the loader
                 assert batch.dtype == dtype, batch.dtype
                 assert tuple(batch.shape[1:]) == (3, 224, 224), batch.shape
-            images += batch.shape[0]
+            images += len(batch)
         return images
 
     epoch(0)
@@ -148,7 +161,7 @@ def main() -> None:
         workers = f"{m['workers_us']:.0f}" if row.startswith("processes") else "-"
         print(f"| {row} | {m['images_per_sec']:.0f} | {m['training_us']:.1f} | {workers} | {m['total_us']:.0f} |")
     print()
-    for output in ("float", "uint8"):
+    for output in ("float", "uint8", "encoded"):
         threads, processes = f"threads-{output}", f"processes-{output}"
         if threads in results and processes in results:
             pairs = list(zip(results[processes], results[threads], strict=True))

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import io
+import pickle
 import random
 import shutil
 import warnings
+from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any
 from unittest.mock import Mock
@@ -19,7 +22,7 @@ from torchvision.io import ImageReadMode, decode_jpeg
 
 from lightning_fastdata import FastImageDataModule, LmdbImageDataset, convert, make_image_folder
 from lightning_fastdata.errors import CorruptRecordError
-from lightning_fastdata.pipeline import FastLoader, device_decode
+from lightning_fastdata.pipeline import FastLoader, create_loader, device_decode
 from lightning_fastdata.pipeline.device_decode import (
     EncodedCropDataset,
     EncodedImages,
@@ -224,6 +227,85 @@ def test_encoded_images_with_mismatched_lengths_raise(n_boxes: int, n_flips: int
     data = [torch.zeros(10, dtype=torch.uint8)] * 2
     with pytest.raises(ValueError, match="2 images"):
         EncodedImages(data, torch.zeros((n_boxes, 4), dtype=torch.int64), torch.zeros(n_flips, dtype=torch.bool))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Between processes: one flat buffer of JPEG bytes per batch
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _send(obj: Any) -> tuple[Any, int]:
+    """``obj`` pickled as a worker process sends it and unpickled, with the count of shared-memory segments sent."""
+    sent = []
+
+    class CountingPickler(ForkingPickler):
+        def __init__(self, *args: Any) -> None:
+            super().__init__(*args)
+            reduce = self.dispatch_table[torch.UntypedStorage]
+            self.dispatch_table[torch.UntypedStorage] = lambda storage: (sent.append(storage), reduce(storage))[1]
+
+    buffer = io.BytesIO()
+    CountingPickler(buffer).dump(obj)
+    return pickle.loads(buffer.getvalue()), sum(storage.nbytes() > 0 for storage in sent)
+
+
+def _storages(images: list[torch.Tensor]) -> set[int]:
+    """Where the memory of each image's storage starts: one value for views of one tensor."""
+    return {image.untyped_storage().data_ptr() for image in images}
+
+
+def test_encoded_images_travel_as_one_storage_per_batch(databases: dict[str, Path]) -> None:
+    """A batch of N JPEGs pickles as one storage (not N + 2), and unpickles to views of it with the same bytes."""
+    encoded, _ = _encoded_batch(databases["jpeg"], 12, seed=5)
+    sent = [bytes(image) for image in encoded.data]
+    received, storages = _send(encoded)
+    assert storages == 1
+    assert isinstance(received, EncodedImages)
+    assert len(received) == 12
+    assert len(_storages(received.data)) == 1  # views of the one flat tensor: no copy per image
+    assert [bytes(image) for image in received.data] == sent
+    assert all(image.dtype == torch.uint8 and image.ndim == 1 for image in received.data)
+    assert torch.equal(received.boxes, encoded.boxes)
+    assert received.boxes.dtype == torch.int64
+    assert torch.equal(received.flips, encoded.flips)
+    assert received.records == encoded.records
+
+
+def test_encoded_images_round_trip_mixed_records_and_an_empty_one(databases: dict[str, Path]) -> None:
+    """JPEG bytes (one of them zero-length) and decoded raw images keep their places and bytes through a pickle."""
+    jpeg, _ = _encoded_batch(databases["jpeg"], 3, seed=6)
+    raw, _ = _encoded_batch(databases["raw"], 2, seed=7)
+    empty = torch.empty(0, dtype=torch.uint8)
+    data = [raw.data[0], jpeg.data[0], empty, jpeg.data[1], raw.data[1], jpeg.data[2]]
+    samples = [((image, (0, 0, 1, 1), k % 2 == 0, (k, k, f"image {k}")), k) for k, image in enumerate(data)]
+    mixed, _ = collate_encoded(samples)
+    received, storages = _send(mixed)
+    assert storages == 3  # the JPEG bytes, and each of the two raw images
+    assert [image.shape for image in received.data] == [image.shape for image in data]
+    assert all(torch.equal(got, sent) for got, sent in zip(received.data, data, strict=True))
+    assert len(_storages([received.data[k] for k in (1, 3, 5)])) == 1
+    assert received.records == [(k, k, f"image {k}") for k in range(6)]
+    assert received.flips.tolist() == [k % 2 == 0 for k in range(6)]
+    raw_only, storages = _send(raw)  # no JPEG bytes at all: an empty flat tensor, no segment for it
+    assert storages == 2
+    assert all(torch.equal(got, sent) for got, sent in zip(raw_only.data, raw.data, strict=True))
+
+
+def test_encoded_batches_from_worker_processes_decode_as_in_process(databases: dict[str, Path]) -> None:
+    """Batches from a worker process hold each JPEG as a view of one buffer, and decode to the in-process images."""
+    dataset = LmdbImageDataset(databases["jpeg"], "train", transform=CenterCropResize(SIZE))
+    loader = create_loader(dataset, 8, engine="processes", workers=1, output="encoded")
+    local = BatchReader(dataset, output="encoded")
+    batches = list(loader)
+    assert [len(images) for images, _ in batches] == [8, 8, 4]
+    for k, (images, labels) in enumerate(batches):
+        expected, expected_labels = local.read_batch(range(8 * k, 8 * k + len(images)))
+        assert len(_storages(images.data)) == 1
+        assert [bytes(image) for image in images.data] == [bytes(image) for image in expected.data]
+        assert torch.equal(labels, expected_labels)
+        assert torch.equal(
+            decode_crop(images, SIZE, torch.device("cpu")), decode_crop(expected, SIZE, torch.device("cpu"))
+        )
 
 
 # ----------------------------------------------------------------------------------------------------------------
