@@ -251,3 +251,40 @@ def test_the_engines_send_only_the_slot_back(dataset: LmdbImageDataset) -> None:
     assert torch.equal(labels, want_labels)
     assert len(pickle.dumps(result)) < 100
     assert slots_module.SLOTS_HELD >= 4
+
+
+@pytest.mark.parametrize("engine", ["threads", "processes"])
+def test_slots_are_page_locked_once_for_a_cuda_device(
+    dataset: LmdbImageDataset, engine: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Copying ahead to (patched) CUDA, the whole slot memory is registered once (``cudaHostRegister``) for all
+    epochs, torch runs no pin-memory thread, and the registration goes with the memory."""
+    patch_cuda_streams(monkeypatch)
+    calls: list[tuple[Any, ...]] = []
+
+    class Cudart:
+        def cudaHostRegister(self, address: int, size: int, flags: int) -> int:
+            calls.append(("register", address, size))
+            return 0
+
+        def cudaHostUnregister(self, address: int) -> int:
+            calls.append(("unregister", address))
+            return 0
+
+    monkeypatch.setattr(torch.cuda, "cudart", Cudart)
+    loader = create_loader(
+        dataset, 4, shuffle=True, engine=engine, workers=2, output="uint8", pin_memory=True, device="cuda:0"
+    )
+    assert loader.prefetching
+    assert loader.page_locked
+    assert not loader.pin_memory  # no pin-memory thread copying each batch again
+    for epoch in range(3):
+        loader.sampler.set_epoch(epoch)
+        for images, _labels in loader:
+            assert images.shape == (4, 3, 16, 16)
+    memory = loader._slots.memory
+    address = memory.address
+    assert calls == [("register", address, memory.nbytes)]
+    del loader, memory, images, _labels
+    gc.collect()
+    assert calls[-1] == ("unregister", address)

@@ -1,0 +1,212 @@
+"""Tests for ``lightning_fastdata.pipeline.processes``: the process engine's faults, with its batches in shared slots.
+
+Trainings run in child processes, each in its own mount and PID namespace (``unshare``) with a private tmpfs on
+``/dev/shm``: what is left there afterwards, and which processes are still alive, is exactly what that training left.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+#: a training on worker processes that can end in several ways: ``finish``, ``exception`` (in ``training_step``),
+#: ``sigint`` (Ctrl-C to its process group) or ``sigkill`` (of the training process alone), sent by the wrapper below
+_TRAIN = textwrap.dedent(
+    """
+    import os, signal, sys, time
+    import torch
+    from lightning.pytorch import LightningModule, Trainer
+    from lightning_fastdata import FastImageDataModule
+
+    db, cache, how, image_size, batch_size, epochs = sys.argv[1:7]
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal (a shell's `&` job ignores it)
+
+    class Net(LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(3, 2)
+
+        def training_step(self, batch, index):
+            if index == 1:
+                maps = open("/proc/self/maps").read()
+                print("TRAINING", "memfd" if "memfd:lightning_fastdata-slots" in maps else "no-memfd", flush=True)
+            if how == "exception" and index == 2:
+                raise ValueError("boom in training_step")
+            if how in ("sigint", "sigkill"):
+                time.sleep(0.05)
+            return self.layer(batch[0].float().mean((2, 3))).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    dm = FastImageDataModule(
+        db, cache_dir=cache, image_size=int(image_size), batch_size=int(batch_size), num_workers=2,
+        engine="processes", val_fraction=0,
+    )
+    trainer = Trainer(
+        accelerator="cpu", max_epochs=int(epochs), logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )
+    trainer.fit(Net(), dm)
+    print("FINISHED", trainer.global_step, flush=True)
+    """
+)
+
+#: runs inside the namespaces: a fresh tmpfs on /dev/shm, the training, the signal, then waits until no Python
+#: process is left (workers notice a dead parent within seconds) and lists what /dev/shm still holds
+_WRAPPER = textwrap.dedent(
+    """
+    mount -t tmpfs -o size="$SHM_SIZE" tmpfs /dev/shm || exit 97
+    setsid "$@" >> "$OUT" 2>&1 &
+    child=$!
+    if [ "$HOW" = sigint ] || [ "$HOW" = sigkill ]; then
+        for i in $(seq 1200); do grep -q TRAINING "$OUT" && break; sleep 0.1; done
+        if [ "$HOW" = sigint ]; then kill -INT -"$child"; else kill -KILL "$child"; fi
+    fi
+    wait "$child"
+    echo "EXIT $?" >> "$OUT"
+    alive() {  # processes of this namespace running Python, this shell aside (its arguments name python)
+        n=0
+        for d in /proc/[0-9]*; do
+            [ "${d#/proc/}" = "$$" ] && continue
+            case "$(tr '\\000' '\\n' < "$d/cmdline" 2>/dev/null | head -n 1)" in *python*) n=$((n + 1));; esac
+        done
+        echo "$n"
+    }
+    for i in $(seq 600); do
+        left=$(alive)
+        [ "$left" = 0 ] && break
+        sleep 0.1
+    done
+    echo "LEFT $left" >> "$OUT"
+    echo "SHM [$(ls -A /dev/shm | tr '\\n' ' ')]" >> "$OUT"
+    echo "SHM-USED-KB $(df -k /dev/shm | awk 'NR == 2 {print $3}')" >> "$OUT"
+    """
+)
+
+
+def _namespaces_work() -> bool:
+    if shutil.which("unshare") is None:
+        return False
+    probe = ["unshare", "--user", "--map-root-user", "--mount", "--pid", "--fork", "--mount-proc", "true"]
+    return subprocess.run(probe, capture_output=True, check=False).returncode == 0
+
+
+needs_namespaces = pytest.mark.skipif(
+    not _namespaces_work(), reason="needs `unshare` with user, mount and PID namespaces (a private /dev/shm)"
+)
+
+
+def _train(
+    tmp_path: Path,
+    db: Path,
+    how: str,
+    shm_size: str = "64m",
+    image_size: int = 32,
+    batch_size: int = 4,
+    epochs: int = 9,
+) -> str:
+    """The training's output, then ``EXIT <code>``, ``LEFT <python processes>``, ``SHM [<entries>]`` and its use."""
+    out = tmp_path / "out.txt"
+    command = [
+        *("unshare", "--user", "--map-root-user", "--mount", "--pid", "--fork", "--mount-proc"),
+        *("sh", "-c", _WRAPPER, "wrapper", sys.executable, "-c", _TRAIN, str(db), str(tmp_path / "cache")),
+        *(how, str(image_size), str(batch_size), str(epochs)),
+    ]
+    env = {"PATH": "/usr/bin:/bin:/usr/sbin:/sbin", "HOW": how, "OUT": str(out), "SHM_SIZE": shm_size}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+    subprocess.run(command, env=env, timeout=300, check=False)
+    return out.read_text()
+
+
+@pytest.fixture(scope="module")
+def train_db(make_database: Callable[..., Path]) -> Path:
+    """128 small photos in 2 classes: two batches of 64."""
+    return make_database(
+        "processes_db", short_side=64, num_classes=2, train_per_class=64, val_per_class=0, min_size=40, max_size=80
+    )
+
+
+@pytest.mark.slow
+@needs_namespaces
+@pytest.mark.parametrize("how", ["exception", "sigint", "sigkill"])
+def test_no_shared_memory_is_left_behind_however_training_ends(tmp_path: Path, train_db: Path, how: str) -> None:
+    """An exception in ``training_step``, Ctrl-C and a SIGKILL of the training process each end a training on
+    worker processes with batch slots in use; afterwards no process of it is alive and ``/dev/shm`` is empty."""
+    out = _train(tmp_path, train_db, how)
+    assert "TRAINING memfd" in out, out  # the batch slots were in use when it ended
+    assert "FINISHED" not in out, out
+    assert re.search(r"^EXIT [1-9]\d*$", out, re.MULTILINE), out
+    if how == "exception":
+        assert "ValueError: boom in training_step" in out, out
+    assert "LEFT 0" in out, out
+    assert "SHM []" in out, out
+
+
+@pytest.mark.slow
+@needs_namespaces
+def test_a_64_mib_dev_shm_trains_with_slots_far_larger(tmp_path: Path, train_db: Path) -> None:
+    """Docker's default 64 MiB /dev/shm: float batches of 64 at 224 px need 16 slots of 38 MiB, none of it there."""
+    out = _train(tmp_path, train_db, "finish", shm_size="64m", image_size=224, batch_size=64, epochs=2)
+    assert "TRAINING memfd" in out, out
+    assert "FINISHED 4" in out, out  # 2 epochs of 2 batches
+    assert "EXIT 0" in out, out
+    used_kb = int(re.search(r"SHM-USED-KB (\d+)", out).group(1))  # type: ignore[union-attr]
+    assert used_kb < 1024, out
+    assert "Bus error" not in out, out
+
+
+_KILL_MID_BATCH = textwrap.dedent(
+    """
+    import os, signal, sys
+    import torch
+    from lightning_fastdata import FastImageDataModule, LmdbImageDataset
+
+    class KillOne(LmdbImageDataset):  # keeps __getitem__ and decode: the fused path, into batch slots
+        def decode_hwc(self, index, *args, **kwargs):
+            if index == 5 and torch.utils.data.get_worker_info() is not None:  # a worker, part-way into a batch
+                os.kill(os.getpid(), signal.SIGKILL)
+            return super().decode_hwc(index, *args, **kwargs)
+
+    class KillingModule(FastImageDataModule):
+        def build_dataset(self, split, transform):
+            return KillOne(self.database_path, split=split, transform=transform)
+
+    dm = KillingModule(sys.argv[1], cache_dir=sys.argv[2], image_size=32, batch_size=4, num_workers=2, val_fraction=0,
+                      engine="processes")
+    loader = dm.train_dataloader()
+    print("FUSED", loader.dataset.fused, flush=True)
+    try:
+        for epoch in range(3):
+            for batch in loader:
+                pass
+    except RuntimeError as err:
+        print(f"RAISED {type(err).__name__}: {err}", flush=True)
+        sys.exit(3)
+    print("NO ERROR", flush=True)
+    """
+)
+
+
+@pytest.mark.slow
+def test_a_worker_killed_while_filling_its_slot_raises_naming_it(tmp_path: Path, train_db: Path) -> None:
+    """A worker dying of SIGKILL part-way into a batch slot makes iteration raise a RuntimeError naming the worker
+    by its pid, within a timeout: never a hang on the slot it held."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _KILL_MID_BATCH, str(train_db), str(tmp_path / "cache")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    out = proc.stdout + proc.stderr
+    assert "FUSED True" in out, out
+    assert proc.returncode == 3, out
+    named = r"RAISED RuntimeError: DataLoader worker \(pid.*(killed by signal: Killed|exited unexpectedly)"
+    assert re.search(named, out), out
