@@ -194,53 +194,8 @@ def test_batch_where_every_sample_fails_raises(fault_db: Path, tmp_path: Path) -
 
 
 # -----------------------------------------------------------------------------------------------------------------
-# 2. A worker killed by a signal
+# 2. A worker killed by a signal: tests/test_processes.py, with the process engine's other faults
 # -----------------------------------------------------------------------------------------------------------------
-
-_KILL_SCRIPT = textwrap.dedent(
-    """
-    import os, signal, sys
-    import torch
-    from lightning_fastdata import FastImageDataModule, LmdbImageDataset
-
-    class KillOne(LmdbImageDataset):
-        def __getitem__(self, index):
-            if index == 5 and torch.utils.data.get_worker_info() is not None:  # never the main process
-                os.kill(os.getpid(), signal.SIGKILL)
-            return super().__getitem__(index)
-
-    class KillingModule(FastImageDataModule):
-        def build_dataset(self, split, transform):
-            return KillOne(self.database_path, split=split, transform=transform)
-
-    dm = KillingModule(sys.argv[1], cache_dir=sys.argv[2], image_size=32, batch_size=4, num_workers=2, val_fraction=0,
-                      engine="processes")
-    try:
-        for epoch in range(3):
-            for batch in dm.train_dataloader():
-                pass
-    except RuntimeError as err:
-        print(f"RAISED {type(err).__name__}: {err}", flush=True)
-        sys.exit(3)
-    print("NO ERROR", flush=True)
-    """
-)
-
-
-@pytest.mark.slow
-def test_worker_killed_by_a_signal_raises_instead_of_hanging(fault_db: Path, tmp_path: Path) -> None:
-    """A DataLoader worker dying of SIGKILL makes iteration raise a RuntimeError naming the worker, within a timeout."""
-    proc = subprocess.run(
-        [sys.executable, "-c", _KILL_SCRIPT, str(fault_db), str(tmp_path / "cache")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 3, out
-    assert re.search(
-        r"RAISED RuntimeError: DataLoader worker \(pid.*(killed by signal: Killed|exited unexpectedly)", out
-    )
 
 
 # -----------------------------------------------------------------------------------------------------------------

@@ -169,15 +169,24 @@ _KILL_MID_BATCH = textwrap.dedent(
     import torch
     from lightning_fastdata import FastImageDataModule, LmdbImageDataset
 
-    class KillOne(LmdbImageDataset):  # keeps __getitem__ and decode: the fused path, into batch slots
+    def kill_in_a_worker(index):
+        if index == 5 and torch.utils.data.get_worker_info() is not None:  # a worker, part-way into a batch
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    class PerSample(LmdbImageDataset):  # overrides __getitem__: the per-sample path, batches in PyTorch's memory
+        def __getitem__(self, index):
+            kill_in_a_worker(index)
+            return super().__getitem__(index)
+
+    class IntoSlots(LmdbImageDataset):  # keeps __getitem__ and decode: the fused path, into batch slots
         def decode_hwc(self, index, *args, **kwargs):
-            if index == 5 and torch.utils.data.get_worker_info() is not None:  # a worker, part-way into a batch
-                os.kill(os.getpid(), signal.SIGKILL)
+            kill_in_a_worker(index)
             return super().decode_hwc(index, *args, **kwargs)
 
     class KillingModule(FastImageDataModule):
         def build_dataset(self, split, transform):
-            return KillOne(self.database_path, split=split, transform=transform)
+            dataset = IntoSlots if sys.argv[3] == "slots" else PerSample
+            return dataset(self.database_path, split=split, transform=transform)
 
     dm = KillingModule(sys.argv[1], cache_dir=sys.argv[2], image_size=32, batch_size=4, num_workers=2, val_fraction=0,
                       engine="processes")
@@ -196,17 +205,18 @@ _KILL_MID_BATCH = textwrap.dedent(
 
 
 @pytest.mark.slow
-def test_a_worker_killed_while_filling_its_slot_raises_naming_it(tmp_path: Path, train_db: Path) -> None:
-    """A worker dying of SIGKILL part-way into a batch slot makes iteration raise a RuntimeError naming the worker
-    by its pid, within a timeout: never a hang on the slot it held."""
+@pytest.mark.parametrize("path", ["slots", "per-sample"])
+def test_a_worker_killed_mid_batch_raises_naming_it(tmp_path: Path, train_db: Path, path: str) -> None:
+    """A worker dying of SIGKILL part-way into a batch (into its slot, or on the per-sample path) makes iteration
+    raise a RuntimeError naming the worker by its pid, within a timeout: never a hang."""
     proc = subprocess.run(
-        [sys.executable, "-c", _KILL_MID_BATCH, str(train_db), str(tmp_path / "cache")],
+        [sys.executable, "-c", _KILL_MID_BATCH, str(train_db), str(tmp_path / "cache"), path],
         capture_output=True,
         text=True,
         timeout=120,
     )
     out = proc.stdout + proc.stderr
-    assert "FUSED True" in out, out
+    assert f"FUSED {path == 'slots'}" in out, out
     assert proc.returncode == 3, out
     named = r"RAISED RuntimeError: DataLoader worker \(pid.*(killed by signal: Killed|exited unexpectedly)"
     assert re.search(named, out), out

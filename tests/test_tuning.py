@@ -497,7 +497,7 @@ def test_datamodule_tune_times_each_count_on_the_engine_it_trains_on(tmp_path, m
     dm.setup("fit")
     assert dm.resolved_num_workers() == 4  # 405 is the best; 400 is within 5% of it
     engines = ["threads"] * 4 + ["processes"] * 2
-    built = ["main"] + engines[1:]  # no workers: batches built on the calling thread
+    built = ["main", *engines[1:]]  # no workers: batches built on the calling thread
     assert seen[:6] == list(zip(range(6), engines, built, strict=True))
     assert seen[6:] == [(5, "processes", "processes")]  # page-locked, at the best count
     loader = dm.train_dataloader()
