@@ -177,28 +177,17 @@ def run_imagefolder(args) -> dict[str, float]:
 def run_fast(args, output: str, engine: str) -> dict[str, float]:
     import torch
 
-    from lightning_fastdata import FastImageDataModule, LmdbImageDataset
-    from lightning_fastdata.pipeline import create_loader
-    from lightning_fastdata.transforms import RandomResizedCropFlip
+    from lightning_fastdata import FastImageDataModule
 
-    if output == "float":  # as a user gets it: the DataModule on a CPU hands out normalized float32 batches
-        dm = FastImageDataModule(
-            args.db, batch_size=args.batch_size, num_workers=args.workers, engine=engine, val_fraction=0
-        )
-        dm.setup("fit")
-        loader = dm.train_dataloader()
-    else:  # what the DataModule hands a CUDA trainer before the device copy: uint8, NHWC memory
-        loader = create_loader(
-            LmdbImageDataset(args.db, transform=RandomResizedCropFlip(SIZE)),
-            args.batch_size,
-            shuffle=True,
-            resumable=True,
-            drop_last=True,
-            engine=engine,
-            workers=args.workers,
-            persistent_workers=False,
-            output="uint8",
-        )
+    class DataModule(FastImageDataModule):
+        def _output(self):  # uint8: what CUDA training reads, before its copy to the device (no CUDA here)
+            return output
+
+    # as a user gets it: the DataModule's training loader with its defaults (persistent workers, batch slots);
+    # on a CPU it hands out normalized float32 batches, to a CUDA trainer uint8 ones in NHWC memory
+    dm = DataModule(args.db, batch_size=args.batch_size, num_workers=args.workers, engine=engine, val_fraction=0)
+    dm.setup("fit")
+    loader = dm.train_dataloader()
 
     def epoch(k: int):
         loader.sampler.set_epoch(k)

@@ -4,12 +4,19 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 from torchvision.transforms import v2
 
 from lightning_fastdata._fast_path import inherits
-from lightning_fastdata.transforms import CenterCropResize, RandomResizedCropFlip, is_crop_transform, normalize_batch
+from lightning_fastdata.transforms import (
+    CenterCropResize,
+    Normalizer,
+    RandomResizedCropFlip,
+    is_crop_transform,
+    normalize_batch,
+)
 
 MEAN = torch.tensor([0.485, 0.456, 0.406])
 STD = torch.tensor([0.229, 0.224, 0.225])
@@ -272,3 +279,19 @@ def test_the_fast_path_contract_is_one_rule() -> None:
     boxes, flips = own_box.boxes([20, 30], [40, 50], seed=0)
     assert (boxes, flips) == ([(0, 0, 20, 40), (0, 0, 30, 50)], [False, False])  # its own box, per image
     assert own_box(torch.zeros(3, 20, 40, dtype=torch.uint8)).shape == (3, 8, 8)
+
+
+@pytest.mark.parametrize("layout", ["chw", "hwc"])
+@pytest.mark.parametrize("with_planes", [False, True])
+def test_normalizer_into_matches_the_reference_in_either_layout(layout: str, with_planes: bool) -> None:
+    """The CPU kernel (a table lookup per pixel) writes ``(x / 255 - mean) / std`` as float32, CHW or HWC."""
+    mean, std = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+    image = np.random.default_rng(0).integers(0, 256, (5, 7, 3), dtype=np.uint8)
+    want = (torch.from_numpy(image).double() / 255 - torch.tensor(mean, dtype=torch.float64)) / torch.tensor(
+        std, dtype=torch.float64
+    )
+    out = np.full((3, 5, 7) if layout == "chw" else (5, 7, 3), np.nan, dtype=np.float32)
+    planes = list(np.empty((3, 5, 7), np.uint8)) if with_planes else None
+    Normalizer(mean, std).into(image, out, planes)
+    got = torch.from_numpy(out if layout == "hwc" else out.transpose(1, 2, 0)).double()
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)

@@ -256,7 +256,8 @@ class BatchReader(Dataset):
                 assert self.normalizer is not None
                 size = transform.size
                 crop = self._buffer("resized", size * size * 3)[: size * size * 3].reshape(size, size, 3)
-                self.normalizer.into(crop_resize_into(image, box, size, flip, crop, scratch), out)
+                planes = list(self._buffer("planes", size * size * 3)[: size * size * 3].reshape(3, size, size))
+                self.normalizer.into(crop_resize_into(image, box, size, flip, crop, scratch), out, planes)
             else:
                 crop_resize_into(image, box, transform.size, flip, out, scratch)
         except Exception as err:  # cv2.error and friends: name the sample
