@@ -10,7 +10,9 @@ defaults, then prints two tables from one run:
    float32 (the standard recipe), ``ImageFolder`` uint8 normalized on the GPU, FastImageDataModule with each engine,
    and with ``decode="device"``. Every loader gets the same workers (default: every usable CPU).
 2. **The loader alone**, batches copied into GPU memory (FastImageDataModule's are normalized there), over 1, 4, 8
-   and 16 workers or threads: each engine and ``ImageFolder`` uint8.
+   and 16 workers or threads: each engine and ``ImageFolder`` uint8, with the training process's CPU time per image
+   beside each rate. Above them, **the ceiling**: as many standalone processes decoding, cropping and resizing the
+   same database with the same kernel, each into its own memory, with no data passing between processes at all.
 
     python benchmarks/bench_gpu.py                      # everything, ~16,000 images
     python benchmarks/bench_gpu.py --models resnet50 --columns data-free threads processes device
@@ -107,10 +109,11 @@ def train_cell(column: str, images: Path, workdir: Path, p: Plan) -> dict[str, A
     return summary
 
 
-def loader_rate(make: Callable[[], Any], device: torch.device, warmup: int = 3) -> float:
-    """Images/s over one epoch after ``warmup`` batches, every batch in ``device`` memory (synchronized at the end)."""
+def loader_rate(make: Callable[[], Any], device: torch.device, warmup: int = 3) -> tuple[float, float]:
+    """Images/s over one epoch after ``warmup`` batches, every batch in ``device`` memory (synchronized at the end),
+    and the training process's CPU time per image in us (all its threads: ``time.process_time``)."""
     loader = make()
-    seen, start = 0, 0.0
+    seen, start, cpu = 0, 0.0, 0.0
     for i, batch in enumerate(loader):
         images = batch[0]
         if images.device != device:
@@ -118,18 +121,62 @@ def loader_rate(make: Callable[[], Any], device: torch.device, warmup: int = 3) 
         if i + 1 == warmup:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
         elif i + 1 > warmup:
             seen += images.shape[0]
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     rate = seen / (time.perf_counter() - start) if seen else float("nan")
+    us = (time.process_time() - cpu) / seen * 1e6 if seen else float("nan")
     del loader
     gc.collect()
-    return rate
+    return rate, us
 
 
-def scaling_row(name: str, images: Path, workdir: Path, p: Plan, workers: int) -> float:
+def _decode_alone(db: str, size: int, batch_size: int, part: list[list[int]], ready: Any, results: Any) -> None:
+    from lightning_fastdata import LmdbImageDataset
+    from lightning_fastdata.pipeline import BatchReader, KeyedIndices
+    from lightning_fastdata.transforms import RandomResizedCropFlip
+
+    torch.set_num_threads(1)
+    reader = BatchReader(LmdbImageDataset(db, transform=RandomResizedCropFlip(size)), output="uint8")
+    reader.read_batch(KeyedIndices(part[0], (0, 0)))  # warm: the environment, the buffers
+    ready.wait()
+    start = time.perf_counter()
+    images = sum(len(reader.read_batch(KeyedIndices(indices, (0, 1)))[1]) for indices in part)
+    results.put((start, time.perf_counter(), images))
+
+
+def ceiling_rate(db: Path, p: Plan, processes: int) -> float:
+    """Images/s of ``processes`` standalone processes reading ``db`` with the batch kernel, no data passing at all.
+
+    Each forked process builds its share of one epoch's batches into its own memory; the rate is every image over
+    the span from the first start to the last end.
+    """
+    import multiprocessing
+
+    from lightning_fastdata import LmdbImageDataset
+
+    n = len(LmdbImageDataset(db))
+    batches = [list(range(i, min(i + p.batch_size, n))) for i in range(0, n, p.batch_size)]
+    fork = multiprocessing.get_context("fork")
+    ready, results = fork.Barrier(processes), fork.Queue()
+    procs = [
+        fork.Process(
+            target=_decode_alone, args=(str(db), p.image_size, p.batch_size, batches[k::processes], ready, results)
+        )
+        for k in range(processes)
+    ]
+    for proc in procs:
+        proc.start()
+    spans = [results.get() for _ in procs]
+    for proc in procs:
+        proc.join()
+    seconds = max(end for _, end, _ in spans) - min(start for start, _, _ in spans)
+    return sum(images for *_, images in spans) / seconds
+
+
+def scaling_row(name: str, images: Path, workdir: Path, p: Plan, workers: int) -> tuple[float, float]:
     q = dataclasses.replace(p, workers=workers)
     device = torch.device(p.device)
     if name == "imagefolder":
@@ -197,7 +244,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.batch_size, args.epochs, workers, device == "cuda", True,
     )  # fmt: skip
     start = time.perf_counter()
-    fast_datamodule(images, workdir, base).prepare_data()  # the one-time conversion, outside every timing
+    converted = fast_datamodule(images, workdir, base)
+    converted.prepare_data()  # the one-time conversion, outside every timing
     print(f"converted once in {time.perf_counter() - start:.1f} s", flush=True)
 
     machine = torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "CPU"
@@ -208,6 +256,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "torch": torch.__version__,
         "training": {},
         "scaling": {},
+        "ceiling": {},
     }
     for arch in args.models:
         p = dataclasses.replace(base, arch=arch)
@@ -215,10 +264,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for column in args.columns:
             print(f"training {MODELS[arch]} from {COLUMNS[column]} ...", flush=True)
             row[column] = train_cell(column, images, workdir, p)
+    for w in args.scaling:
+        print(f"ceiling: {w} standalone decode processes ...", flush=True)
+        results["ceiling"][w] = ceiling_rate(converted.database_path, base, w)
     for name in (*SCALING, "imagefolder"):
         for w in args.scaling:
             print(f"loader alone: {name}, {w} workers ...", flush=True)
-            results["scaling"].setdefault(name, {})[w] = scaling_row(name, images, workdir, base, w)
+            rate, us = scaling_row(name, images, workdir, base, w)
+            results["scaling"].setdefault(name, {})[w] = rate
+            results.setdefault("training_process_us", {}).setdefault(name, {})[w] = us
 
     print(
         f"\n{machine}, {results['usable_cpus']} usable CPUs, torch {torch.__version__}; {classes * per_class} images"
@@ -236,9 +290,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if results["scaling"]:
         counts = list(args.scaling)
         names = {**SCALING, "imagefolder": SCALING_BASELINE}
-        rows = [[names[name], *(f"{results['scaling'][name][w]:,.0f}" for w in counts)] for name in results["scaling"]]
-        title = "\nThe loader alone, batches into device memory, images/s:\n"
+        us = results["training_process_us"]
+        rows = [
+            [
+                "ceiling: standalone decode processes, no data passing",
+                *(f"{results['ceiling'][w]:,.0f}" for w in counts),
+            ]
+        ]
+        rows += [
+            [names[name], *(f"{results['scaling'][name][w]:,.0f} ({us[name][w]:.0f} us)" for w in counts)]
+            for name in results["scaling"]
+        ]
+        title = "\nThe loader alone, batches into device memory, images/s (training process CPU us / image):\n"
         print(title + _table(["workers", *map(str, counts)], rows))
+        top = counts[-1]
+        share = results["scaling"]["processes"][top] / results["ceiling"][top]
+        print(f'engine="processes" at {top} workers: {share:.2f}x the ceiling of {top} standalone decode processes')
     if args.json:
         with contextlib.suppress(OSError):
             Path(args.json).write_text(json.dumps(results, indent=2, default=str))

@@ -53,6 +53,10 @@ def test_smoke_run_prints_both_tables_with_every_column(capsys, tmp_path) -> Non
     assert all(summary["samples_per_sec"] > 0 for summary in training.values())
     assert set(results["scaling"]) == {"threads", "processes", "imagefolder"}
     assert all(rates[1] > 0 for rates in results["scaling"].values())
+    assert results["ceiling"][1] > 0  # one standalone decode process
+    assert all(us[1] > 0 for us in results["training_process_us"].values())
+    assert "| ceiling: standalone decode processes, no data passing |" in out
+    assert 'engine="processes" at 1 workers:' in out
     assert "| one strided conv |" in out
     assert "of data-free" in out
     assert "| torchvision ImageFolder, uint8 |" in out
