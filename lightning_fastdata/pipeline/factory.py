@@ -145,6 +145,12 @@ class FastLoader(DataLoader):
     ``set_epoch`` (and injects one under DDP when it must), uses ``len()`` for limits and progress, and saves
     ``state_dict()`` in checkpoints for exact mid-epoch resume. Build it with :func:`create_loader`.
 
+    Batches of a fused :class:`~lightning_fastdata.pipeline.kernel.BatchReader` are built into batch slots
+    (:mod:`~lightning_fastdata.pipeline.slots`), shared with the worker processes or private to the threads, and
+    page-locked once when they go to a CUDA device: :attr:`page_locked` then says ``pin_memory`` was asked for, while
+    the DataLoader's own ``pin_memory`` is off (no pin-memory thread). :attr:`slot_misses` counts the batches built
+    in fresh memory because the training loop kept every slot's batch alive.
+
     Args:
         dataset: a :class:`~lightning_fastdata.pipeline.kernel.BatchReader` (whole batches), or any dataset (read as a
             DataLoader reads it).
@@ -243,9 +249,8 @@ class FastLoader(DataLoader):
         if self.engine == "threads":
             assert isinstance(self.dataset, BatchReader)
             release = (lambda indices: slots.release(getattr(indices, "slot", None))) if slots is not None else None
-            ahead = self.prefetch_batches or (self.prefetch_factor or 2) * self.workers
             batches = threaded_batches(
-                iter(self._index_sampler), self.dataset.__getitems__, self.workers, ahead, release
+                iter(self._index_sampler), self.dataset.__getitems__, self.workers, self._on_threads(), release
             )
         else:
             batches = super().__iter__()  # torch's: the calling thread, or worker processes (kept between epochs)
@@ -265,10 +270,14 @@ class FastLoader(DataLoader):
         task out before the batches of the one it received are handed out.
         """
         if self.engine == "threads":
-            return (self.prefetch_batches or (self.prefetch_factor or 2) * self.workers) + 1
+            return self._on_threads() + 1
         if self.engine == "processes":
             return (self.num_workers * self._tasks_ahead() + 1) * self._task_batches
         return 2
+
+    def _on_threads(self) -> int:
+        """Batches in flight on the threads: ``prefetch_batches``, else ``prefetch_factor`` (2) per thread."""
+        return self.prefetch_batches or (self.prefetch_factor or 2) * self.workers
 
     def _tasks_ahead(self) -> int:
         """Tasks in flight per worker process: ``prefetch_factor`` batches, rounded up to whole tasks."""

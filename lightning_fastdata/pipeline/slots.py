@@ -7,7 +7,7 @@ explicitly:
 1. **free -> filling.** :meth:`SlotPool.acquire` gives a free slot to whoever builds the next batch: a loader thread,
    or a DataLoader worker process, which is told its slot with the batch's indices.
 2. **filling -> handed out.** :meth:`SlotPool.hand_out` wraps the filled slot in tensors for the training loop. The
-   tensors' storage holds a view of the slot made for this hand-out alone, and a ``weakref.finalize`` on that view
+   tensors' storage holds a view of the slot made for this hand-out alone, and a weak reference to that view
    frees the slot when the storage goes: when the last tensor sharing it (the batch, its slices and views, a
    ``.numpy()`` of it) is gone, whenever and on whichever thread that happens.
 3. **or filling -> copying.** For a CUDA device, :meth:`SlotPool.to_device` copies the slot ``non_blocking`` on the
