@@ -119,11 +119,12 @@ class FastImageDataModule(LightningDataModule):
             each count on the engine it would train on, and keeps the cheapest count within 5% of the fastest (cached
             under ``cache_dir``, keyed by database, transforms, batch size, engine and CPUs).
         engine: ``"threads"`` builds batches on ``num_workers`` threads in the training process (no worker
-            start-up, no copy of the dataset per worker, no inter-process transfer; decoding and resizing release the
-            GIL); ``"processes"`` on ``num_workers`` DataLoader worker processes. ``"auto"`` (default) picks worker
-            processes for CUDA training with at least 4 workers (uint8 batches: the loader threads would share the
-            GIL with the training loop's kernel launches), threads otherwise (CPU training: threads write normalized
-            floats straight into the batch the model receives); the choice is logged once.
+            start-up, no copy of the dataset per worker; decoding and resizing release the GIL); ``"processes"`` on
+            ``num_workers`` DataLoader worker processes, straight into batch slots shared with the training process
+            (which then spends a few microseconds per image receiving them). ``"auto"`` (default) picks worker
+            processes for CUDA training with at least 4 workers (the loader threads would share the GIL with the
+            training loop's kernel launches), threads otherwise (CPU training and fewer workers, where the two
+            engines are close and threads need no start-up); the choice is logged once.
         pin_memory: page-locked host batches for fast, asynchronous copies; default: on when training on CUDA.
         persistent_workers: keep workers alive between epochs; default: on when there are workers.
         prefetch_factor: batches each worker loads ahead; default: PyTorch's 2.
