@@ -255,8 +255,7 @@ class BatchReader(Dataset):
             if self.output == "float":  # the uint8 crop in a scratch buffer, then normalized into the batch
                 assert self.normalizer is not None
                 size = transform.size
-                crop = self._buffer("resized", size * size * 3)[: size * size * 3].reshape(size, size, 3)
-                planes = list(self._buffer("planes", size * size * 3)[: size * size * 3].reshape(3, size, size))
+                crop, planes = self._float_scratch(size)
                 self.normalizer.into(crop_resize_into(image, box, size, flip, crop, scratch), out, planes)
             else:
                 crop_resize_into(image, box, transform.size, flip, out, scratch)
@@ -333,6 +332,14 @@ class BatchReader(Dataset):
             buffer = np.empty(max(nbytes, 1 << 20), dtype=np.uint8)
             setattr(self._scratch, name, buffer)
         return buffer
+
+    def _float_scratch(self, size: int) -> tuple[np.ndarray, list[np.ndarray]]:
+        """This thread's uint8 crop ``(size, size, 3)`` and its three planes, made once: no views made per image."""
+        cached = getattr(self._scratch, "float", None)
+        if cached is None or cached[0].shape[0] != size:
+            crop = np.empty((size, size, 3), dtype=np.uint8)
+            cached = self._scratch.float = (crop, list(np.empty((3, size, size), dtype=np.uint8)))
+        return cached
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
