@@ -13,8 +13,13 @@ import sys
 import textwrap
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
+
+from lightning_fastdata.pipeline import processes
+from lightning_fastdata.pipeline.factory import FastLoader
 
 #: a training on worker processes that can end in several ways: ``finish``, ``exception`` (in ``training_step``),
 #: ``sigint`` (Ctrl-C to its process group) or ``sigkill`` (of the training process alone), sent by the wrapper below
@@ -220,3 +225,51 @@ def test_a_worker_killed_mid_batch_raises_naming_it(tmp_path: Path, train_db: Pa
     assert proc.returncode == 3, out
     named = r"RAISED RuntimeError: DataLoader worker \(pid.*(killed by signal: Killed|exited unexpectedly)"
     assert re.search(named, out), out
+
+
+class _Numbers(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.full((4,), index)
+
+
+def _broken_receive(monkeypatch: pytest.MonkeyPatch, seen_alive: int) -> tuple[Any, int]:
+    """An iterator whose only worker dies while its batch is being received: the fetch of the batch's file descriptors
+    fails with ConnectionResetError, and the worker still looks alive the first ``seen_alive`` times (not killed for
+    real: torch's SIGCHLD handler would raise its own error first, on whatever line the test is at)."""
+    loader = FastLoader(_Numbers(), batch_size=4, num_workers=1)
+    iterator = iter(loader)
+    worker = iterator._workers[0]
+    looks = iter([True] * seen_alive)
+    monkeypatch.setattr(worker, "is_alive", lambda: next(looks, False))
+
+    def reset(*args: Any, **kwargs: Any) -> None:
+        raise ConnectionResetError(104, "Connection reset by peer")
+
+    monkeypatch.setattr(iterator._data_queue, "get", reset)
+    # the worker is alive: left to torch's shutdown (a worker marked unavailable mid-epoch exits with an assertion)
+    monkeypatch.setattr(iterator, "_mark_worker_as_unavailable", lambda worker_id, shutdown=False: None)
+    return iterator, worker.pid
+
+
+def test_a_worker_dying_as_its_batch_is_received_is_named_not_a_connection_reset(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """torch looks for dead workers at once after the failed fetch, when the killed worker may still look alive: the
+    iterator waits for it and raises torch's RuntimeError naming it (the kill test above raced)."""
+    iterator, pid = _broken_receive(monkeypatch, seen_alive=5)
+    with pytest.raises(RuntimeError, match=rf"DataLoader worker \(pid\(s\) {pid}\) exited unexpectedly") as info:
+        next(iterator)
+    assert isinstance(info.value.__cause__, ConnectionResetError)
+    iterator._shutdown_workers()
+
+
+def test_a_connection_reset_without_a_dead_worker_is_raised_after_the_grace(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A broken connection whose worker stays alive is not blamed on a worker: after the grace period it is raised."""
+    monkeypatch.setattr(processes, "DEATH_GRACE_S", 0.2)
+    iterator, _ = _broken_receive(monkeypatch, seen_alive=10**6)
+    with pytest.raises(ConnectionResetError):
+        iterator._try_get_data()
+    iterator._shutdown_workers()

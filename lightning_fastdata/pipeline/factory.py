@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from lightning_fastdata.pipeline.device import DeviceStage, prefetch_to_device
 from lightning_fastdata.pipeline.kernel import BatchReader, KeyedIndices, Output, _batch_as_is
-from lightning_fastdata.pipeline.processes import _worker_init, shared_slots
+from lightning_fastdata.pipeline.processes import WorkerIterator, _worker_init, shared_slots
 from lightning_fastdata.pipeline.resume import ResumableSampler, batches_per_epoch, position_state, restore_position
 from lightning_fastdata.pipeline.slots import SlotPool
 from lightning_fastdata.pipeline.threads import private_slots, threaded_batches
@@ -284,14 +284,16 @@ class FastLoader(DataLoader):
         return -(-(self.prefetch_factor or 2) // self._task_batches)
 
     def _get_iterator(self) -> Any:
+        if self.num_workers == 0:
+            return super()._get_iterator()
+        self.check_worker_number_rationality()
         # torch counts `prefetch_factor` in tasks, each of `_task_batches` batches here: it reads the attribute as it
         # makes its iterator, which keeps the count for its life (persistent workers)
-        if self._task_batches == 1 or self.num_workers == 0 or self._threads_instead:
-            return super()._get_iterator()
         batches_ahead = self.prefetch_factor
-        self.prefetch_factor = self._tasks_ahead()
+        if self._task_batches > 1 and not self._threads_instead:
+            self.prefetch_factor = self._tasks_ahead()
         try:
-            return super()._get_iterator()
+            return WorkerIterator(self)
         finally:
             self.prefetch_factor = batches_ahead
 

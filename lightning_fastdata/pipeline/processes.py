@@ -15,7 +15,12 @@ Workers import this module to unpickle the ``worker_init_fn``, so it imports nei
 
 from __future__ import annotations
 
+import time
+from typing import Any
+
 import torch
+from torch.utils.data import _utils
+from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 
 from lightning_fastdata.pipeline.slots import SLOTS_HELD, SlotLayout, SlotMemory, SlotPool
 
@@ -36,3 +41,33 @@ def _worker_init(worker_id: int) -> None:
     OpenCV needs nothing here: :mod:`lightning_fastdata._cv` switched its thread pool off in the parent.
     """
     torch.set_num_threads(1)
+
+
+#: how long a worker whose connection broke may take to be seen dead before the broken connection is the error
+DEATH_GRACE_S = 5.0
+
+
+class WorkerIterator(_MultiProcessingDataLoaderIter):
+    """torch's worker-process iterator, which names a worker that died while its batch was being received.
+
+    A batch of tensors in PyTorch's shared memory arrives as file descriptors, fetched from the worker that made it.
+    If that worker is killed in the meantime, the fetch fails with ``ConnectionResetError`` (or ``EOFError``) a moment
+    before the worker is seen dead, and torch, which looks for dead workers only then, raises the bare connection
+    error. This waits up to :data:`DEATH_GRACE_S` for the dead worker and raises torch's own error naming it.
+    """
+
+    def _try_get_data(self, timeout: float = _utils.MP_STATUS_CHECK_INTERVAL) -> tuple[bool, Any]:
+        try:
+            return super()._try_get_data(timeout)
+        except (ConnectionError, EOFError) as err:
+            deadline = time.monotonic() + DEATH_GRACE_S
+            while True:
+                dead = [i for i, w in enumerate(self._workers) if self._workers_status[i] and not w.is_alive()]
+                if dead:
+                    pids = ", ".join(str(self._workers[i].pid) for i in dead)
+                    for i in dead:
+                        self._mark_worker_as_unavailable(i)
+                    raise RuntimeError(f"DataLoader worker (pid(s) {pids}) exited unexpectedly") from err
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.01)
