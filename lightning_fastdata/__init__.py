@@ -30,6 +30,7 @@ if TYPE_CHECKING:
         SourceLayoutError,
     )
     from lightning_fastdata.monitor import LoaderMonitor
+    from lightning_fastdata.prediction import PredictionWriter
     from lightning_fastdata.prefetch import DevicePrefetchLoader
     from lightning_fastdata.store.format import read_meta, read_sources
     from lightning_fastdata.store.reader import LmdbImageDataset
@@ -48,6 +49,7 @@ _HOMES = {
     "LmdbImageDataset": "store.reader",
     "LoaderMonitor": "monitor",
     "MissingSplitError": "errors",
+    "PredictionWriter": "prediction",
     "ReadOnlyDestinationError": "errors",
     "SampleError": "errors",
     "SourceLayoutError": "errors",
@@ -56,7 +58,7 @@ _HOMES = {
     "read_sources": "store.format",
     "usable_cpu_count": "cpus",
 }
-_LIGHTNING_MODULES = ("datamodule", "monitor", "prefetch")
+_LIGHTNING_MODULES = ("datamodule", "monitor", "prediction", "prefetch")
 
 __all__ = [
     "ConversionError",
@@ -71,6 +73,7 @@ __all__ = [
     "LmdbImageDataset",
     "LoaderMonitor",
     "MissingSplitError",
+    "PredictionWriter",
     "ReadOnlyDestinationError",
     "SampleError",
     "SkippedFile",

@@ -1,0 +1,362 @@
+"""``PredictionWriter``: ``trainer.predict``'s outputs written to a CSV or JSON Lines file, one row per sample.
+
+Each process streams its rows, tagged with their sample index, to a part file beside the output; after the last
+batch, rank zero merges the parts in sample order, drops the duplicates that ``DistributedSampler`` pads with, and
+publishes the file under its final name by a rename. A run that stops early publishes nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import json
+import logging
+import math
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import IO, Any, Literal
+
+import numpy as np
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import BasePredictionWriter
+from lightning.pytorch.utilities import rank_zero_info
+from typing_extensions import override
+
+from lightning_fastdata.errors import InvalidArgumentError
+
+log = logging.getLogger(__name__)
+
+Format = Literal["csv", "jsonl"]
+
+#: file suffixes that name a format when ``format`` is left out
+_SUFFIXES: dict[str, Format] = {".csv": "csv", ".jsonl": "jsonl", ".ndjson": "jsonl"}
+#: the output's columns, in order; a column appears when some row has it
+_COLUMNS = ("index", "source", "label", "class", "output")
+#: a part file's row kinds: a class (``label``, ``class``) or a raw model output (``output``)
+_CLASS, _RAW = b"c", b"r"
+
+
+class PredictionWriter(BasePredictionWriter):
+    r"""Writes ``trainer.predict``'s outputs to a CSV or JSON Lines file, one row per sample, in the data's order.
+
+    Each row holds the sample's ``index`` in the predicted split and its ``source`` (the image's path relative to
+    the converted folder, from :meth:`~lightning_fastdata.FastImageDataModule.predict_sources`), then what
+    ``predict_step`` returned for it:
+
+    - a float tensor of shape ``(N, C)`` with ``C`` the DataModule's number of classes is read as logits (or
+      probabilities): ``label`` is the arg-max and ``class`` its class name;
+    - an integer tensor of shape ``(N,)`` is read as class indices: ``label`` and ``class``;
+    - anything else is written as it is, per sample, in ``output`` (a JSON value: a tensor or array of first
+      dimension ``N`` gives one row each, a mapping one object each, a list or tuple of length ``N`` one item each).
+
+    In a CSV file ``output`` holds the JSON text; a column no row uses is left out. Without a DataModule that knows its
+    classes (``classes``) and sources (``predict_sources()``), ``class`` and ``source`` are left out.
+
+    **Under DDP** every process streams its rows, with their sample indices, to a hidden part file beside
+    ``output_path`` (``.NAME.rank<R>.part``), so no process holds the predictions in memory. After the last batch,
+    rank zero merges the parts in sample order, keeps each sample once (``DistributedSampler`` repeats a few to give
+    every process as many batches) and removes the parts. On several nodes ``output_path`` must be on storage every
+    node shares.
+
+    The file appears whole, under its name, only when the run completes: it is written under a temporary name and
+    renamed. A run that stops early (an error, Ctrl-C) leaves no new file and no parts, and a previous file of that
+    name as it was.
+
+    Use ``trainer.predict(..., return_predictions=False)`` (``--return_predictions false`` on the command line) so
+    that Lightning does not also keep every output in memory.
+
+    Args:
+        output_path: the file to write (``.csv``, ``.jsonl``; ``~`` is expanded); its folder is created. An existing
+            file is replaced when the run completes.
+        format: ``"csv"`` or ``"jsonl"`` (JSON Lines); default: from the suffix of ``output_path``.
+
+    Raises:
+        InvalidArgumentError: ``format`` is not ``"csv"``, ``"jsonl"`` or ``None``, it is ``None`` and the suffix
+            names neither, or ``output_path`` is a folder (a ``ValueError``).
+
+    Example::
+
+        from lightning_fastdata import FastImageDataModule, PredictionWriter
+
+        trainer = Trainer(callbacks=[PredictionWriter("predictions.csv")])
+        trainer.predict(model, datamodule=FastImageDataModule("data/"), return_predictions=False)
+
+    From the command line::
+
+        lightning-fastdata predict --config config.yaml --ckpt_path best.ckpt \
+            --trainer.callbacks+=lightning_fastdata.PredictionWriter \
+            --trainer.callbacks.output_path=predictions.csv
+
+    """
+
+    def __init__(self, output_path: str, format: Format | None = None) -> None:
+        super().__init__("batch")
+        path = Path(output_path).expanduser()
+        if format is None:
+            format = _SUFFIXES.get(path.suffix.lower())
+            if format is None:
+                raise InvalidArgumentError(
+                    f"`output_path` {output_path!r} does not say the format by its suffix: name a `.csv` or `.jsonl`"
+                    " file, or pass `format='csv'` or `format='jsonl'`."
+                )
+        elif format not in ("csv", "jsonl"):
+            raise InvalidArgumentError(f"`format` must be 'csv', 'jsonl' or None (from the suffix), got {format!r}.")
+        if path.is_dir():
+            raise InvalidArgumentError(f"`output_path` {output_path!r} is a folder; name a file in it to write.")
+        self.output_path = path
+        self.format: Format = format
+        self._part: IO[bytes] | None = None
+        self._classes: list[str] | None = None
+        self._sources: list[str] | None = None
+
+    def part_path(self, rank: int) -> Path:
+        """The part file rank ``rank`` streams its rows to: hidden, beside ``output_path``."""
+        return self.output_path.with_name(f".{self.output_path.name}.rank{rank}.part")
+
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        if stage != "predict":
+            return
+        datamodule = trainer.datamodule
+        if getattr(datamodule, "on_bad_sample", "raise") == "skip":
+            raise InvalidArgumentError(
+                "`PredictionWriter` needs every sample of a batch to be predicted, but the DataModule has"
+                " `on_bad_sample='skip'`, which leaves bad samples out of their batch: rows could not be matched to"
+                " their files. Predict with `on_bad_sample='raise'`."
+            )
+        self._classes = None
+        self._sources = None
+        with contextlib.suppress(AttributeError, OSError, ValueError):
+            self._classes = [str(name) for name in datamodule.classes]  # type: ignore[union-attr]
+        predict_sources = getattr(datamodule, "predict_sources", None)
+        if callable(predict_sources) and trainer.global_rank == 0:  # only rank zero writes the file
+            try:
+                self._sources = list(predict_sources())
+            except ValueError as err:  # a database converted before sources were stored: the rows still have indices
+                log.warning("predictions are written without their `source`: %s", err)
+
+    @override
+    def on_predict_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.output_path.parent.mkdir(parents=True, exist_ok=True)
+        self._close()
+        self._part = open(self.part_path(trainer.global_rank), "wb")  # noqa: SIM115 - open until the merge
+
+    @override
+    def write_on_batch_end(
+        self,
+        trainer: Trainer,
+        pl_module: LightningModule,
+        prediction: Any,
+        batch_indices: Sequence[int] | None,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int,
+    ) -> None:
+        """Stream the batch's rows, with their sample indices, to this process's part file."""
+        if dataloader_idx != 0:
+            raise InvalidArgumentError(
+                f"`PredictionWriter` writes the predictions of one dataloader; got a batch of dataloader"
+                f" {dataloader_idx}. Return one predict dataloader, or one writer's Trainer per dataloader."
+            )
+        if not batch_indices:
+            raise InvalidArgumentError(
+                "`PredictionWriter` cannot tell which samples a predict batch holds: Lightning tracks them only for a"
+                " torch `DataLoader` with a batch sampler (as `FastImageDataModule.predict_dataloader` returns)."
+            )
+        kind, values = _per_sample(prediction, len(batch_indices), self._classes)
+        if self._part is None:  # `write_on_batch_end` called without `on_predict_start` (a custom loop)
+            self.on_predict_start(trainer, pl_module)
+        assert self._part is not None
+        lines = [
+            b"%d\t%s\t%s\n" % (int(index), kind, json.dumps(value, ensure_ascii=False).encode())
+            for index, value in zip(batch_indices, values, strict=True)
+        ]
+        self._part.write(b"".join(lines))
+
+    @override
+    def on_predict_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._close()
+        trainer.strategy.barrier("PredictionWriter.parts_written")
+        error = None
+        if trainer.global_rank == 0:
+            try:
+                rows = self._merge(trainer.world_size)
+            except Exception as err:  # told to the other ranks below, then raised here
+                error = f"{type(err).__name__}: {err}"
+                raise
+            finally:
+                # every rank waits for the merge and learns its outcome (none waits forever on a failed rank zero)
+                error = trainer.strategy.broadcast(error, src=0)
+            rank_zero_info(f"PredictionWriter: wrote {rows} predictions to {self.output_path}")
+        else:
+            error = trainer.strategy.broadcast(error, src=0)
+            if error is not None:
+                raise RuntimeError(f"rank 0 could not merge the predictions into {str(self.output_path)!r}: {error}")
+
+    @override
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self._close()
+        with contextlib.suppress(OSError):
+            self.part_path(trainer.global_rank).unlink(missing_ok=True)
+
+    @override
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._close()
+
+    def _close(self) -> None:
+        if self._part is not None:
+            self._part.close()
+            self._part = None
+
+    def _merge(self, world_size: int) -> int:
+        """Write the rows of the parts of ranks ``0..world_size-1``, each sample once, in sample order; remove them.
+
+        Returns the number of rows written.
+        """
+        parts = [self.part_path(rank) for rank in range(world_size)]
+        missing = [str(part) for part in parts if not part.is_file()]
+        if missing:
+            raise FileNotFoundError(
+                f"the part files {missing} are missing: on several nodes, `output_path` {str(self.output_path)!r}"
+                " must be on storage that every node shares."
+            )
+        # where each sample's first row is: part and byte offset, one pair of integers per sample (not its row)
+        part_of, offset_of, kinds = self._index(parts)
+        tmp = self.output_path.with_name(f".{self.output_path.name}.{os.getpid()}.tmp")
+        rows = 0
+        try:
+            with contextlib.ExitStack() as stack:
+                readers = [stack.enter_context(open(part, "rb")) for part in parts]
+                out = stack.enter_context(open(tmp, "w", encoding="utf-8", newline=""))
+                columns = [c for c in _COLUMNS if self._has(c, kinds)]
+                emit = self._csv_rows(out, columns) if self.format == "csv" else self._jsonl_rows(out)
+                for index in np.flatnonzero(part_of >= 0):
+                    reader = readers[part_of[index]]
+                    reader.seek(int(offset_of[index]))
+                    _, kind, value = reader.readline().rstrip(b"\n").split(b"\t", 2)
+                    emit(self._row(int(index), kind, json.loads(value)))
+                    rows += 1
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(tmp, self.output_path)
+        finally:
+            tmp.unlink(missing_ok=True)
+        for part in parts:
+            part.unlink(missing_ok=True)
+        return rows
+
+    @staticmethod
+    def _index(parts: Sequence[Path]) -> tuple[np.ndarray, np.ndarray, set[bytes]]:
+        """Per sample index: the part holding its first row (-1: none) and the row's byte offset; the row kinds."""
+        size = 0
+        for part in parts:
+            with open(part, "rb") as fh:
+                for line in fh:
+                    size = max(size, int(line.split(b"\t", 1)[0]) + 1)
+        part_of = np.full(size, -1, dtype=np.int32)
+        offset_of = np.zeros(size, dtype=np.int64)
+        kinds: set[bytes] = set()
+        for number, part in enumerate(parts):
+            offset = 0
+            with open(part, "rb") as fh:
+                for line in fh:
+                    index, kind, _ = line.split(b"\t", 2)
+                    i = int(index)
+                    if part_of[i] < 0:
+                        part_of[i], offset_of[i] = number, offset
+                        kinds.add(kind)
+                    offset += len(line)
+        return part_of, offset_of, kinds
+
+    def _has(self, column: str, kinds: set[bytes]) -> bool:
+        if column == "index":
+            return True
+        if column == "source":
+            return self._sources is not None
+        if column == "label":
+            return _CLASS in kinds
+        if column == "class":
+            return _CLASS in kinds and self._classes is not None
+        return _RAW in kinds
+
+    def _row(self, index: int, kind: bytes, value: Any) -> dict[str, Any]:
+        row: dict[str, Any] = {"index": index}
+        if self._sources is not None:
+            row["source"] = self._sources[index] if index < len(self._sources) else None
+        if kind == _CLASS:
+            row["label"] = value
+            if self._classes is not None:
+                row["class"] = self._classes[value] if 0 <= value < len(self._classes) else None
+        else:
+            row["output"] = value
+        return row
+
+    @staticmethod
+    def _csv_rows(out: IO[str], columns: list[str]) -> Any:
+        writer = csv.DictWriter(out, fieldnames=columns, restval="", lineterminator="\n")
+        writer.writeheader()
+
+        def emit(row: dict[str, Any]) -> None:
+            if "output" in row:
+                row["output"] = json.dumps(row["output"], ensure_ascii=False)
+            writer.writerow({k: "" if v is None else v for k, v in row.items()})
+
+        return emit
+
+    @staticmethod
+    def _jsonl_rows(out: IO[str]) -> Any:
+        def emit(row: dict[str, Any]) -> None:
+            out.write(json.dumps(row, ensure_ascii=False) + "\n")
+
+        return emit
+
+
+def _per_sample(prediction: Any, n: int, classes: Sequence[str] | None) -> tuple[bytes, list[Any]]:
+    """``predict_step``'s output for a batch of ``n`` samples: its row kind, and one JSON value per sample.
+
+    Raises:
+        InvalidArgumentError: the output cannot be split into ``n`` samples.
+
+    """
+    if isinstance(prediction, torch.Tensor):
+        if prediction.is_floating_point() and prediction.ndim == 2 and classes and prediction.shape[1] == len(classes):
+            return _CLASS, prediction.argmax(dim=1).tolist()
+        integer = not (prediction.is_floating_point() or prediction.is_complex() or prediction.dtype == torch.bool)
+        if integer and prediction.ndim == 1 and len(prediction) == n:
+            return _CLASS, prediction.tolist()
+    return _RAW, _split(prediction, n)
+
+
+def _split(value: Any, n: int) -> list[Any]:
+    """``value`` as ``n`` JSON values, one per sample."""
+    if isinstance(value, torch.Tensor | np.ndarray) and value.ndim >= 1 and len(value) == n:
+        return [_jsonable(item) for item in value.tolist()]
+    if isinstance(value, Mapping):
+        columns = {str(key): _split(item, n) for key, item in value.items()}
+        return [{key: items[i] for key, items in columns.items()} for i in range(n)]
+    if isinstance(value, list | tuple) and len(value) == n:
+        return [_jsonable(item) for item in value]
+    shape = f" of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor | np.ndarray) else ""
+    raise InvalidArgumentError(
+        f"`PredictionWriter` cannot split `predict_step`'s output ({type(value).__name__}{shape}) into the batch's {n}"
+        " samples: return a tensor or array whose first dimension is the batch, a mapping of them, or a list with one"
+        " item per sample."
+    )
+
+
+def _jsonable(value: Any) -> Any:
+    """``value`` as JSON types: tensors and arrays as lists, a NaN or infinity as ``None``."""
+    if isinstance(value, torch.Tensor | np.ndarray | np.generic):
+        value = value.tolist()
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, Mapping):
+        return {str(key): _jsonable(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(item) for item in value]
+    if value is None or isinstance(value, str | int | bool):
+        return value
+    return str(value)
