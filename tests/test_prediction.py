@@ -1,0 +1,258 @@
+"""``PredictionWriter``: one row per sample, in the split's order, from Python, the CLI and two DDP processes."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.cli import LightningCLI
+from prediction_script import FailingModel, LabelModel, OneHotModel, RawModel
+
+from lightning_fastdata import FastImageDataModule, InvalidArgumentError, PredictionWriter
+from lightning_fastdata.cli import lightning_cli, main
+from lightning_fastdata.prediction import _per_sample
+
+SCRIPT = Path(__file__).with_name("prediction_script.py")
+
+#: the session database's predict split (`val`: no `test`): 3 classes x 3 images, an odd number
+SAMPLES = 9
+
+#: variables a DDP launch reads: a stale one from the calling environment must not leak into the run
+_DIST_VARS = ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "GLOBAL_RANK", "WORLD_SIZE", "RANK")
+
+
+def _dm(database: Path, **kwargs: Any) -> FastImageDataModule:
+    return FastImageDataModule(str(database), **{"image_size": 16, "batch_size": 4, "num_workers": 0, **kwargs})
+
+
+def _predict(model: LightningModule, dm: FastImageDataModule, writer: PredictionWriter) -> None:
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[writer],
+    )
+    trainer.predict(model, datamodule=dm, return_predictions=False)
+
+
+def _csv(path: Path) -> list[dict[str, str]]:
+    with open(path, newline="", encoding="utf-8") as fh:
+        return list(csv.DictReader(fh))
+
+
+def _jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+def _leftovers(folder: Path) -> list[str]:
+    """Hidden files a writer may leave in ``folder``: part files and temporary outputs."""
+    return sorted(p.name for p in folder.iterdir() if p.name.startswith("."))
+
+
+def _check_class_rows(rows: list[dict[str, Any]], database: Path) -> None:
+    """Every sample once, in the split's order, each named by its source and given the class of its folder."""
+    dm = _dm(database)
+    sources = dm.predict_sources()
+    assert len(rows) == len(sources) == SAMPLES
+    assert [int(row["index"]) for row in rows] == list(range(SAMPLES))
+    assert [row["source"] for row in rows] == sources
+    for row in rows:
+        folder = Path(row["source"]).parent.name
+        assert row["class"] == folder
+        assert int(row["label"]) == dm.classes.index(folder)
+
+
+def test_logits_to_csv_name_each_file_and_its_class(database: Path, tmp_path: Path) -> None:
+    """Logits of shape (N, classes) give one CSV row per sample: index, source, arg-max label, class name."""
+    out = tmp_path / "preds" / "predictions.csv"
+    _predict(OneHotModel(), _dm(database), PredictionWriter(str(out)))
+    assert out.read_text().splitlines()[0] == "index,source,label,class"
+    _check_class_rows(_csv(out), database)
+    assert _leftovers(out.parent) == []
+
+
+def test_class_indices_to_jsonl(database: Path, tmp_path: Path) -> None:
+    """An int tensor of shape (N,) is a class index per sample; a `.jsonl` path writes JSON Lines."""
+    out = tmp_path / "predictions.jsonl"
+    _predict(LabelModel(), _dm(database), PredictionWriter(str(out)))
+    rows = _jsonl(out)
+    assert set(rows[0]) == {"index", "source", "label", "class"}
+    _check_class_rows(rows, database)
+
+
+@pytest.mark.parametrize("fmt", ["csv", "jsonl"])
+def test_other_outputs_are_written_raw(database: Path, tmp_path: Path, fmt: str) -> None:
+    """An output that is no class (here a mapping of tensors) is written per sample as a JSON value."""
+    out = tmp_path / "predictions.txt"
+    _predict(RawModel(), _dm(database), PredictionWriter(str(out), format=fmt))  # type: ignore[arg-type]
+    dm = _dm(database)
+    rows = _csv(out) if fmt == "csv" else _jsonl(out)
+    assert len(rows) == SAMPLES
+    for index, row in enumerate(rows):
+        assert set(row) == {"index", "source", "output"}
+        label = dm.classes.index(Path(row["source"]).parent.name)
+        output = json.loads(row["output"]) if fmt == "csv" else row["output"]
+        assert output == {"twice": 2 * label, "pair": [float(label), float(label + 1)]}
+        assert int(row["index"]) == index
+
+
+def test_what_a_batch_output_means() -> None:
+    """Logits need as many columns as classes; class indices an int vector; anything else is raw, or an error."""
+    classes = ["a", "b", "c"]
+    assert _per_sample(torch.tensor([[0.0, 2.0, 1.0], [3.0, 0.0, 1.0]]), 2, classes) == (b"c", [1, 0])
+    assert _per_sample(torch.tensor([2, 0]), 2, classes) == (b"c", [2, 0])
+    assert _per_sample(torch.tensor([[0.0, 2.0], [3.0, 0.0]]), 2, classes) == (b"r", [[0.0, 2.0], [3.0, 0.0]])
+    assert _per_sample(torch.tensor([[0.0, 2.0, 1.0]]), 1, None) == (b"r", [[0.0, 2.0, 1.0]])  # no classes known
+    assert _per_sample(torch.tensor([0.5, float("nan")]), 2, classes) == (b"r", [0.5, None])
+    assert _per_sample(["x", "y"], 2, classes) == (b"r", ["x", "y"])
+    with pytest.raises(InvalidArgumentError, match=r"cannot split .*\(Tensor of shape \(3,\)\) into the batch's 2"):
+        _per_sample(torch.tensor([1.0, 2.0, 3.0]), 2, classes)
+
+
+def test_arguments_are_checked(tmp_path: Path) -> None:
+    """The format comes from the suffix unless given; an unknown suffix, a bad format or a folder is refused."""
+    assert PredictionWriter(str(tmp_path / "p.CSV")).format == "csv"
+    assert PredictionWriter(str(tmp_path / "p.ndjson")).format == "jsonl"
+    assert PredictionWriter(str(tmp_path / "p.out"), format="jsonl").format == "jsonl"
+    with pytest.raises(InvalidArgumentError, match=r"`output_path` '.*p\.json' does not say the format.*`\.jsonl`"):
+        PredictionWriter(str(tmp_path / "p.json"))
+    with pytest.raises(InvalidArgumentError, match=r"`format` must be 'csv', 'jsonl' or None .*got 'parquet'"):
+        PredictionWriter(str(tmp_path / "p.csv"), format="parquet")  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgumentError, match=r"`output_path` '.*' is a folder"):
+        PredictionWriter(str(tmp_path), format="csv")
+
+
+def test_a_failed_run_publishes_nothing(database: Path, tmp_path: Path) -> None:
+    """A run that fails after writing a batch leaves no new file and no part file; an older file stays as it was."""
+    out = tmp_path / "predictions.csv"
+    with pytest.raises(RuntimeError, match="failed on batch 1"):
+        _predict(FailingModel(), _dm(database), PredictionWriter(str(out)))
+    assert not out.exists()
+    assert _leftovers(tmp_path) == []
+    out.write_text("an earlier run's file\n")
+    with pytest.raises(RuntimeError, match="failed on batch 1"):
+        _predict(FailingModel(), _dm(database), PredictionWriter(str(out)))
+    assert out.read_text() == "an earlier run's file\n"
+    assert _leftovers(tmp_path) == []
+
+
+def test_the_skip_policy_is_refused_before_predicting(database: Path, tmp_path: Path) -> None:
+    """With `on_bad_sample='skip'` a batch may lose samples, so rows could not be matched: refused at setup."""
+    out = tmp_path / "predictions.csv"
+    with pytest.raises(InvalidArgumentError, match=r"`on_bad_sample='skip'`.*Predict with `on_bad_sample='raise'`"):
+        _predict(OneHotModel(), _dm(database, on_bad_sample="skip"), PredictionWriter(str(out)))
+    assert not out.exists()
+    assert _leftovers(tmp_path) == []
+
+
+def test_merge_keeps_each_sample_once_in_order(tmp_path: Path) -> None:
+    """Parts of interleaved ranks, padded with repeats and out of order, merge into each sample once, in order."""
+    writer = PredictionWriter(str(tmp_path / "p.jsonl"))
+    rank0 = [(0, b"c", 1), (2, b"c", 0), (4, b"r", [4]), (0, b"c", 2)]  # the last one repeats sample 0: padding
+    rank1 = [(3, b"c", 1), (1, b"c", 2), (5, b"c", 0), (2, b"c", 1)]
+    for rank, rows in enumerate((rank0, rank1)):
+        writer.part_path(rank).write_bytes(
+            b"".join(b"%d\t%s\t%s\n" % (i, k, json.dumps(v).encode()) for i, k, v in rows)
+        )
+    assert writer._merge(2) == 6
+    rows = _jsonl(tmp_path / "p.jsonl")
+    assert rows == [
+        {"index": 0, "label": 1},
+        {"index": 1, "label": 2},
+        {"index": 2, "label": 0},
+        {"index": 3, "label": 1},
+        {"index": 4, "output": [4]},
+        {"index": 5, "label": 0},
+    ]
+    assert _leftovers(tmp_path) == []
+
+
+def test_a_missing_part_names_shared_storage(tmp_path: Path) -> None:
+    """Rank zero missing another rank's part (another node's disk) says the output needs shared storage."""
+    writer = PredictionWriter(str(tmp_path / "p.csv"))
+    writer.part_path(0).write_bytes(b"0\tc\t1\n")
+    with pytest.raises(FileNotFoundError, match=r"\.p\.csv\.rank1\.part.*must be on storage that every node shares"):
+        writer._merge(2)
+    assert not (tmp_path / "p.csv").exists()
+
+
+def test_cli_parses_the_callback(database: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--trainer.callbacks+=lightning_fastdata.PredictionWriter` with its arguments makes the Trainer's writer."""
+    monkeypatch.setattr(sys, "argv", ["lightning-fastdata"])
+    out = tmp_path / "predictions.jsonl"
+    cli = lightning_cli(
+        [
+            "--model=prediction_script.OneHotModel",
+            "--data=lightning_fastdata.FastImageDataModule",
+            f"--data.data_dir={database}",
+            "--trainer.logger=false",
+            "--trainer.callbacks+=lightning_fastdata.PredictionWriter",
+            f"--trainer.callbacks.output_path={out}",
+            "--trainer.callbacks.format=jsonl",
+        ],
+        run=False,
+    )
+    assert isinstance(cli, LightningCLI)
+    writers = [cb for cb in cli.trainer.callbacks if isinstance(cb, PredictionWriter)]
+    assert len(writers) == 1
+    assert writers[0].output_path == out
+    assert writers[0].format == "jsonl"
+
+
+def test_the_predict_command_writes_the_file(
+    database: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`lightning-fastdata predict ... --trainer.callbacks+=lightning_fastdata.PredictionWriter` writes the rows."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["lightning-fastdata"])
+    out = tmp_path / "predictions.csv"
+    code = main(
+        [
+            "predict",
+            "--model=prediction_script.OneHotModel",
+            "--data=lightning_fastdata.FastImageDataModule",
+            f"--data.data_dir={database}",
+            "--data.image_size=16",
+            "--data.batch_size=4",
+            "--data.num_workers=0",
+            "--trainer.accelerator=cpu",
+            "--trainer.devices=1",
+            "--trainer.logger=false",
+            "--trainer.enable_progress_bar=false",
+            f"--trainer.default_root_dir={tmp_path}",
+            "--trainer.callbacks+=lightning_fastdata.PredictionWriter",
+            f"--trainer.callbacks.output_path={out}",
+            "--return_predictions=false",
+        ]
+    )
+    assert code == 0, capsys.readouterr().err
+    _check_class_rows(_csv(out), database)
+
+
+@pytest.mark.slow
+def test_ddp_writes_each_sample_once_in_order(database: Path, tmp_path: Path) -> None:
+    """Two DDP processes on an odd number of samples: the sampler pads one; the file has each sample once, in order."""
+    out = tmp_path / "predictions.csv"
+    env = {k: v for k, v in os.environ.items() if k not in _DIST_VARS}
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), str(database), str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    predicted = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    assert predicted == [(SAMPLES + 1) // 2] * 2  # one sample predicted twice
+    _check_class_rows(_csv(out), database)
+    assert _leftovers(tmp_path) == []
