@@ -1,8 +1,10 @@
 """Models whose predictions can be checked, and a real two-process DDP prediction run on CPU (``test_prediction.py``).
 
-Usage: ``python prediction_script.py DATA_DIR OUTPUT_PATH``: predicts the database's predict split on two CPU processes
-with :class:`OneHotModel` and a :class:`~lightning_fastdata.PredictionWriter` writing ``OUTPUT_PATH``; each rank writes
-the number of samples it predicted (the sampler's padding included) to ``rank<R>.json`` beside it.
+Usage: ``python prediction_script.py DATA_DIR OUTPUT_PATH [interrupt]``: predicts the database's predict split on two
+CPU processes with :class:`OneHotModel` and a :class:`~lightning_fastdata.PredictionWriter` writing ``OUTPUT_PATH``;
+each rank writes the number of samples it predicted (the sampler's padding included) to ``rank<R>.json`` beside it.
+With ``interrupt``: on one process, with a model that raises ``KeyboardInterrupt`` (as Ctrl-C does) on its second
+batch.
 """
 
 from __future__ import annotations
@@ -59,21 +61,30 @@ class FailingModel(OneHotModel):
         return super().predict_step(batch, batch_idx)
 
 
-def main(data_dir: str, output_path: str) -> None:
+class InterruptedModel(OneHotModel):
+    """Predicts the first batch, then is interrupted as by Ctrl-C."""
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if batch_idx == 1:
+            raise KeyboardInterrupt
+        return super().predict_step(batch, batch_idx)
+
+
+def main(data_dir: str, output_path: str, interrupt: bool = False) -> None:
     dm = FastImageDataModule(data_dir, image_size=16, batch_size=2, num_workers=0)
     trainer = Trainer(
         accelerator="cpu",
-        devices=2,
-        strategy="ddp",
+        devices=1 if interrupt else 2,
+        strategy="auto" if interrupt else "ddp",
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         callbacks=[PredictionWriter(output_path)],
     )
-    model = OneHotModel()
+    model = InterruptedModel() if interrupt else OneHotModel()
     trainer.predict(model, datamodule=dm, return_predictions=False)
     Path(output_path).with_name(f"rank{trainer.global_rank}.json").write_text(json.dumps(model.predicted))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], sys.argv[3:] == ["interrupt"])

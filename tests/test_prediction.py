@@ -81,6 +81,15 @@ def test_logits_to_csv_name_each_file_and_its_class(database: Path, tmp_path: Pa
     assert _leftovers(out.parent) == []
 
 
+@pytest.mark.parametrize("engine", ["threads", pytest.param("processes", marks=pytest.mark.slow)])
+def test_rows_follow_the_samples_on_each_engine(database: Path, tmp_path: Path, engine: str) -> None:
+    """Two loader threads or worker processes build batches ahead: each row still names its own sample."""
+    out = tmp_path / "predictions.csv"
+    dm = _dm(database, batch_size=2, num_workers=2, engine=engine)
+    _predict(OneHotModel(), dm, PredictionWriter(str(out)))
+    _check_class_rows(_csv(out), database)
+
+
 def test_class_indices_to_jsonl(database: Path, tmp_path: Path) -> None:
     """An int tensor of shape (N,) is a class index per sample; a `.jsonl` path writes JSON Lines."""
     out = tmp_path / "predictions.jsonl"
@@ -144,6 +153,21 @@ def test_a_failed_run_publishes_nothing(database: Path, tmp_path: Path) -> None:
         _predict(FailingModel(), _dm(database), PredictionWriter(str(out)))
     assert out.read_text() == "an earlier run's file\n"
     assert _leftovers(tmp_path) == []
+
+
+@pytest.mark.slow
+def test_an_interrupted_run_publishes_nothing(database: Path, tmp_path: Path) -> None:
+    """Ctrl-C (a `KeyboardInterrupt` in the predict loop) after a written batch leaves no file and no part file."""
+    out = tmp_path / "predictions.csv"
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), str(database), str(out), "interrupt"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 1, proc.stderr[-4000:]  # Lightning's graceful shutdown
+    assert "Detected KeyboardInterrupt" in proc.stdout + proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
 def test_the_skip_policy_is_refused_before_predicting(database: Path, tmp_path: Path) -> None:
@@ -237,6 +261,14 @@ def test_the_predict_command_writes_the_file(
     )
     assert code == 0, capsys.readouterr().err
     _check_class_rows(_csv(out), database)
+
+
+def test_the_command_list_says_how_to_keep_predictions(capsys: pytest.CaptureFixture[str]) -> None:
+    """`lightning-fastdata --help` names the writer beside the predict command."""
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    predict = capsys.readouterr().out.split("predict ", 1)[1]
+    assert "lightning_fastdata.PredictionWriter" in " ".join(predict.split())
 
 
 @pytest.mark.slow
