@@ -94,7 +94,8 @@ def _add_lightning(sub: argparse._SubParsersAction) -> None:
         "fit": "train a LightningModule on a FastImageDataModule with LightningCLI (`fit --help` lists every option)",
         "validate": "run the validation loop with LightningCLI",
         "test": "run the test loop on the test split with LightningCLI",
-        "predict": "predict with LightningCLI; FastImageDataModule.predict_sources() names each file",
+        "predict": "predict with LightningCLI; the lightning_fastdata.PredictionWriter callback writes the predictions"
+        " to a CSV or JSON Lines file, one row per image",
     }
     for command in LIGHTNING_COMMANDS:
         sub.add_parser(command, help=helps[command], add_help=False)
