@@ -129,7 +129,7 @@ class PredictionWriter(BasePredictionWriter):
             )
         self._classes = None
         self._sources = None
-        with contextlib.suppress(AttributeError, OSError, ValueError):
+        with contextlib.suppress(AttributeError, OSError, TypeError, ValueError):
             self._classes = [str(name) for name in datamodule.classes]  # type: ignore[union-attr]
         predict_sources = getattr(datamodule, "predict_sources", None)
         if callable(predict_sources) and trainer.global_rank == 0:  # only rank zero writes the file

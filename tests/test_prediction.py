@@ -15,6 +15,7 @@ import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.cli import LightningCLI
 from prediction_script import FailingModel, LabelModel, OneHotModel, RawModel
+from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_fastdata import FastImageDataModule, InvalidArgumentError, PredictionWriter
 from lightning_fastdata.cli import lightning_cli, main
@@ -113,6 +114,19 @@ def test_other_outputs_are_written_raw(database: Path, tmp_path: Path, fmt: str)
         output = json.loads(row["output"]) if fmt == "csv" else row["output"]
         assert output == {"twice": 2 * label, "pair": [float(label), float(label + 1)]}
         assert int(row["index"]) == index
+
+
+def test_plain_dataloaders_get_index_and_label_rows(tmp_path: Path) -> None:
+    """Without a DataModule the rows have the dataset's index and the output, no source or class name."""
+    out = tmp_path / "predictions.csv"
+    labels = torch.tensor([2, 0, 1, 1, 0])
+    loader = DataLoader(TensorDataset(torch.zeros(5, 3, 4, 4), labels), batch_size=2)
+    trainer = Trainer(
+        accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[PredictionWriter(str(out))],
+    )  # fmt: skip
+    trainer.predict(LabelModel(), dataloaders=loader, return_predictions=False)
+    assert _csv(out) == [{"index": str(i), "label": str(int(label))} for i, label in enumerate(labels)]
 
 
 def test_what_a_batch_output_means() -> None:
