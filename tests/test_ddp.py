@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -18,7 +19,9 @@ from fakes import fake_trainer
 from indexed import IndexedDataModule
 from lightning.pytorch import Trainer
 
-from lightning_fastdata import FastImageDataModule, cpus, make_image_folder
+from lightning_fastdata import FastImageDataModule, convert, cpus, make_image_folder
+from lightning_fastdata.errors import DestinationError
+from lightning_fastdata.store import writer
 
 SCRIPT = Path(__file__).with_name("ddp_script.py")
 
@@ -289,3 +292,31 @@ def test_torchrun_launch_shards_with_batch_size_per_process(ddp_database: Path, 
         shard = math.ceil(len(record["train_indices"]) / 2)
         assert record["batch_sizes"] == [4] * (shard // 4) + ([shard % 4] if shard % 4 else [])  # drop_last=False
     assert set(ranks[0]["epochs"][0]) | set(ranks[1]["epochs"][0]) == set(ranks[0]["train_indices"])
+
+
+def test_a_shared_folder_without_file_locks_is_named_and_its_database_still_read(
+    split_folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a file system without ``flock`` (NFS without its lock service, Lustre without ``-o flock``) a conversion
+    stops before writing, with an error naming the folder and what to do, instead of a bare ``OSError``; a complete,
+    up-to-date database there is still read (reading takes no lock)."""
+    real_flock = writer.fcntl.flock
+
+    def no_locks(fd: Any, operation: int) -> None:
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(writer.fcntl, "flock", no_locks)
+    dst = tmp_path / "shared" / "db.lmdb"
+    with pytest.raises(DestinationError, match="without file locks") as info:
+        convert(split_folder, dst, short_side=32, num_workers=0, progress=False)
+    assert str(dst.parent) in str(info.value)
+    assert "`data_dir`" in str(info.value)
+    assert list(dst.parent.iterdir()) == []  # no database, no working copy, no lock file
+    monkeypatch.setattr(writer.fcntl, "flock", real_flock)
+    convert(split_folder, dst, short_side=32, num_workers=0, progress=False)  # where locks work
+    monkeypatch.setattr(writer.fcntl, "flock", no_locks)
+    summary = convert(split_folder, dst, short_side=32, num_workers=0, progress=False)
+    assert summary.up_to_date
+    dm = FastImageDataModule(str(split_folder), cache_dir=str(tmp_path / "cache"), short_side=32, num_workers=0)
+    with pytest.raises(DestinationError, match="without file locks"):
+        dm.prepare_data()  # the same message through the DataModule
