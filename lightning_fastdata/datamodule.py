@@ -147,8 +147,10 @@ class FastImageDataModule(LightningDataModule):
         prefetch_to_device: copy batch N+1 to the GPU (and normalize it there) on a side CUDA stream while batch N
             computes; default: on when training on CUDA. A no-op elsewhere.
         decode: ``"cpu"`` decodes in the workers; ``"device"`` ships the stored JPEG bytes and decodes, crops and
-            resizes whole batches on the GPU (batched nvJPEG), so the workers do almost nothing per image. Without
-            CUDA it warns once and decodes on the CPU.
+            resizes whole batches on the GPU (batched nvJPEG), so the workers do almost nothing per image. The decode
+            runs on the training thread, which torchvision's nvJPEG call blocks until each batch is decoded; pixels
+            differ from ``"cpu"``'s by about 1.4 grey levels on average (docs/datamodule.md). Without CUDA it warns
+            once and decodes on the CPU.
         on_bad_sample: ``"raise"`` stops on a sample that fails to read, decode or transform, with an error naming
             the split, index and cause; ``"skip"`` leaves such samples out of their batch, logs the first few and
             counts them in :attr:`skipped_samples`.

@@ -1,7 +1,9 @@
 """Real two-process DDP on CPU, run as a script by ``test_ddp.py`` (Lightning's launcher re-executes it for rank 1).
 
 Usage: ``python ddp_script.py DATA_DIR OUT_DIR SEED EPOCHS``. Trains a tiny model on ``FastImageDataModule`` whose
-items carry their sample index, and writes ``OUT_DIR/rank<r>.json`` with the indices each rank saw, per epoch.
+items carry their sample index, and writes ``OUT_DIR/rank<r>.json`` with the indices each rank saw, per epoch, the
+size of each training batch, and what the rank saw of its launch (Lightning's cluster environment, ranks, processes
+per node). Also runs under ``torchrun --nproc_per_node 2`` (then Lightning starts no processes of its own).
 """
 
 from __future__ import annotations
@@ -15,9 +17,20 @@ from indexed import IndexedDataModule, RecordingModel
 from lightning.pytorch import Trainer
 from torch.nn import functional as F
 
+from lightning_fastdata import cpus
+
 
 class ValidatedModel(RecordingModel):
-    """:class:`RecordingModel` with a validation step (its loss synchronized across ranks)."""
+    """:class:`RecordingModel` with a validation step (its loss synchronized across ranks) that also records the size
+    of each training batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.batch_sizes: list[int] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        self.batch_sizes.append(len(batch[0]))
+        return super().training_step(batch, batch_idx)
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         images, labels, _ = batch
@@ -50,6 +63,11 @@ def main(data_dir: str, out_dir: str, seed: int, epochs: int) -> None:
         "dtypes": sorted(model.dtypes),
         "train_indices": [int(i) for i in dm.train_dataset.indices],
         "sampler": type(trainer.train_dataloader.sampler).__name__,
+        "batch_sizes": model.batch_sizes,
+        "environment": type(trainer.strategy.cluster_environment).__name__,
+        "local_rank": trainer.local_rank,
+        "node_rank": trainer.node_rank,
+        "processes_per_node": cpus.processes_per_node(trainer.world_size, trainer.num_nodes),
     }
     Path(out_dir, f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
 

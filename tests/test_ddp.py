@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
 import subprocess
 import sys
+import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -15,6 +17,11 @@ from typing import Any
 import pytest
 from fakes import fake_trainer
 from indexed import IndexedDataModule
+from lightning.pytorch import Trainer
+
+from lightning_fastdata import FastImageDataModule, convert, cpus, make_image_folder
+from lightning_fastdata.errors import DestinationError
+from lightning_fastdata.store import writer
 
 SCRIPT = Path(__file__).with_name("ddp_script.py")
 
@@ -121,3 +128,195 @@ def test_ddp_order_is_reproducible_from_seed(ddp_database: Path, two_epochs: lis
     for rank, record in enumerate(two_epochs):
         assert record["epochs"] == _seeded_orders(ddp_database, seed=0, rank=rank, epochs=2)
         assert _seeded_orders(ddp_database, seed=1, rank=rank, epochs=1)[0] != record["epochs"][0]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Several nodes, one shared cache: one conversion, the others wait for it (docs/ddp.md)
+# ----------------------------------------------------------------------------------------------------------------
+
+NODE_SCRIPT = Path(__file__).with_name("convert_node_script.py")
+
+
+def _wait_for(condition: Callable[[], bool], what: str, procs: list[subprocess.Popen], timeout: float = 240) -> None:
+    """Poll ``condition`` until it holds; fail naming ``what`` (with the children's logs) when a child dies first."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        for proc in procs:
+            assert proc.poll() is None, f"a node exited ({proc.returncode}) before {what}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+def test_two_nodes_converting_into_one_shared_cache_convert_once(tmp_path: Path) -> None:
+    """Two independent processes (two "nodes", not ranks of one job) prepare the same folder into one cache: one
+    converts, the other waits on the target's lock, then reads the finished database without converting again."""
+    src = make_image_folder(
+        tmp_path / "src", num_classes=2, train_per_class=6, val_per_class=2, min_size=40, max_size=60, num_workers=1
+    )
+    cache, out = tmp_path / "shared_cache", tmp_path / "out"
+    out.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in _DIST_VARS}
+    logs = {name: (out / f"{name}.log").open("w") for name in ("first", "second")}
+
+    def start(name: str, *extra: str) -> subprocess.Popen:
+        cmd = [sys.executable, str(NODE_SCRIPT), str(src), str(cache), str(out), name, *extra]
+        return subprocess.Popen(cmd, env=env, stdout=logs[name], stderr=subprocess.STDOUT)
+
+    first = start("first", "--hold")
+    procs = [first]
+    try:
+        _wait_for((out / "first.holding").exists, "the first node held the conversion lock", procs)
+        procs.append(start("second"))
+        _wait_for(lambda: "waiting for another conversion" in (out / "second.log").read_text(), "the wait", procs)
+        assert not (out / "second.json").exists()  # it waits: it neither converted nor read anything yet
+        (out / "release").touch()
+        for proc in procs:
+            assert proc.wait(timeout=300) == 0, (out / "first.log").read_text() + (out / "second.log").read_text()
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        for fh in logs.values():
+            fh.close()
+    converted, waited = (json.loads((out / f"{name}.json").read_text()) for name in ("first", "second"))
+    assert converted["up_to_date"] == [False]
+    assert converted["written"] == [16]
+    assert waited["up_to_date"] == [True]  # found the first node's database complete and up to date
+    assert waited["database"] == converted["database"]
+    assert waited["labels"] == converted["labels"]
+    databases_and_leftovers = [p.name for p in cache.iterdir() if p.suffix == ".lmdb" or p.name.startswith(".")]
+    assert databases_and_leftovers == [Path(converted["database"]).name]  # no second copy, no lock or working copy
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# What each rank sees under SLURM and torchrun (Lightning's environment detection), in one process
+# ----------------------------------------------------------------------------------------------------------------
+
+#: rank 3 of 4: the second process of the second node, as `srun` (2 nodes x 2 tasks) and `torchrun` set it
+_LAUNCHERS = {
+    "slurm": (
+        "SLURMEnvironment",
+        {
+            "SLURM_NTASKS": "4", "SLURM_NTASKS_PER_NODE": "2", "SLURM_NNODES": "2", "SLURM_PROCID": "3",
+            "SLURM_LOCALID": "1", "SLURM_NODEID": "1", "SLURM_JOB_NAME": "train", "SLURM_JOB_ID": "4242",
+            "SLURM_NODELIST": "gpu[01-02]",
+        },
+    ),
+    "torchrun": (
+        "TorchElasticEnvironment",
+        {
+            "TORCHELASTIC_RUN_ID": "job", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "RANK": "3", "LOCAL_RANK": "1",
+            "GROUP_RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500",
+        },
+    ),
+}  # fmt: skip
+
+
+def _launched_as(monkeypatch: pytest.MonkeyPatch, env: dict[str, str], cpus_per_task: int | None = None) -> None:
+    """This process as one rank a launcher started on an 8-CPU node: its variables set, no other launcher's."""
+    for name in list(os.environ):
+        if name.startswith(("SLURM_", "TORCHELASTIC_", "PMI_", "OMPI_")) or name in (*_DIST_VARS, "GROUP_RANK"):
+            monkeypatch.delenv(name)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    if cpus_per_task is not None:
+        monkeypatch.setenv("SLURM_CPUS_PER_TASK", str(cpus_per_task))
+    affinity = set(range(cpus_per_task or 8))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: affinity, raising=False)
+    monkeypatch.setattr(cpus, "_cgroup_cpuset", lambda root: set(range(8)))
+    monkeypatch.setattr(cpus, "cgroup_cpu_quota", lambda *args: None)
+
+
+@pytest.mark.parametrize("launcher", sorted(_LAUNCHERS))
+def test_a_launched_rank_shards_and_budgets_as_lightning_detects_it(
+    ddp_database: Path, monkeypatch: pytest.MonkeyPatch, launcher: str
+) -> None:
+    """Under ``srun`` or ``torchrun`` Lightning detects the launcher; the DataModule then reads rank 3 of 4 (node 1)
+    from the Trainer: its shard, ``batch_size`` per process, and 8 CPUs // 2 processes on this node = 4 workers."""
+    environment, env = _LAUNCHERS[launcher]
+    _launched_as(monkeypatch, env)
+    trainer = Trainer(
+        accelerator="cpu", devices=2, num_nodes=2, strategy="ddp", logger=False, enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=False,
+    )  # fmt: skip
+    assert type(trainer.strategy.cluster_environment).__name__ == environment
+    assert (trainer.world_size, trainer.global_rank, trainer.local_rank, trainer.node_rank) == (4, 3, 1, 1)
+    dm = IndexedDataModule(str(ddp_database), image_size=16, batch_size=4, num_workers="auto", val_fraction=0.1)
+    dm.trainer = trainer
+    assert dm.worker_budget() == dm.resolved_num_workers() == 4
+    assert dm.resolved_engine() == "threads"  # training on the CPU
+    loader = dm.train_dataloader()
+    assert loader.workers == 4
+    assert (loader.sampler.num_replicas, loader.sampler.rank) == (4, 3)
+    train = dm.train_dataset.indices.tolist()
+    shard = [train[i] for i in loader.sampler]
+    assert len(shard) == math.ceil(len(train) / 4)  # a quarter of the training split
+    dm.num_workers = 0  # read the batches in this process
+    batches = [indices.tolist() for _, _, indices in dm.train_dataloader()]
+    assert [len(b) for b in batches] == [4] * (len(shard) // 4)  # `batch_size` per process; `drop_last` drops the rest
+    assert [i for batch in batches for i in batch] == shard[: len(batches) * 4]
+
+
+def test_ranks_bound_to_their_own_cpus_by_srun_are_not_divided_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``srun --cpus-per-task=4`` with CPU binding: each of the 2 tasks on an 8-CPU node has its own 4 CPUs, which
+    ``num_workers="auto"`` gives it whole (4, not 4 // 2 tasks per node)."""
+    _launched_as(monkeypatch, _LAUNCHERS["slurm"][1], cpus_per_task=4)
+    trainer = Trainer(accelerator="cpu", devices=2, num_nodes=2, strategy="ddp", logger=False)
+    dm = FastImageDataModule("unused", num_workers="auto")
+    dm.trainer = trainer
+    assert cpus.usable_cpu_count() == 4
+    assert dm.worker_budget() == dm.resolved_num_workers() == 4
+
+
+@pytest.mark.slow
+def test_torchrun_launch_shards_with_batch_size_per_process(ddp_database: Path, tmp_path: Path) -> None:
+    """``torchrun --standalone --nproc_per_node 2`` runs the same script: Lightning detects torchrun and starts no
+    processes of its own, each rank reads its own shard in batches of ``batch_size``, and each counts 2 processes on
+    its node (what ``num_workers="auto"`` divides the CPUs by)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in _DIST_VARS}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    proc = subprocess.run(
+        [*cmd, str(SCRIPT), str(ddp_database), str(out), "0", "1"], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ranks = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
+    for rank, record in enumerate(ranks):
+        assert record["environment"] == "TorchElasticEnvironment"
+        assert (record["rank"], record["local_rank"], record["node_rank"], record["world_size"]) == (rank, rank, 0, 2)
+        assert record["processes_per_node"] == 2
+        assert record["epochs"] == _seeded_orders(ddp_database, seed=0, rank=rank, epochs=1)
+        shard = math.ceil(len(record["train_indices"]) / 2)
+        assert record["batch_sizes"] == [4] * (shard // 4) + ([shard % 4] if shard % 4 else [])  # drop_last=False
+    assert set(ranks[0]["epochs"][0]) | set(ranks[1]["epochs"][0]) == set(ranks[0]["train_indices"])
+
+
+def test_a_shared_folder_without_file_locks_is_named_and_its_database_still_read(
+    split_folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a file system without ``flock`` (NFS without its lock service, Lustre without ``-o flock``) a conversion
+    stops before writing, with an error naming the folder and what to do, instead of a bare ``OSError``; a complete,
+    up-to-date database there is still read (reading takes no lock)."""
+    real_flock = writer.fcntl.flock
+
+    def no_locks(fd: Any, operation: int) -> None:
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(writer.fcntl, "flock", no_locks)
+    dst = tmp_path / "shared" / "db.lmdb"
+    with pytest.raises(DestinationError, match="without file locks") as info:
+        convert(split_folder, dst, short_side=32, num_workers=0, progress=False)
+    assert str(dst.parent) in str(info.value)
+    assert "`data_dir`" in str(info.value)
+    assert list(dst.parent.iterdir()) == []  # no database, no working copy, no lock file
+    monkeypatch.setattr(writer.fcntl, "flock", real_flock)
+    convert(split_folder, dst, short_side=32, num_workers=0, progress=False)  # where locks work
+    monkeypatch.setattr(writer.fcntl, "flock", no_locks)
+    summary = convert(split_folder, dst, short_side=32, num_workers=0, progress=False)
+    assert summary.up_to_date
+    dm = FastImageDataModule(str(split_folder), cache_dir=str(tmp_path / "cache"), short_side=32, num_workers=0)
+    with pytest.raises(DestinationError, match="without file locks"):
+        dm.prepare_data()  # the same message through the DataModule

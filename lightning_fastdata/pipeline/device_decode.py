@@ -3,6 +3,11 @@
 The workers only read the stored bytes and draw the crop box from the record header (no decode, no pixels), so the
 CPU does almost nothing per image; the device decodes the whole batch, crops, flips and resizes each image. Without
 CUDA the same code decodes on the CPU, so every path stays testable.
+
+What it costs the training thread: the decode runs there (in the loader's look-ahead, or in
+``on_after_batch_transfer``), and torchvision's batched nvJPEG decode blocks the calling thread until the batch is
+decoded (see :func:`_decode_on_device`). The pixels differ from the CPU path's (``decode="cpu"``) for the same crop
+key by about 1.4 grey levels on average, at most about 13 (docs/datamodule.md, ``tests/test_device_decode.py``).
 """
 
 from __future__ import annotations
@@ -199,7 +204,16 @@ def _decode_on_device(inputs: list[Tensor], device: torch.device) -> list[Tensor
     for it, so memory that kernels queued on the current stream still read could be overwritten. Here the current
     stream during the decode is a dedicated one that only ever holds decode outputs; the caller's stream then waits
     for it, and ``record_stream`` keeps each output's memory from being reused until the caller's work on it is done.
-    No host synchronization is added.
+
+    This function adds no host synchronization, but torchvision's decode does, and it runs on the calling thread (the
+    training thread). In ``decode_jpegs_cuda`` (``torchvision/csrc/io/image/cuda/decode_jpegs_cuda.cpp``, torchvision
+    0.29) the decoder holds a process-wide mutex, and ``CUDAJpegDecoder::decode_images`` calls
+    ``cudaStreamSynchronize`` on nvJPEG's own stream before queuing the batch and again after it: the thread waits
+    until the whole batch is decoded. Images the hardware decoder cannot take (progressive JPEGs; every image on a GPU
+    without nvJPEG's hardware backend, which A100 and H100 have) are decoded one by one, their Huffman stage on the
+    host in this thread, with one more ``cudaStreamSynchronize`` each. The wait is on nvJPEG's stream only: kernels
+    already queued on the compute stream keep running meanwhile, but the thread launches no new ones until the batch
+    is decoded.
     """
     stream = side_stream(device, "decode")
     caller = torch.cuda.current_stream(device)
@@ -256,8 +270,11 @@ def _decode_all(encoded: EncodedImages, device: torch.device) -> list[Tensor | C
 def decode_crop(encoded: EncodedImages, size: int, device: torch.device) -> Tensor:
     """Decode, crop, flip and resize a batch on ``device``: ``(B, 3, size, size)`` float32 in 0-255.
 
-    On CUDA the JPEGs are decoded together by ``torchvision.io.decode_jpeg(list, device=...)`` (batched nvJPEG);
-    elsewhere one by one on the CPU. Each crop is resized with antialiased bilinear interpolation, as on the CPU path.
+    On CUDA the JPEGs are decoded together by ``torchvision.io.decode_jpeg(list, device=...)`` (batched nvJPEG), which
+    returns only once the batch is decoded (:func:`_decode_on_device`); elsewhere one by one on the CPU. Each crop is
+    resized with antialiased bilinear interpolation in float32. The CPU path (``decode="cpu"``) decodes with
+    libjpeg-turbo's fast DCT and resizes in uint8 with OpenCV, so for the same boxes the results differ by about 1.4
+    grey levels on average (p99 about 5.5, at most about 13).
 
     Raises:
         CorruptRecordError: an image does not decode, or not to its record's size, naming its split and index.

@@ -58,6 +58,10 @@ log = logging.getLogger(__name__)
 #: what ``mkdir``/``open`` raise in a folder this process may not write to
 _READ_ONLY = (errno.EROFS, errno.EACCES, errno.EPERM)
 
+#: what ``flock`` raises on a file system without file locks (NFS without its lock service, Lustre without the
+#: ``flock`` mount option)
+_NO_LOCKS = (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP)
+
 
 INITIAL_MAP_SIZE = 1 << 28  # 256 MiB; doubled whenever the database fills it
 _TXN_RECORDS = 512
@@ -127,8 +131,10 @@ def _has_meta_record(dst: Path) -> bool:
 
 @contextlib.contextmanager
 def _target_lock(dst: Path, wait: bool = True) -> Iterator[OSError | None]:
-    """Hold the conversion lock of ``dst`` while the block runs; yields the error when its folder cannot be written.
+    """Hold the conversion lock of ``dst`` while the block runs; yields the error when it cannot be written or locked.
 
+    A folder that is read-only, or on a file system without file locks, yields that error instead of a lock: then
+    only a complete, up-to-date database may be used (:func:`_unwritable_error` says why nothing else is).
     The lock file holds this converter's pid and host (readers name it: "is being converted by process N") and is
     removed at the end while still held: a waiter that then gets the lock sees that its file is gone and locks the new
     one, so no zero-byte lock file stays beside each database.
@@ -166,6 +172,16 @@ def _target_lock(dst: Path, wait: bool = True) -> Iterator[OSError | None]:
                 fcntl.flock(fh, fcntl.LOCK_EX)
             if _same_file(fh.fileno(), path):
                 break
+        except OSError as err:
+            if isinstance(err, BlockingIOError) or err.errno not in _NO_LOCKS:
+                fh.close()
+                raise
+            fh.close()  # no locks on this file system: without one, two converters could write one working copy
+            with contextlib.suppress(OSError):
+                if path.stat().st_size == 0:  # the empty lock file this call just made
+                    path.unlink()
+            yield err
+            return
         except BaseException:
             fh.close()
             raise
@@ -222,6 +238,19 @@ def _read_only_error(dst: Path, err: OSError | None = None, outdated: bool = Fal
     return ReadOnlyDestinationError(
         f"`dst` {str(dst)!r} {what} its folder {str(dst.parent)!r} is read-only{reason}. Convert into a writable"
         " folder, or convert there first and make it read-only afterwards."
+    )
+
+
+def _unwritable_error(dst: Path, err: OSError, outdated: bool = False) -> DestinationError:
+    """The error for a conversion into a folder that is read-only, or on a file system without file locks."""
+    if err.errno not in _NO_LOCKS:
+        return _read_only_error(dst, err, outdated)
+    return DestinationError(
+        f"`dst` {str(dst)!r} cannot be converted: its folder {str(dst.parent)!r} is on a file system without file"
+        f" locks ({err.strerror or err}), and without the lock two processes (two nodes sharing this folder) could"
+        " write one database at once. Convert once where locks work (a local disk) and copy the database here, or"
+        " mount the file system with locks (NFS: its lock service; Lustre: the `flock` mount option). An up-to-date"
+        " database needs no lock to be read: pass it as `data_dir`."
     )
 
 
@@ -295,7 +324,7 @@ def clean_stale_conversions(folder: str | os.PathLike[str]) -> list[str]:
         try:
             with _target_lock(target, wait=False) as read_only:
                 if read_only is not None:
-                    raise _read_only_error(target, read_only) from read_only
+                    raise _unwritable_error(target, read_only) from read_only
                 done += [_clean(path, target) for path in paths]
         except BlockingIOError:
             continue  # a conversion to `target` started meanwhile: its files are in use
@@ -417,7 +446,7 @@ def write_database(
             summary.splits = {name: s["length"] for name, s in old["splits"].items()}
             return summary
         if read_only is not None:
-            raise _read_only_error(dst, read_only, outdated=old is not None) from read_only
+            raise _unwritable_error(dst, read_only, outdated=old is not None) from read_only
 
         _report_stale(dst)
         tmp = partial_path(dst)
