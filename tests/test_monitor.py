@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -392,9 +393,9 @@ def test_warmup_epoch_is_left_out_of_the_summary():
     assert summary["ranks"] == [{"rank": 0, "wait_mean_ms": pytest.approx(0.1), "step_mean_ms": pytest.approx(10.0)}]
     # one line per epoch, the warmup named; the first line says why GPU utilization is not logged
     assert [c.args[0] for c in info.call_args_list][1:] == [
-        "LoaderMonitor epoch 0: data wait p50 500.0 ms, step p50 10.0 ms, data fraction 98%, input-bound"
-        " (warmup: not in the verdict)",
-        "LoaderMonitor epoch 1: data wait p50 0.1 ms, step p50 10.0 ms, data fraction 1%, compute-bound",
+        "LoaderMonitor epoch 0: data wait 500.0 ms, step 10.0 ms (means of 3 batches), data fraction 98%,"
+        " input-bound (warmup: not in the verdict)",
+        "LoaderMonitor epoch 1: data wait 0.1 ms, step 10.0 ms (means of 3 batches), data fraction 1%, compute-bound",
     ]
 
 
@@ -1111,8 +1112,10 @@ def test_table_of_a_ddp_summary():
         "steps": 10,
         "warmup_steps": 3,
         "measured_steps": 7,
+        "wait_mean_ms": 10.0,
         "wait_p50_ms": 6.0,
         "wait_p90_ms": 49.0,
+        "step_mean_ms": 20.0,
         "step_p50_ms": 10.0,
         "step_p90_ms": 10.44,
         "data_fraction": 0.8889,
@@ -1134,16 +1137,16 @@ def test_table_of_a_ddp_summary():
     assert table == "\n".join(
         [
             "LoaderMonitor summary",
-            "  data wait p50 / p90  6.0 / 49.0 ms",
-            "  step p50 / p90       10.0 / 10.4 ms",
-            "  data fraction        88.9%",
-            "  throughput           140.2 samples/s",
-            "  GPU utilization      42%",
-            "  CPU utilization      41% of 4 usable CPUs",
-            "  slowest rank (wait)  rank 1: 40.0 ms mean",
-            "  spread across ranks  30.0 ms",
-            "  verdict              input-bound (rank 1, the slowest): 9.00x faster if data were free",
-            "  measured             7 batches (3 warmup batches left out)",
+            "  data wait mean / p50 / p90  10.0 / 6.0 / 49.0 ms",
+            "  step mean / p50 / p90       20.0 / 10.0 / 10.4 ms",
+            "  data fraction               88.9%",
+            "  throughput                  140.2 samples/s",
+            "  GPU utilization             42%",
+            "  CPU utilization             41% of 4 usable CPUs",
+            "  slowest rank (wait)         rank 1: 40.0 ms mean",
+            "  spread across ranks         30.0 ms",
+            "  verdict                     input-bound (rank 1, the slowest): 9.00x faster if data were free",
+            "  measured                    7 batches (3 warmup batches left out)",
             "  - first advice",
             "  - second advice",
         ]
@@ -1151,10 +1154,39 @@ def test_table_of_a_ddp_summary():
 
 
 def test_epoch_line():
-    """The per-epoch line: p50 wait and step, the data fraction of the epoch's totals, the verdict, the warmup."""
+    """The per-epoch line: mean wait and step, the data fraction they give, the verdict, the warmup."""
     line = epoch_line(3, [1.0, 2.0, 30.0], [10.0, 12.0, 20.0], warmup=False)
-    assert line == ("LoaderMonitor epoch 3: data wait p50 2.0 ms, step p50 12.0 ms, data fraction 44%, input-bound")
+    assert line == (
+        "LoaderMonitor epoch 3: data wait 11.0 ms, step 14.0 ms (means of 3 batches), data fraction 44%, input-bound"
+    )
     assert epoch_line(0, [0.0], [10.0], warmup=True).endswith("0%, compute-bound (warmup: not in the verdict)")
+
+
+#: the per-epoch line, its figures as groups: mean wait, mean step, data fraction (%) and verdict
+EPOCH_LINE = re.compile(
+    r"LoaderMonitor epoch (\d+): data wait ([\d.]+) ms, step ([\d.]+) ms \(means of \d+ batches\),"
+    r" data fraction (\d+)%, ([a-z-]+)"
+)
+
+
+@pytest.mark.parametrize(
+    ("waits", "steps"),
+    [
+        ([0.2, 0.2, 0.2, 39.8], [6.1] * 4),  # one slow fetch: wait p50 0.2 ms, yet 62% of the time is waiting
+        ([3.0] * 4, [4.0, 4.0, 4.0, 200.0]),  # one slow step: the p50s would give 43% (input-bound), the means 5%
+    ],
+)
+def test_epoch_line_figures_agree_with_its_verdict(waits, steps):
+    """Where p50 and mean differ a lot, the epoch line prints the wait and step its data fraction and verdict use."""
+    monitor = LoaderMonitor(warmup_epochs=0, verbose=False)
+    info = _run_epochs(monitor, _mock_trainer(), _cpu_module(), {0: list(zip(waits, steps, strict=True))})
+    line = info.call_args_list[-1].args[0]
+    found = EPOCH_LINE.fullmatch(line)
+    assert found, line
+    wait, step, percent, judged = float(found[2]), float(found[3]), int(found[4]), found[5]
+    assert (wait, step) == pytest.approx((np.mean(waits), np.mean(steps)), abs=0.05)
+    assert abs(percent - 100 * wait / (wait + step)) <= 1.0  # the printed fraction is the printed figures'
+    assert judged == verdict(wait / (wait + step)) == monitor.summary["verdict"]
 
 
 def test_report_json_and_chart(tmp_path):
