@@ -800,8 +800,11 @@ def test_cuda_wait_and_step_come_from_completed_events_without_waiting_for_the_g
     monitor = LoaderMonitor(warmup_epochs=0, gpu_poll_interval=0.005)
     # (host wait, GPU wait, host step, GPU step), ms
     batches = [(5.0, 5.0, 30.0, 12.0), (20.0, 0.0, 30.0, 14.0), (8.0, 3.0, 30.0, 16.0)]
-    logged = []
-    module.log_dict.side_effect = lambda metrics, **kwargs: logged.append(dict(metrics))
+    logged: list[dict[str, Any]] = []  # the logging intervals'
+    epoch_logged: list[dict[str, Any]] = []  # the end of the epoch's
+    module.log_dict.side_effect = lambda metrics, **kwargs: (logged if kwargs["on_step"] else epoch_logged).append(
+        dict(metrics)
+    )
     with (
         patch("lightning_fastdata.cpus.CpuMeter"),
         patch(f"{CALLBACK}.nvml_handles", return_value=(nvml, ["gpu0"])) as handles,
@@ -851,6 +854,17 @@ def test_cuda_wait_and_step_come_from_completed_events_without_waiting_for_the_g
     assert {(type(v), v.device.type) for metrics in logged for v in metrics.values()} == {(torch.Tensor, "cpu")}
     assert logged[0]["loader/gpu_util"] == pytest.approx(0.55)
     assert logged[0]["loader/gpu_mem_gb"] == pytest.approx(3.0)
+    # the epoch's figures, logged after the synchronize at its end: every batch's GPU times
+    assert epoch_logged == [
+        pytest.approx(
+            {
+                "loader/data_wait_ms_epoch": 11.0 / 3,
+                "loader/step_ms_epoch": 14.0,
+                "loader/data_fraction_epoch": 11.0 / 53.0,
+                "loader/samples_per_sec_epoch": 6 / 0.053,
+            }
+        )
+    ]
     assert not monitor._gpu._thread.is_alive()
 
 
@@ -1342,10 +1356,29 @@ def test_metrics_share_the_models_rows_and_steps(tmp_path, accumulate, steps):
     loader_rows = [row for row in rows if row["loader/data_wait_ms"]]
     assert [int(row["step"]) for row in loader_rows] == steps
     assert all(row["train_loss"] for row in loader_rows)  # the same row as the model's metric
-    assert {int(row["step"]) for row in rows} == set(steps)  # no row of the monitor's own
+    epoch_rows = [row for row in rows if row["loader/data_wait_ms_epoch"]]
+    assert len(epoch_rows) == 1  # the end of the epoch's row, where Lightning writes every epoch-level metric
+    assert {int(row["step"]) for row in rows} == {*steps, int(epoch_rows[0]["step"])}  # no row of the monitor's own
     for row in loader_rows:
         assert 0.0 <= float(row["loader/cpu_util"]) <= 1.0
         assert 0.0 <= float(row["loader/data_fraction"]) <= 1.0
+
+
+def test_a_run_shorter_than_log_every_n_steps_logs_each_epochs_figures(tmp_path):
+    """Two 3-step epochs with `log_every_n_steps=50` end with each epoch's loader figures in metrics.csv."""
+    monitor = LoaderMonitor(warmup_epochs=0)
+    logger = CSVLogger(tmp_path, name="run", version=0)
+    _fit(monitor, _in_memory(6), max_epochs=2, logger=logger, log_every_n_steps=50)
+    with open(tmp_path / "run" / "version_0" / "metrics.csv") as file:
+        rows = list(csv.DictReader(file))
+    assert [(int(row["epoch"]), int(row["step"])) for row in rows] == [(0, 2), (1, 5)]
+    assert "loader/data_wait_ms" not in rows[0]  # no logging interval came to its end
+    for row, first in zip(rows, (0, 3), strict=True):
+        wait, step = monitor.wait_ms[first : first + 3], monitor.step_ms[first : first + 3]
+        assert float(row["loader/data_wait_ms_epoch"]) == pytest.approx(np.mean(wait), rel=1e-5)
+        assert float(row["loader/step_ms_epoch"]) == pytest.approx(np.mean(step), rel=1e-5)
+        assert float(row["loader/data_fraction_epoch"]) == pytest.approx(sum(wait) / (sum(wait) + sum(step)), rel=1e-5)
+        assert float(row["loader/samples_per_sec_epoch"]) == pytest.approx(6000.0 / (sum(wait) + sum(step)), rel=1e-5)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from lightning_fastdata import cpus
 from lightning_fastdata.monitor.gpu import GpuSampler, nvml_handles
 from lightning_fastdata.monitor.report import epoch_line, format_table, write_report
 from lightning_fastdata.monitor.timing import LoopTimer
-from lightning_fastdata.monitor.verdict import advise, judge_slowest_rank, summarize
+from lightning_fastdata.monitor.verdict import advise, data_fraction, judge_slowest_rank, summarize
 
 
 class LoaderMonitor(Callback):
@@ -63,10 +63,17 @@ class LoaderMonitor(Callback):
     - ``loader/val_data_wait_ms``, ``loader/val_step_ms``: the same for validation (fetch plus transfer, and
       ``validation_step``), once per validation run, host times
 
-    At the end of each epoch (one line) and of fit (a table), rank zero reports p50/p90 wait and step, the data
-    fraction, throughput, GPU utilization, a verdict (input-bound, balanced, compute-bound), the speedup available if
-    data were free ((wait + step) / step), and — when input-bound, or balanced on the CPU on worker processes — advice
-    computed from this run.
+    And at the end of every training epoch, also on a run shorter than ``log_every_n_steps``:
+
+    - ``loader/data_wait_ms_epoch``, ``loader/step_ms_epoch``: means over the epoch's training batches
+    - ``loader/data_fraction_epoch``: their wait / (wait + step), 0-1
+    - ``loader/samples_per_sec_epoch``: the epoch's samples over its summed wait and step times
+
+    At the end of each epoch (one line: the mean wait and step, the data fraction they give and its verdict) and of
+    fit (a table), rank zero reports the mean, p50 and p90 wait and step, the data fraction, throughput, GPU
+    utilization, a verdict (input-bound, balanced, compute-bound), the speedup available if data were free ((wait +
+    step) / step), and — when input-bound, or balanced on the CPU on worker processes — advice computed from this
+    run.
 
     Args:
         warmup_epochs: the first epochs this fit runs (whatever their number, on a resumed fit) left out of the
@@ -312,9 +319,19 @@ class LoaderMonitor(Callback):
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._read_gpu_times(synchronize=True)
         first = self._epoch_first
-        if len(self.step_ms) > first:
-            warm = bool(self.warmup[-1])
-            rank_zero_info(epoch_line(trainer.current_epoch, self.wait_ms[first:], self.step_ms[first:], warmup=warm))
+        if len(self.step_ms) == first:
+            return
+        wait, step = self.wait_ms[first:], self.step_ms[first:]
+        rank_zero_info(epoch_line(trainer.current_epoch, wait, step, warmup=bool(self.warmup[-1])))
+        # the epoch's figures, which reach the logger also when the epoch is shorter than `log_every_n_steps`
+        total_wait, total_step = float(np.sum(wait)), float(np.sum(step))
+        metrics = {
+            "loader/data_wait_ms_epoch": total_wait / len(wait),
+            "loader/step_ms_epoch": total_step / len(step),
+            "loader/data_fraction_epoch": data_fraction(total_wait, total_step),
+            "loader/samples_per_sec_epoch": sum(self.samples[first:]) / max(1e-9, (total_wait + total_step) / 1000.0),
+        }
+        pl_module.log_dict(metrics, on_step=False, on_epoch=True, sync_dist=True)
 
     # ------------------------------------------------------------------------------------------------------------
     # Validation batches
