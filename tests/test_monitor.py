@@ -6,8 +6,11 @@ timing (``timing``) and the NVML sampler (``gpu``) are also checked on their own
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import io
 import json
+import logging
 import os
 import re
 import subprocess
@@ -23,6 +26,7 @@ import numpy as np
 import pytest
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.callbacks import ProgressBar, TQDMProgressBar
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.profilers import PassThroughProfiler, SimpleProfiler
 from PIL import Image
@@ -93,6 +97,7 @@ def _mock_trainer(**kwargs: Any) -> Mock:
         "max_epochs": 2,
         "sanity_checking": False,
         "profiler": PassThroughProfiler(),
+        "progress_bar_callback": None,
     }
     return Mock(**{**defaults, **kwargs})
 
@@ -1434,3 +1439,121 @@ def test_format_table_without_any_batch_says_so():
     monitor = LoaderMonitor()
     monitor.summary = {"steps": 0, "warmup_steps": 0, "measured_steps": 0, "verdict": None}
     assert monitor.format_table() == "LoaderMonitor: no training batches were run: nothing to judge."
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Printing through the progress bar
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _screen(written: str) -> list[str]:
+    """The lines a terminal shows once ``written`` was written to it.
+
+    ``\\r`` goes back to the start of the line and ``\\n`` down to the next one; of the escape sequences, cursor up
+    (``ESC[nA``) and erase line (``ESC[2K``) act, colours and the rest are dropped.
+    """
+    lines, row, col = [""], 0, 0
+    for token in re.findall(r"\x1b\[[0-9;?]*[A-Za-z]|\r|\n|[^\x1b\r\n]+", written):
+        if token == "\r":
+            col = 0
+        elif token == "\n":
+            row, col = row + 1, 0
+            if row == len(lines):
+                lines.append("")
+        elif token.startswith("\x1b["):
+            if token.endswith("A"):
+                row = max(0, row - int(token[2:-1] or 1))
+            elif token == "\x1b[2K":
+                lines[row] = ""
+        else:
+            line = lines[row].ljust(col)
+            lines[row] = line[:col] + token + line[col + len(token) :]
+            col += len(token)
+    return [line.rstrip() for line in lines]
+
+
+def _fit_with_bar(bar: ProgressBar, *, bar_first: bool = False) -> list[str]:
+    """A 2-epoch fit with validation, shown by ``bar``; returns the lines a terminal shows.
+
+    The terminal gets stdout, stderr and Lightning's log messages (``rank_zero_info``'s logger, which does not
+    propagate to the root logger), in the order they are written.
+    """
+    written = io.StringIO()
+    handler = logging.StreamHandler(written)
+    logger = logging.getLogger("lightning.pytorch")
+    logger.addHandler(handler)
+    monitor = LoaderMonitor(warmup_epochs=0)
+    try:
+        with contextlib.redirect_stdout(written), contextlib.redirect_stderr(written):
+            _fit(
+                monitor,
+                _in_memory(6),
+                _ValModel(),
+                val_dataset=_in_memory(4),
+                callbacks=[bar, monitor] if bar_first else [monitor, bar],
+                enable_progress_bar=True,
+            )
+    finally:
+        logger.removeHandler(handler)
+    return _screen(written.getvalue())
+
+
+def _assert_own_lines(screen: list[str]) -> None:
+    """The monitor's note, its two epoch lines and its table each start a line, and nothing is glued after them."""
+    lines = [line for line in screen if "LoaderMonitor" in line]
+    assert lines[0] == "LoaderMonitor: GPU utilization is not logged: training runs on cpu, not CUDA."
+    epochs = [line for line in lines if "epoch" in line]
+    assert [EPOCH_LINE.fullmatch(line)[1] for line in epochs] == ["0", "1"], lines  # type: ignore[index]
+    assert lines[-1] == "LoaderMonitor summary"
+    assert len(lines) == 4, lines
+
+
+@pytest.mark.parametrize(
+    ("leave", "bar_first"),
+    [(False, False), (True, True)],  # with leave=True a bar whose hooks run first has closed before the monitor's
+)
+def test_monitor_lines_start_a_line_of_their_own_under_tqdm(leave, bar_first):
+    """Under tqdm the monitor's lines are not glued onto the bar, which is still there."""
+    screen = _fit_with_bar(TQDMProgressBar(leave=leave), bar_first=bar_first)
+    _assert_own_lines(screen)
+    assert any(line.startswith("Epoch 1: 100%") for line in screen)
+
+
+def test_monitor_lines_start_a_line_of_their_own_under_rich(monkeypatch):
+    """Under Rich the monitor's lines are printed above the live bar, not after a stale copy of it."""
+    rich = pytest.importorskip("rich")
+    from lightning.pytorch.callbacks import RichProgressBar
+
+    monkeypatch.setattr(rich, "_console", None)  # RichProgressBar reconfigures rich's global console: a new one
+    screen = _fit_with_bar(RichProgressBar(console_kwargs={"force_terminal": True, "width": 120}))
+    _assert_own_lines(screen)
+    assert any(line.startswith("Epoch 1/1") for line in screen)
+
+
+class _RecordingBar(ProgressBar):
+    """A progress bar of one's own: it keeps what it is asked to print."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.printed: list[str] = []
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        self.printed.append(" ".join(map(str, args)))
+
+
+def test_monitor_prints_through_the_trainers_progress_bar_and_logs_without_one():
+    """Every line goes to `trainer.progress_bar_callback.print`, none to the log; without a bar, all to the log."""
+    bar, monitor = _RecordingBar(), LoaderMonitor(warmup_epochs=0)
+    with patch(f"{CALLBACK}.rank_zero_info") as info:
+        _fit(monitor, _in_memory(6), callbacks=[monitor, bar], enable_progress_bar=True)
+    info.assert_not_called()
+    assert len(bar.printed) == 4
+    assert EPOCH_LINE.fullmatch(bar.printed[1])
+    assert bar.printed[-1] == monitor.format_table()
+    monitor = LoaderMonitor(warmup_epochs=0)
+    with patch(f"{CALLBACK}.rank_zero_info") as info:
+        _fit(monitor, _in_memory(6))  # enable_progress_bar=False: no bar
+    logged = [c.args[0] for c in info.call_args_list]
+    assert logged[0] == bar.printed[0]
+    assert [EPOCH_LINE.fullmatch(line)[1] for line in logged[1:3]] == ["0", "1"]  # type: ignore[index]
+    assert logged[3:] == [monitor.format_table()]
