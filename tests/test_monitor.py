@@ -6,9 +6,13 @@ timing (``timing``) and the NVML sampler (``gpu``) are also checked on their own
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import io
 import json
+import logging
 import os
+import re
 import subprocess
 import sys
 import time
@@ -22,6 +26,7 @@ import numpy as np
 import pytest
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.callbacks import ProgressBar, TQDMProgressBar
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.profilers import PassThroughProfiler, SimpleProfiler
 from PIL import Image
@@ -92,6 +97,7 @@ def _mock_trainer(**kwargs: Any) -> Mock:
         "max_epochs": 2,
         "sanity_checking": False,
         "profiler": PassThroughProfiler(),
+        "progress_bar_callback": None,
     }
     return Mock(**{**defaults, **kwargs})
 
@@ -392,9 +398,9 @@ def test_warmup_epoch_is_left_out_of_the_summary():
     assert summary["ranks"] == [{"rank": 0, "wait_mean_ms": pytest.approx(0.1), "step_mean_ms": pytest.approx(10.0)}]
     # one line per epoch, the warmup named; the first line says why GPU utilization is not logged
     assert [c.args[0] for c in info.call_args_list][1:] == [
-        "LoaderMonitor epoch 0: data wait p50 500.0 ms, step p50 10.0 ms, data fraction 98%, input-bound"
-        " (warmup: not in the verdict)",
-        "LoaderMonitor epoch 1: data wait p50 0.1 ms, step p50 10.0 ms, data fraction 1%, compute-bound",
+        "LoaderMonitor epoch 0: data wait 500.0 ms, step 10.0 ms (means of 3 batches), data fraction 98%,"
+        " input-bound (warmup: not in the verdict)",
+        "LoaderMonitor epoch 1: data wait 0.1 ms, step 10.0 ms (means of 3 batches), data fraction 1%, compute-bound",
     ]
 
 
@@ -799,8 +805,11 @@ def test_cuda_wait_and_step_come_from_completed_events_without_waiting_for_the_g
     monitor = LoaderMonitor(warmup_epochs=0, gpu_poll_interval=0.005)
     # (host wait, GPU wait, host step, GPU step), ms
     batches = [(5.0, 5.0, 30.0, 12.0), (20.0, 0.0, 30.0, 14.0), (8.0, 3.0, 30.0, 16.0)]
-    logged = []
-    module.log_dict.side_effect = lambda metrics, **kwargs: logged.append(dict(metrics))
+    logged: list[dict[str, Any]] = []  # the logging intervals'
+    epoch_logged: list[dict[str, Any]] = []  # the end of the epoch's
+    module.log_dict.side_effect = lambda metrics, **kwargs: (logged if kwargs["on_step"] else epoch_logged).append(
+        dict(metrics)
+    )
     with (
         patch("lightning_fastdata.cpus.CpuMeter"),
         patch(f"{CALLBACK}.nvml_handles", return_value=(nvml, ["gpu0"])) as handles,
@@ -850,6 +859,17 @@ def test_cuda_wait_and_step_come_from_completed_events_without_waiting_for_the_g
     assert {(type(v), v.device.type) for metrics in logged for v in metrics.values()} == {(torch.Tensor, "cpu")}
     assert logged[0]["loader/gpu_util"] == pytest.approx(0.55)
     assert logged[0]["loader/gpu_mem_gb"] == pytest.approx(3.0)
+    # the epoch's figures, logged after the synchronize at its end: every batch's GPU times
+    assert epoch_logged == [
+        pytest.approx(
+            {
+                "loader/data_wait_ms_epoch": 11.0 / 3,
+                "loader/step_ms_epoch": 14.0,
+                "loader/data_fraction_epoch": 11.0 / 53.0,
+                "loader/samples_per_sec_epoch": 6 / 0.053,
+            }
+        )
+    ]
     assert not monitor._gpu._thread.is_alive()
 
 
@@ -1111,8 +1131,10 @@ def test_table_of_a_ddp_summary():
         "steps": 10,
         "warmup_steps": 3,
         "measured_steps": 7,
+        "wait_mean_ms": 10.0,
         "wait_p50_ms": 6.0,
         "wait_p90_ms": 49.0,
+        "step_mean_ms": 20.0,
         "step_p50_ms": 10.0,
         "step_p90_ms": 10.44,
         "data_fraction": 0.8889,
@@ -1134,16 +1156,16 @@ def test_table_of_a_ddp_summary():
     assert table == "\n".join(
         [
             "LoaderMonitor summary",
-            "  data wait p50 / p90  6.0 / 49.0 ms",
-            "  step p50 / p90       10.0 / 10.4 ms",
-            "  data fraction        88.9%",
-            "  throughput           140.2 samples/s",
-            "  GPU utilization      42%",
-            "  CPU utilization      41% of 4 usable CPUs",
-            "  slowest rank (wait)  rank 1: 40.0 ms mean",
-            "  spread across ranks  30.0 ms",
-            "  verdict              input-bound (rank 1, the slowest): 9.00x faster if data were free",
-            "  measured             7 batches (3 warmup batches left out)",
+            "  data wait mean / p50 / p90  10.0 / 6.0 / 49.0 ms",
+            "  step mean / p50 / p90       20.0 / 10.0 / 10.4 ms",
+            "  data fraction               88.9%",
+            "  throughput                  140.2 samples/s",
+            "  GPU utilization             42%",
+            "  CPU utilization             41% of 4 usable CPUs",
+            "  slowest rank (wait)         rank 1: 40.0 ms mean",
+            "  spread across ranks         30.0 ms",
+            "  verdict                     input-bound (rank 1, the slowest): 9.00x faster if data were free",
+            "  measured                    7 batches (3 warmup batches left out)",
             "  - first advice",
             "  - second advice",
         ]
@@ -1151,10 +1173,39 @@ def test_table_of_a_ddp_summary():
 
 
 def test_epoch_line():
-    """The per-epoch line: p50 wait and step, the data fraction of the epoch's totals, the verdict, the warmup."""
+    """The per-epoch line: mean wait and step, the data fraction they give, the verdict, the warmup."""
     line = epoch_line(3, [1.0, 2.0, 30.0], [10.0, 12.0, 20.0], warmup=False)
-    assert line == ("LoaderMonitor epoch 3: data wait p50 2.0 ms, step p50 12.0 ms, data fraction 44%, input-bound")
+    assert line == (
+        "LoaderMonitor epoch 3: data wait 11.0 ms, step 14.0 ms (means of 3 batches), data fraction 44%, input-bound"
+    )
     assert epoch_line(0, [0.0], [10.0], warmup=True).endswith("0%, compute-bound (warmup: not in the verdict)")
+
+
+#: the per-epoch line, its figures as groups: mean wait, mean step, data fraction (%) and verdict
+EPOCH_LINE = re.compile(
+    r"LoaderMonitor epoch (\d+): data wait ([\d.]+) ms, step ([\d.]+) ms \(means of \d+ batches\),"
+    r" data fraction (\d+)%, ([a-z-]+)"
+)
+
+
+@pytest.mark.parametrize(
+    ("waits", "steps"),
+    [
+        ([0.2, 0.2, 0.2, 39.8], [6.1] * 4),  # one slow fetch: wait p50 0.2 ms, yet 62% of the time is waiting
+        ([3.0] * 4, [4.0, 4.0, 4.0, 200.0]),  # one slow step: the p50s would give 43% (input-bound), the means 5%
+    ],
+)
+def test_epoch_line_figures_agree_with_its_verdict(waits, steps):
+    """Where p50 and mean differ a lot, the epoch line prints the wait and step its data fraction and verdict use."""
+    monitor = LoaderMonitor(warmup_epochs=0, verbose=False)
+    info = _run_epochs(monitor, _mock_trainer(), _cpu_module(), {0: list(zip(waits, steps, strict=True))})
+    line = info.call_args_list[-1].args[0]
+    found = EPOCH_LINE.fullmatch(line)
+    assert found, line
+    wait, step, percent, judged = float(found[2]), float(found[3]), int(found[4]), found[5]
+    assert (wait, step) == pytest.approx((np.mean(waits), np.mean(steps)), abs=0.05)
+    assert abs(percent - 100 * wait / (wait + step)) <= 1.0  # the printed fraction is the printed figures'
+    assert judged == verdict(wait / (wait + step)) == monitor.summary["verdict"]
 
 
 def test_report_json_and_chart(tmp_path):
@@ -1310,10 +1361,29 @@ def test_metrics_share_the_models_rows_and_steps(tmp_path, accumulate, steps):
     loader_rows = [row for row in rows if row["loader/data_wait_ms"]]
     assert [int(row["step"]) for row in loader_rows] == steps
     assert all(row["train_loss"] for row in loader_rows)  # the same row as the model's metric
-    assert {int(row["step"]) for row in rows} == set(steps)  # no row of the monitor's own
+    epoch_rows = [row for row in rows if row["loader/data_wait_ms_epoch"]]
+    assert len(epoch_rows) == 1  # the end of the epoch's row, where Lightning writes every epoch-level metric
+    assert {int(row["step"]) for row in rows} == {*steps, int(epoch_rows[0]["step"])}  # no row of the monitor's own
     for row in loader_rows:
         assert 0.0 <= float(row["loader/cpu_util"]) <= 1.0
         assert 0.0 <= float(row["loader/data_fraction"]) <= 1.0
+
+
+def test_a_run_shorter_than_log_every_n_steps_logs_each_epochs_figures(tmp_path):
+    """Two 3-step epochs with `log_every_n_steps=50` end with each epoch's loader figures in metrics.csv."""
+    monitor = LoaderMonitor(warmup_epochs=0)
+    logger = CSVLogger(tmp_path, name="run", version=0)
+    _fit(monitor, _in_memory(6), max_epochs=2, logger=logger, log_every_n_steps=50)
+    with open(tmp_path / "run" / "version_0" / "metrics.csv") as file:
+        rows = list(csv.DictReader(file))
+    assert [(int(row["epoch"]), int(row["step"])) for row in rows] == [(0, 2), (1, 5)]
+    assert "loader/data_wait_ms" not in rows[0]  # no logging interval came to its end
+    for row, first in zip(rows, (0, 3), strict=True):
+        wait, step = monitor.wait_ms[first : first + 3], monitor.step_ms[first : first + 3]
+        assert float(row["loader/data_wait_ms_epoch"]) == pytest.approx(np.mean(wait), rel=1e-5)
+        assert float(row["loader/step_ms_epoch"]) == pytest.approx(np.mean(step), rel=1e-5)
+        assert float(row["loader/data_fraction_epoch"]) == pytest.approx(sum(wait) / (sum(wait) + sum(step)), rel=1e-5)
+        assert float(row["loader/samples_per_sec_epoch"]) == pytest.approx(6000.0 / (sum(wait) + sum(step)), rel=1e-5)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -1369,3 +1439,121 @@ def test_format_table_without_any_batch_says_so():
     monitor = LoaderMonitor()
     monitor.summary = {"steps": 0, "warmup_steps": 0, "measured_steps": 0, "verdict": None}
     assert monitor.format_table() == "LoaderMonitor: no training batches were run: nothing to judge."
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Printing through the progress bar
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _screen(written: str) -> list[str]:
+    """The lines a terminal shows once ``written`` was written to it.
+
+    ``\\r`` goes back to the start of the line and ``\\n`` down to the next one; of the escape sequences, cursor up
+    (``ESC[nA``) and erase line (``ESC[2K``) act, colours and the rest are dropped.
+    """
+    lines, row, col = [""], 0, 0
+    for token in re.findall(r"\x1b\[[0-9;?]*[A-Za-z]|\r|\n|[^\x1b\r\n]+", written):
+        if token == "\r":
+            col = 0
+        elif token == "\n":
+            row, col = row + 1, 0
+            if row == len(lines):
+                lines.append("")
+        elif token.startswith("\x1b["):
+            if token.endswith("A"):
+                row = max(0, row - int(token[2:-1] or 1))
+            elif token == "\x1b[2K":
+                lines[row] = ""
+        else:
+            line = lines[row].ljust(col)
+            lines[row] = line[:col] + token + line[col + len(token) :]
+            col += len(token)
+    return [line.rstrip() for line in lines]
+
+
+def _fit_with_bar(bar: ProgressBar, *, bar_first: bool = False) -> list[str]:
+    """A 2-epoch fit with validation, shown by ``bar``; returns the lines a terminal shows.
+
+    The terminal gets stdout, stderr and Lightning's log messages (``rank_zero_info``'s logger, which does not
+    propagate to the root logger), in the order they are written.
+    """
+    written = io.StringIO()
+    handler = logging.StreamHandler(written)
+    logger = logging.getLogger("lightning.pytorch")
+    logger.addHandler(handler)
+    monitor = LoaderMonitor(warmup_epochs=0)
+    try:
+        with contextlib.redirect_stdout(written), contextlib.redirect_stderr(written):
+            _fit(
+                monitor,
+                _in_memory(6),
+                _ValModel(),
+                val_dataset=_in_memory(4),
+                callbacks=[bar, monitor] if bar_first else [monitor, bar],
+                enable_progress_bar=True,
+            )
+    finally:
+        logger.removeHandler(handler)
+    return _screen(written.getvalue())
+
+
+def _assert_own_lines(screen: list[str]) -> None:
+    """The monitor's note, its two epoch lines and its table each start a line, and nothing is glued after them."""
+    lines = [line for line in screen if "LoaderMonitor" in line]
+    assert lines[0] == "LoaderMonitor: GPU utilization is not logged: training runs on cpu, not CUDA."
+    epochs = [line for line in lines if "epoch" in line]
+    assert [EPOCH_LINE.fullmatch(line)[1] for line in epochs] == ["0", "1"], lines  # type: ignore[index]
+    assert lines[-1] == "LoaderMonitor summary"
+    assert len(lines) == 4, lines
+
+
+@pytest.mark.parametrize(
+    ("leave", "bar_first"),
+    [(False, False), (True, True)],  # with leave=True a bar whose hooks run first has closed before the monitor's
+)
+def test_monitor_lines_start_a_line_of_their_own_under_tqdm(leave, bar_first):
+    """Under tqdm the monitor's lines are not glued onto the bar, which is still there."""
+    screen = _fit_with_bar(TQDMProgressBar(leave=leave), bar_first=bar_first)
+    _assert_own_lines(screen)
+    assert any(line.startswith("Epoch 1: 100%") for line in screen)
+
+
+def test_monitor_lines_start_a_line_of_their_own_under_rich(monkeypatch):
+    """Under Rich the monitor's lines are printed above the live bar, not after a stale copy of it."""
+    rich = pytest.importorskip("rich")
+    from lightning.pytorch.callbacks import RichProgressBar
+
+    monkeypatch.setattr(rich, "_console", None)  # RichProgressBar reconfigures rich's global console: a new one
+    screen = _fit_with_bar(RichProgressBar(console_kwargs={"force_terminal": True, "width": 120}))
+    _assert_own_lines(screen)
+    assert any(line.startswith("Epoch 1/1") for line in screen)
+
+
+class _RecordingBar(ProgressBar):
+    """A progress bar of one's own: it keeps what it is asked to print."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.printed: list[str] = []
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        self.printed.append(" ".join(map(str, args)))
+
+
+def test_monitor_prints_through_the_trainers_progress_bar_and_logs_without_one():
+    """Every line goes to `trainer.progress_bar_callback.print`, none to the log; without a bar, all to the log."""
+    bar, monitor = _RecordingBar(), LoaderMonitor(warmup_epochs=0)
+    with patch(f"{CALLBACK}.rank_zero_info") as info:
+        _fit(monitor, _in_memory(6), callbacks=[monitor, bar], enable_progress_bar=True)
+    info.assert_not_called()
+    assert len(bar.printed) == 4
+    assert EPOCH_LINE.fullmatch(bar.printed[1])
+    assert bar.printed[-1] == monitor.format_table()
+    monitor = LoaderMonitor(warmup_epochs=0)
+    with patch(f"{CALLBACK}.rank_zero_info") as info:
+        _fit(monitor, _in_memory(6))  # enable_progress_bar=False: no bar
+    logged = [c.args[0] for c in info.call_args_list]
+    assert logged[0] == bar.printed[0]
+    assert [EPOCH_LINE.fullmatch(line)[1] for line in logged[1:3]] == ["0", "1"]  # type: ignore[index]
+    assert logged[3:] == [monitor.format_table()]

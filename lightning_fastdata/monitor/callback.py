@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.callbacks import ProgressBar, TQDMProgressBar
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
@@ -25,7 +26,7 @@ from lightning_fastdata import cpus
 from lightning_fastdata.monitor.gpu import GpuSampler, nvml_handles
 from lightning_fastdata.monitor.report import epoch_line, format_table, write_report
 from lightning_fastdata.monitor.timing import LoopTimer
-from lightning_fastdata.monitor.verdict import advise, judge_slowest_rank, summarize
+from lightning_fastdata.monitor.verdict import advise, data_fraction, judge_slowest_rank, summarize
 
 
 class LoaderMonitor(Callback):
@@ -63,10 +64,18 @@ class LoaderMonitor(Callback):
     - ``loader/val_data_wait_ms``, ``loader/val_step_ms``: the same for validation (fetch plus transfer, and
       ``validation_step``), once per validation run, host times
 
-    At the end of each epoch (one line) and of fit (a table), rank zero reports p50/p90 wait and step, the data
-    fraction, throughput, GPU utilization, a verdict (input-bound, balanced, compute-bound), the speedup available if
-    data were free ((wait + step) / step), and — when input-bound, or balanced on the CPU on worker processes — advice
-    computed from this run.
+    And at the end of every training epoch, also on a run shorter than ``log_every_n_steps``:
+
+    - ``loader/data_wait_ms_epoch``, ``loader/step_ms_epoch``: means over the epoch's training batches
+    - ``loader/data_fraction_epoch``: their wait / (wait + step), 0-1
+    - ``loader/samples_per_sec_epoch``: the epoch's samples over its summed wait and step times
+
+    At the end of each epoch (one line: the mean wait and step, the data fraction they give and its verdict) and of
+    fit (a table), rank zero reports the mean, p50 and p90 wait and step, the data fraction, throughput, GPU
+    utilization, a verdict (input-bound, balanced, compute-bound), the speedup available if data were free ((wait +
+    step) / step), and — when input-bound, or balanced on the CPU on worker processes — advice computed from this
+    run. Both are printed through the Trainer's progress bar (``trainer.progress_bar_callback.print``), so they start
+    on a line of their own under tqdm or Rich; without a bar they are logged (``rank_zero_info``).
 
     Args:
         warmup_epochs: the first epochs this fit runs (whatever their number, on a resumed fit) left out of the
@@ -77,8 +86,8 @@ class LoaderMonitor(Callback):
         report_dir: write ``loader_report.json`` (per-step series and summary) and, with matplotlib,
             ``loader_report.png`` here at the end of fit.
         gpu_poll_interval: seconds between NVML samples.
-        verbose: log the end-of-fit table (``format_table()`` returns it either way); the per-epoch line is always
-            logged.
+        verbose: show the end-of-fit table (``format_table()`` returns it either way); the per-epoch line is always
+            shown.
 
     Raises:
         ValueError: a negative warmup or a non-positive poll interval.
@@ -152,13 +161,15 @@ class LoaderMonitor(Callback):
         if self._cuda:
             found = nvml_handles(device.index if device.index is not None else torch.cuda.current_device())
             if isinstance(found, str):
-                rank_zero_info(f"LoaderMonitor: GPU utilization is not logged: {found}.")
+                self._say(trainer, f"LoaderMonitor: GPU utilization is not logged: {found}.")
             else:
                 nvml, handles = found
                 self._gpu = GpuSampler(nvml, handles, self.gpu_poll_interval)
                 self._gpu.start()
         else:
-            rank_zero_info(f"LoaderMonitor: GPU utilization is not logged: training runs on {device.type}, not CUDA.")
+            self._say(
+                trainer, f"LoaderMonitor: GPU utilization is not logged: training runs on {device.type}, not CUDA."
+            )
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -180,7 +191,7 @@ class LoaderMonitor(Callback):
             summary.update(judged)
             summary["advice"] = self._advise(trainer)
         if self.verbose:
-            rank_zero_info(self.format_table())
+            self._say(trainer, self.format_table())
         if self.report_dir is not None and trainer.is_global_zero:
             write_report(
                 self.report_dir,
@@ -312,9 +323,19 @@ class LoaderMonitor(Callback):
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._read_gpu_times(synchronize=True)
         first = self._epoch_first
-        if len(self.step_ms) > first:
-            warm = bool(self.warmup[-1])
-            rank_zero_info(epoch_line(trainer.current_epoch, self.wait_ms[first:], self.step_ms[first:], warmup=warm))
+        if len(self.step_ms) == first:
+            return
+        wait, step = self.wait_ms[first:], self.step_ms[first:]
+        self._say(trainer, epoch_line(trainer.current_epoch, wait, step, warmup=bool(self.warmup[-1])))
+        # the epoch's figures, which reach the logger also when the epoch is shorter than `log_every_n_steps`
+        total_wait, total_step = float(np.sum(wait)), float(np.sum(step))
+        metrics = {
+            "loader/data_wait_ms_epoch": total_wait / len(wait),
+            "loader/step_ms_epoch": total_step / len(step),
+            "loader/data_fraction_epoch": data_fraction(total_wait, total_step),
+            "loader/samples_per_sec_epoch": sum(self.samples[first:]) / max(1e-9, (total_wait + total_step) / 1000.0),
+        }
+        pl_module.log_dict(metrics, on_step=False, on_epoch=True, sync_dist=True)
 
     # ------------------------------------------------------------------------------------------------------------
     # Validation batches
@@ -381,6 +402,19 @@ class LoaderMonitor(Callback):
         """The end-of-fit summary as a table."""
         return format_table(self.summary, warmup_epochs=self.warmup_epochs, warmup_steps=self.warmup_steps)
 
+    def _say(self, trainer: Trainer, text: str) -> None:
+        """Show ``text`` on rank zero through the Trainer's progress bar, or log it when no bar is showing.
+
+        Logged beside a live bar, a line would be glued to the bar's last state (tqdm) or written under a stale copy
+        of it (Rich); the bar's own ``print`` clears the bar, writes the line and redraws the bar below it.
+        """
+        bar = trainer.progress_bar_callback
+        if bar is not None and _bar_prints(bar):
+            if trainer.is_global_zero:
+                bar.print(text)
+        else:
+            rank_zero_info(text)
+
 
 def _batch_size(batch: Any) -> int:
     """The number of samples in a batch: the length of its first tensor (searching tuples, lists and dicts)."""
@@ -397,6 +431,26 @@ def _batch_size(batch: Any) -> int:
             if size:
                 return size
     return 0
+
+
+def _bar_prints(bar: ProgressBar) -> bool:
+    """Whether ``bar.print()`` shows a line now: the bar is enabled and, for tqdm, one of its bars is still open.
+
+    ``TQDMProgressBar.print()`` writes nothing once its bars are closed (at the end of fit, or of each epoch with
+    ``leave=True``, when the bar's hook runs before the monitor's); a closed tqdm bar has ended its line, so logging
+    is safe then.
+    """
+    if not getattr(bar, "is_enabled", True):  # Lightning's bars have it, `ProgressBar` itself does not
+        return False
+    if not isinstance(bar, TQDMProgressBar):
+        return True
+    for name in ("train_progress_bar", "val_progress_bar"):
+        try:
+            if not getattr(bar, name).disable:
+                return True
+        except TypeError:  # that bar is not made yet
+            continue
+    return False
 
 
 def _finite(value: float) -> float | None:

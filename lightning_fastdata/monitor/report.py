@@ -15,7 +15,10 @@ from lightning_fastdata.monitor.verdict import data_fraction, verdict
 
 
 def epoch_line(epoch: int, wait_ms: Sequence[float], step_ms: Sequence[float], *, warmup: bool) -> str:
-    """The line logged at the end of each epoch: p50 wait and step, data fraction and verdict of its batches.
+    """The line shown at the end of each epoch: the mean wait and step of its batches, their data fraction, verdict.
+
+    The means are the figures the data fraction (mean wait / (mean wait + mean step)) and so the verdict are made
+    of: medians beside a mean-based fraction would contradict it whenever a few slow fetches dominate the wait.
 
     Args:
         epoch: the epoch's number.
@@ -24,11 +27,12 @@ def epoch_line(epoch: int, wait_ms: Sequence[float], step_ms: Sequence[float], *
         warmup: the epoch is (or ends in) the warmup, which the end-of-fit verdict leaves out.
 
     """
-    fraction = data_fraction(float(np.sum(wait_ms)), float(np.sum(step_ms)))
+    wait, step = float(np.mean(wait_ms)), float(np.mean(step_ms))
+    fraction = data_fraction(wait, step)
     note = " (warmup: not in the verdict)" if warmup else ""
     return (
-        f"LoaderMonitor epoch {epoch}: data wait p50 {np.median(wait_ms):.1f} ms,"
-        f" step p50 {np.median(step_ms):.1f} ms, data fraction {fraction:.0%}, {verdict(fraction)}{note}"
+        f"LoaderMonitor epoch {epoch}: data wait {wait:.1f} ms, step {step:.1f} ms (means of {len(step_ms)} batches),"
+        f" data fraction {fraction:.0%}, {verdict(fraction)}{note}"
     )
 
 
@@ -50,9 +54,10 @@ def format_table(summary: dict[str, Any], *, warmup_epochs: int, warmup_steps: i
             f"{warmup_epochs}, warmup_steps={warmup_steps}): no verdict. Train longer, or lower the"
             " warmup to measure."
         )
+    # the means first: the data fraction, verdict and speedup are made of them (under DDP, of the slowest rank's)
     rows = [
-        ("data wait p50 / p90", f"{s['wait_p50_ms']:.1f} / {s['wait_p90_ms']:.1f} ms"),
-        ("step p50 / p90", f"{s['step_p50_ms']:.1f} / {s['step_p90_ms']:.1f} ms"),
+        ("data wait mean / p50 / p90", f"{s['wait_mean_ms']:.1f} / {s['wait_p50_ms']:.1f} / {s['wait_p90_ms']:.1f} ms"),
+        ("step mean / p50 / p90", f"{s['step_mean_ms']:.1f} / {s['step_p50_ms']:.1f} / {s['step_p90_ms']:.1f} ms"),
         ("data fraction", f"{s['data_fraction']:.1%}"),
         ("throughput", f"{s['samples_per_sec']:.1f} samples/s"),
     ]
