@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     )
     from lightning_fastdata.monitor import LoaderMonitor
     from lightning_fastdata.prefetch import DevicePrefetchLoader
+    from lightning_fastdata.presets import ResumeCheckpoint
     from lightning_fastdata.store.format import read_meta, read_sources
     from lightning_fastdata.store.reader import LmdbImageDataset
     from lightning_fastdata.synthetic import make_image_folder
@@ -49,6 +50,7 @@ _HOMES = {
     "LoaderMonitor": "monitor",
     "MissingSplitError": "errors",
     "ReadOnlyDestinationError": "errors",
+    "ResumeCheckpoint": "presets",
     "SampleError": "errors",
     "SourceLayoutError": "errors",
     "make_image_folder": "synthetic",
@@ -72,6 +74,7 @@ __all__ = [
     "LoaderMonitor",
     "MissingSplitError",
     "ReadOnlyDestinationError",
+    "ResumeCheckpoint",
     "SampleError",
     "SkippedFile",
     "SourceLayoutError",
