@@ -316,3 +316,13 @@ def test_cache_command_lists_removes_and_prunes(split_folder: Path, tmp_path: Pa
     assert main(["cache", "--cache-dir", str(tmp_path), "remove", second.name]) == 0
     assert main(["cache", "--cache-dir", str(tmp_path), "list"]) == 0
     assert capsys.readouterr().out.splitlines()[-1] == f"no conversions in {tmp_path}"
+
+
+def test_last_use_is_recorded_once_per_setup_not_per_sample(split_folder: Path, tmp_path: Path):
+    """Reading a whole epoch leaves the use file alone: only ``setup`` touches it."""
+    dm = _datamodule(split_folder, tmp_path, 48, num_workers=0, batch_size=4)
+    dm.setup("fit")
+    _used(dm.database_path, 2)
+    before = use_path(dm.database_path).stat().st_mtime_ns
+    assert sum(len(labels) for _, labels in dm.train_dataloader()) > 0
+    assert use_path(dm.database_path).stat().st_mtime_ns == before

@@ -88,12 +88,8 @@ def record_use(database: str | os.PathLike[str], root: str | os.PathLike[str] | 
         held = _HELD.get(str(path))
         if held is None or held.closed:
             held = open(path, "ab")  # noqa: SIM115 - held for this process's lifetime, like the LMDB environment
-            if fcntl is not None:
-                try:
-                    fcntl.flock(held, fcntl.LOCK_SH | fcntl.LOCK_NB)
-                except BlockingIOError:  # being removed right now: nothing to record
-                    held.close()
-                    return
+            if fcntl is not None:  # waits only while a removal (or `cache list`'s probe) holds it exclusively
+                fcntl.flock(held, fcntl.LOCK_SH)
             _HELD[str(path)] = held
         os.utime(path)
     except OSError as err:
