@@ -14,6 +14,7 @@ command.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import hashlib
 import json
@@ -71,6 +72,14 @@ def use_path(database: Path) -> Path:
 
 #: the use files this process holds a shared lock on, for its lifetime (as it keeps the databases' environments open)
 _HELD: dict[str, IO[bytes]] = {}
+
+
+@atexit.register
+def _close_held() -> None:
+    """Close the use files at exit (no unlock: a forked child's close leaves its parent's lock in place)."""
+    for held in _HELD.values():
+        held.close()
+    _HELD.clear()
 
 
 def record_use(database: str | os.PathLike[str], root: str | os.PathLike[str] | None = None) -> None:
