@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from lightning_fastdata.monitor import LoaderMonitor
     from lightning_fastdata.prediction import PredictionWriter
     from lightning_fastdata.prefetch import DevicePrefetchLoader
+    from lightning_fastdata.presets import ResumeCheckpoint
     from lightning_fastdata.store.format import read_meta, read_sources
     from lightning_fastdata.store.reader import LmdbImageDataset
     from lightning_fastdata.synthetic import make_image_folder
@@ -51,6 +52,7 @@ _HOMES = {
     "MissingSplitError": "errors",
     "PredictionWriter": "prediction",
     "ReadOnlyDestinationError": "errors",
+    "ResumeCheckpoint": "presets",
     "SampleError": "errors",
     "SourceLayoutError": "errors",
     "make_image_folder": "synthetic",
@@ -75,6 +77,7 @@ __all__ = [
     "MissingSplitError",
     "PredictionWriter",
     "ReadOnlyDestinationError",
+    "ResumeCheckpoint",
     "SampleError",
     "SkippedFile",
     "SourceLayoutError",

@@ -1,6 +1,6 @@
 """The ``lightning-fastdata`` command line.
 
-``convert`` (and ``convert --clean DIR``), ``synth``, ``bench`` and ``profile`` are parsed here; ``fit``,
+``convert`` (and ``convert --clean DIR``), ``synth``, ``bench``, ``profile`` and ``cache`` are parsed here; ``fit``,
 ``validate``, ``test`` and ``predict`` are LightningCLI's, with any LightningModule and any
 :class:`~lightning_fastdata.FastImageDataModule` subclass named by ``class_path``.
 """
@@ -161,6 +161,32 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", metavar="FILE", default=None, help="also write the profiles as JSON")
 
 
+def _add_cache(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "cache",
+        help="list, remove or prune the conversions FastImageDataModule made in the cache folder",
+        description=(
+            "FastImageDataModule converts each image folder once per set of conversion settings into the cache folder"
+            " ($LIGHTNING_FASTDATA_CACHE, else ~/.cache/lightning_fastdata). List those conversions with their source,"
+            " settings, size and last use; remove one; or prune by size or age. A conversion being written, or read"
+            " by a running process, is never removed."
+        ),
+    )
+    p.add_argument("--cache-dir", default=None, metavar="DIR", help="the cache folder (default: as above)")
+    actions = p.add_subparsers(dest="action", required=True, metavar="ACTION")
+    listing = actions.add_parser("list", help="each conversion: key, size, last use, settings, source")
+    listing.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
+    remove = actions.add_parser("remove", help="remove one conversion")
+    remove.add_argument("target", metavar="KEY|PATH", help="a key as `cache list` shows it, or the conversion's path")
+    prune = actions.add_parser(
+        "prune",
+        help="remove conversions unused for a while, then the least recently used until the rest fit a size",
+    )
+    prune.add_argument("--max-size", default=None, metavar="SIZE", help="keep at most SIZE in all: 20GB, 500MB, 20GiB")
+    prune.add_argument("--older-than", default=None, metavar="AGE", help="remove those unused for AGE: 30d, 12h, 2w")
+    prune.add_argument("--dry-run", action="store_true", help="say what would be removed, remove nothing")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``lightning-fastdata`` (the Lightning sub-commands are parsed by LightningCLI)."""
     parser = argparse.ArgumentParser(
@@ -175,6 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_synth(sub)
     _add_bench(sub)
     _add_profile(sub)
+    _add_cache(sub)
     _add_lightning(sub)
     return parser
 
@@ -292,6 +319,41 @@ def _profile(args: argparse.Namespace) -> int:
                 fh,
                 indent=1,
             )
+    return 0
+
+
+def _cache(args: argparse.Namespace) -> int:
+    import json
+    import time
+
+    from lightning_fastdata.store import cache
+    from lightning_fastdata.store.summary import human_bytes
+
+    if args.action == "remove":
+        print(cache.remove_conversion(args.target, args.cache_dir))
+        return 0
+    if args.action == "prune":
+        max_size = None if args.max_size is None else cache.parse_size(args.max_size)
+        older_than = None if args.older_than is None else cache.parse_age(args.older_than)
+        done = cache.prune_cache(args.cache_dir, max_size, older_than, args.dry_run)
+        print("\n".join(done) if done else "nothing to prune")
+        return 0
+    conversions = cache.list_conversions(args.cache_dir)
+    if args.json:
+        print(json.dumps([c.to_dict() for c in conversions], indent=1))
+        return 0
+    root = cache.cache_root(args.cache_dir)
+    if not conversions:
+        print(f"no conversions in {root}")
+        return 0
+    now = time.time()
+    for c in conversions:
+        settings = " ".join(f"{k}={v}" for k, v in c.settings.items())
+        status = c.state + (", in use" if c.in_use else "")
+        print(f"{c.key}  {human_bytes(c.size)}  last used {(now - c.last_used) / 86400:.1f} days ago  {status}")
+        print(f"    source {c.source or '?'}  {settings}")
+    total = sum(c.size for c in conversions)
+    print(f"{len(conversions)} conversion(s), {human_bytes(total)} in {root}")
     return 0
 
 
@@ -628,7 +690,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "convert" and args.clean is None and args.dst is None:
         parser.error("convert: the following arguments are required: SRC and DST (or --clean DIR)")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    handlers = {"convert": _convert, "synth": _synth, "bench": _bench, "profile": _profile}
+    handlers = {"convert": _convert, "synth": _synth, "bench": _bench, "profile": _profile, "cache": _cache}
     try:
         code = handlers[args.command](args)
         sys.stdout.flush()  # here, where a closed pipe is caught, not at exit

@@ -335,12 +335,17 @@ class FastImageDataModule(LightningDataModule):
             raise InvalidArgumentError(
                 f"`cache_dir` {self.cache_dir!r} must not be inside `data_dir` {self.data_dir!r}."
             )
+        settings = {"short_side": self.store_short_side(), "quality": self.quality, "encoding": self.encoding}
+        previous = cache.conversion_meta(target)
+        note = cache.other_settings_note(source, target, settings)  # why a new conversion, when the cache has others
+        if note is not None:
+            rank_zero_info(note)
         try:
-            summary = convert(
-                source, target, short_side=self.store_short_side(), quality=self.quality, encoding=self.encoding
-            )
+            summary = convert(source, target, **settings)
         except ReadOnlyDestinationError as err:
             raise self._read_only_cache_error(err) from err
+        if previous is not None and not summary.up_to_date:
+            rank_zero_info(cache.source_change_note(target, previous, summary.splits))
         if summary.up_to_date:  # the common case on every later run: nothing for the user's log
             log.debug(summary.format())
         else:
@@ -377,6 +382,7 @@ class FastImageDataModule(LightningDataModule):
             )
 
     def _open_splits(self) -> None:
+        cache.record_use(self.database_path, self.cache_root)  # its last use, and that this process reads it
         meta = _format.read_meta(self.database_path)
         if self.is_database and self.short_side is not None:
             rank_zero_warn(

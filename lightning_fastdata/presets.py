@@ -1,4 +1,4 @@
-"""Trainer presets for throughput: mixed precision and DDP, as ``Trainer(**preset(...))`` keyword arguments.
+"""Trainer presets: mixed precision and DDP as ``Trainer(**preset(...))`` keyword arguments, and a resume checkpoint.
 
 Each function returns a plain dict of strings and numbers, usable as ``Trainer(**mixed_precision())`` and as
 LightningCLI ``trainer_defaults``; ``examples/configs/gpu_16mixed.yaml`` and ``ddp.yaml`` are their YAML
@@ -8,15 +8,25 @@ argument passed to a preset (``fast_gpu(precision="bf16-mixed")``) wins over the
 
 The DDP settings are registered in Lightning's strategy registry under :data:`DDP_STRATEGY` and
 :data:`DDP_STATIC_STRATEGY`, so a config can also say ``strategy: ddp_fastdata``.
+
+:class:`ResumeCheckpoint` is the checkpoint that ``fit(ckpt_path="last")`` needs after a crash or a kill, as a
+callback a config can name: ``--trainer.callbacks+=lightning_fastdata.ResumeCheckpoint``.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any, Literal
 
+import lightning.pytorch as pl
 import torch
+from lightning.fabric.utilities.cloud_io import get_filesystem
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.utilities import rank_zero_info
+from typing_extensions import override
+
+from lightning_fastdata.errors import InvalidArgumentError
 
 Accelerator = Literal["auto", "gpu", "cuda", "cpu"]
 
@@ -137,3 +147,85 @@ def fast_gpu(
     """
     kwargs = ddp(devices=devices, num_nodes=num_nodes, static_graph=static_graph, accelerator=accelerator)
     return {**kwargs, **mixed_precision(accelerator, **trainer_kwargs)}
+
+
+class ResumeCheckpoint(ModelCheckpoint):
+    r"""A ``ModelCheckpoint`` for resuming a killed fit: ``last.ckpt`` every few steps, in one folder across runs.
+
+    ``Trainer.fit(ckpt_path="last")`` finds only checkpoints named ``last*.ckpt`` in the checkpoint folder, which a
+    plain ``ModelCheckpoint`` writes only with ``save_last=True``, and then only at epoch ends unless
+    ``every_n_train_steps`` is set. Its default folder is also per logger version (``lightning_logs/version_N/
+    checkpoints``), so a new run looks in a new, empty folder. This callback sets all three: ``save_last=True``,
+    ``every_n_train_steps`` (default 500), and ``dirpath`` (default ``<default_root_dir>/checkpoints``, whatever the
+    logger). Run the same command again with ``ckpt_path="last"``: training continues from the last saved step, and
+    ``FastImageDataModule`` continues mid-epoch with the same samples, crops and flips (its loader state is in the
+    checkpoint). On the very first run ``"last"`` finds nothing: Lightning warns and trains from the start.
+
+    Only ``last.ckpt`` is kept (``save_top_k=0``); add a ``ModelCheckpoint(monitor=...)`` of your own for the best
+    model. A kill loses at most ``every_n_train_steps - 1`` steps, which the resumed run trains again.
+
+    Args:
+        every_n_train_steps: save ``last.ckpt`` every this many optimizer steps. Each save writes the model and
+            optimizer state: keep the interval well above the time one save takes.
+        dirpath: the checkpoint folder; default ``<Trainer default_root_dir>/checkpoints``, the same on every run
+            from the same working directory. Give every experiment its own.
+        filename: as ``ModelCheckpoint``'s, for the checkpoints ``save_top_k`` keeps.
+        save_top_k: as ``ModelCheckpoint``'s; default ``0``: only ``last.ckpt``.
+
+    Raises:
+        InvalidArgumentError: ``every_n_train_steps`` is below 1.
+
+    Example:
+        >>> from lightning.pytorch import Trainer
+        >>> from lightning_fastdata import ResumeCheckpoint
+        >>> trainer = Trainer(max_epochs=10, callbacks=[ResumeCheckpoint(every_n_train_steps=200)])
+        >>> trainer.fit(model, datamodule=dm, ckpt_path="last")  # doctest: +SKIP
+
+        From the command line or a config::
+
+            lightning-fastdata fit --config config.yaml --ckpt_path last \
+                --trainer.callbacks+=lightning_fastdata.ResumeCheckpoint \
+                --trainer.callbacks.every_n_train_steps=200
+
+    """
+
+    def __init__(
+        self,
+        every_n_train_steps: int = 500,
+        dirpath: str | None = None,
+        filename: str | None = None,
+        save_top_k: int = 0,
+    ) -> None:
+        if not isinstance(every_n_train_steps, int) or every_n_train_steps < 1:
+            raise InvalidArgumentError(
+                f"`every_n_train_steps` must be an int >= 1, got {every_n_train_steps!r}: the steps between two saves"
+                " of `last.ckpt`."
+            )
+        super().__init__(
+            dirpath=dirpath,
+            filename=filename,
+            save_last=True,
+            save_top_k=save_top_k,
+            every_n_train_steps=every_n_train_steps,
+        )
+
+    def _default_dirpath(self, trainer: pl.Trainer) -> None:
+        """Default the folder to ``<default_root_dir>/checkpoints``, not the logger's per-version folder."""
+        if self.dirpath is None:
+            root = str(trainer.default_root_dir)
+            folder = os.path.join(root, "checkpoints")
+            self.dirpath = folder if "://" in root else os.path.realpath(os.path.expanduser(folder))
+            self._fs = get_filesystem(self.dirpath)  # as ModelCheckpoint sets it for a `dirpath` passed in
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Set the default folder, then as ``ModelCheckpoint``."""
+        self._default_dirpath(trainer)
+        super().setup(trainer, pl_module, stage)
+
+    @override
+    def _find_last_checkpoints(self, trainer: pl.Trainer) -> set[str]:
+        # `fit(ckpt_path="last")` asks each ModelCheckpoint for its last checkpoints before any callback's `setup`;
+        # no public hook runs earlier, so the default folder is also set here (else the logger's would be searched)
+        self._default_dirpath(trainer)
+        return super()._find_last_checkpoints(trainer)

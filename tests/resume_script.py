@@ -2,7 +2,10 @@
 
 Usage: ``python resume_script.py MODE DATA_DIR OUT_DIR SEED DEVICES WORKERS EVERY SLOW_AFTER CKPT [LIMIT [VAL]]``.
 
-``MODE`` is ``fit`` (train from scratch) or ``resume`` (``trainer.fit(..., ckpt_path=CKPT)``). Two epochs of a tiny
+``MODE`` is ``fit`` (train from scratch) or ``resume`` (``trainer.fit(..., ckpt_path=CKPT)``); ``fit-last`` and
+``resume-last`` save with :class:`~lightning_fastdata.ResumeCheckpoint` (``every_n_train_steps=EVERY``) instead, into
+its default folder under ``Trainer(default_root_dir=CKPT)``, and always call ``trainer.fit(..., ckpt_path="last")``
+(on the first run it finds nothing and trains from the start). Two epochs of a tiny
 model on ``FastImageDataModule`` whose items carry their sample index; ``DEVICES`` > 1 is DDP on CPU (Lightning
 re-executes this script for the other ranks). ``ModelCheckpoint`` saves ``OUT_DIR/ckpt/step=<n>.ckpt`` every
 ``EVERY`` steps, or with ``EVERY`` ``0`` at the end of every epoch (its default). Each rank appends one JSON line per
@@ -28,6 +31,8 @@ from indexed import IndexedDataModule
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.nn import functional as F
+
+from lightning_fastdata import ResumeCheckpoint
 
 
 class RecordingModel(LightningModule):
@@ -93,8 +98,8 @@ def main(
     limit: int | float = 1.0,
     val: bool = False,
 ) -> None:
-    if mode not in ("fit", "resume"):
-        raise ValueError(f"MODE must be 'fit' or 'resume', got {mode!r}")
+    if mode not in ("fit", "resume", "fit-last", "resume-last"):
+        raise ValueError(f"MODE must be 'fit', 'resume', 'fit-last' or 'resume-last', got {mode!r}")
     torch.set_num_threads(1)
     dm = IndexedDataModule(
         data_dir,
@@ -105,8 +110,13 @@ def main(
         seed=seed,
         drop_last=False,
     )
-    checkpoint = ModelCheckpoint(
-        dirpath=Path(out_dir, "ckpt"), filename="{step}", every_n_train_steps=every or None, save_top_k=-1
+    last = mode.endswith("-last")
+    checkpoint = (
+        ResumeCheckpoint(every_n_train_steps=every)
+        if last
+        else ModelCheckpoint(
+            dirpath=Path(out_dir, "ckpt"), filename="{step}", every_n_train_steps=every or None, save_top_k=-1
+        )
     )
     trainer = Trainer(
         accelerator="cpu",
@@ -120,8 +130,11 @@ def main(
         enable_progress_bar=False,
         enable_model_summary=False,
         callbacks=[SlowDown(slow_after), checkpoint],
+        default_root_dir=ckpt if last else None,
     )
-    trainer.fit(RecordingModel(out_dir), datamodule=dm, ckpt_path=ckpt if mode == "resume" else None)
+    trainer.fit(
+        RecordingModel(out_dir), datamodule=dm, ckpt_path="last" if last else ckpt if mode == "resume" else None
+    )
 
 
 if __name__ == "__main__":

@@ -9,13 +9,16 @@ from unittest.mock import Mock
 
 import pytest
 import torch
-from lightning.pytorch import Trainer
+from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_fastdata import presets
 from lightning_fastdata.cli import lightning_cli
+from lightning_fastdata.errors import InvalidArgumentError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -278,3 +281,104 @@ def test_ddp_as_cli_trainer_defaults() -> None:
     assert isinstance(cli.trainer.strategy, DDPStrategy)
     assert cli.trainer.num_devices == 2
     assert _ddp_kwargs(cli.trainer.strategy) == {**THROUGHPUT_KWARGS, "static_graph": False}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# ResumeCheckpoint
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class _Steps(LightningModule):
+    """A linear model on 16 random rows in batches of 2 (8 steps an epoch) that counts the steps it trains."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 1)
+        self.trained = 0
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.trained += 1
+        return self.layer(batch[0]).pow(2).mean()
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(TensorDataset(torch.randn(16, 4)), batch_size=2)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def _fit_with_resume_checkpoint(root: Path, max_steps: int, **fit: Any) -> tuple[Trainer, _Steps]:
+    """Fit ``_Steps`` with a ``ResumeCheckpoint(every_n_train_steps=3)`` and a versioned CSVLogger under ``root``."""
+    trainer = Trainer(
+        accelerator="cpu",
+        max_steps=max_steps,
+        default_root_dir=root,
+        logger=CSVLogger(root),
+        callbacks=[presets.ResumeCheckpoint(every_n_train_steps=3)],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    model = _Steps()
+    trainer.fit(model, **fit)
+    return trainer, model
+
+
+def test_resume_checkpoint_saves_last_every_n_steps_in_one_folder_across_logger_versions(tmp_path: Path) -> None:
+    """``last.ckpt`` every 3 steps in ``<default_root_dir>/checkpoints``, which the next run (a new logger version)
+    finds with ``ckpt_path="last"``: it trains on from step 6, not from 0."""
+    first, _ = _fit_with_resume_checkpoint(tmp_path, max_steps=7)
+    assert first.logger is not None
+    assert first.logger.version == 0
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["last.ckpt"]  # save_top_k=0
+    assert torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 6
+    second, model = _fit_with_resume_checkpoint(tmp_path, max_steps=10, ckpt_path="last")
+    assert second.logger is not None
+    assert second.logger.version == 1
+    assert model.trained == 4  # steps 7 to 10
+    assert second.global_step == 10
+    assert torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 9
+
+
+def test_resume_checkpoint_takes_an_explicit_folder(tmp_path: Path) -> None:
+    """``dirpath`` wins over the default folder."""
+    callback = presets.ResumeCheckpoint(every_n_train_steps=2, dirpath=str(tmp_path / "mine"))
+    trainer = Trainer(
+        accelerator="cpu",
+        max_steps=2,
+        default_root_dir=tmp_path,
+        logger=False,
+        callbacks=[callback],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(_Steps())
+    assert (tmp_path / "mine" / "last.ckpt").is_file()
+    assert not (tmp_path / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("every", [0, -5])
+def test_resume_checkpoint_rejects_a_step_interval_below_one(every: int) -> None:
+    """``every_n_train_steps`` below 1 is refused, naming the argument and the value."""
+    with pytest.raises(InvalidArgumentError, match=rf"`every_n_train_steps` must be an int >= 1, got {every}"):
+        presets.ResumeCheckpoint(every_n_train_steps=every)
+
+
+@pytest.mark.usefixtures("in_repo", "no_cuda")
+def test_resume_checkpoint_from_the_command_line() -> None:
+    """``--trainer.callbacks+=lightning_fastdata.ResumeCheckpoint`` builds it with the options given after it."""
+    cli = lightning_cli(
+        [
+            "--config",
+            "examples/configs/cpu.yaml",
+            "--trainer.logger",
+            "false",
+            "--trainer.callbacks+=lightning_fastdata.ResumeCheckpoint",
+            "--trainer.callbacks.every_n_train_steps=7",
+        ],
+        run=False,
+    )
+    (callback,) = [c for c in cli.trainer.callbacks if isinstance(c, presets.ResumeCheckpoint)]
+    assert callback.save_last is True
+    assert callback.save_top_k == 0
+    assert callback._every_n_train_steps == 7
+    assert cli.trainer.checkpoint_callback is callback  # Lightning adds no default ModelCheckpoint beside it

@@ -655,3 +655,128 @@ def test_a_resumed_epoch_is_bit_identical_on_cuda(database: Path, decode: str) -
     )
     assert full[0][0].is_cuda
     _assert_same_batches(resumed, full, decode)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# ResumeCheckpoint: a killed fit, run again with ckpt_path="last", from Python and from a YAML config
+# ----------------------------------------------------------------------------------------------------------------
+
+#: ResumeCheckpoint saves last.ckpt every EVERY steps; runs slow down after the first save, to be killed 2 steps later
+EVERY = 5
+
+
+def _kill_after_last_checkpoint(proc: subprocess.Popen, out: Path, last: Path) -> int:
+    """SIGKILL the run once ``last`` exists and 2 steps past its first save ran; returns the step ``last`` holds."""
+    deadline = time.monotonic() + RUN_TIMEOUT
+    try:
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"the run ended (exit code {proc.returncode}) before it was killed:\n{_log(out)}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"the run did not reach step {EVERY + 2} in {RUN_TIMEOUT} s:\n{_log(out)}")
+            if last.exists() and sum(r["step"] > EVERY for r in _records(out, 0)) >= 2:
+                break
+            time.sleep(0.05)
+    finally:
+        _kill(proc)
+    assert proc.returncode == -signal.SIGKILL
+    return int(torch.load(last, map_location="cpu", weights_only=False)["global_step"])
+
+
+def _check_resumed_from_last(killed: list[dict[str, Any]], resumed: list[dict[str, Any]], k: int) -> None:
+    """The resumed run starts at step ``k + 1`` (not 1), mid-epoch, and replays the killed run's later steps exactly."""
+    per_epoch = NUM_IMAGES // 4
+    assert k >= EVERY
+    assert k % EVERY == 0
+    assert k % per_epoch != 0  # mid-epoch: the loader state, not an epoch boundary, places the next batch
+    assert [r["step"] for r in killed[:k]] == list(range(1, k + 1))
+    assert [r["step"] for r in resumed] == list(range(k + 1, 2 * per_epoch + 1))
+    assert (resumed[0]["epoch"], resumed[0]["batch_idx"]) == (k // per_epoch, k % per_epoch)
+    replayed = killed[k:]
+    assert resumed[: len(replayed)] == replayed  # the same samples and pixels as before the kill
+    whole = killed[:k] + resumed
+    assert len({tuple(r["indices"]) for r in whole}) == len(whole)
+    for epoch in (0, 1):  # each epoch saw every image once: nothing skipped, nothing repeated
+        assert sorted(i for r in whole if r["epoch"] == epoch for i in r["indices"]) == list(range(NUM_IMAGES))
+
+
+@pytest.mark.slow
+def test_a_killed_fit_resumes_from_last_with_resume_checkpoint(resume_database: Path, tmp_path: Path) -> None:
+    """``ResumeCheckpoint`` + ``fit(ckpt_path="last")``: killed part-way, the same call resumes from its last step."""
+    root = tmp_path / "run"
+    proc = _start(resume_database, tmp_path / "b", "fit-last", 1, EVERY, slow_after=EVERY, ckpt=root)
+    k = _kill_after_last_checkpoint(proc, tmp_path / "b", root / "checkpoints" / "last.ckpt")
+    resumed = _train(resume_database, tmp_path / "c", "resume-last", devices=1, every=EVERY, ckpt=root)
+    _check_resumed_from_last(_records(tmp_path / "b", 0), resumed[0], k)
+    assert sorted(p.name for p in (root / "checkpoints").iterdir()) == ["last.ckpt"]
+
+
+_CONFIG = """
+seed_everything: 3
+trainer:
+  accelerator: cpu
+  devices: 1
+  max_epochs: 2
+  limit_val_batches: 0
+  num_sanity_val_steps: 0
+  logger: false
+  enable_progress_bar: false
+  enable_model_summary: false
+  default_root_dir: {root}
+  callbacks:
+    - class_path: resume_script.SlowDown
+      init_args:
+        after: {every}
+    - class_path: lightning_fastdata.ResumeCheckpoint
+      init_args:
+        every_n_train_steps: {every}
+model:
+  class_path: resume_script.RecordingModel
+  init_args:
+    out_dir: {out}
+data:
+  class_path: indexed.IndexedDataModule
+  init_args:
+    data_dir: {data}
+    image_size: 16
+    batch_size: 4
+    num_workers: 2
+    val_fraction: 0
+    seed: {seed}
+    drop_last: false
+"""
+
+
+def _start_cli(out: Path, *args: str) -> subprocess.Popen[bytes]:
+    """``lightning-fastdata fit ARGS`` from the tests folder (its modules importable), in its own session."""
+    out.mkdir(parents=True, exist_ok=True)
+    env = _env()
+    env["PYTHONPATH"] = os.pathsep.join([str(SCRIPT.parent), str(SCRIPT.parents[1]), env.get("PYTHONPATH", "")])
+    with open(out / "log.txt", "w") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", "lightning_fastdata.cli", "fit", *args],
+            cwd=SCRIPT.parent,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+
+@pytest.mark.slow
+def test_a_killed_cli_fit_resumes_from_last_with_a_yaml_config(resume_database: Path, tmp_path: Path) -> None:
+    """The same from a YAML config naming ``lightning_fastdata.ResumeCheckpoint``, run again with ``--ckpt_path last``.
+
+    The resumed run only adds ``--ckpt_path last`` (and its own records folder).
+    """
+    root, killed, resumed = tmp_path / "run", tmp_path / "b", tmp_path / "c"
+    config = tmp_path / "config.yaml"
+    config.write_text(_CONFIG.format(root=root, every=EVERY, out=killed, data=resume_database, seed=SEED))
+    k = _kill_after_last_checkpoint(
+        _start_cli(killed, "--config", str(config)), killed, root / "checkpoints" / "last.ckpt"
+    )
+    proc = _start_cli(
+        resumed, "--config", str(config), "--model.init_args.out_dir", str(resumed), "--ckpt_path", "last"
+    )
+    _finish(proc, resumed)
+    _check_resumed_from_last(_records(killed, 0), _records(resumed, 0), k)

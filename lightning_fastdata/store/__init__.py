@@ -10,7 +10,8 @@ One module per concern, in the order a sample travels:
 * :mod:`~lightning_fastdata.store.summary`: what a conversion reports (``ConversionSummary``, ``SkippedFile``);
 * :mod:`~lightning_fastdata.store.format`: the on-disk format shared by writer and reader (``read_meta``, ...);
 * :mod:`~lightning_fastdata.store.reader`: ``LmdbImageDataset``, the reader;
-* :mod:`~lightning_fastdata.store.cache`: the cache folder, and the database a source converts into there.
+* :mod:`~lightning_fastdata.store.cache`: the cache folder, the database a source converts into there, and the
+  conversions' upkeep (list, last use, remove, prune).
 
 Nothing is imported here: ``lightning-fastdata --help`` imports neither torch nor Lightning, and only ``reader``
 imports torch.
