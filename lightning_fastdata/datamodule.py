@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
+from lightning.fabric.utilities.data import AttributeDict
 from lightning.fabric.utilities.warnings import PossibleUserWarning
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
@@ -47,6 +48,9 @@ from lightning_fastdata.tuning import LoaderConfig, TuneCache, quick_tune
 #: ``engine="auto"`` picks worker processes for CUDA training from this many workers on (see ``resolved_engine``)
 AUTO_PROCESSES_MIN_WORKERS = 4
 
+#: the prefix under which loggers get a saved argument that the model also saved, with another value
+HPARAMS_PREFIX = "datamodule/"
+
 log = logging.getLogger(__name__)
 
 _PRECISION_DTYPES = {"16-true": torch.float16, "bf16-true": torch.bfloat16, "64-true": torch.float64}
@@ -64,6 +68,30 @@ def _quiet_lightning_worker_check() -> None:
         message=r"The '(train|val|test|predict)_dataloader' does not have many workers",
         category=PossibleUserWarning,
     )
+
+
+def _lightning_differs(a: Any, b: Any) -> bool:
+    """Whether Lightning's hyperparameter merge (``_log_hyperparams``) takes ``a`` and ``b`` for different values."""
+    if type(a) is not type(b) or (isinstance(a, torch.Tensor) and a is not b):
+        return True
+    try:
+        return bool(a != b)
+    except Exception:  # an ambiguous comparison (arrays): take them for different, the safe side for the merge
+        return True
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    """Whether ``a`` and ``b`` are one setting in substance: ``(0.5, 0.5)`` and ``[0.5, 0.5]``, ``1`` and ``1.0``."""
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same_value(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (
+            isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and bool(a.eq(b).all())
+        )
+    try:
+        return bool(a == b)
+    except Exception:
+        return False
 
 
 def _describe(obj: Any) -> str:
@@ -240,6 +268,7 @@ class FastImageDataModule(LightningDataModule):
         self._warned_workers = False
         self._chosen_engine: str | None = None
         self._warned_decode = False
+        self._warned_hparams: set[tuple[str, str, str]] = set()
         self._tuned: int | None = None
         #: whether this DataModule's loaders run the device stage themselves, on the side stream
         self._stage_in_loader = False
@@ -311,6 +340,61 @@ class FastImageDataModule(LightningDataModule):
         return len(self.classes)
 
     # ------------------------------------------------------------------------------------------------------------
+    # Hyperparameters
+    # ------------------------------------------------------------------------------------------------------------
+
+    @property
+    @override
+    def hparams_initial(self) -> AttributeDict:
+        """The saved arguments as the loggers get them: one the model saved too, with another value, is renamed.
+
+        Every argument is saved under its own name (:attr:`hparams`, and the checkpoint's
+        ``datamodule_hyper_parameters``), so ``load_from_checkpoint`` and LightningCLI rebuild this DataModule as it
+        was. Lightning merges the model's and the DataModule's hyperparameters for the loggers, and stops the run on a
+        name both saved with different values (``Error while merging hparams``); such an argument reaches the loggers
+        as ``datamodule/<name>`` instead, beside the model's, and :meth:`setup` says so (:meth:`hparams_clashes`).
+        The same value under both names (``image_size=224`` in both) is logged once, as before.
+        """
+        hparams = super().hparams_initial
+        clashes = self.hparams_clashes()
+        if not clashes:
+            return hparams
+        return AttributeDict({(f"{HPARAMS_PREFIX}{k}" if k in clashes else k): v for k, v in hparams.items()})
+
+    def hparams_clashes(self) -> dict[str, tuple[Any, Any]]:
+        """The saved arguments Lightning would refuse to merge with the Trainer's model's: ``{name: (model's, ours)}``.
+
+        Empty without a Trainer, a model, or hyperparameters the model logs.
+        """
+        module = getattr(self.trainer, "lightning_module", None)
+        # `_log_hyperparams` is `save_hyperparameters(logger=...)`: no public accessor, and Lightning reads it too
+        if module is None or not getattr(module, "_log_hyperparams", False):
+            return {}
+        theirs, ours = module.hparams_initial, super().hparams_initial
+        return {
+            key: (theirs[key], ours[key])
+            for key in sorted(theirs.keys() & ours.keys())
+            if key != "_class_path" and _lightning_differs(theirs[key], ours[key])
+        }
+
+    def _say_hparams_clashes(self) -> None:
+        """Warn once per clash that the model and this DataModule saved one name with different values."""
+        trainer = self.trainer
+        if trainer is None or not getattr(trainer, "loggers", None):  # nothing is merged without a logger
+            return
+        # one setting as two types ((0.5,) and [0.5]) is renamed too, since Lightning's merge compares types, quietly
+        clashes = {key: values for key, values in self.hparams_clashes().items() if not _same_value(*values)}
+        for key, (theirs, ours) in clashes.items():
+            if (key, repr(theirs), repr(ours)) in self._warned_hparams:
+                continue
+            self._warned_hparams.add((key, repr(theirs), repr(ours)))
+            rank_zero_warn(
+                f"The model saved `{key}={theirs!r}` and FastImageDataModule `{key}={ours!r}` (which its loaders use):"
+                f" loggers get the DataModule's as `{HPARAMS_PREFIX}{key}`. Pass the same value to both if they"
+                " should agree."
+            )
+
+    # ------------------------------------------------------------------------------------------------------------
     # Lightning hooks
     # ------------------------------------------------------------------------------------------------------------
 
@@ -366,6 +450,7 @@ class FastImageDataModule(LightningDataModule):
         Splits are found by their canonical names (``train``, ``val``, ``test``; databases written before split
         names were canonical may say ``valid``, ``validation``, ``testing``...). Only ``fit`` needs ``train``.
         """
+        self._say_hparams_clashes()  # before Lightning merges the hyperparameters, which it does after `setup`
         if self._splits is None and self.train_dataset is None:
             self._open_splits()
         if stage == "fit" and self.train_dataset is None:

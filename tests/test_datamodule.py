@@ -13,8 +13,10 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+import yaml
 from fakes import fake_trainer
-from lightning.pytorch import Trainer
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader
 
 from lightning_fastdata import FastImageDataModule, LmdbImageDataset, convert, make_image_folder
@@ -448,6 +450,68 @@ def test_invalid_arguments_raise(kwargs: dict[str, Any], name: str) -> None:
     """Invalid arguments raise ValueError naming the argument."""
     with pytest.raises(ValueError, match=f"`{name}`"):
         FastImageDataModule("some/where", **kwargs)
+
+
+class _SavingModule(LightningModule):
+    """A tiny model saving hyperparameters named as the DataModule's are: ``image_size``, ``batch_size``, ``mean``."""
+
+    def __init__(self, image_size: int = 16, batch_size: int = 4, mean: Any = IMAGENET_MEAN) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = _TinyNet()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(self.net(batch[0]), batch[1])
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _fit_with_csv_logger(database: Path, tmp_path: Path, model: LightningModule) -> tuple[dict[str, Any], list[str]]:
+    """Fit ``model`` one step with a real CSVLogger; the hyperparameters it wrote and the warnings of the run."""
+    dm = FastImageDataModule(str(database), image_size=16, batch_size=4, num_workers=0)
+    trainer = Trainer(
+        accelerator="cpu",
+        max_steps=1,
+        logger=CSVLogger(tmp_path, name="logs"),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model, datamodule=dm)
+    assert trainer.global_step == 1
+    hparams = yaml.safe_load((Path(trainer.logger.log_dir) / "hparams.yaml").read_text().replace("!!python/tuple", ""))
+    return hparams, [str(w.message) for w in caught if "FastImageDataModule `" in str(w.message)]
+
+
+def test_a_model_that_saved_the_same_values_fits_and_logs_each_once(database: Path, tmp_path: Path) -> None:
+    """A model that saved ``image_size`` and ``batch_size`` equal to the DataModule's: one entry each, no warning."""
+    hparams, said = _fit_with_csv_logger(database, tmp_path, _SavingModule(image_size=16, batch_size=4))
+    assert said == []
+    assert (hparams["image_size"], hparams["batch_size"], hparams["data_dir"]) == (16, 4, str(database))
+    assert not any(key.startswith("datamodule/") for key in hparams)
+
+
+def test_a_model_that_saved_other_values_fits_and_a_line_names_both(database: Path, tmp_path: Path) -> None:
+    """A model that saved ``batch_size=32`` and ``image_size=224`` beside the DataModule's 4 and 16: the fit runs (it
+    stopped with Lightning's "Error while merging hparams"), one line per name gives both values, both are logged,
+    and the checkpoint still rebuilds the DataModule with its own values; ``mean`` as a list is the same setting."""
+    model = _SavingModule(image_size=224, batch_size=32, mean=list(IMAGENET_MEAN))
+    hparams, said = _fit_with_csv_logger(database, tmp_path, model)
+    assert said == [
+        "The model saved `batch_size=32` and FastImageDataModule `batch_size=4` (which its loaders use): loggers get"
+        " the DataModule's as `datamodule/batch_size`. Pass the same value to both if they should agree.",
+        "The model saved `image_size=224` and FastImageDataModule `image_size=16` (which its loaders use): loggers get"
+        " the DataModule's as `datamodule/image_size`. Pass the same value to both if they should agree.",
+    ]
+    assert (hparams["batch_size"], hparams["datamodule/batch_size"]) == (32, 4)
+    assert (hparams["image_size"], hparams["datamodule/image_size"]) == (224, 16)
+    assert hparams["mean"] == hparams["datamodule/mean"] == list(IMAGENET_MEAN)
+    checkpoint = next((tmp_path / "logs").rglob("*.ckpt"))
+    restored = FastImageDataModule.load_from_checkpoint(checkpoint)
+    assert (restored.batch_size, restored.image_size, restored.data_dir) == (4, 16, str(database))
 
 
 # ----------------------------------------------------------------------------------------------------------------
