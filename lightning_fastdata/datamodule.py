@@ -770,21 +770,41 @@ class FastImageDataModule(LightningDataModule):
         For CPU training the images are normalized ``float32`` (the loader threads normalize them); for CUDA training
         they are ``uint8`` NCHW (``channels_last`` memory), and when prefetching to the device they arrive on the GPU
         already normalized.
+
+        With ``drop_last=True``, a ``batch_size`` larger than this process's share of the training split (a batch size
+        finder's doubling, or a small dataset) would leave no batch to train on: it is clamped to that share, one
+        batch an epoch, with a warning (:meth:`clamp_batch_size`).
         """
         if self.train_dataset is None:
             self.setup("fit")
         assert self.train_dataset is not None
-        loader = self._loader(self.train_dataset, shuffle=True, drop_last=self.drop_last, train=True)
-        if self.drop_last and len(loader) == 0:
-            samples = len(self.train_dataset)  # type: ignore[arg-type]
-            replicas = self.trainer.distributed_sampler_kwargs if self.trainer is not None else None
-            per_process = f" ({math.ceil(samples / replicas['num_replicas'])} per process)" if replicas else ""
-            rank_zero_warn(
-                f"The training split has {samples} images{per_process}, fewer than `batch_size={self.batch_size}`, and"
-                " `drop_last=True` drops that one incomplete batch: there are no training batches. Lower"
-                " `batch_size`, or pass `drop_last=False`."
-            )
-        return loader
+        if self.drop_last:
+            self.clamp_batch_size()
+        return self._loader(self.train_dataset, shuffle=True, drop_last=self.drop_last, train=True)
+
+    def clamp_batch_size(self) -> int:
+        """Lower ``batch_size`` to this process's share of the training split when it is larger; returns it.
+
+        The DataModule's attribute and its saved ``batch_size`` both change, so Lightning's ``BatchSizeFinder`` (which
+        reads the saved value) stops there, and a checkpoint says what trained. Warns when it lowers it.
+        """
+        if self.train_dataset is None:
+            self.setup("fit")
+        samples = len(self.train_dataset)  # type: ignore[arg-type]
+        replicas = (getattr(self.trainer, "distributed_sampler_kwargs", None) or {}).get("num_replicas", 1)
+        share = max(1, math.ceil(samples / replicas))  # a DistributedSampler pads every rank to the same share
+        if self.batch_size <= share:
+            return self.batch_size
+        per_process = f" ({share} per process on {replicas})" if replicas > 1 else ""
+        rank_zero_warn(
+            f"`batch_size={self.batch_size}` is larger than the training split's {samples} images{per_process}, and"
+            f" `drop_last=True` would leave no batch to train on: batches hold {share} instead, one an epoch. Pass"
+            f" `batch_size` <= {share} (a batch size finder stops here by itself), or `drop_last=False`."
+        )
+        self.batch_size = share
+        if "batch_size" in self.hparams:
+            self.hparams["batch_size"] = share
+        return share
 
     @override
     def val_dataloader(self) -> DataLoader | list[DataLoader]:

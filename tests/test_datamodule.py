@@ -17,6 +17,7 @@ import yaml
 from fakes import fake_trainer
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.tuner import Tuner
 from torch.utils.data import DataLoader
 
 from lightning_fastdata import FastImageDataModule, LmdbImageDataset, convert, make_image_folder
@@ -754,19 +755,39 @@ def test_a_misspelled_predict_split_fails_at_setup_not_after_fit(split_root: Pat
         _dm(split_root, shared_cache, predict_split="tst")
 
 
-def test_a_training_split_smaller_than_a_batch_warns_that_nothing_trains(split_root: Path, shared_cache: Path) -> None:
-    """Fewer training images than ``batch_size`` with ``drop_last=True`` is no batch at all: a warning says so and
-    what to change; with ``drop_last=False`` the one short batch trains, silently."""
+def test_a_batch_larger_than_the_training_split_is_clamped_with_drop_last(split_root: Path, shared_cache: Path) -> None:
+    """Fewer training images than ``batch_size`` with ``drop_last=True``: one batch of the whole split trains (there was
+    none), a warning says so and what to change; with ``drop_last=False`` the one short batch trains, silently."""
     dm = _dm(split_root, shared_cache, batch_size=64)
-    with pytest.warns(UserWarning, match="no training batches") as record:
-        assert len(dm.train_dataloader()) == 0
+    with pytest.warns(UserWarning, match="larger than the training split") as record:
+        batches = list(dm.train_dataloader())
+    assert [len(labels) for _, labels in batches] == [SPLIT_TRAIN]
+    assert dm.batch_size == dm.hparams.batch_size == SPLIT_TRAIN
     assert [str(w.message) for w in record] == [
-        f"The training split has {SPLIT_TRAIN} images, fewer than `batch_size=64`, and `drop_last=True` drops that one"
-        " incomplete batch: there are no training batches. Lower `batch_size`, or pass `drop_last=False`."
+        f"`batch_size=64` is larger than the training split's {SPLIT_TRAIN} images, and `drop_last=True` would leave no"
+        f" batch to train on: batches hold {SPLIT_TRAIN} instead, one an epoch. Pass `batch_size` <= {SPLIT_TRAIN}"
+        " (a batch size finder stops here by itself), or `drop_last=False`."
     ]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert len(_dm(split_root, shared_cache, batch_size=64, drop_last=False).train_dataloader()) == 1
+        assert len(dm.train_dataloader()) == 1  # said once
+        keep = _dm(split_root, shared_cache, batch_size=64, drop_last=False)
+        assert len(keep.train_dataloader()) == 1
+        assert keep.batch_size == 64
+
+
+def test_batch_size_finder_stops_at_the_training_split(database: Path, tmp_path: Path) -> None:
+    """Lightning's batch size finder doubling past the 24 training images picks 24, and the fit then trains (it
+    picked 32, and with ``drop_last=True`` the fit trained on nothing)."""
+    dm = FastImageDataModule(str(database), image_size=16, batch_size=4, num_workers=0)
+    quiet = {"enable_checkpointing": False, "enable_progress_bar": False, "enable_model_summary": False}
+    trainer = Trainer(accelerator="cpu", max_epochs=1, logger=False, default_root_dir=tmp_path, **quiet)
+    model = _tiny_module()
+    with pytest.warns(UserWarning, match="`batch_size=32` is larger than the training split's 24 images"):
+        found = Tuner(trainer).scale_batch_size(model, datamodule=dm, mode="power", steps_per_trial=1, max_trials=8)
+    assert found == dm.batch_size == dm.hparams.batch_size == 24
+    trainer.fit(model, datamodule=dm)
+    assert trainer.global_step == 1
 
 
 def test_threaded_loaders_get_no_lightning_advice_to_add_worker_processes(
