@@ -29,7 +29,7 @@ from lightning_fastdata.errors import (
     SourceLayoutError,
 )
 from lightning_fastdata.pipeline import DeviceStage, FastLoader, create_loader
-from lightning_fastdata.pipeline.kernel import Output
+from lightning_fastdata.pipeline.kernel import Output, fuses
 from lightning_fastdata.skipping import SkipCounter
 from lightning_fastdata.store import cache
 from lightning_fastdata.store import format as _format
@@ -269,6 +269,7 @@ class FastImageDataModule(LightningDataModule):
         self._chosen_engine: str | None = None
         self._warned_decode = False
         self._warned_hparams: set[tuple[str, str, str]] = set()
+        self._said_generators = False
         self._tuned: int | None = None
         #: whether this DataModule's loaders run the device stage themselves, on the side stream
         self._stage_in_loader = False
@@ -458,6 +459,31 @@ class FastImageDataModule(LightningDataModule):
                 f"{str(self.database_path)!r} has no `train` split; it holds {self._splits}. Put training images in"
                 " `train/<class>/` (or `training/`) under `data_dir`, or run validate/test/predict only."
             )
+        if stage == "fit":
+            self._say_shared_generators()
+
+    def _say_shared_generators(self) -> None:
+        """Say once that loader threads cannot key a training transform's draws from :mod:`random` or NumPy's.
+
+        A transform or dataset of one's own is read sample by sample, within the sample's key
+        (:mod:`lightning_fastdata.keyed_random`): its torch draws are keyed on every engine, its draws from Python's
+        and NumPy's process-wide generators only in worker processes and on the training thread.
+        """
+        if self._said_generators or self.train_dataset is None or fuses(self.train_dataset):
+            return
+        workers = self._tuned if self._tuned is not None else None
+        if workers is None:
+            workers = self.worker_budget() if self.num_workers in ("auto", "tune") else int(self.num_workers)
+        if workers == 0 or self.resolved_engine(workers) != "threads":
+            return
+        self._said_generators = True
+        rank_zero_info(
+            f"FastImageDataModule: the training transform (or dataset) is your own, read on {workers} loader threads:"
+            " its torch random draws (torchvision transforms) are keyed per sample, the same in every run and after a"
+            " resume, but draws from Python's `random` or NumPy's global generator are not (the threads share them)."
+            " Draw from `lightning_fastdata.keyed_random.sample_rng()` instead, or pass `engine='processes'`, which"
+            " keys those too."
+        )
 
     def _open_splits(self) -> None:
         meta = _format.read_meta(self.database_path)

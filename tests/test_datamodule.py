@@ -19,6 +19,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.tuner import Tuner
 from torch.utils.data import DataLoader
+from torchvision.transforms import v2
 
 from lightning_fastdata import FastImageDataModule, LmdbImageDataset, convert, make_image_folder
 from lightning_fastdata.transforms import IMAGENET_MEAN, IMAGENET_STD, CenterCropResize, RandomResizedCropFlip
@@ -582,6 +583,85 @@ def test_jitter_subclass_batches_are_the_same_in_every_run(
         )[0]
 
     assert torch.equal(first_batch(), first_batch())
+
+
+class _TorchvisionAugmented(FastImageDataModule):
+    """Random torchvision v2 transforms of one's own after the built-in crop, all drawing from torch's generator."""
+
+    def train_transform(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        return v2.Compose([super().train_transform(), v2.ColorJitter(0.4, 0.4, 0.4, 0.1), v2.RandAugment()])
+
+
+def _epoch(loader: Any, stop: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Copies of the batches of one epoch of ``loader`` (its first ``stop``, when given)."""
+    batches = []
+    for images, labels in loader:
+        batches.append((images.clone(), labels.clone()))
+        if len(batches) == stop:
+            break
+    return batches
+
+
+def test_a_random_torchvision_transform_gives_the_same_batches_on_every_engine_and_after_a_resume(
+    database: Path,
+) -> None:
+    """``RandAugment`` and ``ColorJitter`` of one's own: the same batches in every run, whatever the global seed, on
+    loader threads, worker processes and the training thread, and an epoch resumed after 2 batches equals the whole
+    one (on threads they followed thread scheduling; everywhere a resume drew other numbers)."""
+
+    def loader(engine: str, workers: int) -> Any:
+        dm = _TorchvisionAugmented(
+            str(database), image_size=16, batch_size=4, val_fraction=0, num_workers=workers, engine=engine
+        )
+        dm.trainer = fake_trainer("cpu")
+        dm.setup("fit")
+        made = dm.train_dataloader()
+        made.sampler.set_epoch(1)
+        return made
+
+    reference = None
+    for run, (engine, workers) in enumerate([("threads", 2), ("threads", 2), ("processes", 2), ("threads", 0)]):
+        torch.manual_seed(run)  # the global generator's state does not matter
+        whole = _epoch(loader(engine, workers))
+        interrupted = loader(engine, workers)
+        head = _epoch(interrupted, stop=2)
+        resumed = loader(engine, workers)
+        resumed.load_state_dict(interrupted.state_dict())
+        reference = reference or whole
+        for batches in (whole, head + _epoch(resumed)):
+            assert len(batches) == 6
+            for (images, labels), (expected, expected_labels) in zip(batches, reference, strict=True):
+                torch.testing.assert_close(images, expected, rtol=0, atol=0, msg=f"{engine}, {workers} workers")
+                assert labels.tolist() == expected_labels.tolist()
+
+
+@pytest.mark.parametrize(
+    ("cls", "engine", "workers", "said"),
+    [
+        (_TorchvisionAugmented, "threads", 2, True),
+        (_TorchvisionAugmented, "processes", 2, False),
+        (_TorchvisionAugmented, "threads", 0, False),
+        (FastImageDataModule, "threads", 2, False),
+    ],
+)
+def test_setup_says_once_when_loader_threads_cannot_key_random_and_numpy(
+    database: Path, monkeypatch: pytest.MonkeyPatch, cls: type, engine: str, workers: int, said: bool
+) -> None:
+    """A transform of one's own on loader threads: setup says, once, that Python's and NumPy's global draws are not
+    keyed there and names the engine that keys them; nothing is said where they are keyed or nothing is one's own."""
+    infos: list[str] = []
+    monkeypatch.setattr("lightning_fastdata.datamodule.rank_zero_info", lambda message, *a, **k: infos.append(message))
+    dm = cls(str(database), image_size=16, batch_size=4, num_workers=workers, engine=engine)
+    dm.trainer = fake_trainer("cpu")
+    dm.setup("fit")
+    dm.setup("fit")
+    expected = [
+        "FastImageDataModule: the training transform (or dataset) is your own, read on 2 loader threads: its torch"
+        " random draws (torchvision transforms) are keyed per sample, the same in every run and after a resume, but"
+        " draws from Python's `random` or NumPy's global generator are not (the threads share them). Draw from"
+        " `lightning_fastdata.keyed_random.sample_rng()` instead, or pass `engine='processes'`, which keys those too."
+    ]
+    assert [i for i in infos if "your own" in i] == (expected if said else [])
 
 
 def _recording_classifier() -> Any:
