@@ -133,6 +133,9 @@ class FastImageDataModule(LightningDataModule):
     Subclass to change the pipeline: override :meth:`train_transform`, :meth:`val_transform` or
     :meth:`build_dataset`.
 
+    Every argument is saved (:attr:`hparams`, so ``load_from_checkpoint`` and LightningCLI rebuild the DataModule);
+    one the model also saved with another value reaches the loggers as ``datamodule/<name>`` (:attr:`hparams_initial`).
+
     Args:
         data_dir: an ImageFolder root with split trees (``train/``, ``val/``, ``test/`` or their aliases, any case), a
             plain ImageFolder root, a ``path,label`` list file (``.csv``/``.json``), or a database made by
@@ -141,7 +144,8 @@ class FastImageDataModule(LightningDataModule):
             ``$LIGHTNING_FASTDATA_CACHE`` or ``~/.cache/lightning_fastdata``. Never inside ``data_dir``. It may be
             read-only once it holds an up-to-date conversion.
         image_size: side length of the square training and validation crops.
-        batch_size: samples per batch (per process under DDP).
+        batch_size: samples per batch (per process under DDP). With ``drop_last=True`` a value above the process's
+            share of the training split is clamped to it, with a warning (:meth:`clamp_batch_size`).
         num_workers: loader threads (or worker processes, see ``engine``) per training process; ``"auto"`` budgets
             them from the usable CPUs; ``"tune"`` measures 0 up to the budget for a few seconds on the training data,
             each count on the engine it would train on, and keeps the cheapest count within 5% of the fastest (cached
@@ -158,7 +162,10 @@ class FastImageDataModule(LightningDataModule):
         prefetch_factor: batches each worker loads ahead; default: PyTorch's 2.
         val_fraction: share of ``train`` held out for validation when the data has no ``val`` split (``0`` for
             none); the split is deterministic for a given ``seed``.
-        seed: seeds the validation split and the training shuffle (which also changes with the epoch).
+        seed: seeds the validation split, the training shuffle (which also changes with the epoch) and the
+            augmentation: a sample's random draws, in the built-in transforms and in torch's random functions called
+            by a transform of one's own, are a function of ``(seed, epoch, sample)``
+            (:mod:`lightning_fastdata.keyed_random`).
         mean: per-channel mean on the 0-1 scale: subtracted by the loader threads for CPU training, on the device
             for CUDA training.
         std: per-channel standard deviation on the 0-1 scale.
