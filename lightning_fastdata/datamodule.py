@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
+from lightning.fabric.utilities.data import AttributeDict
 from lightning.fabric.utilities.warnings import PossibleUserWarning
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
@@ -28,7 +29,7 @@ from lightning_fastdata.errors import (
     SourceLayoutError,
 )
 from lightning_fastdata.pipeline import DeviceStage, FastLoader, create_loader
-from lightning_fastdata.pipeline.kernel import Output
+from lightning_fastdata.pipeline.kernel import Output, fuses
 from lightning_fastdata.skipping import SkipCounter
 from lightning_fastdata.store import cache
 from lightning_fastdata.store import format as _format
@@ -47,6 +48,9 @@ from lightning_fastdata.tuning import LoaderConfig, TuneCache, quick_tune
 #: ``engine="auto"`` picks worker processes for CUDA training from this many workers on (see ``resolved_engine``)
 AUTO_PROCESSES_MIN_WORKERS = 4
 
+#: the prefix under which loggers get a saved argument that the model also saved, with another value
+HPARAMS_PREFIX = "datamodule/"
+
 log = logging.getLogger(__name__)
 
 _PRECISION_DTYPES = {"16-true": torch.float16, "bf16-true": torch.bfloat16, "64-true": torch.float64}
@@ -64,6 +68,30 @@ def _quiet_lightning_worker_check() -> None:
         message=r"The '(train|val|test|predict)_dataloader' does not have many workers",
         category=PossibleUserWarning,
     )
+
+
+def _lightning_differs(a: Any, b: Any) -> bool:
+    """Whether Lightning's hyperparameter merge (``_log_hyperparams``) takes ``a`` and ``b`` for different values."""
+    if type(a) is not type(b) or (isinstance(a, torch.Tensor) and a is not b):
+        return True
+    try:
+        return bool(a != b)
+    except Exception:  # an ambiguous comparison (arrays): take them for different, the safe side for the merge
+        return True
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    """Whether ``a`` and ``b`` are one setting in substance: ``(0.5, 0.5)`` and ``[0.5, 0.5]``, ``1`` and ``1.0``."""
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same_value(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (
+            isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and bool(a.eq(b).all())
+        )
+    try:
+        return bool(a == b)
+    except Exception:
+        return False
 
 
 def _describe(obj: Any) -> str:
@@ -105,6 +133,9 @@ class FastImageDataModule(LightningDataModule):
     Subclass to change the pipeline: override :meth:`train_transform`, :meth:`val_transform` or
     :meth:`build_dataset`.
 
+    Every argument is saved (:attr:`hparams`, so ``load_from_checkpoint`` and LightningCLI rebuild the DataModule);
+    one the model also saved with another value reaches the loggers as ``datamodule/<name>`` (:attr:`hparams_initial`).
+
     Args:
         data_dir: an ImageFolder root with split trees (``train/``, ``val/``, ``test/`` or their aliases, any case), a
             plain ImageFolder root, a ``path,label`` list file (``.csv``/``.json``), or a database made by
@@ -113,7 +144,8 @@ class FastImageDataModule(LightningDataModule):
             ``$LIGHTNING_FASTDATA_CACHE`` or ``~/.cache/lightning_fastdata``. Never inside ``data_dir``. It may be
             read-only once it holds an up-to-date conversion.
         image_size: side length of the square training and validation crops.
-        batch_size: samples per batch (per process under DDP).
+        batch_size: samples per batch (per process under DDP). With ``drop_last=True`` a value above the process's
+            share of the training split is clamped to it, with a warning (:meth:`clamp_batch_size`).
         num_workers: loader threads (or worker processes, see ``engine``) per training process; ``"auto"`` budgets
             them from the usable CPUs; ``"tune"`` measures 0 up to the budget for a few seconds on the training data,
             each count on the engine it would train on, and keeps the cheapest count within 5% of the fastest (cached
@@ -130,7 +162,10 @@ class FastImageDataModule(LightningDataModule):
         prefetch_factor: batches each worker loads ahead; default: PyTorch's 2.
         val_fraction: share of ``train`` held out for validation when the data has no ``val`` split (``0`` for
             none); the split is deterministic for a given ``seed``.
-        seed: seeds the validation split and the training shuffle (which also changes with the epoch).
+        seed: seeds the validation split, the training shuffle (which also changes with the epoch) and the
+            augmentation: a sample's random draws, in the built-in transforms and in torch's random functions called
+            by a transform of one's own, are a function of ``(seed, epoch, sample)``
+            (:mod:`lightning_fastdata.keyed_random`).
         mean: per-channel mean on the 0-1 scale: subtracted by the loader threads for CPU training, on the device
             for CUDA training.
         std: per-channel standard deviation on the 0-1 scale.
@@ -242,6 +277,8 @@ class FastImageDataModule(LightningDataModule):
         self._warned_workers = False
         self._chosen_engine: str | None = None
         self._warned_decode = False
+        self._warned_hparams: set[tuple[str, str, str]] = set()
+        self._said_generators = False
         self._tuned: int | None = None
         #: whether this DataModule's loaders run the device stage themselves, on the side stream
         self._stage_in_loader = False
@@ -313,6 +350,61 @@ class FastImageDataModule(LightningDataModule):
         return len(self.classes)
 
     # ------------------------------------------------------------------------------------------------------------
+    # Hyperparameters
+    # ------------------------------------------------------------------------------------------------------------
+
+    @property
+    @override
+    def hparams_initial(self) -> AttributeDict:
+        """The saved arguments as the loggers get them: one the model saved too, with another value, is renamed.
+
+        Every argument is saved under its own name (:attr:`hparams`, and the checkpoint's
+        ``datamodule_hyper_parameters``), so ``load_from_checkpoint`` and LightningCLI rebuild this DataModule as it
+        was. Lightning merges the model's and the DataModule's hyperparameters for the loggers, and stops the run on a
+        name both saved with different values (``Error while merging hparams``); such an argument reaches the loggers
+        as ``datamodule/<name>`` instead, beside the model's, and :meth:`setup` says so (:meth:`hparams_clashes`).
+        The same value under both names (``image_size=224`` in both) is logged once, as before.
+        """
+        hparams = super().hparams_initial
+        clashes = self.hparams_clashes()
+        if not clashes:
+            return hparams
+        return AttributeDict({(f"{HPARAMS_PREFIX}{k}" if k in clashes else k): v for k, v in hparams.items()})
+
+    def hparams_clashes(self) -> dict[str, tuple[Any, Any]]:
+        """The saved arguments Lightning would refuse to merge with the Trainer's model's: ``{name: (model's, ours)}``.
+
+        Empty without a Trainer, a model, or hyperparameters the model logs.
+        """
+        module = getattr(self.trainer, "lightning_module", None)
+        # `_log_hyperparams` is `save_hyperparameters(logger=...)`: no public accessor, and Lightning reads it too
+        if module is None or not getattr(module, "_log_hyperparams", False):
+            return {}
+        theirs, ours = module.hparams_initial, super().hparams_initial
+        return {
+            key: (theirs[key], ours[key])
+            for key in sorted(theirs.keys() & ours.keys())
+            if key != "_class_path" and _lightning_differs(theirs[key], ours[key])
+        }
+
+    def _say_hparams_clashes(self) -> None:
+        """Warn once per clash that the model and this DataModule saved one name with different values."""
+        trainer = self.trainer
+        if trainer is None or not getattr(trainer, "loggers", None):  # nothing is merged without a logger
+            return
+        # one setting as two types ((0.5,) and [0.5]) is renamed too, since Lightning's merge compares types, quietly
+        clashes = {key: values for key, values in self.hparams_clashes().items() if not _same_value(*values)}
+        for key, (theirs, ours) in clashes.items():
+            if (key, repr(theirs), repr(ours)) in self._warned_hparams:
+                continue
+            self._warned_hparams.add((key, repr(theirs), repr(ours)))
+            rank_zero_warn(
+                f"The model saved `{key}={theirs!r}` and FastImageDataModule `{key}={ours!r}` (which its loaders use):"
+                f" loggers get the DataModule's as `{HPARAMS_PREFIX}{key}`. Pass the same value to both if they"
+                " should agree."
+            )
+
+    # ------------------------------------------------------------------------------------------------------------
     # Lightning hooks
     # ------------------------------------------------------------------------------------------------------------
 
@@ -373,6 +465,7 @@ class FastImageDataModule(LightningDataModule):
         Splits are found by their canonical names (``train``, ``val``, ``test``; databases written before split
         names were canonical may say ``valid``, ``validation``, ``testing``...). Only ``fit`` needs ``train``.
         """
+        self._say_hparams_clashes()  # before Lightning merges the hyperparameters, which it does after `setup`
         if self._splits is None and self.train_dataset is None:
             self._open_splits()
         if stage == "fit" and self.train_dataset is None:
@@ -380,6 +473,31 @@ class FastImageDataModule(LightningDataModule):
                 f"{str(self.database_path)!r} has no `train` split; it holds {self._splits}. Put training images in"
                 " `train/<class>/` (or `training/`) under `data_dir`, or run validate/test/predict only."
             )
+        if stage == "fit":
+            self._say_shared_generators()
+
+    def _say_shared_generators(self) -> None:
+        """Say once that loader threads cannot key a training transform's draws from :mod:`random` or NumPy's.
+
+        A transform or dataset of one's own is read sample by sample, within the sample's key
+        (:mod:`lightning_fastdata.keyed_random`): its torch draws are keyed on every engine, its draws from Python's
+        and NumPy's process-wide generators only in worker processes and on the training thread.
+        """
+        if self._said_generators or self.train_dataset is None or fuses(self.train_dataset):
+            return
+        workers = self._tuned if self._tuned is not None else None
+        if workers is None:
+            workers = self.worker_budget() if self.num_workers in ("auto", "tune") else int(self.num_workers)
+        if workers == 0 or self.resolved_engine(workers) != "threads":
+            return
+        self._said_generators = True
+        rank_zero_info(
+            f"FastImageDataModule: the training transform (or dataset) is your own, read on {workers} loader threads:"
+            " its torch random draws (torchvision transforms) are keyed per sample, the same in every run and after a"
+            " resume, but draws from Python's `random` or NumPy's global generator are not (the threads share them)."
+            " Draw from `lightning_fastdata.keyed_random.sample_rng()` instead, or pass `engine='processes'`, which"
+            " keys those too."
+        )
 
     def _open_splits(self) -> None:
         cache.record_use(self.database_path, self.cache_root)  # its last use, and that this process reads it
@@ -693,21 +811,41 @@ class FastImageDataModule(LightningDataModule):
         For CPU training the images are normalized ``float32`` (the loader threads normalize them); for CUDA training
         they are ``uint8`` NCHW (``channels_last`` memory), and when prefetching to the device they arrive on the GPU
         already normalized.
+
+        With ``drop_last=True``, a ``batch_size`` larger than this process's share of the training split (a batch size
+        finder's doubling, or a small dataset) would leave no batch to train on: it is clamped to that share, one
+        batch an epoch, with a warning (:meth:`clamp_batch_size`).
         """
         if self.train_dataset is None:
             self.setup("fit")
         assert self.train_dataset is not None
-        loader = self._loader(self.train_dataset, shuffle=True, drop_last=self.drop_last, train=True)
-        if self.drop_last and len(loader) == 0:
-            samples = len(self.train_dataset)  # type: ignore[arg-type]
-            replicas = self.trainer.distributed_sampler_kwargs if self.trainer is not None else None
-            per_process = f" ({math.ceil(samples / replicas['num_replicas'])} per process)" if replicas else ""
-            rank_zero_warn(
-                f"The training split has {samples} images{per_process}, fewer than `batch_size={self.batch_size}`, and"
-                " `drop_last=True` drops that one incomplete batch: there are no training batches. Lower"
-                " `batch_size`, or pass `drop_last=False`."
-            )
-        return loader
+        if self.drop_last:
+            self.clamp_batch_size()
+        return self._loader(self.train_dataset, shuffle=True, drop_last=self.drop_last, train=True)
+
+    def clamp_batch_size(self) -> int:
+        """Lower ``batch_size`` to this process's share of the training split when it is larger; returns it.
+
+        The DataModule's attribute and its saved ``batch_size`` both change, so Lightning's ``BatchSizeFinder`` (which
+        reads the saved value) stops there, and a checkpoint says what trained. Warns when it lowers it.
+        """
+        if self.train_dataset is None:
+            self.setup("fit")
+        samples = len(self.train_dataset)  # type: ignore[arg-type]
+        replicas = (getattr(self.trainer, "distributed_sampler_kwargs", None) or {}).get("num_replicas", 1)
+        share = max(1, math.ceil(samples / replicas))  # a DistributedSampler pads every rank to the same share
+        if self.batch_size <= share:
+            return self.batch_size
+        per_process = f" ({share} per process on {replicas})" if replicas > 1 else ""
+        rank_zero_warn(
+            f"`batch_size={self.batch_size}` is larger than the training split's {samples} images{per_process}, and"
+            f" `drop_last=True` would leave no batch to train on: batches hold {share} instead, one an epoch. Pass"
+            f" `batch_size` <= {share} (a batch size finder stops here by itself), or `drop_last=False`."
+        )
+        self.batch_size = share
+        if "batch_size" in self.hparams:
+            self.hparams["batch_size"] = share
+        return share
 
     @override
     def val_dataloader(self) -> DataLoader | list[DataLoader]:

@@ -10,17 +10,34 @@ SplitMix64's mixing function over those counters). So a sample is cropped and fl
 * under DDP, whatever the number of ranks;
 * by the fused batch path, the per-sample path (a dataset wrapping an ``LmdbImageDataset``) and ``decode="device"``.
 
-A transform of your own gets the same property from :func:`sample_rng`.
+A transform of your own (or a dataset of your own, read by the loaders) gets the same property:
+
+* **torch's random functions** (``torch.rand``, ``randint``, ``randperm``, ``Tensor.uniform_``..., so every random
+  torchvision v2 transform: ``RandAugment``, ``ColorJitter``, ``RandomResizedCrop``) draw, on CPU tensors and without
+  a ``generator`` of their own, from a generator seeded from the sample's key, on every engine. The generator is the
+  sample's own and is handed to them by a thread-local :class:`~torch.overrides.TorchFunctionMode`: loader threads
+  draw in parallel, and the training thread's draws (dropout, ``torch.randperm`` in a model) are not touched.
+* **Python's** :mod:`random` **and NumPy's global generator** are process-wide, so they can be keyed only where no
+  other thread reads samples at the same time: in a worker process (``engine="processes"``) and on the training
+  thread itself (``num_workers=0``). Each sample then draws from them seeded from its key, and their state is put back
+  afterwards. On loader threads they stay shared: draw from :func:`sample_rng` instead.
+* :func:`sample_rng` gives a NumPy generator keyed the same way, on every engine.
+
+The draws depend on the DataModule's ``seed`` (the loader's), the epoch and the sample, not on ``seed_everything``.
 """
 
 from __future__ import annotations
 
 import random
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 import numpy as np
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils.data import get_worker_info
 
 #: ``(seed, epoch)``: with a sample's index, all its random augmentation depends on
 AugmentKey = tuple[int, int]
@@ -75,11 +92,107 @@ class _Current(threading.local):
 _current = _Current()
 
 
+#: the draw numbers of a sample that seed its generators for torch, :mod:`random` and NumPy (no transform draws as
+#: many numbers from :func:`current_uniforms`)
+_GLOBAL_DRAWS = 1 << 40
+
+#: torch's functions and tensor methods that draw random numbers and take a ``generator``
+_TORCH_RANDOM = frozenset(
+    [getattr(torch, name) for name in ("rand", "randn", "randint", "randperm", "rand_like", "randn_like")]
+    + [getattr(torch, name) for name in ("randint_like", "multinomial", "bernoulli", "normal", "poisson")]
+    + [getattr(torch.Tensor, name) for name in ("uniform_", "normal_", "random_", "exponential_", "bernoulli_")]
+    + [getattr(torch.Tensor, name) for name in ("geometric_", "log_normal_", "cauchy_", "multinomial", "bernoulli")]
+)
+
+
+def _mix_int(z: int) -> int:
+    """:func:`_mix` on one Python integer (a few times faster than on a NumPy array of one)."""
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+    return z ^ (z >> 31)
+
+
+def _sample_seed(key: AugmentKey, sample: int, stream: int) -> int:
+    """A 53-bit seed for the sample's generator number ``stream`` (0: torch, 1: :mod:`random`, 2: NumPy).
+
+    :func:`keyed_uniforms`'s draw ``_GLOBAL_DRAWS + stream`` of the sample, as an integer, in plain Python.
+    """
+    seed, epoch = key
+    base = _mix_int(_mix_int(seed & _MASK) ^ (epoch & _MASK))
+    gamma = 0x9E3779B97F4A7C15
+    stream_base = _mix_int((base + (sample + 1) * gamma) & _MASK)
+    return _mix_int((stream_base + (_GLOBAL_DRAWS + stream + 1) * gamma) & _MASK) >> 11
+
+
+def _on_cpu(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether a random function's tensors and ``device`` are all on the CPU (the sample's generator is a CPU one)."""
+    device = kwargs.get("device")
+    if device is not None and torch.device(device).type != "cpu":
+        return False
+    return all(arg.device.type == "cpu" for arg in (*args, *kwargs.values()) if isinstance(arg, torch.Tensor))
+
+
+class _KeyedTorchRandom(TorchFunctionMode):
+    """Hands torch's random functions called on this thread the sample's generator, when they bring none.
+
+    Modes are thread-local: the other loader threads and the training thread draw as they would without it.
+    """
+
+    def __init__(self, key: AugmentKey, sample: int) -> None:
+        super().__init__()
+        self.key, self.sample = key, sample
+        self.generator: torch.Generator | None = None  # made at the first draw: a transform may draw nothing
+
+    def __torch_function__(
+        self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func in _TORCH_RANDOM and kwargs.get("generator") is None and _on_cpu(args, kwargs):
+            if self.generator is None:
+                self.generator = torch.Generator().manual_seed(_sample_seed(self.key, self.sample, 0))
+            kwargs = {**kwargs, "generator": self.generator}
+        return func(*args, **kwargs)
+
+
+@contextmanager
+def _keyed_process_generators(key: AugmentKey, sample: int) -> Iterator[None]:
+    """:mod:`random` and NumPy's global generator seeded from the sample's key within the block, then put back.
+
+    Only where no other thread reads samples at once: the main thread of its process (a worker process's, or the
+    training thread reading on its own with ``num_workers=0``), see :func:`keys_process_generators`.
+    """
+    if not keys_process_generators():
+        yield
+        return
+    # a worker process draws from them for its samples only: nothing to put back (saving NumPy's costs 60 us)
+    saved = None if get_worker_info() is not None else (random.getstate(), np.random.get_state())
+    random.seed(_sample_seed(key, sample, 1))
+    np.random.seed(_sample_seed(key, sample, 2) & 0xFFFFFFFF)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            random.setstate(saved[0])
+            np.random.set_state(saved[1])
+
+
+def keys_process_generators() -> bool:
+    """Whether samples read on this thread draw from :mod:`random` and NumPy's global generator by their key.
+
+    True on the main thread of a process (a worker process of ``engine="processes"``, or the training thread reading
+    batches itself, ``num_workers=0``); false on loader threads (``engine="threads"``), which share those generators
+    with each other and with the training thread.
+    """
+    return threading.current_thread() is threading.main_thread()
+
+
 @contextmanager
 def sample_key(key: AugmentKey | None, sample: int) -> Iterator[None]:
     """Within the block, transforms on this thread draw from ``(key, sample)`` (no-op when ``key`` is ``None``).
 
-    The loaders wrap each sample they read one by one (a dataset of your own around an ``LmdbImageDataset``) in it.
+    The loaders wrap each sample they read one by one (a transform or a dataset of your own) in it: the package's
+    transforms and :func:`sample_rng` draw from the key, and so do torch's random functions (on CPU tensors, without a
+    ``generator``), and :mod:`random` and NumPy's global generator where :func:`keys_process_generators`.
     """
     if key is None:
         yield
@@ -87,7 +200,8 @@ def sample_key(key: AugmentKey | None, sample: int) -> Iterator[None]:
     saved = (_current.key, _current.sample, _current.drawn)
     _current.key, _current.sample, _current.drawn = key, int(sample), 0
     try:
-        yield
+        with _KeyedTorchRandom(key, int(sample)), _keyed_process_generators(key, int(sample)):
+            yield
     finally:
         _current.key, _current.sample, _current.drawn = saved
 

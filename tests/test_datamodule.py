@@ -13,9 +13,13 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+import yaml
 from fakes import fake_trainer
-from lightning.pytorch import Trainer
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.tuner import Tuner
 from torch.utils.data import DataLoader
+from torchvision.transforms import v2
 
 from lightning_fastdata import FastImageDataModule, LmdbImageDataset, convert, make_image_folder
 from lightning_fastdata.transforms import IMAGENET_MEAN, IMAGENET_STD, CenterCropResize, RandomResizedCropFlip
@@ -450,6 +454,68 @@ def test_invalid_arguments_raise(kwargs: dict[str, Any], name: str) -> None:
         FastImageDataModule("some/where", **kwargs)
 
 
+class _SavingModule(LightningModule):
+    """A tiny model saving hyperparameters named as the DataModule's are: ``image_size``, ``batch_size``, ``mean``."""
+
+    def __init__(self, image_size: int = 16, batch_size: int = 4, mean: Any = IMAGENET_MEAN) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = _TinyNet()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(self.net(batch[0]), batch[1])
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _fit_with_csv_logger(database: Path, tmp_path: Path, model: LightningModule) -> tuple[dict[str, Any], list[str]]:
+    """Fit ``model`` one step with a real CSVLogger; the hyperparameters it wrote and the warnings of the run."""
+    dm = FastImageDataModule(str(database), image_size=16, batch_size=4, num_workers=0)
+    trainer = Trainer(
+        accelerator="cpu",
+        max_steps=1,
+        logger=CSVLogger(tmp_path, name="logs"),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model, datamodule=dm)
+    assert trainer.global_step == 1
+    hparams = yaml.safe_load((Path(trainer.logger.log_dir) / "hparams.yaml").read_text().replace("!!python/tuple", ""))
+    return hparams, [str(w.message) for w in caught if "FastImageDataModule `" in str(w.message)]
+
+
+def test_a_model_that_saved_the_same_values_fits_and_logs_each_once(database: Path, tmp_path: Path) -> None:
+    """A model that saved ``image_size`` and ``batch_size`` equal to the DataModule's: one entry each, no warning."""
+    hparams, said = _fit_with_csv_logger(database, tmp_path, _SavingModule(image_size=16, batch_size=4))
+    assert said == []
+    assert (hparams["image_size"], hparams["batch_size"], hparams["data_dir"]) == (16, 4, str(database))
+    assert not any(key.startswith("datamodule/") for key in hparams)
+
+
+def test_a_model_that_saved_other_values_fits_and_a_line_names_both(database: Path, tmp_path: Path) -> None:
+    """A model that saved ``batch_size=32`` and ``image_size=224`` beside the DataModule's 4 and 16: the fit runs (it
+    stopped with Lightning's "Error while merging hparams"), one line per name gives both values, both are logged,
+    and the checkpoint still rebuilds the DataModule with its own values; ``mean`` as a list is the same setting."""
+    model = _SavingModule(image_size=224, batch_size=32, mean=list(IMAGENET_MEAN))
+    hparams, said = _fit_with_csv_logger(database, tmp_path, model)
+    assert said == [
+        "The model saved `batch_size=32` and FastImageDataModule `batch_size=4` (which its loaders use): loggers get"
+        " the DataModule's as `datamodule/batch_size`. Pass the same value to both if they should agree.",
+        "The model saved `image_size=224` and FastImageDataModule `image_size=16` (which its loaders use): loggers get"
+        " the DataModule's as `datamodule/image_size`. Pass the same value to both if they should agree.",
+    ]
+    assert (hparams["batch_size"], hparams["datamodule/batch_size"]) == (32, 4)
+    assert (hparams["image_size"], hparams["datamodule/image_size"]) == (224, 16)
+    assert hparams["mean"] == hparams["datamodule/mean"] == list(IMAGENET_MEAN)
+    checkpoint = next((tmp_path / "logs").rglob("*.ckpt"))
+    restored = FastImageDataModule.load_from_checkpoint(checkpoint)
+    assert (restored.batch_size, restored.image_size, restored.data_dir) == (4, 16, str(database))
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Subclasses and training
 # ----------------------------------------------------------------------------------------------------------------
@@ -517,6 +583,85 @@ def test_jitter_subclass_batches_are_the_same_in_every_run(
         )[0]
 
     assert torch.equal(first_batch(), first_batch())
+
+
+class _TorchvisionAugmented(FastImageDataModule):
+    """Random torchvision v2 transforms of one's own after the built-in crop, all drawing from torch's generator."""
+
+    def train_transform(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        return v2.Compose([super().train_transform(), v2.ColorJitter(0.4, 0.4, 0.4, 0.1), v2.RandAugment()])
+
+
+def _epoch(loader: Any, stop: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Copies of the batches of one epoch of ``loader`` (its first ``stop``, when given)."""
+    batches = []
+    for images, labels in loader:
+        batches.append((images.clone(), labels.clone()))
+        if len(batches) == stop:
+            break
+    return batches
+
+
+def test_a_random_torchvision_transform_gives_the_same_batches_on_every_engine_and_after_a_resume(
+    database: Path,
+) -> None:
+    """``RandAugment`` and ``ColorJitter`` of one's own: the same batches in every run, whatever the global seed, on
+    loader threads, worker processes and the training thread, and an epoch resumed after 2 batches equals the whole
+    one (on threads they followed thread scheduling; everywhere a resume drew other numbers)."""
+
+    def loader(engine: str, workers: int) -> Any:
+        dm = _TorchvisionAugmented(
+            str(database), image_size=16, batch_size=4, val_fraction=0, num_workers=workers, engine=engine
+        )
+        dm.trainer = fake_trainer("cpu")
+        dm.setup("fit")
+        made = dm.train_dataloader()
+        made.sampler.set_epoch(1)
+        return made
+
+    reference = None
+    for run, (engine, workers) in enumerate([("threads", 2), ("threads", 2), ("processes", 2), ("threads", 0)]):
+        torch.manual_seed(run)  # the global generator's state does not matter
+        whole = _epoch(loader(engine, workers))
+        interrupted = loader(engine, workers)
+        head = _epoch(interrupted, stop=2)
+        resumed = loader(engine, workers)
+        resumed.load_state_dict(interrupted.state_dict())
+        reference = reference or whole
+        for batches in (whole, head + _epoch(resumed)):
+            assert len(batches) == 6
+            for (images, labels), (expected, expected_labels) in zip(batches, reference, strict=True):
+                torch.testing.assert_close(images, expected, rtol=0, atol=0, msg=f"{engine}, {workers} workers")
+                assert labels.tolist() == expected_labels.tolist()
+
+
+@pytest.mark.parametrize(
+    ("cls", "engine", "workers", "said"),
+    [
+        (_TorchvisionAugmented, "threads", 2, True),
+        (_TorchvisionAugmented, "processes", 2, False),
+        (_TorchvisionAugmented, "threads", 0, False),
+        (FastImageDataModule, "threads", 2, False),
+    ],
+)
+def test_setup_says_once_when_loader_threads_cannot_key_random_and_numpy(
+    database: Path, monkeypatch: pytest.MonkeyPatch, cls: type, engine: str, workers: int, said: bool
+) -> None:
+    """A transform of one's own on loader threads: setup says, once, that Python's and NumPy's global draws are not
+    keyed there and names the engine that keys them; nothing is said where they are keyed or nothing is one's own."""
+    infos: list[str] = []
+    monkeypatch.setattr("lightning_fastdata.datamodule.rank_zero_info", lambda message, *a, **k: infos.append(message))
+    dm = cls(str(database), image_size=16, batch_size=4, num_workers=workers, engine=engine)
+    dm.trainer = fake_trainer("cpu")
+    dm.setup("fit")
+    dm.setup("fit")
+    expected = [
+        "FastImageDataModule: the training transform (or dataset) is your own, read on 2 loader threads: its torch"
+        " random draws (torchvision transforms) are keyed per sample, the same in every run and after a resume, but"
+        " draws from Python's `random` or NumPy's global generator are not (the threads share them). Draw from"
+        " `lightning_fastdata.keyed_random.sample_rng()` instead, or pass `engine='processes'`, which keys those too."
+    ]
+    assert [i for i in infos if "your own" in i] == (expected if said else [])
 
 
 def _recording_classifier() -> Any:
@@ -690,19 +835,39 @@ def test_a_misspelled_predict_split_fails_at_setup_not_after_fit(split_root: Pat
         _dm(split_root, shared_cache, predict_split="tst")
 
 
-def test_a_training_split_smaller_than_a_batch_warns_that_nothing_trains(split_root: Path, shared_cache: Path) -> None:
-    """Fewer training images than ``batch_size`` with ``drop_last=True`` is no batch at all: a warning says so and
-    what to change; with ``drop_last=False`` the one short batch trains, silently."""
+def test_a_batch_larger_than_the_training_split_is_clamped_with_drop_last(split_root: Path, shared_cache: Path) -> None:
+    """Fewer training images than ``batch_size`` with ``drop_last=True``: one batch of the whole split trains (there was
+    none), a warning says so and what to change; with ``drop_last=False`` the one short batch trains, silently."""
     dm = _dm(split_root, shared_cache, batch_size=64)
-    with pytest.warns(UserWarning, match="no training batches") as record:
-        assert len(dm.train_dataloader()) == 0
+    with pytest.warns(UserWarning, match="larger than the training split") as record:
+        batches = list(dm.train_dataloader())
+    assert [len(labels) for _, labels in batches] == [SPLIT_TRAIN]
+    assert dm.batch_size == dm.hparams.batch_size == SPLIT_TRAIN
     assert [str(w.message) for w in record] == [
-        f"The training split has {SPLIT_TRAIN} images, fewer than `batch_size=64`, and `drop_last=True` drops that one"
-        " incomplete batch: there are no training batches. Lower `batch_size`, or pass `drop_last=False`."
+        f"`batch_size=64` is larger than the training split's {SPLIT_TRAIN} images, and `drop_last=True` would leave no"
+        f" batch to train on: batches hold {SPLIT_TRAIN} instead, one an epoch. Pass `batch_size` <= {SPLIT_TRAIN}"
+        " (a batch size finder stops here by itself), or `drop_last=False`."
     ]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert len(_dm(split_root, shared_cache, batch_size=64, drop_last=False).train_dataloader()) == 1
+        assert len(dm.train_dataloader()) == 1  # said once
+        keep = _dm(split_root, shared_cache, batch_size=64, drop_last=False)
+        assert len(keep.train_dataloader()) == 1
+        assert keep.batch_size == 64
+
+
+def test_batch_size_finder_stops_at_the_training_split(database: Path, tmp_path: Path) -> None:
+    """Lightning's batch size finder doubling past the 24 training images picks 24, and the fit then trains (it
+    picked 32, and with ``drop_last=True`` the fit trained on nothing)."""
+    dm = FastImageDataModule(str(database), image_size=16, batch_size=4, num_workers=0)
+    quiet = {"enable_checkpointing": False, "enable_progress_bar": False, "enable_model_summary": False}
+    trainer = Trainer(accelerator="cpu", max_epochs=1, logger=False, default_root_dir=tmp_path, **quiet)
+    model = _tiny_module()
+    with pytest.warns(UserWarning, match="`batch_size=32` is larger than the training split's 24 images"):
+        found = Tuner(trainer).scale_batch_size(model, datamodule=dm, mode="power", steps_per_trial=1, max_trials=8)
+    assert found == dm.batch_size == dm.hparams.batch_size == 24
+    trainer.fit(model, datamodule=dm)
+    assert trainer.global_step == 1
 
 
 def test_threaded_loaders_get_no_lightning_advice_to_add_worker_processes(

@@ -290,6 +290,55 @@ def test_a_custom_transform_takes_the_per_sample_path(database: Path) -> None:
     assert len(labels) == 4
 
 
+def _draws() -> list[Any]:
+    """One draw from each kind of random source a transform of one's own might use."""
+    return [
+        torch.rand(2),
+        torch.empty(3).uniform_(-1, 1),
+        torch.randperm(6),
+        torch.randint(0, 9, (3,)),
+        torch.multinomial(torch.ones(4), 2),
+        random.random(),
+        np.random.rand(),
+    ]
+
+
+def _same(a: list[Any], b: list[Any]) -> list[bool]:
+    return [torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y for x, y in zip(a, b, strict=True)]
+
+
+def test_sample_key_keys_torch_random_functions_on_every_thread_and_leaves_the_global_state() -> None:
+    """Within ``sample_key`` torch's random functions draw from the sample's key, on the main thread and on a loader
+    thread alike, and the global generator's state is as it was; ``random`` and NumPy's global generator are keyed
+    (and put back) on the main thread only; a ``generator`` passed in is kept."""
+    import threading
+
+    from lightning_fastdata.keyed_random import sample_key
+
+    def keyed(sample: int) -> list[Any]:
+        with sample_key((3, 1), sample):
+            return _draws()
+
+    torch.manual_seed(0)
+    random.seed(0)
+    before = (torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy())
+    on_main = keyed(5)
+    assert all(_same(keyed(5), on_main))
+    assert not any(_same(keyed(6), on_main)[:5])  # another sample, other torch draws
+    assert torch.equal(torch.get_rng_state(), before[0])
+    assert random.getstate() == before[1]
+    assert np.array_equal(np.random.get_state()[1], before[2])
+    on_thread: list[list[Any]] = []
+    thread = threading.Thread(target=lambda: on_thread.append(keyed(5)))
+    thread.start()
+    thread.join()
+    assert _same(on_thread[0], on_main)[:5] == [True] * 5  # torch: keyed on a loader thread too
+    assert torch.equal(torch.get_rng_state(), before[0])
+    with sample_key((3, 1), 5):
+        own = torch.rand(2, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(own, torch.rand(2, generator=torch.Generator().manual_seed(1)))
+
+
 def test_a_dataset_subclass_with_its_own_getitem_takes_the_per_sample_path(database: Path) -> None:
     """A ``build_dataset`` returning a subclass that overrides ``__getitem__`` is called, not bypassed."""
 

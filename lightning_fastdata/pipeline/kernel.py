@@ -51,6 +51,21 @@ def _split_view(dataset: Dataset) -> tuple[Dataset, np.ndarray | None]:
     return dataset, None
 
 
+def fuses(dataset: Dataset) -> bool:
+    """Whether :class:`BatchReader` builds ``dataset``'s batches on the fused path; else it reads sample by sample.
+
+    Fused: an :class:`~lightning_fastdata.LmdbImageDataset` (or a subset of one, or a subclass that keeps
+    ``__getitem__`` and ``decode``) of tensors, whose transform is one of the package's crop transforms, unchanged.
+    """
+    base, _ = _split_view(dataset)
+    return (
+        # a subclass that reads or decodes its own way keeps its way (the per-sample path calls it)
+        inherits(base, LmdbImageDataset, "__getitem__", "decode")
+        and base.output == "tensor"
+        and is_crop_transform(getattr(base, "transform", None))
+    )
+
+
 def _batch_as_is(batch: Any) -> Any:
     """The collate function of worker processes: :meth:`BatchReader.__getitems__` already returns a whole batch."""
     return batch
@@ -98,12 +113,7 @@ class BatchReader(Dataset):
         self.pin_memory = pin_memory
         self.base, self.indices = _split_view(dataset)
         transform = getattr(self.base, "transform", None)
-        self.fused = (
-            # a subclass that reads or decodes its own way keeps its way (the per-sample path calls it)
-            inherits(self.base, LmdbImageDataset, "__getitem__", "decode")
-            and self.base.output == "tensor"
-            and is_crop_transform(transform)
-        )
+        self.fused = fuses(dataset)
         if output == "encoded" and (
             not isinstance(self.base, LmdbImageDataset) or not callable(getattr(transform, "box", None))
         ):
@@ -184,7 +194,12 @@ class BatchReader(Dataset):
         return self._read_fused(indices, key)
 
     def _sample(self, index: int, key: AugmentKey | None) -> Any:
-        """One sample through the wrapped dataset, its transforms drawing from its key (the per-sample path)."""
+        """One sample through the wrapped dataset, its transforms drawing from its key (the per-sample path).
+
+        Within :func:`~lightning_fastdata.keyed_random.sample_key` torch's random functions (every random torchvision
+        v2 transform) draw from the sample's key on every engine, so a transform of one's own is reproducible and
+        resume-exact; so are :mod:`random` and NumPy's global generator, except on loader threads.
+        """
         with sample_key(key, index):
             return self.dataset[index]
 
