@@ -285,6 +285,7 @@ def _profile(args: argparse.Namespace) -> int:
                         "samples": p.samples,
                         "stages_ms": p.stages,
                         "conclusion": p.conclusion(),
+                        "skipped": [{"path": item.path, "reason": item.reason} for item in p.skipped],
                     }
                     for p in profiles
                 ],
