@@ -462,3 +462,72 @@ def test_fit_help_says_how_to_see_the_datamodules_arguments(tmp_path, monkeypatc
     out = capsys.readouterr().out
     assert "--data.data_dir DATA_DIR" in out
     assert "--data.cache_dir CACHE_DIR" in out
+
+
+def _refuse_mkdir_under(monkeypatch: pytest.MonkeyPatch, folder: Path) -> None:
+    """``os.mkdir`` of a folder in ``folder`` fails with EACCES, as in a read-only folder (which root could write)."""
+    import errno
+
+    mkdir = os.mkdir
+
+    def refuse(path, *args, **kwargs):
+        if Path(path).parent == folder:
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return mkdir(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "mkdir", refuse)
+
+
+def test_convert_under_a_read_only_parent_names_that_parent(split_folder, tmp_path, monkeypatch, capsys):
+    """``dst`` in a folder that does not exist, under a read-only one: the error names the read-only folder."""
+    parent = tmp_path / "ro"
+    parent.mkdir()
+    _refuse_mkdir_under(monkeypatch, parent)
+    dst = parent / "new" / "db.lmdb"
+    assert main(_convert_args(split_folder, dst)) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"error: `dst` {str(dst)!r} cannot be written: its folder {str(dst.parent)!r} does not exist and cannot be"
+        f" made in {str(parent)!r}, which is read-only (Permission denied). Convert into a writable folder, or"
+        " convert there first and make it read-only afterwards."
+    ]
+    assert sorted(parent.iterdir()) == []
+
+
+@pytest.mark.usefixtures("in_repo")
+def test_fit_with_a_cache_dir_under_a_read_only_parent_names_that_parent(split_folder, tmp_path, monkeypatch, capsys):
+    """``--data.cache_dir /ro/parent/cache`` with ``/ro/parent`` read-only: one line naming ``/ro/parent`` as
+    read-only and saying how to choose another cache (``--data.cache_dir``, ``LIGHTNING_FASTDATA_CACHE``)."""
+    parent = tmp_path / "parent"
+    parent.mkdir()
+    _refuse_mkdir_under(monkeypatch, parent)
+    cache = parent / "cache"
+    args = ["--data.data_dir", str(split_folder), "--data.cache_dir", str(cache), "--trainer.logger", "false"]
+    args += ["--trainer.enable_checkpointing", "false", "--trainer.default_root_dir", str(tmp_path / "out")]
+    assert main(["fit", "--config", "examples/configs/cpu.yaml", *args]) == 2
+    assert _error_line(capsys.readouterr().err) == (
+        f"error: `cache_dir` {str(cache)!r} does not exist and cannot be made in {str(parent)!r}, which is read-only,"
+        f" so `data_dir` {str(split_folder)!r} cannot be converted into it (Permission denied). Pass `cache_dir=` a"
+        " writable folder (`--data.cache_dir` on the command line) or set LIGHTNING_FASTDATA_CACHE to one, or convert"
+        " once where it is writable (`lightning-fastdata convert`) and pass the database as `data_dir`."
+    )
+
+
+def test_a_cache_dir_under_a_read_only_file_system_names_the_read_only_folder(split_folder, tmp_path, read_only_python):
+    """On a really read-only file system (a read-only bind mount): the cache's read-only parent is named."""
+    parent = tmp_path / "parent"
+    parent.mkdir()
+    cache = parent / "cache"
+    code = (
+        "import sys\nfrom lightning_fastdata import FastImageDataModule, ReadOnlyDestinationError\n"
+        "try:\n    FastImageDataModule(sys.argv[1], cache_dir=sys.argv[2]).prepare_data()\n"
+        "except ReadOnlyDestinationError as err:\n    print(err.folder)\n    print(err)\n"
+    )
+    proc = read_only_python([parent], code, str(split_folder), str(cache))
+    assert proc.returncode == 0, proc.stderr
+    folder, message = proc.stdout.strip().splitlines()
+    assert folder == str(parent)
+    assert message.startswith(
+        f"`cache_dir` {str(cache)!r} does not exist and cannot be made in {str(parent)!r}, which is read-only, so"
+        f" `data_dir` {str(split_folder)!r} cannot be converted into it (Read-only file system). Pass `cache_dir=`"
+    )
+    assert sorted(parent.iterdir()) == []
