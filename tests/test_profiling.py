@@ -152,12 +152,10 @@ def test_format_table_has_a_row_per_stage_and_a_total():
 
 
 def test_profile_folder_and_database(folder, database):
-    """``profile(folder, database=db)`` profiles both, folder first; the folder costs several times more."""
+    """``profile(folder, database=db)`` profiles both, folder first (which costs less is for benchmarks to say)."""
     folder_profile, database_profile = profile(folder, database=database, samples=80, batch_size=16, device="cpu")
     _check_profile(folder_profile, "folder", folder, FOLDER_STAGES, 80)
     _check_profile(database_profile, "database", database, DATABASE_STAGES, 80)
-    ratio = folder_profile.total_ms / database_profile.total_ms
-    assert ratio > 1.5, (folder_profile.format_table(), database_profile.format_table())
 
 
 def test_profile_database_finds_its_source_folder(folder, database):
