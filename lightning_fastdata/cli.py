@@ -29,6 +29,13 @@ if TYPE_CHECKING:
 LIGHTNING_COMMANDS = ("fit", "validate", "test", "predict")
 #: The command's name in usage lines and messages, however it was started.
 PROG = "lightning-fastdata"
+#: The end of ``fit --help`` (and validate, test, predict): in subclass mode, LightningCLI lists only ``--data`` itself.
+DATA_HELP = (
+    "The DataModule's arguments (data_dir, batch_size, num_workers, cache_dir, ...) are not listed above: `{prog}"
+    " {command} --data.help FastImageDataModule` lists them (or `--data.help my_data.MyDataModule` for a subclass),"
+    " and `--model.help CLASS_PATH` a model's. Set them as `--data.data_dir DIR` or under `data: init_args:` in a"
+    " config."
+).replace("{prog}", PROG)
 # `COMMAND --help` is rendered at most this wide, as click does by default: one cached text then serves every terminal
 # at least this wide, and `make` can cache it ahead, where there is no terminal (80 columns)
 HELP_COLUMNS = 80
@@ -91,7 +98,8 @@ def _add_convert(sub: argparse._SubParsersAction) -> None:
 def _add_lightning(sub: argparse._SubParsersAction) -> None:
     """List LightningCLI's sub-commands (they are parsed by LightningCLI, never by this parser)."""
     helps = {
-        "fit": "train a LightningModule on a FastImageDataModule with LightningCLI (`fit --help` lists every option)",
+        "fit": "train a LightningModule on a FastImageDataModule with LightningCLI (`fit --help` lists every option;"
+        " `fit --data.help FastImageDataModule` the DataModule's)",
         "validate": "run the validation loop with LightningCLI",
         "test": "run the test loop on the test split with LightningCLI",
         "predict": "predict with LightningCLI; the lightning_fastdata.PredictionWriter callback writes the predictions"
@@ -313,6 +321,7 @@ def _profile(args: argparse.Namespace) -> int:
                         "samples": p.samples,
                         "stages_ms": p.stages,
                         "conclusion": p.conclusion(),
+                        "skipped": [{"path": item.path, "reason": item.reason} for item in p.skipped],
                     }
                     for p in profiles
                 ],
@@ -370,10 +379,14 @@ def lightning_cli(args: Sequence[str] | None, run: bool = True, **kwargs: Any) -
 
     from lightning_fastdata import presets  # noqa: F401 - registers the `ddp_fastdata` strategies for the configs
     from lightning_fastdata.datamodule import FastImageDataModule
+    from lightning_fastdata.monitor import LoaderMonitor  # noqa: F401 - a Callback jsonargparse then knows by name
 
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     kwargs.setdefault("save_config_kwargs", {"overwrite": True})
+    parser_kwargs = kwargs["parser_kwargs"] = dict(kwargs.get("parser_kwargs") or {})
+    for command in LIGHTNING_COMMANDS:  # each command's --help ends saying how to see the DataModule's options
+        parser_kwargs[command] = {"epilog": DATA_HELP.format(command=command), **parser_kwargs.get(command, {})}
     return LightningCLI(
         LightningModule,
         FastImageDataModule,
@@ -457,7 +470,7 @@ def _rejected_value(message: str) -> str | None:
     union member's error (``- Expected a <class 'NoneType'>`` among them) and ends each level with the given value.
     """
     keys: list[str] = []
-    class_path = None
+    class_path, class_reason = None, None  # the class given, and the first reason given for it
     expected: list[tuple[int, str, str | None]] = []  # (indent, type, value)
     given, reasons = None, []
     for raw in message.splitlines():
@@ -466,7 +479,7 @@ def _rejected_value(message: str) -> str | None:
             keys += ["init_args", found[1]] if class_path and keys else [found[1]]
             class_path = None
         elif (found := re.fullmatch(r"Problem with given class_path '([^']+)':", text)) is not None:
-            class_path = found[1]
+            class_path, class_reason = found[1], None
         elif (found := re.fullmatch(r"Expected a (.+?)(?:\. Got value: (.*))?", text)) is not None:
             if found[1] != "<class 'NoneType'>" and not found[1].startswith("path but "):
                 expected.append((len(raw) - len(raw.lstrip()), found[1], found[2]))
@@ -474,25 +487,44 @@ def _rejected_value(message: str) -> str | None:
             given = given if given is not None else text.removeprefix("Given value: ")
         elif text and not text.startswith(("Does not validate against", "Subtypes:", "Errors:", "Given value type:")):
             reasons.append(text)
+            # a list's member (`trainer.callbacks`) goes on with the forms a subclass may take: not the reason
+            class_reason = text if class_path is not None and class_reason is None else class_reason
     if not keys:
         return None
     key = ".".join(keys)
     if expected:
         deepest = max(indent for indent, _, _ in expected)
-        types = [_type_name(hint) for indent, hint, _ in expected if indent == deepest]
+        types = list(dict.fromkeys(_type_name(hint) for indent, hint, _ in expected if indent == deepest))
         value = next((got for indent, _, got in expected if indent == deepest and got is not None), given)
+        short = re.fullmatch(r"a dot import path string: (\w+)", types[0])
+        if short is not None:  # `--trainer.callbacks+=LoaderMonitr`: a class name that no imported class has
+            return f"`{key}`: {short[1]!r} is not a class jsonargparse knows{_class_hint(short[1])}"
         return f"`{key}`: expected {' or '.join(types)}" + (f", got {value!r}" if value is not None else "")
     if not reasons:
         return None
     if class_path is None:
         return f"`{key}`: {reasons[-1]}"
-    hint = ""
-    missing = re.fullmatch(r"module '([\w.]+)' has no attribute '(\w+)'", reasons[-1])
+    hint, reason = "", class_reason or reasons[-1]
+    missing = re.fullmatch(r"module '([\w.]+)' has no attribute '(\w+)'", reason)
     if missing is not None and missing[1] in sys.modules:  # a misspelled class of a module that imports
-        names = [name for name, obj in vars(sys.modules[missing[1]]).items() if isinstance(obj, type)]
+        # dir(): a package's lazily imported names too (`lightning_fastdata.LoaderMonitor`)
+        names = [name for name in dir(sys.modules[missing[1]]) if name[:1].isupper()]
         close = difflib.get_close_matches(missing[2], names, n=1, cutoff=0.6)
         hint = f"; did you mean `{missing[1]}.{close[0]}`?" if close else ""
-    return f"`{key}.class_path` {class_path!r}: {reasons[-1]}{hint}"
+    return f"`{key}.class_path` {class_path!r}: {reason}{hint}"
+
+
+def _class_hint(name: str) -> str:
+    """A hint for a class name that no imported class has: the nearest class of this package or Lightning's callbacks.
+
+    ``; did you mean `lightning_fastdata.LoaderMonitor`?``, else ``. Give the class path: `module.Class`.``.
+    """
+    for module in ("lightning_fastdata", "lightning.pytorch.callbacks"):
+        names = [n for n in dir(sys.modules[module]) if n[:1].isupper()] if module in sys.modules else []
+        close = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
+        if close:
+            return f"; did you mean `{module}.{close[0]}`?"
+    return ". Give the class path: `module.Class`."
 
 
 def _type_name(hint: str) -> str:
@@ -679,6 +711,22 @@ def _lightning(argv: list[str], from_console: bool) -> int:
     return 0
 
 
+def _unrecognized(parser: argparse.ArgumentParser, command: str, unknown: list[str]) -> NoReturn:
+    """Exit 2 as argparse does for ``unknown`` arguments of ``command``, naming the nearest option of a misspelled one.
+
+    ``convert --short-size 128``: ``unrecognized arguments: --short-size 128; did you mean --short-side?``.
+    """
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+    message = f"unrecognized arguments: {' '.join(unknown)}"
+    options = [opt for action in sub._actions for opt in action.option_strings if opt.startswith("--")]
+    for token in unknown:
+        close = difflib.get_close_matches(token.split("=", 1)[0], options, n=1, cutoff=0.6)
+        if token.startswith("--") and close:
+            message += f"; did you mean {close[0]}?"
+            break
+    sub.error(message)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``lightning-fastdata`` console script."""
     from_console = argv is None
@@ -686,7 +734,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv and argv[0] in LIGHTNING_COMMANDS:
         return _lightning(argv, from_console)
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        _unrecognized(parser, args.command, unknown)
     if args.command == "convert" and args.clean is None and args.dst is None:
         parser.error("convert: the following arguments are required: SRC and DST (or --clean DIR)")
     logging.basicConfig(level=logging.INFO, format="%(message)s")

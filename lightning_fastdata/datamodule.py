@@ -22,7 +22,6 @@ from typing_extensions import override
 
 from lightning_fastdata import cpus
 from lightning_fastdata.errors import (
-    DestinationError,
     InvalidArgumentError,
     MissingSplitError,
     ReadOnlyDestinationError,
@@ -445,18 +444,33 @@ class FastImageDataModule(LightningDataModule):
         if self.num_workers == "tune":  # measured here, on one process per node, so the ranks read the cache
             self._tune_num_workers()
 
-    def _read_only_cache_error(self, err: DestinationError) -> ReadOnlyDestinationError:
-        """Name the setting that chose the read-only folder: ``cache_dir``, or ``$LIGHTNING_FASTDATA_CACHE``."""
+    def _read_only_cache_error(self, err: ReadOnlyDestinationError) -> ReadOnlyDestinationError:
+        """The error naming the setting that chose the cache folder, and the folder that is read-only.
+
+        The setting: ``cache_dir`` or ``$LIGHTNING_FASTDATA_CACHE``. The folder: the cache folder, or, when it does not
+        exist yet, the parent it cannot be made in.
+        """
         if self.cache_dir:
             setting = f"`cache_dir` {self.cache_dir!r}"
         elif os.environ.get("LIGHTNING_FASTDATA_CACHE"):
             setting = f"`LIGHTNING_FASTDATA_CACHE` {os.environ['LIGHTNING_FASTDATA_CACHE']!r}"
         else:
             setting = f"the default cache folder {str(self.cache_root)!r}"
-        return ReadOnlyDestinationError(
-            f"{setting} is read-only, so `data_dir` {self.data_dir!r} cannot be converted into it ({err}). Pass"
-            " `cache_dir=` a writable folder (or set LIGHTNING_FASTDATA_CACHE), or convert once where it is writable."
+        reason = f" ({err.reason})" if err.reason else ""
+        folder = Path(err.folder) if err.folder else self.cache_root
+        if folder == self.cache_root:
+            where = f"{setting} is read-only"
+        elif folder in self.cache_root.parents:  # not there yet: the folder it would be made in is the read-only one
+            where = f"{setting} does not exist and cannot be made in {str(folder)!r}, which is read-only"
+        else:
+            where = f"{setting} cannot be written: {str(folder)!r} is read-only"
+        error = ReadOnlyDestinationError(
+            f"{where}, so `data_dir` {self.data_dir!r} cannot be converted into it{reason}. Pass `cache_dir=` a"
+            " writable folder (`--data.cache_dir` on the command line) or set LIGHTNING_FASTDATA_CACHE to one, or"
+            " convert once where it is writable (`lightning-fastdata convert`) and pass the database as `data_dir`."
         )
+        error.folder, error.reason = str(folder), err.reason
+        return error
 
     @override
     def setup(self, stage: str) -> None:

@@ -44,4 +44,12 @@ class DestinationError(ConversionError, ValueError):
 
 
 class ReadOnlyDestinationError(DestinationError):
-    """The folder a conversion would write into is read-only (``FastImageDataModule`` names its ``cache_dir``)."""
+    """The folder a conversion would write into is read-only (``FastImageDataModule`` names its ``cache_dir``).
+
+    ``folder`` is the read-only folder itself: the destination's folder, or, where that does not exist yet, the
+    nearest of its parents that does (``/ro`` for a ``dst`` of ``/ro/new/db.lmdb``); ``None`` where not known.
+    ``reason`` is the system's word for it (``Read-only file system``), when there is one.
+    """
+
+    folder: str | None = None
+    reason: str | None = None

@@ -4,14 +4,22 @@ Measured in this process, one thread, stage by stage on the same samples, for an
 ``ImageFolder`` with the standard transforms) and for a database made by ``lightning-fastdata convert`` (the batch
 path ``FastImageDataModule`` trains with: :class:`~lightning_fastdata.pipeline.kernel.BatchReader`'s stages, one at a
 time).
+
+Profiling reads a folder as a training run would, and a folder may hold files that are not images (an empty file, a
+truncated JPEG): those are skipped and listed (:attr:`PipelineProfile.skipped`), as ``lightning-fastdata convert``
+skips and lists them, and other files are timed in their place. A database is profiled from its records alone; its
+source folder (from its metadata) is profiled beside it only when it is still there and can be read.
 """
 
 from __future__ import annotations
 
+import io
+import itertools
+import logging
 import os
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,9 +28,17 @@ import numpy as np
 import torch
 from torch.utils.data import default_collate
 
+from lightning_fastdata.errors import FastDataError, SourceLayoutError
 from lightning_fastdata.store import format as _format
 from lightning_fastdata.store.reader import LmdbImageDataset
+from lightning_fastdata.store.summary import SkippedFile
 from lightning_fastdata.transforms import IMAGENET_MEAN, IMAGENET_STD, RandomResizedCropFlip, crop_resize_into
+
+log = logging.getLogger(__name__)
+
+#: skipped files listed by :meth:`PipelineProfile.format_table` (all of them are in :attr:`PipelineProfile.skipped`)
+MAX_LISTED = 20
+_END = object()
 
 
 @dataclass
@@ -35,6 +51,8 @@ class PipelineProfile:
     samples: int = 0
     #: milliseconds per sample of the loader's own ``read_batch`` on the same samples, every stage at once (databases)
     batch_path_ms: float | None = None
+    #: files met while sampling that cannot be read as images (a folder's), left out of the timings
+    skipped: list[SkippedFile] = field(default_factory=list)
 
     @property
     def total_ms(self) -> float:
@@ -88,6 +106,11 @@ class PipelineProfile:
         lines.append(f"| total | {self.total_ms:.3f} | 100% |")
         if self.batch_path_ms is not None:
             lines.append(f"the loader's read_batch, every stage at once: {self.batch_path_ms:.3f} ms / sample")
+        if self.skipped:
+            lines.append(f"skipped {len(self.skipped)} file(s) that cannot be read as images (not timed):")
+            lines += [f"  skipped {item.path}: {item.reason}" for item in self.skipped[:MAX_LISTED]]
+            if len(self.skipped) > MAX_LISTED:
+                lines.append(f"  ... and {len(self.skipped) - MAX_LISTED} more")
         return "\n".join(lines)
 
 
@@ -104,6 +127,24 @@ class _StageClock:
         return out
 
 
+class _BadFile(Exception):
+    """A sampled file that cannot be read as an image: it is skipped, listed, and its time left out."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        super().__init__(f"{path}: {reason}")
+        self.skipped = SkippedFile(path, reason)
+
+
+def _sample_order(n: int, k: int, seed: int) -> Iterator[int]:
+    """``k`` indices of ``range(n)`` drawn at random, then, for those a caller skips, the others in random order."""
+    rng = random.Random(seed)
+    drawn = rng.sample(range(n), min(k, n))
+    yield from drawn
+    rest = sorted(set(range(n)).difference(drawn))
+    rng.shuffle(rest)
+    yield from rest
+
+
 def _device(device: str | torch.device | None) -> torch.device:
     """The training device profiled: as given, else CUDA when there is one."""
     if device is not None:
@@ -112,13 +153,40 @@ def _device(device: str | torch.device | None) -> torch.device:
 
 
 def _profile_samples(
-    items: list[Any], stages: list[tuple[str, Callable[[Any], Any]]], batch_size: int, device: torch.device
-) -> dict[str, float]:
-    """Per-sample milliseconds of each stage, then of collation and, on CUDA, the copy to the device."""
-    value = items[0]  # warm-up: first-call costs (opening files, lazy imports) are not per-sample costs
-    for _, fn in stages:
-        value = fn(value)
+    items: Iterable[Any],
+    count: int,
+    stages: list[tuple[str, Callable[[Any], Any]]],
+    batch_size: int,
+    device: torch.device,
+    skipped: list[SkippedFile],
+) -> tuple[dict[str, float], int]:
+    """Per-sample milliseconds of each stage, then of collation and, on CUDA, the copy to the device.
+
+    Takes ``items`` until ``count`` went through every stage; one a stage rejects (:class:`_BadFile`) is added to
+    ``skipped`` and its time is left out. Returns the stages' times and the number of samples timed.
+    """
+    items = iter(items)
+
+    def through(item: Any, clock: _StageClock | None) -> Any:
+        """``item`` through every stage: timed into ``clock`` if the item is good, else :class:`_BadFile`."""
+        trial = _StageClock()
+        for stage, fn in stages:
+            item = trial.run(stage, fn, item)
+        if clock is not None:
+            for stage, ms in trial.ms.items():
+                clock.ms[stage] = clock.ms.get(stage, 0.0) + ms
+        return item
+
+    for item in items:  # warm-up: first-call costs (opening files, lazy imports) are not per-sample costs
+        try:
+            through(item, None)
+        except _BadFile as bad:
+            skipped.append(bad.skipped)
+            continue
+        items = itertools.chain([item], items)  # then timed as well
+        break
     clock = _StageClock()
+    timed = 0
 
     def finish(pending: list[Any]) -> None:  # every batch, the last partial one too: its samples count in the mean
         batch = clock.run("collate", default_collate, pending)
@@ -126,16 +194,22 @@ def _profile_samples(
             clock.run("to_device", lambda x: _synchronized(x.pin_memory().to(device, non_blocking=True)), batch[0])
 
     pending: list[Any] = []
-    for item in items:
-        for stage, fn in stages:
-            item = clock.run(stage, fn, item)
-        pending.append(item)
+    while timed < count:  # drawing no item beyond those needed
+        item = next(items, _END)
+        if item is _END:
+            break
+        try:
+            pending.append(through(item, clock))
+        except _BadFile as bad:
+            skipped.append(bad.skipped)
+            continue
+        timed += 1
         if len(pending) == batch_size:
             finish(pending)
             pending = []
     if pending:
         finish(pending)
-    return {stage: ms / len(items) for stage, ms in clock.ms.items()}
+    return {stage: ms / timed for stage, ms in clock.ms.items()} if timed else {}, timed
 
 
 def _normalize_into(normalizer: Any, images: np.ndarray, out: np.ndarray) -> None:
@@ -162,15 +236,20 @@ def profile_folder(
     """Profile torchvision ``ImageFolder`` with RandomResizedCrop, flip, ToTensor and Normalize.
 
     Stages: read, decode, transforms, collate, and on CUDA (``device``; default: CUDA when there is one) the pinned
-    copy to the device.
+    copy to the device. A file that cannot be read as an image (empty, truncated, not an image) is skipped, listed
+    in :attr:`PipelineProfile.skipped`, and another file is timed in its place.
+
+    Raises:
+        SourceLayoutError: ``root`` is not an image folder, or none of its files can be read as an image.
+
     """
+    from PIL import Image
     from torchvision import transforms
 
-    from lightning_fastdata.store.sources import image_folder, open_image_file, train_folder
+    from lightning_fastdata.store.sources import image_folder, train_folder
 
     train = train_folder(root)
     dataset = image_folder(train)
-    indices = random.Random(seed).sample(range(len(dataset)), min(samples, len(dataset)))
     augment = transforms.Compose(
         [
             transforms.RandomResizedCrop(image_size),
@@ -182,16 +261,31 @@ def profile_folder(
 
     def read(index: int) -> tuple[bytes, int, int]:
         path, label = dataset.samples[index]
-        with open(path, "rb") as fh:
-            return fh.read(), label, index
+        try:
+            with open(path, "rb") as fh:
+                return fh.read(), label, index
+        except OSError as err:
+            raise _BadFile(path, f"cannot read file: {err.strerror or err}") from None
 
-    stages = [
-        ("read", read),
-        ("decode", lambda read: (open_image_file(dataset.samples[read[2]][0], read[0]), read[1])),
-        ("transforms", lambda pair: (augment(pair[0]), pair[1])),
-    ]
-    stages_ms = _profile_samples(indices, stages, batch_size, _device(device))
-    return PipelineProfile("folder", str(train), stages_ms, len(indices))
+    def decode(read: tuple[bytes, int, int]) -> tuple[Image.Image, int]:
+        data, label, index = read
+        if not data:
+            raise _BadFile(dataset.samples[index][0], "empty file (0 bytes)")
+        try:  # as ImageFolder's loader, whose errors would end the profile
+            return Image.open(io.BytesIO(data)).convert("RGB"), label
+        except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
+            raise _BadFile(dataset.samples[index][0], f"not a readable image: {type(err).__name__}: {err}") from None
+
+    stages = [("read", read), ("decode", decode), ("transforms", lambda pair: (augment(pair[0]), pair[1]))]
+    skipped: list[SkippedFile] = []
+    order = _sample_order(len(dataset), samples, seed)
+    stages_ms, timed = _profile_samples(order, samples, stages, batch_size, _device(device), skipped)
+    if not timed:
+        raise SourceLayoutError(
+            f"none of the {len(skipped)} image files of {str(train)!r} can be read as an image (first:"
+            f" {skipped[0].path}: {skipped[0].reason}). Fix the files, or pass another folder."
+        )
+    return PipelineProfile("folder", str(train), stages_ms, timed, skipped=skipped)
 
 
 def profile_database(
@@ -277,7 +371,10 @@ def profile(
     """Profile ``data`` (a folder or a database) and, when it exists, its counterpart, for training on ``device``.
 
     The counterpart of a database is its source folder (from its metadata); of a folder, ``database`` if given, else
-    the conversion ``FastImageDataModule`` would use (under the default cache directory).
+    the conversion ``FastImageDataModule`` would use (under the default cache directory). A database is profiled
+    from its records alone: its source folder, when it is gone, moved, or not an image folder any more, is left out
+    (with a logged warning) and never fails the database's profile. Files of a folder that cannot be read as images
+    are skipped and listed in the folder's :attr:`PipelineProfile.skipped`.
     """
     path = Path(data).expanduser()
     if not path.exists():
@@ -292,7 +389,10 @@ def profile(
             profiles = [profile_database(path, samples, batch_size, image_size, device=device)]
             source = _format.read_meta(path).get("source", {}).get("path")
             if source and Path(source).is_dir():
-                profiles.insert(0, profile_folder(source, samples, batch_size, image_size, device=device))
+                try:  # only a comparison: the database's profile stands without it
+                    profiles.insert(0, profile_folder(source, samples, batch_size, image_size, device=device))
+                except (FastDataError, OSError) as err:
+                    log.warning("profile: the source folder %s is left out: %s", source, err)
             return profiles
         if database is not None and not Path(database).expanduser().exists():
             raise FileNotFoundError(

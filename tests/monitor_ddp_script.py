@@ -21,14 +21,14 @@ from lightning_fastdata import LoaderMonitor
 
 
 class _RankSlowDataset(Dataset):
-    """16 items; loading one takes 10 ms on rank 1 only (``num_workers=0``: ``__getitem__`` runs in the rank)."""
+    """16 items; loading one takes 30 ms on rank 1 only (``num_workers=0``: ``__getitem__`` runs in the rank)."""
 
     def __len__(self) -> int:
         return 16
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         if dist.get_rank() == 1:
-            time.sleep(0.01)
+            time.sleep(0.03)
         return torch.full((4,), float(index)), torch.tensor(0.0)
 
 

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import ast
+import logging
 import os
 import re
 import subprocess
@@ -350,3 +351,183 @@ def test_fit_help_cache_is_keyed_by_the_subpackages_too(tmp_path, monkeypatch):
     finally:
         os.utime(source, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     assert cli._help_cache("fit") == before
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (
+            ["convert", "src", "dst", "--short-size", "128"],
+            "unrecognized arguments: --short-size 128; did you mean --short-side?",
+        ),
+        (
+            ["convert", "src", "dst", "--short-size=128"],
+            "unrecognized arguments: --short-size=128; did you mean --short-side?",
+        ),
+        (["profile", "data", "--sampels", "4"], "unrecognized arguments: --sampels 4; did you mean --samples?"),
+        (["convert", "src", "dst", "--zzz"], "unrecognized arguments: --zzz"),
+    ],
+)
+def test_a_misspelled_option_of_our_commands_names_the_nearest(argv, expected, capsys):
+    """``convert --short-size``: exit 2 with the command's usage and "did you mean --short-side?"."""
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"usage: lightning-fastdata {argv[0]} ")
+    assert err.strip().splitlines()[-1] == f"lightning-fastdata {argv[0]}: error: {expected}"
+
+
+@pytest.fixture
+def in_repo(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run from the repository root, so the example configs' `examples.*` class paths import."""
+    monkeypatch.chdir(ROOT)
+    monkeypatch.syspath_prepend(str(ROOT))
+    monkeypatch.setattr(sys, "argv", ["lightning-fastdata"])  # pytest's own arguments are not the CLI's
+    # log handlers made during an earlier test (`main`'s logging.basicConfig, Lightning's own on first import) write
+    # to that test's captured stderr, closed since: this test's instead
+    loggers = [
+        logging.getLogger(),
+        *(v for v in logging.Logger.manager.loggerDict.values() if isinstance(v, logging.Logger)),
+    ]
+    for handler in (h for logger in loggers for h in logger.handlers if isinstance(h, logging.StreamHandler)):
+        if getattr(handler.stream, "closed", False):
+            monkeypatch.setattr(handler, "stream", sys.stderr)
+
+
+def _error_line(err: str) -> str:
+    """The single ``error:`` line of stderr; no traceback, no usage dump."""
+    assert "Traceback" not in err, err
+    assert "usage:" not in err, err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, err
+    return errors[0]
+
+
+@pytest.mark.usefixtures("in_repo")
+def test_a_misspelled_callback_class_path_names_the_nearest_class(tmp_path, capsys):
+    """``lightning_fastdata.LoaderMonitr`` in ``--trainer.callbacks`` or a config's list, or ``LoaderMonitr`` alone:
+    one ``error:`` line with "did you mean `lightning_fastdata.LoaderMonitor`?", exit 2."""
+    config = tmp_path / "callbacks.yaml"
+    config.write_text("trainer:\n  callbacks:\n    - class_path: lightning_fastdata.LoaderMonitr\n")
+    typo = "'lightning_fastdata.LoaderMonitr': module 'lightning_fastdata' has no attribute 'LoaderMonitr'"
+    hint = "; did you mean `lightning_fastdata.LoaderMonitor`?"
+    cases = [
+        (["--trainer.callbacks+=lightning_fastdata.LoaderMonitr"], f"`trainer.callbacks.class_path` {typo}{hint}"),
+        (["--config", str(config)], f"`trainer.callbacks.class_path` {typo}{hint}"),
+        (
+            ["--trainer.callbacks+=LoaderMonitr"],
+            f"`trainer.callbacks`: 'LoaderMonitr' is not a class jsonargparse knows{hint}",
+        ),
+        (
+            ["--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpont"],
+            "`trainer.callbacks.class_path` 'lightning.pytorch.callbacks.ModelCheckpont': module"
+            " 'lightning.pytorch.callbacks' has no attribute 'ModelCheckpont'; did you mean"
+            " `lightning.pytorch.callbacks.ModelCheckpoint`?",
+        ),
+    ]
+    for extra, expected in cases:
+        assert main(["fit", "--config", "examples/configs/cpu.yaml", *extra]) == 2
+        assert _error_line(capsys.readouterr().err) == f"error: {expected}"
+
+
+@pytest.mark.usefixtures("in_repo")
+def test_the_monitor_is_a_callback_known_by_its_name(monkeypatch):
+    """``--trainer.callbacks+=LoaderMonitor`` (no module) parses to ``lightning_fastdata.LoaderMonitor``."""
+    from lightning.pytorch.cli import LightningCLI
+
+    from lightning_fastdata.cli import lightning_cli
+
+    monkeypatch.setattr(LightningCLI, "instantiate_classes", lambda self: None)
+    config = lightning_cli(["--config", "examples/configs/cpu.yaml", "--trainer.callbacks+=LoaderMonitor"], run=False)
+    assert [c.class_path for c in config.config.trainer.callbacks] == ["lightning_fastdata.LoaderMonitor"]
+
+
+def test_fit_help_says_how_to_see_the_datamodules_arguments(tmp_path, monkeypatch, capsys):
+    """``fit --help`` ends saying that ``fit --data.help FastImageDataModule`` lists the DataModule's arguments,
+    and that command lists them."""
+    monkeypatch.setenv("LIGHTNING_FASTDATA_CACHE", str(tmp_path))
+    monkeypatch.setattr(sys, "argv", ["lightning-fastdata"])
+    with pytest.raises(SystemExit) as info:
+        main(["fit", "--help"])
+    assert info.value.code == 0
+    tail = " ".join(capsys.readouterr().out.split()[-80:])  # the epilog, unwrapped
+    assert (
+        "The DataModule's arguments (data_dir, batch_size, num_workers, cache_dir, ...) are not listed above:" in tail
+    )
+    assert "`lightning-fastdata fit --data.help FastImageDataModule` lists them" in tail
+    with pytest.raises(SystemExit) as info:
+        main(["fit", "--data.help", "FastImageDataModule"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert "--data.data_dir DATA_DIR" in out
+    assert "--data.cache_dir CACHE_DIR" in out
+
+
+def _refuse_mkdir_under(monkeypatch: pytest.MonkeyPatch, folder: Path) -> None:
+    """``os.mkdir`` of a folder in ``folder`` fails with EACCES, as in a read-only folder (which root could write)."""
+    import errno
+
+    mkdir = os.mkdir
+
+    def refuse(path, *args, **kwargs):
+        if Path(path).parent == folder:
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return mkdir(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "mkdir", refuse)
+
+
+def test_convert_under_a_read_only_parent_names_that_parent(split_folder, tmp_path, monkeypatch, capsys):
+    """``dst`` in a folder that does not exist, under a read-only one: the error names the read-only folder."""
+    parent = tmp_path / "ro"
+    parent.mkdir()
+    _refuse_mkdir_under(monkeypatch, parent)
+    dst = parent / "new" / "db.lmdb"
+    assert main(_convert_args(split_folder, dst)) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"error: `dst` {str(dst)!r} cannot be written: its folder {str(dst.parent)!r} does not exist and cannot be"
+        f" made in {str(parent)!r}, which is read-only (Permission denied). Convert into a writable folder, or"
+        " convert there first and make it read-only afterwards."
+    ]
+    assert sorted(parent.iterdir()) == []
+
+
+@pytest.mark.usefixtures("in_repo")
+def test_fit_with_a_cache_dir_under_a_read_only_parent_names_that_parent(split_folder, tmp_path, monkeypatch, capsys):
+    """``--data.cache_dir /ro/parent/cache`` with ``/ro/parent`` read-only: one line naming ``/ro/parent`` as
+    read-only and saying how to choose another cache (``--data.cache_dir``, ``LIGHTNING_FASTDATA_CACHE``)."""
+    parent = tmp_path / "parent"
+    parent.mkdir()
+    _refuse_mkdir_under(monkeypatch, parent)
+    cache = parent / "cache"
+    args = ["--data.data_dir", str(split_folder), "--data.cache_dir", str(cache), "--trainer.logger", "false"]
+    args += ["--trainer.enable_checkpointing", "false", "--trainer.default_root_dir", str(tmp_path / "out")]
+    assert main(["fit", "--config", "examples/configs/cpu.yaml", *args]) == 2
+    assert _error_line(capsys.readouterr().err) == (
+        f"error: `cache_dir` {str(cache)!r} does not exist and cannot be made in {str(parent)!r}, which is read-only,"
+        f" so `data_dir` {str(split_folder)!r} cannot be converted into it (Permission denied). Pass `cache_dir=` a"
+        " writable folder (`--data.cache_dir` on the command line) or set LIGHTNING_FASTDATA_CACHE to one, or convert"
+        " once where it is writable (`lightning-fastdata convert`) and pass the database as `data_dir`."
+    )
+
+
+def test_a_cache_dir_under_a_read_only_file_system_names_the_read_only_folder(split_folder, tmp_path, read_only_python):
+    """On a really read-only file system (a read-only bind mount): the cache's read-only parent is named."""
+    parent = tmp_path / "parent"
+    parent.mkdir()
+    cache = parent / "cache"
+    code = (
+        "import sys\nfrom lightning_fastdata import FastImageDataModule, ReadOnlyDestinationError\n"
+        "try:\n    FastImageDataModule(sys.argv[1], cache_dir=sys.argv[2]).prepare_data()\n"
+        "except ReadOnlyDestinationError as err:\n    print(err.folder)\n    print(err)\n"
+    )
+    proc = read_only_python([parent], code, str(split_folder), str(cache))
+    assert proc.returncode == 0, proc.stderr
+    folder, message = proc.stdout.strip().splitlines()
+    assert folder == str(parent)
+    assert message.startswith(
+        f"`cache_dir` {str(cache)!r} does not exist and cannot be made in {str(parent)!r}, which is read-only, so"
+        f" `data_dir` {str(split_folder)!r} cannot be converted into it (Read-only file system). Pass `cache_dir=`"
+    )
+    assert sorted(parent.iterdir()) == []

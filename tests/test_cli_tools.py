@@ -81,8 +81,9 @@ def test_profile_missing_path_returns_2(tmp_path, capsys):
     assert capsys.readouterr().err.startswith("error: ")
 
 
-def test_bench_and_profile_name_a_damaged_file(tmp_path, capsys):
-    """A damaged file in the folder: ``bench`` and ``profile`` exit 2 with an error naming it, no traceback."""
+def test_bench_names_a_damaged_file_and_profile_skips_it(tmp_path, capsys):
+    """A damaged file in the folder: ``bench`` exits 2 with an error naming it, no traceback; ``profile`` skips and
+    lists it, as ``convert`` does."""
     root = make_image_folder(
         tmp_path / "src", num_classes=2, train_per_class=3, val_per_class=0, min_size=20, max_size=30
     )
@@ -95,8 +96,29 @@ def test_bench_and_profile_name_a_damaged_file(tmp_path, capsys):
     (tmp_path / "plain").mkdir()
     assert main(["profile", str(root), "--db", str(tmp_path / "plain"), "--samples", "6"]) == 2
     assert "is not a database" in capsys.readouterr().err
-    assert main(["profile", str(root), "--samples", "6"]) == 2
-    assert capsys.readouterr().err.startswith(f"error: {str(bad)!r} cannot be read as an image")
+    out_json = tmp_path / "profile.json"
+    assert main(["profile", str(root), "--samples", "6", "--json", str(out_json)]) == 0
+    out = capsys.readouterr().out
+    assert f"folder ({root}), 5 samples" in out
+    assert f"  skipped {bad}: not a readable image: " in out
+    [folder] = json.loads(out_json.read_text())
+    assert [item["path"] for item in folder["skipped"]] == [str(bad)]
+
+
+def test_profile_of_a_database_whose_source_holds_bad_files(tmp_path, capsys):
+    """``profile DB`` of a conversion whose source folder holds an empty JPEG profiles both, listing the file."""
+    root = make_image_folder(
+        tmp_path / "src", num_classes=2, train_per_class=3, val_per_class=0, min_size=20, max_size=30
+    )
+    empty = root / "class_1" / "empty.jpg"
+    empty.write_bytes(b"")
+    db = tmp_path / "db.lmdb"
+    convert(root, db, num_workers=0, progress=False)
+    assert main(["profile", str(db), "--samples", "6", "--batch-size", "4"]) == 0
+    captured = capsys.readouterr()
+    assert f"  skipped {empty}: empty file (0 bytes)" in captured.out
+    assert f"database ({db}), 6 samples" in captured.out
+    assert "error" not in captured.err
 
 
 def test_profile_missing_path_names_it(tmp_path, capsys):

@@ -29,12 +29,11 @@ def demo(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
 
 
 def test_demo_on_the_cpu_compares_imagefolder_and_fastimagedatamodule(demo: Any, tmp_path: Path) -> None:
-    """On the CPU both trainings run under LoaderMonitor, FastImageDataModule is faster, and the side-by-side shows
-    both verdicts, throughputs and the speed-up.
+    """On the CPU both trainings run under LoaderMonitor, and the side-by-side shows both verdicts, throughputs and
+    the speed-up, computed from the two runs' samples/s.
 
-    Photo-sized JPEGs (300-400 px) make decoding the cost, as in ``make demo``: FastImageDataModule decodes a
-    pre-resized store and crops before it resizes, 1.8-2.1x ImageFolder's samples/s here; the bound leaves room for
-    a loaded machine.
+    How much faster FastImageDataModule is (1.8-2.1x ImageFolder's samples/s here, on photo-sized JPEGs) is what
+    ``make demo`` and ``benchmarks/`` measure, not this test: a speed asserted here fails on a loaded machine.
     """
     result = demo.compare(
         tmp_path,
@@ -54,8 +53,9 @@ def test_demo_on_the_cpu_compares_imagefolder_and_fastimagedatamodule(demo: Any,
     assert slow["verdict"] in VERDICTS
     assert fast["verdict"] in VERDICTS
     assert slow["measured_steps"] == fast["measured_steps"] == 6  # 24 images / 4 per batch, warmup epoch left out
+    assert slow["samples_per_sec"] > 0
+    assert fast["samples_per_sec"] > 0
     assert result["speedup"] == pytest.approx(fast["samples_per_sec"] / slow["samples_per_sec"])
-    assert result["speedup"] > 1.2
     table = demo.side_by_side(slow, fast)
     assert "ImageFolder  FastImageDataModule" in table
     assert "GPU utilization" not in table

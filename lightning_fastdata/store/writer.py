@@ -235,10 +235,22 @@ def _read_only_error(dst: Path, err: OSError | None = None, outdated: bool = Fal
         if outdated
         else "cannot be written:"
     )
-    return ReadOnlyDestinationError(
-        f"`dst` {str(dst)!r} {what} its folder {str(dst.parent)!r} is read-only{reason}. Convert into a writable"
-        " folder, or convert there first and make it read-only afterwards."
+    # the folder that refused: where `dst`'s folder does not exist yet, the nearest parent that does, not a folder
+    # that is not there
+    folder = next((p for p in [dst.parent, *dst.parent.parents] if p.is_dir()), dst.parent)
+    where = (
+        f"its folder {str(dst.parent)!r} is read-only{reason}"
+        if folder == dst.parent
+        else f"its folder {str(dst.parent)!r} does not exist and cannot be made in {str(folder)!r}, which is"
+        f" read-only{reason}"
     )
+    error = ReadOnlyDestinationError(
+        f"`dst` {str(dst)!r} {what} {where}. Convert into a writable folder, or convert there first and make it"
+        " read-only afterwards."
+    )
+    error.folder = str(folder)
+    error.reason = err.strerror if err is not None and err.strerror else None
+    return error
 
 
 def _unwritable_error(dst: Path, err: OSError, outdated: bool = False) -> DestinationError:
