@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from lightning.fabric.utilities.data import AttributeDict
 from lightning.fabric.utilities.warnings import PossibleUserWarning
-from lightning.pytorch import LightningDataModule
+from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
@@ -377,7 +377,7 @@ class FastImageDataModule(LightningDataModule):
         """
         module = getattr(self.trainer, "lightning_module", None)
         # `_log_hyperparams` is `save_hyperparameters(logger=...)`: no public accessor, and Lightning reads it too
-        if module is None or not getattr(module, "_log_hyperparams", False):
+        if not isinstance(module, LightningModule) or not getattr(module, "_log_hyperparams", False):
             return {}
         theirs, ours = module.hparams_initial, super().hparams_initial
         return {

@@ -186,8 +186,11 @@ def test_two_nodes_converting_into_one_shared_cache_convert_once(tmp_path: Path)
     assert waited["up_to_date"] == [True]  # found the first node's database complete and up to date
     assert waited["database"] == converted["database"]
     assert waited["labels"] == converted["labels"]
-    databases_and_leftovers = [p.name for p in cache.iterdir() if p.suffix == ".lmdb" or p.name.startswith(".")]
-    assert databases_and_leftovers == [Path(converted["database"]).name]  # no second copy, no lock or working copy
+    # no second copy, no lock or working copy (the `.NAME.used` beside a conversion records its last use)
+    databases_and_leftovers = [
+        p.name for p in cache.iterdir() if (p.suffix == ".lmdb" or p.name.startswith(".")) and p.suffix != ".used"
+    ]
+    assert databases_and_leftovers == [Path(converted["database"]).name]
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from torch.utils.data import DataLoader, TensorDataset
 
+import lightning_fastdata
 from lightning_fastdata import presets
 from lightning_fastdata.cli import lightning_cli
 from lightning_fastdata.errors import InvalidArgumentError
@@ -377,7 +378,8 @@ def test_resume_checkpoint_from_the_command_line() -> None:
         ],
         run=False,
     )
-    (callback,) = [c for c in cli.trainer.callbacks if isinstance(c, presets.ResumeCheckpoint)]
+    # the class the package exports (`test_importing_presets_twice_does_not_re_register` reloads `presets`)
+    (callback,) = [c for c in cli.trainer.callbacks if isinstance(c, lightning_fastdata.ResumeCheckpoint)]
     assert callback.save_last is True
     assert callback.save_top_k == 0
     assert callback._every_n_train_steps == 7

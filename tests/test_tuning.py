@@ -446,7 +446,7 @@ def test_datamodule_tune_picks_the_cheapest_count_within_5_percent_and_caches_it
     src = make_image_folder(
         tmp_path / "src", num_classes=2, train_per_class=4, val_per_class=0, min_size=40, max_size=48
     )
-    settings = {"cache_dir": str(tmp_path / "cache"), "num_workers": "tune", "batch_size": 32}
+    settings = {"cache_dir": str(tmp_path / "cache"), "num_workers": "tune", "batch_size": 4}
     dm = FastImageDataModule(str(src), **settings)
     dm.prepare_data()
     dm.setup("fit")

@@ -28,6 +28,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from lightning_fastdata.errors import DatasetFormatError, DestinationError, InvalidArgumentError
+from lightning_fastdata.store import format as _format
+from lightning_fastdata.store.format import (
+    DATA_FILE,
+    converter_of,
+    default_cache_dir,
+    describe_converter,
+    partial_path,
+    target_of_partial,
+)
+from lightning_fastdata.store.summary import human_bytes
+from lightning_fastdata.store.writer import _read_only_error, _target_lock, clean_stale_conversions, stale_conversions
+
 try:  # shared locks held by readers, an exclusive one taken by a removal (POSIX only)
     import fcntl
 except ImportError:  # pragma: no cover - Windows
@@ -37,15 +50,6 @@ log = logging.getLogger(__name__)
 
 #: the settings a DataModule's conversion is keyed by, as stored under ``encoding`` in a database's metadata
 SETTINGS = ("short_side", "quality", "encoding", "keep_original")
-
-
-def default_cache_dir() -> Path:
-    """Where converted databases go by default: ``$LIGHTNING_FASTDATA_CACHE``, else ``~/.cache/lightning_fastdata``."""
-    env = os.environ.get("LIGHTNING_FASTDATA_CACHE")
-    if env:
-        return Path(env).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "lightning_fastdata"
 
 
 def cache_root(cache_dir: str | os.PathLike[str] | None = None) -> Path:
@@ -194,9 +198,6 @@ def conversion_meta(database: Path) -> dict[str, Any] | None:
     Read from the conversion report written beside the records (plain JSON, no LMDB open and no page walk), else
     from the database itself.
     """
-    from lightning_fastdata.errors import DatasetFormatError
-    from lightning_fastdata.store import format as _format
-
     if not (database / _format.DATA_FILE).is_file():
         return None
     with contextlib.suppress(OSError, UnicodeDecodeError, ValueError):
@@ -218,7 +219,6 @@ def _last_use(database: Path) -> float:
 
 
 def _entry(database: Path, key: str, partial: bool) -> CachedConversion:
-    from lightning_fastdata.store.format import converter_of, describe_converter, target_of_partial
 
     target = target_of_partial(database) if partial else database
     writer = converter_of(target) if target is not None else None
@@ -252,8 +252,6 @@ def list_conversions(cache_dir: str | os.PathLike[str] | None = None) -> list[Ca
             ``~/.cache/lightning_fastdata``).
 
     """
-    from lightning_fastdata.store.format import DATA_FILE, target_of_partial
-
     root = cache_root(cache_dir)
     try:
         entries = sorted(os.scandir(root), key=lambda e: e.name)
@@ -274,8 +272,6 @@ def list_conversions(cache_dir: str | os.PathLike[str] | None = None) -> list[Ca
 
 def _resolve(key_or_path: str, root: Path) -> Path:
     """The conversion in ``root`` named by a key (``NAME``, ``NAME.lmdb``, the digest) or a path."""
-    from lightning_fastdata.errors import InvalidArgumentError
-
     keys = [c for c in list_conversions(root) if not c.key.endswith("(unfinished)")]
     given = Path(key_or_path).expanduser()
     if os.sep in key_or_path or given.is_absolute():
@@ -308,10 +304,6 @@ def _remove(database: Path) -> int:
         DestinationError: a conversion is writing it, a process reads it, or the cache folder is read-only.
 
     """
-    from lightning_fastdata.errors import DestinationError
-    from lightning_fastdata.store.format import converter_of, describe_converter, partial_path
-    from lightning_fastdata.store.writer import _read_only_error, _target_lock
-
     try:
         with _target_lock(database, wait=False) as read_only:
             if read_only is not None:
@@ -351,8 +343,6 @@ def remove_conversion(key_or_path: str, cache_dir: str | os.PathLike[str] | None
         DestinationError: a conversion is writing it, a process reads it, or the cache folder is read-only.
 
     """
-    from lightning_fastdata.store.summary import human_bytes
-
     database = _resolve(key_or_path, cache_root(cache_dir))
     size = _remove(database)
     return f"removed {database} ({human_bytes(size)})"
@@ -371,8 +361,6 @@ def parse_size(text: str) -> int:
         InvalidArgumentError: ``text`` is not a size.
 
     """
-    from lightning_fastdata.errors import InvalidArgumentError
-
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
     unit = match.group(2).lower() if match else ""
     if match is None or unit not in _UNITS:
@@ -387,8 +375,6 @@ def parse_age(text: str) -> float:
         InvalidArgumentError: ``text`` is not an age.
 
     """
-    from lightning_fastdata.errors import InvalidArgumentError
-
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*", text.lower())
     if match is None:
         raise InvalidArgumentError(f"`--older-than` {text!r} is not an age; write e.g. 30d, 12h, 90m or 2w.")
@@ -418,10 +404,6 @@ def prune_cache(
         InvalidArgumentError: neither ``max_size`` nor ``older_than`` is given, or one is negative.
 
     """
-    from lightning_fastdata.errors import DestinationError, InvalidArgumentError
-    from lightning_fastdata.store.summary import human_bytes
-    from lightning_fastdata.store.writer import clean_stale_conversions, stale_conversions
-
     if max_size is None and older_than is None:
         raise InvalidArgumentError("`cache prune` needs `--max-size` or `--older-than` (or both): --max-size 20GB.")
     if (max_size or 0) < 0 or (older_than or 0) < 0:
@@ -467,8 +449,6 @@ def other_settings_note(source: Path, target: Path, settings: Mapping[str, Any])
     ``None`` when ``target`` already exists (it is reused, or converted again: see :func:`source_change_note`) or
     the cache holds no other conversion of ``source``.
     """
-    from lightning_fastdata.store.summary import human_bytes
-
     if target.exists():
         return None
     others = []

@@ -38,7 +38,6 @@ from typing import Any
 import lmdb
 
 from lightning_fastdata.errors import CorruptRecordError, DatasetFormatError
-from lightning_fastdata.store.cache import default_cache_dir
 
 try:  # advisory locks between converters, and readers asking whether one is at work (POSIX only)
     import fcntl
@@ -169,6 +168,15 @@ def load_meta(raw: bytes | None, path: str | os.PathLike[str]) -> dict[str, Any]
 def partial_path(dst: Path) -> Path:
     """The hidden working copy a conversion to ``dst`` writes, renamed to ``dst`` when complete."""
     return dst.parent / f".{dst.name}.partial"
+
+
+def default_cache_dir() -> Path:
+    """Where converted databases go by default: ``$LIGHTNING_FASTDATA_CACHE``, else ``~/.cache/lightning_fastdata``."""
+    env = os.environ.get("LIGHTNING_FASTDATA_CACHE")
+    if env:
+        return Path(env).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "lightning_fastdata"
 
 
 def lock_path(dst: Path) -> Path:
