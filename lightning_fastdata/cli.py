@@ -180,7 +180,8 @@ def _add_cache(sub: argparse._SubParsersAction) -> None:
             " by a running process, is never removed."
         ),
     )
-    p.add_argument("--cache-dir", default=None, metavar="DIR", help="the cache folder (default: as above)")
+    cache_dir_help = "the cache folder (default: as above)"
+    p.add_argument("--cache-dir", default=None, metavar="DIR", help=cache_dir_help)
     actions = p.add_subparsers(dest="action", required=True, metavar="ACTION")
     listing = actions.add_parser("list", help="each conversion: key, size, last use, settings, source")
     listing.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
@@ -190,6 +191,8 @@ def _add_cache(sub: argparse._SubParsersAction) -> None:
         "prune",
         help="remove conversions unused for a while, then the least recently used until the rest fit a size",
     )
+    for action in (listing, remove, prune):  # `cache list --cache-dir DIR` as well as `cache --cache-dir DIR list`
+        action.add_argument("--cache-dir", default=argparse.SUPPRESS, metavar="DIR", help=cache_dir_help)
     prune.add_argument("--max-size", default=None, metavar="SIZE", help="keep at most SIZE in all: 20GB, 500MB, 20GiB")
     prune.add_argument("--older-than", default=None, metavar="AGE", help="remove those unused for AGE: 30d, 12h, 2w")
     prune.add_argument("--dry-run", action="store_true", help="say what would be removed, remove nothing")

@@ -318,6 +318,21 @@ def test_cache_command_lists_removes_and_prunes(split_folder: Path, tmp_path: Pa
     assert capsys.readouterr().out.splitlines()[-1] == f"no conversions in {tmp_path}"
 
 
+@pytest.mark.parametrize("action", [["list"], ["prune", "--older-than", "1d"], ["remove", "nope"]])
+def test_cache_dir_may_follow_the_action(
+    split_folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture, action: list[str]
+) -> None:
+    """``cache list --cache-dir DIR`` reads DIR as ``cache --cache-dir DIR list`` does (no "unrecognized arguments")."""
+    _convert_into(split_folder, tmp_path, 48)
+    outputs = []
+    for args in (["cache", "--cache-dir", str(tmp_path), *action], ["cache", *action, "--cache-dir", str(tmp_path)]):
+        code = main(args)
+        captured = capsys.readouterr()
+        outputs.append((code, captured.out, captured.err))
+    assert outputs[0] == outputs[1]
+    assert "unrecognized" not in outputs[1][2]
+
+
 def test_last_use_is_recorded_once_per_setup_not_per_sample(split_folder: Path, tmp_path: Path):
     """Reading a whole epoch leaves the use file alone: only ``setup`` touches it."""
     dm = _datamodule(split_folder, tmp_path, 48, num_workers=0, batch_size=4)
