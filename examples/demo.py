@@ -199,8 +199,8 @@ class DataFree:
 #: (row label, LoaderMonitor summary key, format)
 ROWS = (
     ("verdict", "verdict", "s"),
-    ("data wait p50 (ms)", "wait_p50_ms", ".1f"),
-    ("step p50 (ms)", "step_p50_ms", ".1f"),
+    ("data wait mean (ms)", "wait_mean_ms", ".1f"),
+    ("step mean (ms)", "step_mean_ms", ".1f"),
     ("data fraction", "data_fraction", ".1%"),
     ("throughput (samples/s)", "samples_per_sec", ".0f"),
     ("GPU utilization", "gpu_util", ".0%"),
