@@ -439,7 +439,7 @@ class FastImageDataModule(LightningDataModule):
     def prepare_data(self) -> None:
         """Convert ``data_dir`` once, or stage it from its URL (one process per node; an up-to-date copy is reused)."""
         if self.is_remote:
-            self._stage()
+            self._stage_remote()
         if self.is_database:
             _format.read_meta(self.database_path)  # fail early with a clear message if it is not usable
             if self.num_workers == "tune":
@@ -474,7 +474,7 @@ class FastImageDataModule(LightningDataModule):
         if self.num_workers == "tune":  # measured here, on one process per node, so the ranks read the cache
             self._tune_num_workers()
 
-    def _stage(self) -> None:
+    def _stage_remote(self) -> None:
         """Copy the database at the URL ``data_dir`` into ``cache_dir`` once per node, or reuse the copy there."""
         try:
             self._staged = remote.stage(self.data_dir, self.cache_root)
@@ -558,7 +558,7 @@ class FastImageDataModule(LightningDataModule):
         if self.is_remote and self._staged is None:  # a rank other than the node's first: wait for its staging
             found = remote.find_staged(self.data_dir, self.cache_root)
             if found is None:  # prepare_data did not run on this node (or ran elsewhere): stage it here
-                self._stage()
+                self._stage_remote()
             else:
                 self._staged = remote.StagedDatabase(found, "found")
         cache.record_use(self.database_path, self.cache_root)  # its last use, and that this process reads it

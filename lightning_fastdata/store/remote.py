@@ -230,7 +230,8 @@ def _read_marker(fs: AbstractFileSystem, path: str, url: str) -> dict[str, Any]:
     """The marker of the database at ``url``: one request."""
     with _remote(url, "reading"):
         try:
-            raw = fs.cat_file(f"{path}/{MARKER}")
+            # `start=0`: one ranged GET; a whole-object read makes s3fs ask for the size first (a second request)
+            raw = fs.cat_file(f"{path}/{MARKER}", start=0)
         except FileNotFoundError:
             raw = None
     if raw is None:
@@ -512,6 +513,7 @@ def publish(database: str | os.PathLike[str], url: str, progress: bool = True) -
             )
         if MARKER in held:
             fs.rm_file(f"{path}/{MARKER}")  # from here on the old publication is not readable
+        fs.makedirs(path, exist_ok=True)  # a folder for file:// (object stores have none to make)
         files: dict[str, dict[str, Any]] = {}
         for name in PUBLISHED_FILES:
             source = local / name
