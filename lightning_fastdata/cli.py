@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from lightning_fastdata.__about__ import __version__
-from lightning_fastdata.errors import ConversionError, DestinationError, FastDataError
+from lightning_fastdata.errors import ConversionError, DestinationError, FastDataError, RemoteStorageError
 
 if TYPE_CHECKING:
     from lightning.pytorch.cli import LightningCLI
@@ -773,7 +773,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except DestinationError as err:  # bad input: a `dst` that must not be replaced, or cannot be written
         print(f"error: {_message(err)}", file=sys.stderr)
         return 2
-    except ConversionError as err:
+    except (ConversionError, RemoteStorageError) as err:
         print(f"error: {_message(err)}", file=sys.stderr)
         return 1
     except (FastDataError, FileNotFoundError, ValueError) as err:

@@ -27,7 +27,7 @@ from torch.nn import functional as F
 
 from lightning_fastdata import FastImageDataModule, convert, read_meta
 from lightning_fastdata.cli import main
-from lightning_fastdata.errors import InvalidArgumentError, RemoteStorageError
+from lightning_fastdata.errors import DestinationError, InvalidArgumentError, RemoteStorageError
 from lightning_fastdata.store import remote
 
 pytest.importorskip("s3fs")
@@ -108,6 +108,9 @@ class _Tiny(LightningModule):
         self.samples += len(labels)
         return F.cross_entropy(self.layer(images.mean(dim=(2, 3))), labels)
 
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        pass
+
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
@@ -125,17 +128,23 @@ def _trainer(epochs: int) -> Trainer:
     )
 
 
-def test_a_url_is_never_taken_for_a_local_path(split_folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    """`convert SRC s3://...` writes no local folder `s3:`, and a URL is refused as `cache_dir` or `src`."""
+def test_a_url_is_never_taken_for_a_local_path(
+    s3_endpoint: str, split_folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """`convert SRC s3://...` writes no local folder `s3:` (nor converts for a missing bucket); a URL is refused as
+    `cache_dir` or `src`."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # nothing listens: no request leaves the machine
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
     _fresh_clients()
     try:
-        assert main(["convert", str(split_folder), "s3://no-such-bucket/x.lmdb", "--quiet"]) != 0
+        assert main(["convert", str(split_folder), "s3://no-such-bucket/x.lmdb", "--quiet"]) == 1  # a network failure
     finally:
         _fresh_clients()
     assert list(tmp_path.iterdir()) == []
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_endpoint)
+    with pytest.raises(DestinationError, match=r"the bucket 'no-such-bucket' does not exist.*nothing was converted"):
+        convert(split_folder, "s3://no-such-bucket/x.lmdb")
     with pytest.raises(InvalidArgumentError, match=r"`cache_dir` 's3://bucket/cache' is a URL"):
         FastImageDataModule(str(split_folder), cache_dir="s3://bucket/cache")
     with pytest.raises(InvalidArgumentError, match=r"`src` 's3://bucket/images' is a URL"):
@@ -296,7 +305,7 @@ def test_publish_refuses_a_prefix_holding_other_objects(bucket: str, database: P
 
     fs = fsspec.filesystem("s3")
     fs.pipe_file(f"{bucket.removeprefix('s3://')}/db.lmdb/notes.txt", b"mine")
-    with pytest.raises(Exception, match=r"holds objects that are not a published database's \(notes.txt\)"):
+    with pytest.raises(DestinationError, match=r"holds objects that are not a published database's \(notes.txt\)"):
         remote.publish(database, f"{bucket}/db.lmdb", progress=False)
     assert not fs.exists(f"{bucket.removeprefix('s3://')}/db.lmdb/data.mdb")
 

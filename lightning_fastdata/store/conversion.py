@@ -244,7 +244,7 @@ def _publish(convert_into: Callable[[Path], ConversionSummary], url: str, progre
     The upload (:func:`~lightning_fastdata.store.remote.publish`) writes the completion marker last, so the database
     at ``url`` is readable only once complete. The temporary folder is removed in any case.
     """
-    remote.filesystem(url, "dst")  # a missing backend fails before converting, not after
+    remote.check_destination(url)  # a missing backend or bucket, or another's objects, fail before converting
     root = default_cache_dir()
     root.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".publish-", dir=root) as tmp:

@@ -38,7 +38,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from lightning_fastdata.errors import DestinationError, InvalidArgumentError, RemoteStorageError
+from lightning_fastdata.errors import DestinationError, FastDataError, InvalidArgumentError, RemoteStorageError
 from lightning_fastdata.store.format import DATA_FILE, REPORT_FILE, partial_path
 
 if TYPE_CHECKING:
@@ -160,10 +160,11 @@ def _remote_error(err: BaseException, url: str, doing: str) -> RemoteStorageErro
         )
     if isinstance(err, FileNotFoundError):
         return RemoteStorageError(f"{url!r} was not found while {doing} it ({detail}).")
+    again = "publishing starts over" if doing.startswith("publish") else "staging resumes where it stopped"
     return RemoteStorageError(
         f"network failure while {doing} {url!r} ({type(err).__name__}: {detail}). Check the network and the"
         f" endpoint{' (AWS_ENDPOINT_URL or FSSPEC_S3_ENDPOINT_URL)' if scheme in ('s3', 's3a') else ''}, then run"
-        " again: staging resumes where it stopped."
+        f" again: {again}."
     )
 
 
@@ -172,7 +173,7 @@ def _remote(url: str, doing: str) -> Iterator[None]:
     """Turn what fsspec and its backend raise into :func:`_remote_error`'s one line."""
     try:
         yield
-    except RemoteStorageError:
+    except FastDataError:
         raise
     except Exception as err:
         raise _remote_error(err, url, doing) from err
@@ -485,6 +486,36 @@ def _sha256(path: Path, callback: Callable[[int], Any] | None = None) -> str:
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def check_destination(url: str) -> set[str]:
+    """Check that a database may be published at ``url`` (one listing); returns the names of the objects there.
+
+    Raises:
+        DestinationError: ``url`` holds objects that are not a published database's, or its bucket does not exist.
+        RemoteStorageError: a missing backend, missing credentials, or a network failure.
+
+    """
+    fs, path = filesystem(url, "dst")
+    with _remote(url, "publishing to"):
+        fs.invalidate_cache(path)
+        try:
+            held = {Path(p).name for p in fs.ls(path, detail=False)}
+        except FileNotFoundError:
+            held = set()
+        bucket = path.split("/", 1)[0]
+        if not held and _scheme(url) in _CREDENTIALS and bucket != path and not fs.exists(bucket):
+            raise DestinationError(
+                f"`dst` {url!r}: the bucket {bucket!r} does not exist (or these credentials cannot see it); nothing"
+                " was converted. Create the bucket, or check the URL."
+            )
+    foreign = sorted(held - {*PUBLISHED_FILES, MARKER})
+    if foreign:
+        raise DestinationError(
+            f"`dst` {url!r} holds objects that are not a published database's ({', '.join(foreign[:3])}"
+            f"{', ...' if len(foreign) > 3 else ''}); nothing was uploaded. Choose an empty prefix."
+        )
+    return held
+
+
 def publish(database: str | os.PathLike[str], url: str, progress: bool = True) -> dict[str, Any]:
     """Upload the local database ``database`` to ``url``, readable only once complete; returns the marker.
 
@@ -501,18 +532,8 @@ def publish(database: str | os.PathLike[str], url: str, progress: bool = True) -
 
     local = Path(database)
     fs, path = filesystem(url, "dst")
+    held = check_destination(url)
     with _remote(url, "publishing to"):
-        fs.invalidate_cache(path)
-        try:
-            held = {Path(p).name for p in fs.ls(path, detail=False)}
-        except FileNotFoundError:
-            held = set()
-        foreign = sorted(held - {*PUBLISHED_FILES, MARKER})
-        if foreign:
-            raise DestinationError(
-                f"`dst` {url!r} holds objects that are not a published database's ({', '.join(foreign[:3])}"
-                f"{', ...' if len(foreign) > 3 else ''}); nothing was uploaded. Choose an empty prefix."
-            )
         if MARKER in held:
             fs.rm_file(f"{path}/{MARKER}")  # from here on the old publication is not readable
         fs.makedirs(path, exist_ok=True)  # a folder for file:// (object stores have none to make)
