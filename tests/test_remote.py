@@ -310,6 +310,28 @@ def test_publish_refuses_a_prefix_holding_other_objects(bucket: str, database: P
     assert not fs.exists(f"{bucket.removeprefix('s3://')}/db.lmdb/data.mdb")
 
 
+_STAGE_ONCE = """
+import json, sys
+from lightning_fastdata.store import remote
+result = remote.stage(sys.argv[1], sys.argv[2], progress=False)
+print(json.dumps({"action": result.action, "path": str(result.path)}))
+"""
+
+
+def test_two_jobs_staging_into_one_cache_at_once_fetch_once(published: str, tmp_path: Path):
+    """Two processes (two jobs on one node) staging one URL into one cache: one fetches, the other waits and reuses."""
+    cmd = [sys.executable, "-c", _STAGE_ONCE, published, str(tmp_path)]
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    results = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err[-3000:]
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    assert sorted(r["action"] for r in results) == ["reused", "staged"]
+    assert len({r["path"] for r in results}) == 1
+    assert [p.name for p in tmp_path.iterdir()] == [Path(results[0]["path"]).name]
+
+
 @pytest.fixture
 def http_site(tmp_path: Path) -> Iterator[tuple[Path, str]]:
     """A plain ``http.server`` (no Range support, no listings used) serving a folder: ``(folder, base URL)``."""

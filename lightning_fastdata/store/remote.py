@@ -296,10 +296,11 @@ def stage(url: str, root: str | os.PathLike[str], progress: bool = True, argumen
     Raises:
         RemoteStorageError: a missing backend, bucket, object or marker, missing credentials, a network failure, or
             a file that does not match its marker. Nothing is published in the cache then.
-        ReadOnlyDestinationError: ``root`` cannot be written and holds no staged copy of this publication.
+        DestinationError: ``root`` is read-only (:class:`~lightning_fastdata.errors.ReadOnlyDestinationError`) or has
+            no file locks, and holds no staged copy of this publication.
 
     """
-    from lightning_fastdata.store.writer import _read_only_error, _recover_interrupted_publish, _target_lock
+    from lightning_fastdata.store.writer import _recover_interrupted_publish, _target_lock, _unwritable_error
 
     target = staged_path(url, Path(root))
     fs, path = filesystem(url, argument)
@@ -311,8 +312,8 @@ def stage(url: str, root: str | os.PathLike[str], progress: bool = True, argumen
         if _is_staged(target, marker):
             log.debug("%s: reusing %s, staged from the current publication", url, target)
             return StagedDatabase(target, "reused")
-        if unlockable is not None:
-            raise _read_only_error(target, unlockable)
+        if unlockable is not None:  # a read-only cache, or one without file locks: only a staged copy may be used
+            raise _unwritable_error(target, unlockable, outdated=target.exists()) from unlockable
         old = _read_json(target / STAGED_RECORD)
         reason = _why_restaged(old["marker"], marker, url) if old and isinstance(old.get("marker"), dict) else None
         log.info(reason or f"staging {url} into {target}")
@@ -401,13 +402,17 @@ def _fetch_all(fs: AbstractFileSystem, path: str, url: str, marker: dict[str, An
         lock = threading.Lock()
 
         def fetch(name: str, start: int, end: int) -> int:
+            with lock:
+                if start in done[name]:  # fetched with the whole file by a server that ignores ranges
+                    return 0
             data = _read_range(fs, f"{path}/{name}", start, end)
             size = marker["files"][name]["size"]
             if len(data) == size and end - start != size:  # a server that ignores ranges sent the whole file
                 os.pwrite(fds[name], data, 0)
                 with lock:
+                    new = size - sum(min(RANGE_SIZE, size - s) for s in done[name])
                     done[name] = list(range(0, size, RANGE_SIZE))
-                return end - start
+                return new
             if len(data) != end - start:
                 raise OSError(f"a read of bytes {start}-{end} of {name} returned {len(data)} bytes")
             os.pwrite(fds[name], data, start)
