@@ -224,6 +224,49 @@ def test_a_failed_staging_resumes_and_nothing_half_copied_is_read(
     assert read_meta(target)["splits"]["train"]["length"] == 24
 
 
+_STAGE_THEN_HANG = """
+import sys, time
+from pathlib import Path
+from lightning_fastdata.store import remote
+remote.RANGE_SIZE, remote.READ_THREADS = 8192, 1
+real, calls = remote._read_range, []
+def hang_after_five(*args):
+    calls.append(1)
+    if len(calls) > 5:
+        time.sleep(600)  # killed here
+    return real(*args)
+remote._read_range = hang_after_five
+remote.stage(sys.argv[1], sys.argv[2], progress=False)
+"""
+
+
+def test_a_killed_staging_resumes(published: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """A staging process killed (SIGKILL) after 5 ranges leaves no database; the next run fetches only the rest."""
+    proc = subprocess.Popen([sys.executable, "-c", _STAGE_THEN_HANG, published, str(tmp_path)])
+    progress = remote.partial_path(remote.staged_path(published, tmp_path)) / remote.PROGRESS_FILE
+    try:
+        for _ in range(1200):  # up to 2 minutes on a loaded machine
+            state = json.loads(progress.read_text()) if progress.is_file() else {}
+            if sum(len(v) for v in state.get("done", {}).values()) == 5:
+                break
+            assert proc.poll() is None, "the staging process ended before it was killed"
+            threading.Event().wait(0.1)
+        else:
+            pytest.fail("the staging process never fetched 5 ranges")
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not remote.staged_path(published, tmp_path).exists()
+    monkeypatch.setattr(remote, "RANGE_SIZE", 8192)
+    real = remote._read_range
+    counted: list[int] = []
+    monkeypatch.setattr(remote, "_read_range", lambda *a: counted.append(a[2]) or real(*a))
+    assert remote.stage(published, tmp_path, progress=False).action == "staged"
+    ranges = sum(-(-f["size"] // 8192) for f in json.loads(_marker(published))["files"].values())
+    assert len(counted) == ranges - 5
+    assert read_meta(remote.staged_path(published, tmp_path))["splits"]["train"]["length"] == 24
+
+
 def _marker(url: str) -> bytes:
     import fsspec
 

@@ -32,7 +32,7 @@ import tempfile
 import threading
 import uuid
 from collections.abc import Callable, Iterator
-from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -430,7 +430,7 @@ def _fetch_all(fs: AbstractFileSystem, path: str, url: str, marker: dict[str, An
             pending: set[Future[int]] = {pool.submit(fetch, *task) for task in tasks}
             try:
                 while pending:
-                    finished, pending = wait(pending, return_when=FIRST_EXCEPTION)
+                    finished, pending = wait(pending, return_when=FIRST_COMPLETED)
                     for future in finished:
                         bar.update(future.result())
                     with lock:
