@@ -505,11 +505,18 @@ class FastImageDataModule(LightningDataModule):
             where = f"{setting} does not exist and cannot be made in {str(folder)!r}, which is read-only"
         else:
             where = f"{setting} cannot be written: {str(folder)!r} is read-only"
-        error = ReadOnlyDestinationError(
-            f"{where}, so `data_dir` {self.data_dir!r} cannot be converted into it{reason}. Pass `cache_dir=` a"
-            " writable folder (`--data.cache_dir` on the command line) or set LIGHTNING_FASTDATA_CACHE to one, or"
-            " convert once where it is writable (`lightning-fastdata convert`) and pass the database as `data_dir`."
-        )
+        if self.is_remote:  # a copy of a URL: no database to pass instead, only another cache
+            error = ReadOnlyDestinationError(
+                f"{where}, so `data_dir` {self.data_dir!r} cannot be staged into it{reason}. Pass `cache_dir=` a"
+                " writable folder on this node's local disk (`--data.cache_dir` on the command line) or set"
+                " LIGHTNING_FASTDATA_CACHE to one."
+            )
+        else:
+            error = ReadOnlyDestinationError(
+                f"{where}, so `data_dir` {self.data_dir!r} cannot be converted into it{reason}. Pass `cache_dir=` a"
+                " writable folder (`--data.cache_dir` on the command line) or set LIGHTNING_FASTDATA_CACHE to one, or"
+                " convert once where it is writable (`lightning-fastdata convert`) and pass the database as `data_dir`."
+            )
         error.folder, error.reason = str(folder), err.reason
         return error
 

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -302,6 +302,37 @@ def test_an_unfinished_upload_is_refused(published: str, tmp_path: Path):
     with pytest.raises(RemoteStorageError, match=r"holds data.mdb but no published.json.*upload is under way"):
         remote.stage(published, tmp_path, progress=False)
     assert not remote.staged_path(published, tmp_path).exists()
+
+
+_PREPARE = """
+import sys
+from lightning_fastdata import FastImageDataModule
+from lightning_fastdata.errors import ReadOnlyDestinationError
+dm = FastImageDataModule(sys.argv[1], cache_dir=sys.argv[2])
+try:
+    dm.prepare_data()
+except ReadOnlyDestinationError as err:
+    print(err)
+    sys.exit(3)
+dm.setup("fit")
+print(dm.staging.action)
+"""
+
+
+def test_a_read_only_cache_names_the_setting_and_still_reads_a_staged_copy(
+    published: str, tmp_path: Path, read_only_python: Callable[..., subprocess.CompletedProcess]
+):
+    """A read-only `cache_dir` without the copy says to pass a writable one; holding the copy, it is read."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    proc = read_only_python([cache], _PREPARE, published, str(cache))
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert f"`cache_dir` '{cache}' is read-only" in proc.stdout
+    assert "cannot be staged into it" in proc.stdout
+    remote.stage(published, cache, progress=False)
+    proc = read_only_python([cache], _PREPARE, published, str(cache))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["reused"]
 
 
 def test_a_missing_bucket_or_database_is_named(bucket: str, tmp_path: Path):
