@@ -26,6 +26,7 @@ if TYPE_CHECKING:
         InvalidArgumentError,
         MissingSplitError,
         ReadOnlyDestinationError,
+        RemoteStorageError,
         SampleError,
         SourceLayoutError,
     )
@@ -52,6 +53,7 @@ _HOMES = {
     "MissingSplitError": "errors",
     "PredictionWriter": "prediction",
     "ReadOnlyDestinationError": "errors",
+    "RemoteStorageError": "errors",
     "ResumeCheckpoint": "presets",
     "SampleError": "errors",
     "SourceLayoutError": "errors",
@@ -77,6 +79,7 @@ __all__ = [
     "MissingSplitError",
     "PredictionWriter",
     "ReadOnlyDestinationError",
+    "RemoteStorageError",
     "ResumeCheckpoint",
     "SampleError",
     "SkippedFile",

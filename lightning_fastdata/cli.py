@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from lightning_fastdata.__about__ import __version__
-from lightning_fastdata.errors import ConversionError, DestinationError, FastDataError
+from lightning_fastdata.errors import ConversionError, DestinationError, FastDataError, RemoteStorageError
 
 if TYPE_CHECKING:
     from lightning.pytorch.cli import LightningCLI
@@ -56,7 +56,9 @@ def _add_convert(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "dst",
         nargs="?",
-        help="the database directory to write (created, or replaced if it is ours and made from the same SRC)",
+        help="the database directory to write (created, or replaced if it is ours and made from the same SRC), or a"
+        " URL to publish it to (s3://bucket/name.lmdb, gs://, az://: converted locally, then uploaded; needs"
+        " `pip install 'lightning-fastdata[remote]'`)",
     )
     p.add_argument(
         "--short-side",
@@ -137,7 +139,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
             " configuration within 5% of the fastest."
         ),
     )
-    p.add_argument("data", help="a database directory or an image folder")
+    p.add_argument("data", help="a database directory, the URL of a published one (staged first), or an image folder")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[64], metavar="B", help="batch sizes (default 64)")
     p.add_argument("--max-workers", type=int, default=None, metavar="N", help="default: usable CPUs + 1")
     p.add_argument("--seconds", type=float, default=1.0, help="timed seconds per point (default 1.0)")
@@ -161,8 +163,8 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
             " counterpart when it exists (a database's source folder; a folder's conversion), with a conclusion."
         ),
     )
-    p.add_argument("data", help="an image folder or a database directory")
-    p.add_argument("--db", default=None, help="the folder's database, if not in the default cache")
+    p.add_argument("data", help="an image folder, a database directory, or the URL of a published one (staged first)")
+    p.add_argument("--db", default=None, help="the folder's database (a path or URL), if not in the default cache")
     p.add_argument("--samples", type=int, default=200, help="samples timed (default 200)")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--image-size", type=int, default=224)
@@ -222,6 +224,8 @@ def _convert(args: argparse.Namespace) -> int:
     from lightning_fastdata.store.writer import clean_stale_conversions
 
     if args.clean is not None:
+        if is_url(args.clean):
+            raise ValueError(f"`--clean` {args.clean!r} is a URL; it cleans a local folder of interrupted conversions.")
         if args.src is not None:
             raise ValueError(f"`--clean DIR` takes no SRC or DST (got {args.src!r}); run the conversion separately.")
         done = clean_stale_conversions(args.clean)
@@ -271,13 +275,30 @@ def _synth(args: argparse.Namespace) -> int:
     return 0
 
 
+def is_url(path: str | None) -> bool:
+    """Whether a path argument is a URL (without importing the store)."""
+    return path is not None and re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", path) is not None
+
+
+def _local(path: str, argument: str) -> str:
+    """``path``, or for the URL of a published database its copy staged into the cache folder (once)."""
+    if not is_url(path):
+        return path
+    from lightning_fastdata.store import remote
+    from lightning_fastdata.store.format import default_cache_dir
+
+    staged = remote.stage(path, default_cache_dir(), argument=argument)
+    print(f"{argument} {path}: {staged.reason or staged.action}, read from {staged.path}", file=sys.stderr)
+    return str(staged.path)
+
+
 def _bench(args: argparse.Namespace) -> int:
     import json
 
     from lightning_fastdata.bench import sweep_dataset
     from lightning_fastdata.tuning import plot_sweep, sweep
 
-    source, kind = sweep_dataset(args.data, args.image_size, engine=args.engine)
+    source, kind = sweep_dataset(_local(args.data, "data"), args.image_size, engine=args.engine)
     if kind == "database":  # the training loader as `fit` builds it
         engine, how = args.engine, f"FastImageDataModule's training loader, engine={args.engine!r}"
     else:
@@ -303,7 +324,8 @@ def _profile(args: argparse.Namespace) -> int:
 
     from lightning_fastdata.profiling import profile
 
-    profiles = profile(args.data, args.db, args.samples, args.batch_size, args.image_size)
+    db = None if args.db is None else _local(args.db, "--db")
+    profiles = profile(_local(args.data, "data"), db, args.samples, args.batch_size, args.image_size)
     for item in profiles:
         print(item.format_table())
         print(item.conclusion())
@@ -754,7 +776,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except DestinationError as err:  # bad input: a `dst` that must not be replaced, or cannot be written
         print(f"error: {_message(err)}", file=sys.stderr)
         return 2
-    except ConversionError as err:
+    except (ConversionError, RemoteStorageError) as err:
         print(f"error: {_message(err)}", file=sys.stderr)
         return 1
     except (FastDataError, FileNotFoundError, ValueError) as err:

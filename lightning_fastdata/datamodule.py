@@ -25,12 +25,13 @@ from lightning_fastdata.errors import (
     InvalidArgumentError,
     MissingSplitError,
     ReadOnlyDestinationError,
+    RemoteStorageError,
     SourceLayoutError,
 )
 from lightning_fastdata.pipeline import DeviceStage, FastLoader, create_loader
 from lightning_fastdata.pipeline.kernel import Output, fuses
 from lightning_fastdata.skipping import SkipCounter
-from lightning_fastdata.store import cache
+from lightning_fastdata.store import cache, remote
 from lightning_fastdata.store import format as _format
 from lightning_fastdata.store.conversion import convert
 from lightning_fastdata.store.reader import LmdbImageDataset
@@ -138,10 +139,14 @@ class FastImageDataModule(LightningDataModule):
     Args:
         data_dir: an ImageFolder root with split trees (``train/``, ``val/``, ``test/`` or their aliases, any case), a
             plain ImageFolder root, a ``path,label`` list file (``.csv``/``.json``), or a database made by
-            ``lightning-fastdata convert``. ``~`` is expanded.
-        cache_dir: where the conversion of a folder goes, one database per source and conversion settings; default
-            ``$LIGHTNING_FASTDATA_CACHE`` or ``~/.cache/lightning_fastdata``. Never inside ``data_dir``. It may be
-            read-only once it holds an up-to-date conversion.
+            ``lightning-fastdata convert``. ``~`` is expanded. Or the fsspec URL of a database published by
+            ``lightning-fastdata convert SRC URL`` (``s3://``, ``gs://``, ``az://``, ``https://``, ``file://``; needs
+            ``pip install 'lightning-fastdata[remote]'``): ``prepare_data`` stages it once per node into ``cache_dir``
+            (:func:`~lightning_fastdata.store.remote.stage`), and a later run reuses that copy after one request.
+        cache_dir: a local folder (the node's local disk) where the conversion of a folder, or the copy of a URL,
+            goes: one database per source and conversion settings; default ``$LIGHTNING_FASTDATA_CACHE`` or
+            ``~/.cache/lightning_fastdata``. Never inside ``data_dir``. It may be read-only once it holds an up-to-date
+            conversion.
         image_size: side length of the square training and validation crops.
         batch_size: samples per batch (per process under DDP). With ``drop_last=True`` a value above the process's
             share of the training split is clamped to it, with a warning (:meth:`clamp_batch_size`).
@@ -243,6 +248,11 @@ class FastImageDataModule(LightningDataModule):
             raise InvalidArgumentError(f"`on_bad_sample` must be 'raise' or 'skip', got {on_bad_sample!r}.")
         if len(mean) != 3 or len(std) != 3 or min(std) <= 0:
             raise InvalidArgumentError(f"`mean` and `std` need 3 values each and `std` > 0, got {mean} and {std}.")
+        remote.check_local(
+            cache_dir,
+            "cache_dir",
+            "the cache must be a local folder: its databases are memory-mapped. Pass a folder on the node's local disk",
+        )
         self.save_hyperparameters()
         self.data_dir = data_dir
         self.cache_dir = cache_dir
@@ -279,6 +289,7 @@ class FastImageDataModule(LightningDataModule):
         self._warned_hparams: set[tuple[str, str, str]] = set()
         self._said_generators = False
         self._tuned: int | None = None
+        self._staged: remote.StagedDatabase | None = None
         #: whether this DataModule's loaders run the device stage themselves, on the side stream
         self._stage_in_loader = False
         #: the device stage of the last loader built (for the Trainer it was built for), which the hook reuses
@@ -290,8 +301,18 @@ class FastImageDataModule(LightningDataModule):
 
     @property
     def is_database(self) -> bool:
-        """Whether ``data_dir`` already is a converted database (then nothing is converted)."""
-        return (Path(self.data_dir).expanduser() / _format.DATA_FILE).is_file()
+        """Whether ``data_dir`` already is a converted database (then nothing is converted), here or at a URL."""
+        return self.is_remote or (Path(self.data_dir).expanduser() / _format.DATA_FILE).is_file()
+
+    @property
+    def is_remote(self) -> bool:
+        """Whether ``data_dir`` is a URL, whose database is staged into ``cache_dir`` (:attr:`staging`)."""
+        return remote.is_url(self.data_dir)
+
+    @property
+    def staging(self) -> remote.StagedDatabase | None:
+        """What staging ``data_dir`` did in this process (fetched, fetched again and why, reused); ``None``: nothing."""
+        return self._staged
 
     @property
     def cache_root(self) -> Path:
@@ -301,6 +322,8 @@ class FastImageDataModule(LightningDataModule):
     @property
     def database_path(self) -> Path:
         """The database that is read: ``data_dir`` itself, or its conversion under ``cache_dir``."""
+        if self.is_remote:
+            return remote.staged_path(self.data_dir, self.cache_root)
         source = Path(self.data_dir).expanduser().absolute()
         if self.is_database:
             return source
@@ -334,6 +357,11 @@ class FastImageDataModule(LightningDataModule):
     @property
     def classes(self) -> list[str]:
         """Class names: from the database, or before conversion from the folder names (nothing is read)."""
+        if self.is_remote and self._staged is None and remote.find_staged(self.data_dir, self.cache_root) is None:
+            raise RemoteStorageError(
+                f"`data_dir` {self.data_dir!r} is not staged yet: its classes are read from the staged copy. Call"
+                " `prepare_data()` first (the Trainer does, before `setup`)."
+            )
         if self.is_database or (self.database_path / _format.DATA_FILE).is_file():
             return list(_format.read_meta(self.database_path)["classes"])
         return folder_classes(Path(self.data_dir).expanduser())
@@ -409,7 +437,9 @@ class FastImageDataModule(LightningDataModule):
 
     @override
     def prepare_data(self) -> None:
-        """Convert ``data_dir`` once (runs on one process per node; an up-to-date database is reused)."""
+        """Convert ``data_dir`` once, or stage it from its URL (one process per node; an up-to-date copy is reused)."""
+        if self.is_remote:
+            self._stage_remote()
         if self.is_database:
             _format.read_meta(self.database_path)  # fail early with a clear message if it is not usable
             if self.num_workers == "tune":
@@ -444,6 +474,17 @@ class FastImageDataModule(LightningDataModule):
         if self.num_workers == "tune":  # measured here, on one process per node, so the ranks read the cache
             self._tune_num_workers()
 
+    def _stage_remote(self) -> None:
+        """Copy the database at the URL ``data_dir`` into ``cache_dir`` once per node, or reuse the copy there."""
+        try:
+            self._staged = remote.stage(self.data_dir, self.cache_root)
+        except ReadOnlyDestinationError as err:
+            raise self._read_only_cache_error(err) from err
+        if self._staged.action != "reused":
+            rank_zero_info(
+                f"FastImageDataModule: {self._staged.reason or f'staged {self.data_dir}'}; reading {self._staged.path}"
+            )
+
     def _read_only_cache_error(self, err: ReadOnlyDestinationError) -> ReadOnlyDestinationError:
         """The error naming the setting that chose the cache folder, and the folder that is read-only.
 
@@ -464,11 +505,18 @@ class FastImageDataModule(LightningDataModule):
             where = f"{setting} does not exist and cannot be made in {str(folder)!r}, which is read-only"
         else:
             where = f"{setting} cannot be written: {str(folder)!r} is read-only"
-        error = ReadOnlyDestinationError(
-            f"{where}, so `data_dir` {self.data_dir!r} cannot be converted into it{reason}. Pass `cache_dir=` a"
-            " writable folder (`--data.cache_dir` on the command line) or set LIGHTNING_FASTDATA_CACHE to one, or"
-            " convert once where it is writable (`lightning-fastdata convert`) and pass the database as `data_dir`."
-        )
+        if self.is_remote:  # a copy of a URL: no database to pass instead, only another cache
+            error = ReadOnlyDestinationError(
+                f"{where}, so `data_dir` {self.data_dir!r} cannot be staged into it{reason}. Pass `cache_dir=` a"
+                " writable folder on this node's local disk (`--data.cache_dir` on the command line) or set"
+                " LIGHTNING_FASTDATA_CACHE to one."
+            )
+        else:
+            error = ReadOnlyDestinationError(
+                f"{where}, so `data_dir` {self.data_dir!r} cannot be converted into it{reason}. Pass `cache_dir=` a"
+                " writable folder (`--data.cache_dir` on the command line) or set LIGHTNING_FASTDATA_CACHE to one, or"
+                " convert once where it is writable (`lightning-fastdata convert`) and pass the database as `data_dir`."
+            )
         error.folder, error.reason = str(folder), err.reason
         return error
 
@@ -514,6 +562,12 @@ class FastImageDataModule(LightningDataModule):
         )
 
     def _open_splits(self) -> None:
+        if self.is_remote and self._staged is None:  # a rank other than the node's first: wait for its staging
+            found = remote.find_staged(self.data_dir, self.cache_root)
+            if found is None:  # prepare_data did not run on this node (or ran elsewhere): stage it here
+                self._stage_remote()
+            else:
+                self._staged = remote.StagedDatabase(found, "found")
         cache.record_use(self.database_path, self.cache_root)  # its last use, and that this process reads it
         meta = _format.read_meta(self.database_path)
         if self.is_database and self.short_side is not None:

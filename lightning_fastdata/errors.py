@@ -53,3 +53,11 @@ class ReadOnlyDestinationError(DestinationError):
 
     folder: str | None = None
     reason: str | None = None
+
+
+class RemoteStorageError(FastDataError, RuntimeError):
+    """A database at a URL cannot be staged or published.
+
+    A missing backend, bucket, object or completion marker, missing credentials, or a network failure. The message
+    names the URL and what to set; nothing half-copied is ever used as a database.
+    """

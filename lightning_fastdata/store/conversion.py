@@ -8,13 +8,17 @@ both take are documented once, in :data:`_OPTIONS_DOC`.
 
 from __future__ import annotations
 
+import json
 import os
+import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
 from lightning_fastdata.errors import SourceLayoutError
+from lightning_fastdata.store import remote
 from lightning_fastdata.store.encode import Encoding, check_options
+from lightning_fastdata.store.format import REPORT_FILE, default_cache_dir
 from lightning_fastdata.store.hf import DatasetRows, dataset_classes
 from lightning_fastdata.store.sources import (
     LIST_EXTENSIONS,
@@ -97,7 +101,9 @@ def convert(  # noqa: D417 - the shared options are documented in _OPTIONS_DOC
             ``.json``, a list of such objects. Listed paths are relative to the list file's folder; labels are class
             names, or class indices when all are non-negative integers. ``~`` is expanded.
         dst: the database directory to create or replace. Only a lightning_fastdata database converted from the same
-            ``src`` is replaced; one converted from another source needs ``force``.
+            ``src`` is replaced; one converted from another source needs ``force``. Or an fsspec URL
+            (``s3://bucket/name.lmdb``; needs ``pip install 'lightning-fastdata[remote]'``): the database is converted
+            into a temporary folder under the cache folder, then published there (:func:`_publish`).
         {options}
 
     Returns:
@@ -111,6 +117,9 @@ def convert(  # noqa: D417 - the shared options are documented in _OPTIONS_DOC
         ReadOnlyDestinationError: the folder of ``dst`` is read-only and ``dst`` is not an up-to-date database.
         ConversionError: nothing could be converted, a file was skipped under ``strict``, or writing failed (a full
             disk is named, with the space the database needs).
+        RemoteStorageError: ``dst`` is a URL that cannot be written (missing backend, bucket or credentials, a
+            network failure).
+        InvalidArgumentError: ``src`` is a URL (convert reads local files).
 
     Example:
         >>> from lightning_fastdata import convert
@@ -118,6 +127,16 @@ def convert(  # noqa: D417 - the shared options are documented in _OPTIONS_DOC
         >>> print(summary.format())
 
     """
+    remote.check_local(src, "src", "convert reads a local image folder or list file. Copy the source to a local disk")
+    if remote.is_url(dst):
+        return _publish(
+            lambda local: convert(
+                src, local, short_side, quality, keep_original, encoding, num_workers, strict, True, progress,
+                initial_map_size,
+            ),
+            os.fspath(dst),
+            progress,
+        )  # fmt: skip
     opts = check_options(short_side, quality, keep_original, encoding)
     src_path, dst_path = Path(src).expanduser().absolute(), Path(dst).expanduser().absolute()
     is_list = src_path.is_file() and src_path.suffix.lower() in LIST_EXTENSIONS
@@ -183,6 +202,15 @@ def convert_dataset(  # noqa: D417 - the shared options are documented in _OPTIO
         >>> convert_dataset(splits, "data/pets.lmdb")  # doctest: +SKIP
 
     """
+    if remote.is_url(dst):
+        return _publish(
+            lambda local: convert_dataset(
+                dataset, local, classes, short_side, quality, keep_original, encoding, num_workers, strict,
+                fingerprint, True, progress, initial_map_size, image_column, label_column,
+            ),
+            os.fspath(dst),
+            progress,
+        )  # fmt: skip
     opts = check_options(short_side, quality, keep_original, encoding)
     given = dict(dataset) if isinstance(dataset, Mapping) else {"train": dataset}
     if not given or not all(len(ds) for ds in given.values()):
@@ -208,3 +236,23 @@ def convert_dataset(  # noqa: D417 - the shared options are documented in _OPTIO
     return write_database(
         plan, Path(dst).expanduser(), datasets, opts, num_workers, strict, force, progress, initial_map_size
     )
+
+
+def _publish(convert_into: Callable[[Path], ConversionSummary], url: str, progress: bool) -> ConversionSummary:
+    """Convert into a temporary folder under the cache folder, then upload the database to ``url``.
+
+    The upload (:func:`~lightning_fastdata.store.remote.publish`) writes the completion marker last, so the database
+    at ``url`` is readable only once complete. The temporary folder is removed in any case.
+    """
+    remote.check_destination(url)  # a missing backend or bucket, or another's objects, fail before converting
+    root = default_cache_dir()
+    root.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".publish-", dir=root) as tmp:
+        local = Path(tmp) / "db.lmdb"
+        summary = convert_into(local)
+        report = local / REPORT_FILE
+        if report.is_file():  # the report names where the database is: the URL, not the temporary folder
+            report.write_text(json.dumps({**json.loads(report.read_text()), "destination": url}, indent=1))
+        remote.publish(local, url, progress)
+    summary.destination = url
+    return summary

@@ -1,0 +1,563 @@
+"""Databases in object storage: publish one to a bucket, and stage it once per node into the local cache.
+
+An LMDB database is a memory map, fast only on a local disk; so a database at a URL (any fsspec URL: ``s3://``,
+``gs://``, ``az://``, ``https://``, ``file://``) is copied once to each node's cache and read there.
+
+A published database is a folder (a key prefix) holding the database's files (``data.mdb``,
+``convert_report.json``) and, written last, the completion marker ``published.json``: each file's size, ETag (where
+the store gives one) and SHA-256, and an id that changes with every publication. A folder without the marker (an
+upload under way or interrupted) is refused, so nothing half-uploaded is ever read.
+
+Staging (:func:`stage`), under the cache's lock of the staged copy (:func:`~lightning_fastdata.store.writer`'s, which
+works across jobs on one node): read the marker (the only request when the node already holds this publication),
+fetch every file in parallel ranged reads into the hidden working copy ``.NAME.partial`` (the ranges done are kept in
+``progress.json`` there, so an interrupted staging resumes), check each file's size and ETag (or SHA-256 where the
+store gives no ETag) against the marker, and rename the working copy into place. The staged copy keeps the marker it
+was staged from in ``staged.json``.
+
+Credentials and endpoints come from fsspec and its backend alone (``AWS_*`` variables, profiles and instance roles
+for s3fs, ``FSSPEC_<PROTOCOL>_<OPTION>`` variables such as ``FSSPEC_S3_ENDPOINT_URL``); this module holds none.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from lightning_fastdata.errors import DestinationError, FastDataError, InvalidArgumentError, RemoteStorageError
+from lightning_fastdata.store.format import DATA_FILE, REPORT_FILE, partial_path
+
+if TYPE_CHECKING:
+    from fsspec import AbstractFileSystem
+
+log = logging.getLogger(__name__)
+
+#: the completion marker, uploaded last: a folder without it is not (yet) a database
+MARKER = "published.json"
+#: in a staged copy: the marker it was staged from
+STAGED_RECORD = "staged.json"
+#: in a working copy: the publication it belongs to and the ranges already fetched
+PROGRESS_FILE = "progress.json"
+#: the files of a database that are published (``lock.mdb`` and ``verified.json`` belong to one machine)
+PUBLISHED_FILES = (DATA_FILE, REPORT_FILE)
+#: bytes per ranged read, and ranged reads in flight: against moto's server on 2 cores (benchmarks/bench_staging.py)
+#: 4 x 64 MiB staged 273 MiB/s, 8 x 16 MiB 135 MiB/s, 8 x 8 MiB 77 MiB/s (each ranged GET costs a pass over the
+#: object there); a resumed staging refetches at most one range per thread
+RANGE_SIZE = 64 * 2**20
+READ_THREADS = 4
+
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+#: the package fsspec needs for each scheme, for the error when it is missing
+_BACKENDS = {
+    "s3": "s3fs",
+    "s3a": "s3fs",
+    "gs": "gcsfs",
+    "gcs": "gcsfs",
+    "az": "adlfs",
+    "abfs": "adlfs",
+    "abfss": "adlfs",
+    "http": "aiohttp",
+    "https": "aiohttp",
+}
+_CREDENTIALS = {
+    "s3": "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE, ~/.aws/credentials or an instance role"
+    " (and AWS_ENDPOINT_URL for a store other than AWS)",
+    "gs": "GOOGLE_APPLICATION_CREDENTIALS or `gcloud auth application-default login`",
+    "az": "AZURE_STORAGE_ACCOUNT_NAME with AZURE_STORAGE_ACCOUNT_KEY or AZURE_STORAGE_CONNECTION_STRING",
+}
+_CREDENTIALS.update({"s3a": _CREDENTIALS["s3"], "gcs": _CREDENTIALS["gs"]})
+_CREDENTIALS.update({"abfs": _CREDENTIALS["az"], "abfss": _CREDENTIALS["az"]})
+
+
+def is_url(path: str | os.PathLike[str] | None) -> bool:
+    """Whether ``path`` is a URL (``scheme://...``, ``file://`` included) rather than a local path."""
+    return path is not None and _SCHEME.match(os.fspath(path)) is not None
+
+
+def check_local(path: str | os.PathLike[str] | None, argument: str, why: str) -> None:
+    """Refuse a URL where a local path is needed.
+
+    Raises:
+        InvalidArgumentError: ``path`` is a URL; the message names ``argument`` and says why (``why``).
+
+    """
+    if is_url(path):
+        raise InvalidArgumentError(f"`{argument}` {os.fspath(path)!r} is a URL, but {why}.")  # type: ignore[arg-type]
+
+
+def _scheme(url: str) -> str:
+    match = _SCHEME.match(url)
+    return match.group(1).lower() if match else ""
+
+
+def filesystem(url: str, argument: str = "data_dir") -> tuple[AbstractFileSystem, str]:
+    """The fsspec file system of ``url`` and the path in it (no trailing slash); makes no request.
+
+    Raises:
+        RemoteStorageError: fsspec, or the backend of the URL's scheme, is not installed, or the scheme is unknown.
+
+    """
+    scheme = _scheme(url)
+    backend = _BACKENDS.get(scheme)
+    install = "pip install 'lightning-fastdata[remote]'" + (f" {backend}" if backend not in (None, "s3fs") else "")
+    try:
+        import fsspec
+    except ImportError:
+        raise RemoteStorageError(f"`{argument}` {url!r} is a URL, which needs fsspec: run `{install}`.") from None
+    try:
+        fs, path = fsspec.core.url_to_fs(url)
+    except ImportError as err:
+        raise RemoteStorageError(
+            f"`{argument}` {url!r} needs fsspec's {scheme}:// backend ({backend or err}): run `{install}`."
+        ) from None
+    except ValueError as err:
+        raise RemoteStorageError(
+            f"`{argument}` {url!r}: fsspec cannot open {scheme}:// URLs ({err}). Pass an s3://, gs://, az://, https://"
+            " or file:// URL, or a local path."
+        ) from None
+    return fs, path.rstrip("/")
+
+
+def staged_path(url: str, root: Path) -> Path:
+    """Where ``url`` is staged under the cache folder ``root``: ``<name>-<digest of the URL>.lmdb``."""
+    clean = url.rstrip("/")
+    name = clean.rsplit("/", 1)[-1].removesuffix(".lmdb") or "database"
+    digest = hashlib.sha256(json.dumps(["remote", clean]).encode()).hexdigest()[:10]
+    return root / f"{name}-{digest}.lmdb"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Errors: one line naming the URL and what to set
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _remote_error(err: BaseException, url: str, doing: str) -> RemoteStorageError:
+    """The one-line error for ``err``, raised by fsspec while ``doing`` (``"reading"``...) ``url``."""
+    scheme = _scheme(url)
+    names = {cls.__name__ for cls in type(err).__mro__}
+    detail = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    where = _CREDENTIALS.get(scheme, "the credentials your fsspec backend reads")
+    if names & {"NoCredentialsError", "PartialCredentialsError", "DefaultCredentialsError"}:
+        return RemoteStorageError(f"no credentials found for {url!r} while {doing} it ({detail}). Set {where}.")
+    if isinstance(err, PermissionError) or "AccessDenied" in detail or "Forbidden" in detail:
+        return RemoteStorageError(
+            f"access to {url!r} was denied while {doing} it ({detail}). Check the credentials ({where}) and that they"
+            " may read (and, to publish, write) this bucket."
+        )
+    if isinstance(err, FileNotFoundError):
+        return RemoteStorageError(f"{url!r} was not found while {doing} it ({detail}).")
+    again = "publishing starts over" if doing.startswith("publish") else "staging resumes where it stopped"
+    return RemoteStorageError(
+        f"network failure while {doing} {url!r} ({type(err).__name__}: {detail}). Check the network and the"
+        f" endpoint{' (AWS_ENDPOINT_URL or FSSPEC_S3_ENDPOINT_URL)' if scheme in ('s3', 's3a') else ''}, then run"
+        f" again: {again}."
+    )
+
+
+@contextlib.contextmanager
+def _remote(url: str, doing: str) -> Iterator[None]:
+    """Turn what fsspec and its backend raise into :func:`_remote_error`'s one line."""
+    try:
+        yield
+    except FastDataError:
+        raise
+    except Exception as err:
+        raise _remote_error(err, url, doing) from err
+
+
+def _missing_marker(fs: AbstractFileSystem, path: str, url: str) -> RemoteStorageError:
+    """Why ``url`` has no marker: an unfinished upload, a missing bucket, or nothing there (a few requests)."""
+    with _remote(url, "reading"):
+        if fs.exists(f"{path}/{DATA_FILE}"):
+            return RemoteStorageError(
+                f"{url!r} holds {DATA_FILE} but no {MARKER}, the marker uploaded last: an upload is under way or was"
+                f" interrupted, so it is not read. Publish it again with `lightning-fastdata convert SRC {url}`."
+            )
+        bucket = path.split("/", 1)[0]
+        if _scheme(url) in _CREDENTIALS and bucket != path and not fs.exists(bucket):
+            return RemoteStorageError(
+                f"the bucket {bucket!r} of {url!r} does not exist (or these credentials cannot see it). Check the URL,"
+                f" or the credentials ({_CREDENTIALS[_scheme(url)]})."
+            )
+    return RemoteStorageError(
+        f"no database at {url!r} (no {MARKER} there). Check the URL, or publish one with"
+        f" `lightning-fastdata convert SRC {url}`."
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Staging
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StagedDatabase:
+    """What :func:`stage` did: the local copy, and whether it was fetched, fetched again (and why) or reused."""
+
+    path: Path
+    action: Literal["staged", "restaged", "reused", "found"]
+    reason: str | None = None
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _write_json(path: Path, value: dict[str, Any]) -> None:
+    """Write ``value`` atomically (a temporary file renamed into place)."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    with os.fdopen(fd, "w") as fh:
+        json.dump(value, fh)
+    os.replace(tmp, path)
+
+
+def _read_marker(fs: AbstractFileSystem, path: str, url: str) -> dict[str, Any]:
+    """The marker of the database at ``url``: one request."""
+    with _remote(url, "reading"):
+        try:
+            # `start=0`: one ranged GET; a whole-object read makes s3fs ask for the size first (a second request)
+            raw = fs.cat_file(f"{path}/{MARKER}", start=0)
+        except FileNotFoundError:
+            raw = None
+    if raw is None:
+        raise _missing_marker(fs, path, url)
+    try:
+        marker = json.loads(raw.decode())
+        files = marker["files"]
+        if not isinstance(files, dict) or DATA_FILE not in files:
+            raise ValueError(f"no {DATA_FILE} listed")
+        if not all(isinstance(f["size"], int) and isinstance(f["sha256"], str) for f in files.values()):
+            raise ValueError("a file without its size or SHA-256")
+    except (UnicodeDecodeError, ValueError, KeyError, TypeError):
+        raise RemoteStorageError(
+            f"{url}/{MARKER} is not a marker written by lightning_fastdata (or it is damaged). Publish the database"
+            f" again with `lightning-fastdata convert SRC {url}`."
+        ) from None
+    return marker
+
+
+def _is_staged(target: Path, marker: dict[str, Any] | None = None) -> bool:
+    """Whether ``target`` is a complete staged copy (of the publication ``marker``, when given)."""
+    record = _read_json(target / STAGED_RECORD)
+    if record is None or (marker is not None and record.get("marker") != marker):
+        return False
+    files = record.get("marker", {}).get("files", {})
+    try:
+        return all((target / name).stat().st_size == info["size"] for name, info in files.items())
+    except (OSError, KeyError, TypeError):
+        return False
+
+
+def _why_restaged(old: dict[str, Any], new: dict[str, Any], url: str) -> str:
+    """Why a staged copy of ``old`` is replaced by the publication ``new``."""
+    before, after = old.get("files", {}).get(DATA_FILE, {}), new["files"][DATA_FILE]
+    sizes = f"{DATA_FILE} {before.get('size', '?')} -> {after['size']} bytes"
+    return (
+        f"{url!r} was published again ({old.get('published', '?')} -> {new.get('published', '?')}, {sizes}):"
+        " staging the new version"
+    )
+
+
+def stage(url: str, root: str | os.PathLike[str], progress: bool = True, argument: str = "data_dir") -> StagedDatabase:
+    """Copy the database published at ``url`` into the cache folder ``root``, once; later calls reuse it.
+
+    Holds the lock of the staged copy while it works, so the processes of one node (and jobs sharing the node) stage
+    it once; the others wait, then reuse it. A node that holds the current publication makes one request (the
+    marker); a changed publication is staged again, and the log says why. An interrupted staging resumes: the
+    ranges fetched are kept in the working copy.
+
+    Args:
+        url: an fsspec URL of a database published by ``lightning-fastdata convert SRC URL``.
+        root: the local cache folder (``FastImageDataModule``'s ``cache_dir``).
+        progress: show a progress bar while fetching.
+        argument: the argument named in errors.
+
+    Returns:
+        The :class:`StagedDatabase`: its local path, and what was done.
+
+    Raises:
+        RemoteStorageError: a missing backend, bucket, object or marker, missing credentials, a network failure, or
+            a file that does not match its marker. Nothing is published in the cache then.
+        DestinationError: ``root`` is read-only (:class:`~lightning_fastdata.errors.ReadOnlyDestinationError`) or has
+            no file locks, and holds no staged copy of this publication.
+
+    """
+    from lightning_fastdata.store.writer import _recover_interrupted_publish, _target_lock, _unwritable_error
+
+    target = staged_path(url, Path(root))
+    fs, path = filesystem(url, argument)
+    with contextlib.suppress(OSError):
+        target.parent.mkdir(parents=True, exist_ok=True)
+    with _target_lock(target) as unlockable:
+        _recover_interrupted_publish(target)
+        marker = _read_marker(fs, path, url)
+        if _is_staged(target, marker):
+            log.debug("%s: reusing %s, staged from the current publication", url, target)
+            return StagedDatabase(target, "reused")
+        if unlockable is not None:  # a read-only cache, or one without file locks: only a staged copy may be used
+            raise _unwritable_error(target, unlockable, outdated=target.exists()) from unlockable
+        old = _read_json(target / STAGED_RECORD)
+        reason = _why_restaged(old["marker"], marker, url) if old and isinstance(old.get("marker"), dict) else None
+        log.info(reason or f"staging {url} into {target}")
+        work = partial_path(target)
+        _fetch_all(fs, path, url, marker, work, progress)
+        _write_json(work / STAGED_RECORD, {"url": url, "marker": marker})
+        _publish_local(work, target)
+        return StagedDatabase(target, "restaged" if reason else "staged", reason)
+
+
+def find_staged(url: str, root: str | os.PathLike[str]) -> Path | None:
+    """The staged copy of ``url`` under ``root``, waiting for a staging under way; no request (``None``: none yet)."""
+    from lightning_fastdata.store.writer import _target_lock
+
+    target = staged_path(url, Path(root))
+    if not target.parent.is_dir():
+        return None
+    with _target_lock(target):
+        return target if _is_staged(target) else None
+
+
+def _publish_local(work: Path, target: Path) -> None:
+    """Replace ``target`` by the checked working copy ``work``, by rename (the old copy moved aside first)."""
+    (work / PROGRESS_FILE).unlink(missing_ok=True)
+    if target.exists():
+        old = target.parent / f".{target.name}.old"
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(target, old)
+        os.replace(work, target)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(work, target)
+
+
+def _etag(info: dict[str, Any]) -> str | None:
+    """The ETag in an fsspec ``info`` (s3fs: ``ETag``; gcsfs: ``etag``; adlfs: ``etag``), unquoted."""
+    value = info.get("ETag") or info.get("etag") or info.get("e_tag")
+    return str(value).strip('"') if value else None
+
+
+def _check_source(fs: AbstractFileSystem, path: str, url: str, name: str, want: dict[str, Any]) -> str | None:
+    """Check that the object ``name`` is the one the marker lists (size, ETag); returns its ETag (``None``: none)."""
+    with _remote(url, "reading"):
+        fs.invalidate_cache(f"{path}/{name}")
+        info = fs.info(f"{path}/{name}")
+    etag = _etag(info)
+    if info.get("size") != want["size"] or (etag and want.get("etag") and etag != want["etag"]):
+        raise RemoteStorageError(
+            f"{url}/{name} is not the file its {MARKER} lists ({info.get('size')} bytes, ETag {etag}; the marker says"
+            f" {want['size']} bytes, ETag {want.get('etag')}): it is being published again, or was replaced by hand."
+            f" Wait for the upload and run again, or publish it again with `lightning-fastdata convert SRC {url}`."
+        )
+    return etag
+
+
+def _fetch_all(fs: AbstractFileSystem, path: str, url: str, marker: dict[str, Any], work: Path, progress: bool) -> None:
+    """Fetch every file of the publication ``marker`` into ``work`` in parallel ranges, resumably, and check them."""
+    from tqdm.auto import tqdm
+
+    work.mkdir(parents=True, exist_ok=True)
+    state = _read_json(work / PROGRESS_FILE)
+    if state is None or state.get("marker") != marker or state.get("range_size") != RANGE_SIZE:
+        if state is not None:
+            log.info("%s: discarding a partly staged copy of another publication", work)
+        for item in work.iterdir():
+            item.unlink()
+        state = {"marker": marker, "range_size": RANGE_SIZE, "done": {}}
+    done: dict[str, list[int]] = {name: list(state["done"].get(name, [])) for name in marker["files"]}
+    etags = {name: _check_source(fs, path, url, name, want) for name, want in marker["files"].items()}
+    tasks, fds = [], {}
+    total = resumed = 0
+    try:
+        for name, want in marker["files"].items():
+            size = want["size"]
+            fds[name] = os.open(work / name, os.O_RDWR | os.O_CREAT, 0o644)
+            os.ftruncate(fds[name], size)
+            total += size
+            for start in range(0, size, RANGE_SIZE):
+                end = min(start + RANGE_SIZE, size)
+                if start in done[name]:
+                    resumed += end - start
+                else:
+                    tasks.append((name, start, end))
+        if resumed:
+            log.info("%s: resuming a staging interrupted with %d of %d bytes fetched", url, resumed, total)
+        lock = threading.Lock()
+
+        def fetch(name: str, start: int, end: int) -> int:
+            with lock:
+                if start in done[name]:  # fetched with the whole file by a server that ignores ranges
+                    return 0
+            data = _read_range(fs, f"{path}/{name}", start, end)
+            size = marker["files"][name]["size"]
+            if len(data) == size and end - start != size:  # a server that ignores ranges sent the whole file
+                os.pwrite(fds[name], data, 0)
+                with lock:
+                    new = size - sum(min(RANGE_SIZE, size - s) for s in done[name])
+                    done[name] = list(range(0, size, RANGE_SIZE))
+                return new
+            if len(data) != end - start:
+                raise OSError(f"a read of bytes {start}-{end} of {name} returned {len(data)} bytes")
+            os.pwrite(fds[name], data, start)
+            with lock:
+                if start not in done[name]:
+                    done[name].append(start)
+            return end - start
+
+        with (
+            tqdm(
+                total=total, initial=resumed, unit="B", unit_scale=True, desc=f"staging {url}", disable=not progress
+            ) as bar,
+            ThreadPoolExecutor(READ_THREADS, thread_name_prefix="stage") as pool,
+        ):
+            pending: set[Future[int]] = {pool.submit(fetch, *task) for task in tasks}
+            try:
+                while pending:
+                    finished, pending = wait(pending, return_when=FIRST_COMPLETED)
+                    for future in finished:
+                        bar.update(future.result())
+                    with lock:
+                        _write_json(work / PROGRESS_FILE, {**state, "done": done})
+            except BaseException as err:
+                for future in pending:
+                    future.cancel()
+                with lock:
+                    _write_json(work / PROGRESS_FILE, {**state, "done": done})
+                if isinstance(err, Exception):
+                    raise _remote_error(err, url, "staging") from err
+                raise
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    _check_copy(fs, path, url, marker, work, etags)
+
+
+def _read_range(fs: AbstractFileSystem, path: str, start: int, end: int) -> bytes:
+    """Bytes ``start:end`` of ``path`` (one ranged GET)."""
+    return bytes(fs.cat_file(path, start=start, end=end))
+
+
+def _check_copy(
+    fs: AbstractFileSystem, path: str, url: str, marker: dict[str, Any], work: Path, etags: dict[str, str | None]
+) -> None:
+    """Check the fetched files against the marker: sizes, unchanged ETags, and the SHA-256 where there is no ETag."""
+    for name, want in marker["files"].items():
+        local = work / name
+        if local.stat().st_size != want["size"]:
+            raise RemoteStorageError(f"staging {url}/{name} left {local.stat().st_size} of {want['size']} bytes.")
+        if etags[name] is not None:
+            if _check_source(fs, path, url, name, want) != etags[name]:
+                (work / PROGRESS_FILE).unlink(missing_ok=True)
+                raise RemoteStorageError(
+                    f"{url}/{name} changed while it was staged; the copy is discarded. Run again to stage the new one."
+                )
+        elif _sha256(local) != want["sha256"]:
+            (work / PROGRESS_FILE).unlink(missing_ok=True)
+            raise RemoteStorageError(
+                f"the copy of {url}/{name} does not match the SHA-256 its {MARKER} lists: it changed while it was"
+                " staged, or the server altered it; the copy is discarded. Run again."
+            )
+
+
+def _sha256(path: Path, callback: Callable[[int], Any] | None = None) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(2**22):
+            digest.update(chunk)
+            if callback is not None:
+                callback(len(chunk))
+    return digest.hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Publishing
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def check_destination(url: str) -> set[str]:
+    """Check that a database may be published at ``url`` (one listing); returns the names of the objects there.
+
+    Raises:
+        DestinationError: ``url`` holds objects that are not a published database's, or its bucket does not exist.
+        RemoteStorageError: a missing backend, missing credentials, or a network failure.
+
+    """
+    fs, path = filesystem(url, "dst")
+    with _remote(url, "publishing to"):
+        fs.invalidate_cache(path)
+        try:
+            held = {Path(p).name for p in fs.ls(path, detail=False)}
+        except FileNotFoundError:
+            held = set()
+        bucket = path.split("/", 1)[0]
+        if not held and _scheme(url) in _CREDENTIALS and bucket != path and not fs.exists(bucket):
+            raise DestinationError(
+                f"`dst` {url!r}: the bucket {bucket!r} does not exist (or these credentials cannot see it); nothing"
+                " was converted. Create the bucket, or check the URL."
+            )
+    foreign = sorted(held - {*PUBLISHED_FILES, MARKER})
+    if foreign:
+        raise DestinationError(
+            f"`dst` {url!r} holds objects that are not a published database's ({', '.join(foreign[:3])}"
+            f"{', ...' if len(foreign) > 3 else ''}); nothing was uploaded. Choose an empty prefix."
+        )
+    return held
+
+
+def publish(database: str | os.PathLike[str], url: str, progress: bool = True) -> dict[str, Any]:
+    """Upload the local database ``database`` to ``url``, readable only once complete; returns the marker.
+
+    Any previous marker at ``url`` is removed first (the old publication stops being readable), then the data files
+    are uploaded (s3fs splits large files into a multipart upload), then the new marker, last. An interrupted
+    upload leaves files without a marker, which staging refuses; publishing again replaces them.
+
+    Raises:
+        DestinationError: ``url`` holds objects that are not a published database's.
+        RemoteStorageError: a missing backend or bucket, missing credentials, or a network failure.
+
+    """
+    from fsspec.callbacks import TqdmCallback
+
+    local = Path(database)
+    fs, path = filesystem(url, "dst")
+    held = check_destination(url)
+    with _remote(url, "publishing to"):
+        if MARKER in held:
+            fs.rm_file(f"{path}/{MARKER}")  # from here on the old publication is not readable
+        fs.makedirs(path, exist_ok=True)  # a folder for file:// (object stores have none to make)
+        files: dict[str, dict[str, Any]] = {}
+        for name in PUBLISHED_FILES:
+            source = local / name
+            if not source.is_file():
+                continue
+            size = source.stat().st_size
+            kwargs = {"desc": f"uploading {name}", "unit": "B", "unit_scale": True, "disable": not progress}
+            fs.put_file(str(source), f"{path}/{name}", callback=TqdmCallback(tqdm_kwargs=kwargs))
+            fs.invalidate_cache(f"{path}/{name}")
+            etag = _etag(fs.info(f"{path}/{name}"))
+            files[name] = {"size": size, "sha256": _sha256(source), **({"etag": etag} if etag else {})}
+        marker = {
+            "format_version": 1,
+            "id": uuid.uuid4().hex,
+            "published": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "files": files,
+        }
+        fs.pipe_file(f"{path}/{MARKER}", json.dumps(marker, sort_keys=True).encode())
+    return marker

@@ -1,0 +1,470 @@
+"""Databases at a URL (store/remote.py), against a real S3 server: moto's, on 127.0.0.1, with the real s3fs client.
+
+The endpoint and credentials reach s3fs through the environment only (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``...),
+as they would on a cluster; nothing in the package is given them.
+"""
+
+from __future__ import annotations
+
+import functools
+import http.server
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from torch.nn import functional as F
+
+from lightning_fastdata import FastImageDataModule, convert, read_meta
+from lightning_fastdata.cli import main
+from lightning_fastdata.errors import DestinationError, InvalidArgumentError, RemoteStorageError
+from lightning_fastdata.store import remote
+
+pytest.importorskip("s3fs")
+moto_server = pytest.importorskip("moto.server")
+
+SCRIPT = Path(__file__).with_name("remote_ddp_script.py")
+_DIST_VARS = ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "GLOBAL_RANK", "WORLD_SIZE", "RANK")
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint() -> Iterator[str]:
+    """moto's S3 server in a thread for the session; its endpoint and test credentials set in the environment."""
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    settings = {
+        "AWS_ENDPOINT_URL": endpoint,
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_EC2_METADATA_DISABLED": "true",
+    }
+    previous = {key: os.environ.get(key) for key in settings}
+    os.environ.update(settings)
+    _fresh_clients()
+    yield endpoint
+    for key, value in previous.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    _fresh_clients()
+    server.stop()
+
+
+def _fresh_clients() -> None:
+    """Forget fsspec's cached S3 clients, so the next one reads the environment as it is now."""
+    import s3fs
+
+    s3fs.S3FileSystem.clear_instance_cache()
+
+
+@pytest.fixture
+def bucket(s3_endpoint: str) -> str:
+    """A new, empty bucket on the session's S3 server: ``s3://<name>``."""
+    import fsspec
+
+    name = f"test-{uuid.uuid4().hex[:12]}"
+    fsspec.filesystem("s3").mkdir(name)
+    return f"s3://{name}"
+
+
+@pytest.fixture
+def published(bucket: str, database: Path) -> str:
+    """The session database published at ``<bucket>/db.lmdb``."""
+    url = f"{bucket}/db.lmdb"
+    remote.publish(database, url, progress=False)
+    return url
+
+
+def _requests(caplog: pytest.LogCaptureFixture, url: str) -> list[str]:
+    """The requests the S3 server logged for the bucket of ``url``."""
+    name = url.removeprefix("s3://").split("/", 1)[0]
+    return [r.getMessage() for r in caplog.records if r.name == "werkzeug" and f"/{name}" in r.getMessage()]
+
+
+class _Tiny(LightningModule):
+    """A linear classifier on the mean colour that counts the samples it trains on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(3, 3)
+        self.samples = 0
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        images, labels = batch
+        self.samples += len(labels)
+        return F.cross_entropy(self.layer(images.mean(dim=(2, 3))), labels)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        pass
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _trainer(epochs: int) -> Trainer:
+    return Trainer(
+        accelerator="cpu",
+        max_epochs=epochs,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
+
+
+def test_a_url_is_never_taken_for_a_local_path(
+    s3_endpoint: str, split_folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """`convert SRC s3://...` writes no local folder `s3:` (nor converts for a missing bucket); a URL is refused as
+    `cache_dir` or `src`."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # nothing listens: no request leaves the machine
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    _fresh_clients()
+    try:
+        assert main(["convert", str(split_folder), "s3://no-such-bucket/x.lmdb", "--quiet"]) == 1  # a network failure
+    finally:
+        _fresh_clients()
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_endpoint)
+    with pytest.raises(DestinationError, match=r"the bucket 'no-such-bucket' does not exist.*nothing was converted"):
+        convert(split_folder, "s3://no-such-bucket/x.lmdb")
+    with pytest.raises(InvalidArgumentError, match=r"`cache_dir` 's3://bucket/cache' is a URL"):
+        FastImageDataModule(str(split_folder), cache_dir="s3://bucket/cache")
+    with pytest.raises(InvalidArgumentError, match=r"`src` 's3://bucket/images' is a URL"):
+        convert("s3://bucket/images", tmp_path / "db.lmdb")
+
+
+def test_a_missing_backend_names_the_extra_to_install(monkeypatch: pytest.MonkeyPatch):
+    """A URL whose fsspec backend (or fsspec itself) is missing fails with one line naming the pip install."""
+    monkeypatch.setitem(sys.modules, "gcsfs", None)
+    with pytest.raises(RemoteStorageError, match=r"pip install 'lightning-fastdata\[remote\]' gcsfs"):
+        remote.filesystem("gs://bucket/db.lmdb")
+    monkeypatch.setitem(sys.modules, "fsspec", None)
+    with pytest.raises(RemoteStorageError, match=r"`data_dir` 's3://b/db.lmdb' is a URL, which needs fsspec"):
+        FastImageDataModule("s3://b/db.lmdb").prepare_data()
+
+
+def test_convert_publishes_then_two_epochs_train_from_the_url(
+    bucket: str, split_folder: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+):
+    """`convert SRC URL` publishes; a DataModule on the URL stages it, trains 2 epochs, and a rerun makes 1 request."""
+    url = f"{bucket}/imgs.lmdb"
+    assert main(["convert", str(split_folder), url, "--quiet", "--short-side", "64"]) == 0
+    cache = tmp_path / "cache"
+    dm = FastImageDataModule(url, cache_dir=str(cache), image_size=16, batch_size=4, num_workers=0, val_fraction=0)
+    model = _Tiny()
+    _trainer(epochs=2).fit(model, datamodule=dm)
+    assert dm.staging is not None
+    assert dm.staging.action == "staged"
+    assert dm.database_path == dm.staging.path
+    assert dm.database_path.parent == cache
+    assert model.samples == 2 * 24
+    assert read_meta(dm.database_path)["splits"]["train"]["length"] == 24
+
+    again = FastImageDataModule(url, cache_dir=str(cache), image_size=16, batch_size=4, num_workers=0)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="werkzeug"):
+        again.prepare_data()
+        again.setup("fit")
+    assert again.staging is not None
+    assert again.staging.action == "reused"
+    assert len(_requests(caplog, url)) == 1, _requests(caplog, url)
+
+
+def test_a_failed_staging_resumes_and_nothing_half_copied_is_read(
+    published: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+):
+    """A staging cut off after 5 ranges publishes nothing; the next one fetches only the ranges left."""
+    monkeypatch.setattr(remote, "RANGE_SIZE", 8192)
+    monkeypatch.setattr(remote, "READ_THREADS", 1)
+    real = remote._read_range
+    calls: list[int] = []
+
+    def flaky(fs: Any, path: str, start: int, end: int) -> bytes:
+        calls.append(start)
+        if len(calls) > 5:
+            raise ConnectionResetError("connection reset by peer")
+        return real(fs, path, start, end)
+
+    monkeypatch.setattr(remote, "_read_range", flaky)
+    with pytest.raises(RemoteStorageError, match=r"network failure while staging 's3://.*db.lmdb'.*resumes"):
+        remote.stage(published, tmp_path, progress=False)
+    target = remote.staged_path(published, tmp_path)
+    assert not target.exists()
+    dm = FastImageDataModule(published, cache_dir=str(tmp_path))
+    with pytest.raises(RemoteStorageError, match="not staged yet"):
+        dm.classes  # noqa: B018 - the property raises
+
+    ranges = sum(-(-f["size"] // 8192) for f in json.loads(_marker(published))["files"].values())
+    monkeypatch.setattr(remote, "_read_range", real)
+    counted: list[int] = []
+    monkeypatch.setattr(remote, "_read_range", lambda *a: counted.append(a[2]) or real(*a))
+    with caplog.at_level(logging.INFO, logger=remote.__name__):
+        result = remote.stage(published, tmp_path, progress=False)
+    assert result.action == "staged"
+    assert len(counted) == ranges - 5
+    assert "resuming a staging interrupted" in caplog.text
+    assert read_meta(target)["splits"]["train"]["length"] == 24
+
+
+_STAGE_THEN_HANG = """
+import sys, time
+from pathlib import Path
+from lightning_fastdata.store import remote
+remote.RANGE_SIZE, remote.READ_THREADS = 8192, 1
+real, calls = remote._read_range, []
+def hang_after_five(*args):
+    calls.append(1)
+    if len(calls) > 5:
+        time.sleep(600)  # killed here
+    return real(*args)
+remote._read_range = hang_after_five
+remote.stage(sys.argv[1], sys.argv[2], progress=False)
+"""
+
+
+def test_a_killed_staging_resumes(published: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """A staging process killed (SIGKILL) after 5 ranges leaves no database; the next run fetches only the rest."""
+    proc = subprocess.Popen([sys.executable, "-c", _STAGE_THEN_HANG, published, str(tmp_path)])
+    progress = remote.partial_path(remote.staged_path(published, tmp_path)) / remote.PROGRESS_FILE
+    try:
+        for _ in range(1200):  # up to 2 minutes on a loaded machine
+            state = json.loads(progress.read_text()) if progress.is_file() else {}
+            if sum(len(v) for v in state.get("done", {}).values()) == 5:
+                break
+            assert proc.poll() is None, "the staging process ended before it was killed"
+            threading.Event().wait(0.1)
+        else:
+            pytest.fail("the staging process never fetched 5 ranges")
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not remote.staged_path(published, tmp_path).exists()
+    monkeypatch.setattr(remote, "RANGE_SIZE", 8192)
+    real = remote._read_range
+    counted: list[int] = []
+    monkeypatch.setattr(remote, "_read_range", lambda *a: counted.append(a[2]) or real(*a))
+    assert remote.stage(published, tmp_path, progress=False).action == "staged"
+    ranges = sum(-(-f["size"] // 8192) for f in json.loads(_marker(published))["files"].values())
+    assert len(counted) == ranges - 5
+    assert read_meta(remote.staged_path(published, tmp_path))["splits"]["train"]["length"] == 24
+
+
+def _marker(url: str) -> bytes:
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(url)
+    fs.invalidate_cache()
+    return fs.cat_file(f"{path}/{remote.MARKER}")
+
+
+def test_a_changed_object_is_staged_again_and_says_why(
+    published: str, plain_photo_database: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+):
+    """Publishing another database at the URL makes the next run stage it again, logging why."""
+    first = remote.stage(published, tmp_path, progress=False)
+    assert first.action == "staged"
+    remote.publish(plain_photo_database, published, progress=False)
+    dm = FastImageDataModule(published, cache_dir=str(tmp_path), num_workers=0)
+    with caplog.at_level(logging.INFO):
+        dm.prepare_data()
+    assert dm.staging is not None
+    assert dm.staging.action == "restaged"
+    assert "was published again" in (dm.staging.reason or "")
+    assert "was published again" in caplog.text
+    assert dm.database_path == first.path
+    assert read_meta(dm.database_path)["splits"]["train"]["length"] == 80
+
+
+def test_an_unfinished_upload_is_refused(published: str, tmp_path: Path):
+    """A database whose marker is missing (an upload under way or interrupted) is not staged, and says so."""
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(published)
+    fs.rm_file(f"{path}/{remote.MARKER}")
+    with pytest.raises(RemoteStorageError, match=r"holds data.mdb but no published.json.*upload is under way"):
+        remote.stage(published, tmp_path, progress=False)
+    assert not remote.staged_path(published, tmp_path).exists()
+
+
+_PREPARE = """
+import sys
+from lightning_fastdata import FastImageDataModule
+from lightning_fastdata.errors import ReadOnlyDestinationError
+dm = FastImageDataModule(sys.argv[1], cache_dir=sys.argv[2])
+try:
+    dm.prepare_data()
+except ReadOnlyDestinationError as err:
+    print(err)
+    sys.exit(3)
+dm.setup("fit")
+print(dm.staging.action)
+"""
+
+
+def test_a_read_only_cache_names_the_setting_and_still_reads_a_staged_copy(
+    published: str, tmp_path: Path, read_only_python: Callable[..., subprocess.CompletedProcess]
+):
+    """A read-only `cache_dir` without the copy says to pass a writable one; holding the copy, it is read."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    proc = read_only_python([cache], _PREPARE, published, str(cache))
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert f"`cache_dir` '{cache}' is read-only" in proc.stdout
+    assert "cannot be staged into it" in proc.stdout
+    remote.stage(published, cache, progress=False)
+    proc = read_only_python([cache], _PREPARE, published, str(cache))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["reused"]
+
+
+def test_a_missing_bucket_or_database_is_named(bucket: str, tmp_path: Path):
+    """A bucket that does not exist and a prefix with no database each get their own one-line error."""
+    with pytest.raises(RemoteStorageError, match=r"the bucket 'no-such-bucket-x' of 's3://no-such-bucket-x/db"):
+        remote.stage("s3://no-such-bucket-x/db.lmdb", tmp_path, progress=False)
+    with pytest.raises(RemoteStorageError, match=r"no database at 's3://.*/nothing.lmdb'.*convert SRC s3://"):
+        remote.stage(f"{bucket}/nothing.lmdb", tmp_path, progress=False)
+
+
+def test_missing_credentials_and_a_network_failure_are_named(
+    published: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """No credentials names the variables to set; an endpoint nobody answers names the endpoint setting."""
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    _fresh_clients()
+    try:
+        with pytest.raises(RemoteStorageError, match=r"no credentials found for 's3://.*'.*Set AWS_ACCESS_KEY_ID"):
+            remote.stage(published, tmp_path, progress=False)
+        monkeypatch.undo()
+        monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{_free_port()}")
+        monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+        _fresh_clients()
+        with pytest.raises(RemoteStorageError, match=r"network failure while reading 's3://.*'.*AWS_ENDPOINT_URL"):
+            remote.stage(published, tmp_path, progress=False)
+    finally:
+        monkeypatch.undo()
+        _fresh_clients()
+    assert not remote.staged_path(published, tmp_path).exists()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_publish_refuses_a_prefix_holding_other_objects(bucket: str, database: Path):
+    """Publishing onto a prefix that holds other objects uploads nothing and names them."""
+    import fsspec
+
+    fs = fsspec.filesystem("s3")
+    fs.pipe_file(f"{bucket.removeprefix('s3://')}/db.lmdb/notes.txt", b"mine")
+    with pytest.raises(DestinationError, match=r"holds objects that are not a published database's \(notes.txt\)"):
+        remote.publish(database, f"{bucket}/db.lmdb", progress=False)
+    assert not fs.exists(f"{bucket.removeprefix('s3://')}/db.lmdb/data.mdb")
+
+
+_STAGE_ONCE = """
+import json, sys
+from lightning_fastdata.store import remote
+result = remote.stage(sys.argv[1], sys.argv[2], progress=False)
+print(json.dumps({"action": result.action, "path": str(result.path)}))
+"""
+
+
+def test_two_jobs_staging_into_one_cache_at_once_fetch_once(published: str, tmp_path: Path):
+    """Two processes (two jobs on one node) staging one URL into one cache: one fetches, the other waits and reuses."""
+    cmd = [sys.executable, "-c", _STAGE_ONCE, published, str(tmp_path)]
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    results = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err[-3000:]
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    assert sorted(r["action"] for r in results) == ["reused", "staged"]
+    assert len({r["path"] for r in results}) == 1
+    assert [p.name for p in tmp_path.iterdir()] == [Path(results[0]["path"]).name]
+
+
+@pytest.fixture
+def http_site(tmp_path: Path) -> Iterator[tuple[Path, str]]:
+    """A plain ``http.server`` (no Range support, no listings used) serving a folder: ``(folder, base URL)``."""
+    site = tmp_path / "site"
+    site.mkdir()
+    handler = functools.partial(_QuietHandler, directory=str(site))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield site, f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+def test_a_database_over_plain_http_is_staged_from_its_marker(
+    http_site: tuple[Path, str], database: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """Published with a file:// URL and served by http.server, it stages over HTTP, checked by SHA-256, and reused."""
+    pytest.importorskip("aiohttp")
+    site, base = http_site
+    remote.publish(database, (site / "db.lmdb").as_uri(), progress=False)
+    monkeypatch.setattr(remote, "RANGE_SIZE", 8192)  # ranges the server ignores: it sends whole files
+    cache = tmp_path / "cache"
+    first = remote.stage(f"{base}/db.lmdb", cache, progress=False)
+    assert first.action == "staged"
+    assert read_meta(first.path)["splits"]["train"]["length"] == 24
+    assert (first.path / "data.mdb").read_bytes() == (database / "data.mdb").read_bytes()
+    assert remote.stage(f"{base}/db.lmdb", cache, progress=False).action == "reused"
+
+
+@pytest.mark.slow
+def test_two_nodes_of_two_ranks_stage_once_per_node_and_cover_every_sample(published: str, tmp_path: Path) -> None:
+    """2 launches (nodes) x 2 CPU DDP ranks, one cache per node: each node stages once, each epoch covers all once."""
+    port = str(_free_port())
+    procs = []
+    for node in range(2):
+        out = tmp_path / f"node{node}"
+        out.mkdir()
+        env = {k: v for k, v in os.environ.items() if k not in _DIST_VARS}
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, NODE_RANK=str(node))
+        cmd = [sys.executable, str(SCRIPT), published, str(out / "cache"), str(out), "2"]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    for proc in procs:
+        output, _ = proc.communicate(timeout=400)
+        assert proc.returncode == 0, output[-4000:]
+    records = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("node*/rank*.json"))]
+    assert sorted(r["rank"] for r in records) == [0, 1, 2, 3]
+    for node in range(2):
+        on_node = [r for r in records if r["node_rank"] == node]
+        assert sorted(r["staging"] for r in on_node) == ["found", "staged"]
+        assert len({r["database"] for r in on_node}) == 1
+        assert [p.name for p in (tmp_path / f"node{node}" / "cache").glob("*.lmdb")] == [
+            Path(on_node[0]["database"]).name
+        ]
+    for epoch in range(2):
+        seen = sorted(i for r in records for i in r["epochs"][epoch])
+        assert seen == list(range(24))
