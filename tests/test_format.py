@@ -5,6 +5,8 @@ import os
 import random
 import re
 import shutil
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -455,3 +457,70 @@ def test_concurrent_records_replace_each_other_whole(database_copy):
         thread.join()
     assert json.loads((database_copy / store_format.VERIFIED_FILE).read_text())[store_format.DATA_FILE] == identity
     assert sorted(p.name for p in database_copy.iterdir() if p.suffix == ".tmp") == []
+
+
+_FORK_WHILE_READING = """
+import os, sys, threading, time
+from lightning_fastdata.store.reader import LmdbImageDataset
+
+dataset = LmdbImageDataset(sys.argv[1])
+stop = threading.Event()
+
+def read_forever():  # a loader thread's look-ahead: one read transaction after another, never idle
+    while not stop.is_set():
+        with dataset.records() as read:
+            for index in range(len(dataset)):
+                read(index)
+
+threading.Thread(target=read_forever, daemon=True).start()
+time.sleep(0.2)
+for attempt in range(int(sys.argv[2])):
+    pid = os.fork()
+    if pid == 0:  # the child reopens the database (the parent's environment was closed at the fork) and reads
+        header, payload = LmdbImageDataset(sys.argv[1]).read_record(0)
+        os._exit(0 if len(payload) > 0 else 3)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.01)
+    else:
+        print(f"HANG at fork {attempt}", flush=True)
+        os.kill(pid, 9)
+        os._exit(1)
+    assert os.waitstatus_to_exitcode(status) == 0, status
+stop.set()
+print("FORKS OK", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_a_fork_while_another_thread_reads_never_hangs_the_child(database: Path) -> None:
+    """Forking (DataLoader workers start) while a loader thread reads: the child closes the inherited environment
+    and reopens the database. py-lmdb's close waits for the calls in flight, which a child never sees end, so the
+    fork waits for the other threads' read transactions to end (the suite hung in such a child)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _FORK_WHILE_READING, str(database), "40"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "FORKS OK" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_a_fork_from_inside_a_read_transaction_does_not_wait_for_itself(database: Path) -> None:
+    """The forking thread's own open transaction is not in flight: the fork goes ahead at once."""
+    from lightning_fastdata.store.reader import LmdbImageDataset
+
+    dataset = LmdbImageDataset(database)
+    with dataset.records() as read:
+        read(0)
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0 if LmdbImageDataset(database).read_record(1)[1] else 3)
+        _, status = os.waitpid(pid, 0)
+        _, payload = read(1)  # the parent's transaction still reads
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert len(payload) > 0

@@ -264,15 +264,104 @@ def _incomplete_message(path: Path) -> str:
 _ENVS: dict[str, tuple[tuple[int, int, int], lmdb.Environment]] = {}
 _ENVS_LOCK = threading.Lock()
 
+#: how long a fork waits for the other threads' read transactions to end (a batch's decode takes milliseconds)
+FORK_WAIT_S = 30.0
+
+
+class _ForkGate:
+    """Holds a fork back until no other thread of this process is inside one of this package's LMDB transactions.
+
+    py-lmdb (3.x) counts the calls in flight on each environment and closing one waits for the count to reach zero. A
+    forked child inherits the count, but not the threads that would bring it down: had a loader thread been reading
+    when the fork came (a threads engine's look-ahead, say, while worker processes start), closing the inherited
+    environment in the child would wait forever. So every read transaction of the package runs inside :meth:`inside`,
+    and a fork waits (up to :data:`FORK_WAIT_S`) until none does on another thread, new ones waiting meanwhile.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._inside = 0  # threads inside a transaction
+        self._forking = False
+        self._depth = threading.local()  # this thread's nesting
+        self.clean = True  # whether the last fork found no other thread inside
+
+    @contextlib.contextmanager
+    def inside(self) -> Any:
+        depth = getattr(self._depth, "n", 0)
+        if depth == 0:
+            with self._cond:
+                while self._forking:
+                    self._cond.wait()
+                self._inside += 1
+        self._depth.n = depth + 1
+        try:
+            yield
+        finally:
+            self._depth.n = depth
+            if depth == 0:
+                with self._cond:
+                    self._inside -= 1
+                    if self._inside == 0:
+                        self._cond.notify_all()
+
+    def before_fork(self) -> None:
+        self._cond.acquire()  # held through the fork: no transaction starts until it is done
+        self._forking = True
+        own = 1 if getattr(self._depth, "n", 0) else 0  # the forking thread's own transaction is not in flight
+        self._cond.wait_for(lambda: self._inside <= own, FORK_WAIT_S)
+        self.clean = self._inside <= own
+
+    def after_fork_in_parent(self) -> None:
+        self._forking = False
+        self._cond.notify_all()
+        self._cond.release()
+
+    def after_fork_in_child(self) -> bool:
+        """Start afresh (the child's only thread is the forking one); whether the inherited environments are idle."""
+        clean = self.clean
+        depth = getattr(self._depth, "n", 0)
+        self.__init__()  # type: ignore[misc]
+        self._depth.n = depth
+        self._inside = 1 if depth else 0
+        return clean
+
+
+_GATE = _ForkGate()
+#: environments a child could not close (another thread was inside them at the fork): kept, never deallocated
+_ABANDONED: list[lmdb.Environment] = []
+
+
+@contextlib.contextmanager
+def read_transaction(env: lmdb.Environment, buffers: bool = False) -> Any:
+    """A read transaction of ``env`` that holds forks back until it ends (see :class:`_ForkGate`)."""
+    with _GATE.inside():
+        txn = env.begin(buffers=buffers)
+        try:
+            yield txn
+        finally:
+            txn.abort()  # read-only: nothing to commit
+
 
 def _close_inherited() -> None:
+    clean = _GATE.after_fork_in_child()
     for _, env in _ENVS.values():
-        env.close()
+        if clean:
+            env.close()
+        else:  # closing would wait forever on the calls in flight in the parent's other threads
+            _ABANDONED.append(env)
     _ENVS.clear()
+    if not clean:
+        log.warning(
+            "a fork came while another thread held a database read open for over %.0f s: this child keeps the"
+            " parent's LMDB environments open and cannot reopen them.",
+            FORK_WAIT_S,
+        )
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_close_inherited)
+    os.register_at_fork(
+        before=_GATE.before_fork, after_in_parent=_GATE.after_fork_in_parent, after_in_child=_close_inherited
+    )
 
 
 def open_readonly(path: str | os.PathLike[str]) -> lmdb.Environment:
@@ -483,7 +572,7 @@ def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
 
     """
     try:
-        with open_readonly(path).begin() as txn:
+        with read_transaction(open_readonly(path)) as txn:
             raw = txn.get(META_KEY)
     except lmdb.Error as err:
         raise DatasetFormatError(f"reading the metadata of {os.fspath(path)!r} failed: {err}") from err
@@ -505,7 +594,7 @@ def read_sources(path: str | os.PathLike[str], split: str = "train") -> list[str
     if split not in splits:
         raise ValueError(f"`split` {split!r} is not in {os.fspath(path)!r}; it holds {sorted(splits)}.")
     try:
-        with open_readonly(path).begin() as txn:
+        with read_transaction(open_readonly(path)) as txn:
             raw = txn.get(sources_key(split))
     except lmdb.Error as err:
         raise DatasetFormatError(f"reading the sources of {os.fspath(path)!r} failed: {err}") from err

@@ -5,6 +5,7 @@ It mirrors the writer (:mod:`lightning_fastdata.store.writer`); both follow :mod
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import io
 import os
@@ -29,6 +30,7 @@ from lightning_fastdata.store.format import (
     labels_key,
     open_readonly,
     read_meta,
+    read_transaction,
     record_key,
     unpack_record,
 )
@@ -147,14 +149,12 @@ class LmdbImageDataset(Dataset):
         ``payload`` is a view into the database's memory map, valid until the ``with`` block ends: decode it there, or
         copy it. ``read`` raises as :meth:`read_record` does.
         """
-        try:
-            txn = self._environment().begin(buffers=True)
-        except lmdb.Error as err:
-            raise CorruptRecordError(f"reading {self.path!r} failed: {err}") from err
-        try:
+        with contextlib.ExitStack() as stack:
+            try:
+                txn = stack.enter_context(read_transaction(self._environment(), buffers=True))
+            except lmdb.Error as err:
+                raise CorruptRecordError(f"reading {self.path!r} failed: {err}") from err
             yield functools.partial(self._read, txn)
-        finally:
-            txn.abort()  # read-only: nothing to commit
 
     def _read(self, txn: lmdb.Transaction, index: int) -> tuple[RecordHeader, memoryview]:
         length = self._length
@@ -276,7 +276,7 @@ class LmdbImageDataset(Dataset):
     def targets(self) -> list[int]:
         """The label of every sample, read from the database on each access (not kept in memory)."""
         try:
-            with self._environment().begin() as txn:
+            with read_transaction(self._environment()) as txn:
                 raw = txn.get(labels_key(self.split))
         except lmdb.Error as err:
             raise CorruptRecordError(

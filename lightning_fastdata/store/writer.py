@@ -47,6 +47,7 @@ from lightning_fastdata.store.format import (
     pack_record,
     partial_path,
     read_meta,
+    read_transaction,
     record_key,
     sources_key,
 )
@@ -123,7 +124,7 @@ def _existing_meta(dst: Path) -> dict[str, Any] | None:
 def _has_meta_record(dst: Path) -> bool:
     """Whether the LMDB at ``dst`` holds a ``__meta__`` record, i.e. was written by lightning_fastdata."""
     try:
-        with open_readonly(dst).begin() as txn:
+        with read_transaction(open_readonly(dst)) as txn:
             return txn.get(META_KEY) is not None
     except (DatasetFormatError, lmdb.Error):
         return False
