@@ -73,9 +73,9 @@ class LoaderMonitor(Callback):
     At the end of each epoch (one line: the mean wait and step, the data fraction they give and its verdict) and of
     fit (a table), rank zero reports the mean, p50 and p90 wait and step, the data fraction, throughput, GPU
     utilization, a verdict (input-bound, balanced, compute-bound), the speedup available if data were free ((wait +
-    step) / step), and — when input-bound, or balanced on the CPU on worker processes — advice computed from this
-    run. Both are printed through the Trainer's progress bar (``trainer.progress_bar_callback.print``), so they start
-    on a line of their own under tqdm or Rich; without a bar they are logged (``rank_zero_info``).
+    step) / step), and — when input-bound — advice computed from this run. Both are printed through the Trainer's
+    progress bar (``trainer.progress_bar_callback.print``), so they start on a line of their own under tqdm or Rich;
+    without a bar they are logged (``rank_zero_info``).
 
     Args:
         warmup_epochs: the first epochs this fit runs (whatever their number, on a resumed fit) left out of the
