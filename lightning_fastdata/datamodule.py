@@ -547,7 +547,7 @@ class FastImageDataModule(LightningDataModule):
         """
         if self._said_generators or self.train_dataset is None or fuses(self.train_dataset):
             return
-        workers = self._tuned if self._tuned is not None else None
+        workers = self._tuned
         if workers is None:
             workers = self.worker_budget() if self.num_workers in ("auto", "tune") else int(self.num_workers)
         if workers == 0 or self.resolved_engine(workers) != "threads":

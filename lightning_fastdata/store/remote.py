@@ -27,7 +27,6 @@ import json
 import logging
 import os
 import re
-import shutil
 import tempfile
 import threading
 import uuid
@@ -300,7 +299,7 @@ def stage(url: str, root: str | os.PathLike[str], progress: bool = True, argumen
             no file locks, and holds no staged copy of this publication.
 
     """
-    from lightning_fastdata.store.writer import _recover_interrupted_publish, _target_lock, _unwritable_error
+    from lightning_fastdata.store.writer import _publish, _recover_interrupted_publish, _target_lock, _unwritable_error
 
     target = staged_path(url, Path(root))
     fs, path = filesystem(url, argument)
@@ -320,7 +319,8 @@ def stage(url: str, root: str | os.PathLike[str], progress: bool = True, argumen
         work = partial_path(target)
         _fetch_all(fs, path, url, marker, work, progress)
         _write_json(work / STAGED_RECORD, {"url": url, "marker": marker})
-        _publish_local(work, target)
+        (work / PROGRESS_FILE).unlink(missing_ok=True)
+        _publish(work, target)
         return StagedDatabase(target, "restaged" if reason else "staged", reason)
 
 
@@ -333,19 +333,6 @@ def find_staged(url: str, root: str | os.PathLike[str]) -> Path | None:
         return None
     with _target_lock(target):
         return target if _is_staged(target) else None
-
-
-def _publish_local(work: Path, target: Path) -> None:
-    """Replace ``target`` by the checked working copy ``work``, by rename (the old copy moved aside first)."""
-    (work / PROGRESS_FILE).unlink(missing_ok=True)
-    if target.exists():
-        old = target.parent / f".{target.name}.old"
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(target, old)
-        os.replace(work, target)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(work, target)
 
 
 def _etag(info: dict[str, Any]) -> str | None:

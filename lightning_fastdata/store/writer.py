@@ -504,6 +504,7 @@ def _publish(tmp: Path, dst: Path) -> None:
     """Move the finished database into place; an interruption leaves either the old or the new one, or none."""
     if dst.exists():
         old = dst.parent / f".{dst.name}.old"
+        shutil.rmtree(old, ignore_errors=True)  # left by a publish that died after moving the new one in
         os.replace(dst, old)
         os.replace(tmp, dst)
         shutil.rmtree(old, ignore_errors=True)
