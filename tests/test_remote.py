@@ -71,6 +71,53 @@ def _fresh_clients() -> None:
     s3fs.S3FileSystem.clear_instance_cache()
 
 
+def _range_checksum_server(corrupt: bool) -> Any:
+    """moto's S3 app (the session server's objects) behind a server that, as Ceph RGW before its 2025 fix and
+    ``rclone serve s3`` do, sends a checksum with every partial range that does not match it; ``corrupt`` also flips
+    the first byte of each such range."""
+    from moto.moto_server.werkzeug_app import DomainDispatcherApplication, create_backend_app
+    from werkzeug.serving import make_server
+
+    app = DomainDispatcherApplication(create_backend_app)
+
+    def misbehaving(environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
+        partial = environ.get("HTTP_RANGE") not in (None, "bytes=0-")
+        if not partial:
+            return app(environ, start_response)
+
+        def start(status: str, headers: list[tuple[str, str]], *args: Any) -> Any:
+            if status.startswith("206"):
+                headers = [*headers, ("x-amz-checksum-crc32", "AAAAAA==")]
+            return start_response(status, headers, *args)
+
+        body = b"".join(app(environ, start))
+        if corrupt and body:
+            body = bytes([body[0] ^ 0xFF]) + body[1:]
+        return [body]
+
+    server = make_server("127.0.0.1", 0, misbehaving, threaded=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+@pytest.fixture
+def range_checksum_endpoint(s3_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[bool], None]]:
+    """Switch this test's S3 clients to a server that sends wrong checksums with ranges (see above)."""
+    servers = []
+
+    def switch(corrupt: bool) -> None:
+        servers.append(_range_checksum_server(corrupt))
+        monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{servers[-1].server_port}")
+        _fresh_clients()
+
+    yield switch
+    for server in servers:
+        server.shutdown()
+        server.server_close()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_endpoint)
+    _fresh_clients()
+
+
 @pytest.fixture
 def bucket(s3_endpoint: str) -> str:
     """A new, empty bucket on the session's S3 server: ``s3://<name>``."""
@@ -186,6 +233,48 @@ def test_convert_publishes_then_two_epochs_train_from_the_url(
     assert again.staging is not None
     assert again.staging.action == "reused"
     assert len(_requests(caplog, url)) == 1, _requests(caplog, url)
+
+
+@pytest.mark.parametrize(("cpus", "setting", "expected"), [(1, None, 4), (4, None, 8), (32, None, 16), (32, 3, 3)])
+def test_staging_keeps_more_reads_in_flight_on_more_cores(
+    monkeypatch: pytest.MonkeyPatch, cpus: int, setting: int | None, expected: int
+):
+    """Twice the usable CPUs, 4 to 16, unless READ_THREADS is set."""
+    monkeypatch.setattr(remote, "usable_cpu_count", lambda: cpus)
+    monkeypatch.setattr(remote, "READ_THREADS", setting)
+    assert remote.read_threads() == expected
+
+
+def test_a_server_sending_the_whole_objects_checksum_with_ranges_still_stages(
+    published: str,
+    database: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    range_checksum_endpoint: Callable[[bool], None],
+):
+    """botocore's FlexibleChecksumError on a range is read past once, said, and the SHA-256 checks the copy."""
+    pytest.importorskip("botocore.httpchecksum")
+    monkeypatch.setattr(remote, "RANGE_SIZE", 8192)
+    range_checksum_endpoint(False)
+    with caplog.at_level(logging.WARNING, logger=remote.__name__):
+        staged = remote.stage(published, tmp_path / "cache", progress=False)
+    assert staged.action == "staged"
+    assert (staged.path / "data.mdb").read_bytes() == (database / "data.mdb").read_bytes()
+    warnings = [r.getMessage() for r in caplog.records if "whole object's checksum" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+
+
+def test_ranges_read_past_a_wrong_checksum_are_checked_by_sha256(
+    published: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, range_checksum_endpoint: Callable[[bool], None]
+):
+    """When that server also alters the bytes, the SHA-256 check refuses the copy and nothing is published."""
+    pytest.importorskip("botocore.httpchecksum")
+    monkeypatch.setattr(remote, "RANGE_SIZE", 8192)
+    range_checksum_endpoint(True)
+    with pytest.raises(RemoteStorageError, match="does not match the SHA-256"):
+        remote.stage(published, tmp_path / "cache", progress=False)
+    assert remote.find_staged(published, tmp_path / "cache") is None
 
 
 def test_a_failed_staging_resumes_and_nothing_half_copied_is_read(
