@@ -385,7 +385,8 @@ def _cache(args: argparse.Namespace) -> int:
         settings = " ".join(f"{k}={v}" for k, v in c.settings.items())
         status = c.state + (", in use" if c.in_use else "")
         print(f"{c.key}  {human_bytes(c.size)}  last used {(now - c.last_used) / 86400:.1f} days ago  {status}")
-        print(f"    source {c.source or '?'}  {settings}")
+        source = f"{c.staged_from} (staged; converted from {c.source or '?'})" if c.staged_from else c.source or "?"
+        print(f"    source {source}  {settings}")
     total = sum(c.size for c in conversions)
     print(f"{len(conversions)} conversion(s), {human_bytes(total)} in {root}")
     return 0

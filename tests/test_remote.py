@@ -557,3 +557,15 @@ def test_two_nodes_of_two_ranks_stage_once_per_node_and_cover_every_sample(publi
     for epoch in range(2):
         seen = sorted(i for r in records for i in r["epochs"][epoch])
         assert seen == list(range(24))
+
+
+def test_cache_list_shows_a_staged_copys_url(published: str, tmp_path: Path, capsys: pytest.CaptureFixture):
+    """`cache list` names the URL a staged copy came from, beside the folder it was converted from."""
+    from lightning_fastdata.store.cache import list_conversions
+
+    cache = tmp_path / "cache"
+    remote.stage(published, cache, progress=False)
+    (entry,) = list_conversions(cache)
+    assert entry.staged_from == published
+    assert main(["cache", "list", "--cache-dir", str(cache)]) == 0
+    assert f"source {published} (staged; converted from " in capsys.readouterr().out

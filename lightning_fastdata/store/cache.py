@@ -32,6 +32,7 @@ from lightning_fastdata.errors import DatasetFormatError, DestinationError, Inva
 from lightning_fastdata.store import format as _format
 from lightning_fastdata.store.format import (
     DATA_FILE,
+    STAGED_RECORD,
     converter_of,
     default_cache_dir,
     describe_converter,
@@ -166,6 +167,8 @@ class CachedConversion:
     state: str
     #: whether a live process reads it
     in_use: bool
+    #: the URL a staged copy of a database in a bucket came from (``None``: converted here)
+    staged_from: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (``cache list --json``)."""
@@ -178,6 +181,7 @@ class CachedConversion:
             "last_used": self.last_used,
             "state": self.state,
             "in_use": self.in_use,
+            "staged_from": self.staged_from,
         }
 
 
@@ -241,7 +245,16 @@ def _entry(database: Path, key: str, partial: bool) -> CachedConversion:
         last_used=_last_use(database),
         state=state,
         in_use=not partial and in_use(database),
+        staged_from=None if partial else _staged_from(database),
     )
+
+
+def _staged_from(database: Path) -> str | None:
+    """The URL in a staged copy's record (:mod:`~lightning_fastdata.store.remote`), else ``None``."""
+    with contextlib.suppress(OSError, UnicodeDecodeError, ValueError, AttributeError):
+        url = json.loads((database / STAGED_RECORD).read_text()).get("url")
+        return url if isinstance(url, str) else None
+    return None
 
 
 def list_conversions(cache_dir: str | os.PathLike[str] | None = None) -> list[CachedConversion]:

@@ -51,6 +51,8 @@ MAGIC = b"LF"
 META_KEY = b"__meta__"
 DATA_FILE = "data.mdb"
 REPORT_FILE = "convert_report.json"
+#: in a copy staged from a bucket (:mod:`~lightning_fastdata.store.remote`): its URL and the marker it was staged from
+STAGED_RECORD = "staged.json"
 #: beside ``data.mdb``: the identity of the data file whose LMDB pages were walked without a crash
 VERIFIED_FILE = "verified.json"
 

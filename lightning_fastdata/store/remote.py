@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from lightning_fastdata.cpus import usable_cpu_count
 from lightning_fastdata.errors import DestinationError, FastDataError, InvalidArgumentError, RemoteStorageError
-from lightning_fastdata.store.format import DATA_FILE, REPORT_FILE, partial_path
+from lightning_fastdata.store.format import DATA_FILE, REPORT_FILE, STAGED_RECORD, partial_path
 
 if TYPE_CHECKING:
     from fsspec import AbstractFileSystem
@@ -48,8 +48,6 @@ log = logging.getLogger(__name__)
 
 #: the completion marker, uploaded last: a folder without it is not (yet) a database
 MARKER = "published.json"
-#: in a staged copy: the marker it was staged from
-STAGED_RECORD = "staged.json"
 #: in a working copy: the publication it belongs to and the ranges already fetched
 PROGRESS_FILE = "progress.json"
 #: the files of a database that are published (``lock.mdb`` and ``verified.json`` belong to one machine)
