@@ -195,6 +195,10 @@ class FastImageDataModule(LightningDataModule):
             counts them in :attr:`skipped_samples`.
         predict_split: the split ``predict_dataloader`` reads, in order; default ``"test"``, else ``"val"``, else
             ``"train"``. :meth:`predict_sources` names the source file of each prediction.
+        prepare_data_per_node: ``True`` (Lightning's default): local rank 0 of every node converts or stages the
+            data in ``prepare_data``; ``False``: global rank 0 alone does, while every other rank waits. For a
+            ``cache_dir`` that every node shares (docs/ddp.md); with a cache per node, a URL is then staged in
+            ``setup`` by the first rank of each other node, but a folder's conversion is not found there.
 
     Example:
         >>> from lightning.pytorch import Trainer
@@ -230,6 +234,7 @@ class FastImageDataModule(LightningDataModule):
         decode: Literal["cpu", "device"] = "cpu",
         on_bad_sample: Literal["raise", "skip"] = "raise",
         predict_split: str | None = None,
+        prepare_data_per_node: bool = True,
     ) -> None:
         super().__init__()
         if image_size < 1 or batch_size < 1:
@@ -277,6 +282,7 @@ class FastImageDataModule(LightningDataModule):
         self.decode = decode
         self.on_bad_sample = on_bad_sample
         self.predict_split = predict_split
+        self.prepare_data_per_node = prepare_data_per_node
         self._skip_counter = SkipCounter()
         self.train_dataset: Dataset | None = None
         self.val_dataset: Dataset | None = None

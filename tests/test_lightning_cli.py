@@ -313,3 +313,12 @@ def test_a_misspelled_trainer_key_in_a_config_names_the_nearest_key(tmp_path: Pa
     assert main(["fit", "--config", "examples/configs/cpu.yaml", "--config", str(config)]) == 2
     line = _one_error_line(capsys.readouterr().err)
     assert line == "error: unknown key `trainer.max_epoch`; did you mean `trainer.max_epochs`?"
+
+
+@pytest.mark.usefixtures("in_repo")
+def test_prepare_data_per_node_is_a_cli_argument() -> None:
+    """`--data.prepare_data_per_node false` reaches the attribute Lightning reads to pick who prepares the data."""
+    config = ["--config", "examples/configs/cpu.yaml"]
+    assert lightning_cli(config, run=False).datamodule.prepare_data_per_node is True
+    cli = lightning_cli([*config, "--data.prepare_data_per_node", "false"], run=False)
+    assert cli.datamodule.prepare_data_per_node is False
