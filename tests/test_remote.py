@@ -235,6 +235,46 @@ def test_convert_publishes_then_two_epochs_train_from_the_url(
     assert len(_requests(caplog, url)) == 1, _requests(caplog, url)
 
 
+def test_converting_to_a_url_again_neither_converts_nor_uploads(
+    bucket: str, split_folder: Path, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture
+):
+    """The local conversion stays in the cache; a rerun finds it and the URL's marker up to date: no upload.
+
+    Once the URL holds something else, the same rerun uploads the kept conversion again, without converting.
+    """
+    url = f"{bucket}/again.lmdb"
+    args = ["convert", str(split_folder), url, "--short-side", "48"]
+    assert main(args) == 0
+    first = json.loads(_remote_marker(url))
+    capsys.readouterr()
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="werkzeug"):
+        assert main(args) == 0
+    assert f"{url} is up to date (" in capsys.readouterr().out
+    assert not [r for r in _requests(caplog, url) if '"PUT ' in r or '"POST ' in r or '"DELETE ' in r]
+    assert json.loads(_remote_marker(url)) == first
+
+    other = f"{bucket}/other.lmdb"
+    assert main(["convert", str(split_folder), other, "--short-side", "40"]) == 0
+    import fsspec
+
+    fs = fsspec.filesystem("s3")
+    for name in ("data.mdb", "published.json"):  # another database's files under the first URL
+        fs.pipe_file(f"{url.removeprefix('s3://')}/{name}", fs.cat_file(f"{other.removeprefix('s3://')}/{name}"))
+    capsys.readouterr()
+    assert main(args) == 0
+    assert f"images); uploaded it to {url}." in capsys.readouterr().out
+    again = json.loads(_remote_marker(url))
+    assert again["id"] != first["id"]
+    assert again["files"]["data.mdb"]["sha256"] == first["files"]["data.mdb"]["sha256"]
+
+
+def _remote_marker(url: str) -> bytes:
+    import fsspec
+
+    return fsspec.filesystem("s3").cat_file(f"{url.removeprefix('s3://')}/published.json")
+
+
 @pytest.mark.parametrize(("cpus", "setting", "expected"), [(1, None, 4), (4, None, 8), (32, None, 16), (32, 3, 3)])
 def test_staging_keeps_more_reads_in_flight_on_more_cores(
     monkeypatch: pytest.MonkeyPatch, cpus: int, setting: int | None, expected: int

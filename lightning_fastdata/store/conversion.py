@@ -8,7 +8,7 @@ both take are documented once, in :data:`_OPTIONS_DOC`.
 
 from __future__ import annotations
 
-import json
+import contextlib
 import os
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
@@ -17,8 +17,9 @@ from typing import Any, TypeVar
 
 from lightning_fastdata.errors import SourceLayoutError
 from lightning_fastdata.store import remote
+from lightning_fastdata.store.cache import converted_path
 from lightning_fastdata.store.encode import Encoding, check_options
-from lightning_fastdata.store.format import REPORT_FILE, default_cache_dir
+from lightning_fastdata.store.format import default_cache_dir
 from lightning_fastdata.store.hf import DatasetRows, dataset_classes
 from lightning_fastdata.store.sources import (
     LIST_EXTENSIONS,
@@ -103,7 +104,8 @@ def convert(  # noqa: D417 - the shared options are documented in _OPTIONS_DOC
         dst: the database directory to create or replace. Only a lightning_fastdata database converted from the same
             ``src`` is replaced; one converted from another source needs ``force``. Or an fsspec URL
             (``s3://bucket/name.lmdb``; needs ``pip install 'lightning-fastdata[remote]'``): the database is converted
-            into a temporary folder under the cache folder, then published there (:func:`_publish`).
+            into the cache folder, where it is kept, then published there unless the URL already holds the same files
+            (:func:`_publish`); running again converts and uploads nothing.
         {options}
 
     Returns:
@@ -129,13 +131,16 @@ def convert(  # noqa: D417 - the shared options are documented in _OPTIONS_DOC
     """
     remote.check_local(src, "src", "convert reads a local image folder or list file. Copy the source to a local disk")
     if remote.is_url(dst):
+        opts = check_options(short_side, quality, keep_original, encoding)
+        source = Path(src).expanduser().absolute()
         return _publish(
             lambda local: convert(
-                src, local, short_side, quality, keep_original, encoding, num_workers, strict, True, progress,
+                src, local, short_side, quality, keep_original, encoding, num_workers, strict, force, progress,
                 initial_map_size,
             ),
             os.fspath(dst),
             progress,
+            converted_path(source, default_cache_dir(), opts.short_side, quality, encoding),
         )  # fmt: skip
     opts = check_options(short_side, quality, keep_original, encoding)
     src_path, dst_path = Path(src).expanduser().absolute(), Path(dst).expanduser().absolute()
@@ -238,21 +243,23 @@ def convert_dataset(  # noqa: D417 - the shared options are documented in _OPTIO
     )
 
 
-def _publish(convert_into: Callable[[Path], ConversionSummary], url: str, progress: bool) -> ConversionSummary:
-    """Convert into a temporary folder under the cache folder, then upload the database to ``url``.
+def _publish(
+    convert_into: Callable[[Path], ConversionSummary], url: str, progress: bool, local: Path | None = None
+) -> ConversionSummary:
+    """Convert locally, then upload the database to ``url`` unless it already holds the same files.
 
-    The upload (:func:`~lightning_fastdata.store.remote.publish`) writes the completion marker last, so the database
-    at ``url`` is readable only once complete. The temporary folder is removed in any case.
+    ``local``: where the conversion goes and stays (the cache slot of a folder's conversion, which a later run, or a
+    DataModule reading the folder, finds up to date); ``None``: a temporary folder under the cache folder, removed in
+    any case. The upload (:func:`~lightning_fastdata.store.remote.publish`) writes the completion marker last, so the
+    database at ``url`` is readable only once complete; its report names the URL as the destination.
     """
     remote.check_destination(url)  # a missing backend or bucket, or another's objects, fail before converting
     root = default_cache_dir()
     root.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=".publish-", dir=root) as tmp:
-        local = Path(tmp) / "db.lmdb"
+    with contextlib.ExitStack() as stack:
+        if local is None:
+            local = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=".publish-", dir=root))) / "db.lmdb"
         summary = convert_into(local)
-        report = local / REPORT_FILE
-        if report.is_file():  # the report names where the database is: the URL, not the temporary folder
-            report.write_text(json.dumps({**json.loads(report.read_text()), "destination": url}, indent=1))
-        remote.publish(local, url, progress)
+        _, summary.uploaded = remote.publish_database(local, url, progress, destination=url)
     summary.destination = url
     return summary

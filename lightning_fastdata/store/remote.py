@@ -569,38 +569,71 @@ def publish(database: str | os.PathLike[str], url: str, progress: bool = True) -
 
     Any previous marker at ``url`` is removed first (the old publication stops being readable), then the data files
     are uploaded (s3fs splits large files into a multipart upload), then the new marker, last. An interrupted
-    upload leaves files without a marker, which staging refuses; publishing again replaces them.
+    upload leaves files without a marker, which staging refuses; publishing again replaces them. When ``url`` already
+    holds a publication of the same files (sizes and SHA-256), nothing is uploaded and its marker is returned.
 
     Raises:
         DestinationError: ``url`` holds objects that are not a published database's.
         RemoteStorageError: a missing backend or bucket, missing credentials, or a network failure.
 
     """
+    return publish_database(database, url, progress)[0]
+
+
+def publish_database(
+    database: str | os.PathLike[str], url: str, progress: bool = True, destination: str | None = None
+) -> tuple[dict[str, Any], bool]:
+    """:func:`publish`, and whether it uploaded anything.
+
+    ``destination``: what the uploaded conversion report names as the database's ``destination`` (the URL, where the
+    local report names the local folder); the local files stay as they are.
+    """
     from fsspec.callbacks import TqdmCallback
 
     local = Path(database)
     fs, path = filesystem(url, "dst")
     held = check_destination(url)
+    contents = {}  # the files that are uploaded from memory: a report naming its destination
+    report = local / REPORT_FILE
+    if destination is not None and report.is_file():
+        named = {**json.loads(report.read_text()), "destination": destination}
+        contents[REPORT_FILE] = json.dumps(named, indent=1).encode()
+    names = [name for name in PUBLISHED_FILES if name in contents or (local / name).is_file()]
+    sha256 = {
+        name: hashlib.sha256(contents[name]).hexdigest() if name in contents else _sha256(local / name)
+        for name in names
+    }
+    sizes = {name: len(contents[name]) if name in contents else (local / name).stat().st_size for name in names}
     with _remote(url, "publishing to"):
         if MARKER in held:
+            try:
+                old = _read_marker(fs, path, url)
+            except RemoteStorageError:  # a damaged marker: replaced below
+                old = {"files": {}}
+            files = old["files"]
+            if set(files) == set(names) and all(
+                files[name].get("size") == sizes[name] and files[name].get("sha256") == sha256[name] for name in names
+            ):
+                log.info("%s already holds this database (the same files, published %s): nothing uploaded", url,
+                         old.get("published"))  # fmt: skip
+                return old, False
             fs.rm_file(f"{path}/{MARKER}")  # from here on the old publication is not readable
         fs.makedirs(path, exist_ok=True)  # a folder for file:// (object stores have none to make)
-        files: dict[str, dict[str, Any]] = {}
-        for name in PUBLISHED_FILES:
-            source = local / name
-            if not source.is_file():
-                continue
-            size = source.stat().st_size
+        published: dict[str, dict[str, Any]] = {}
+        for name in names:
             kwargs = {"desc": f"uploading {name}", "unit": "B", "unit_scale": True, "disable": not progress}
-            fs.put_file(str(source), f"{path}/{name}", callback=TqdmCallback(tqdm_kwargs=kwargs))
+            if name in contents:
+                fs.pipe_file(f"{path}/{name}", contents[name])
+            else:
+                fs.put_file(str(local / name), f"{path}/{name}", callback=TqdmCallback(tqdm_kwargs=kwargs))
             fs.invalidate_cache(f"{path}/{name}")
             etag = _etag(fs.info(f"{path}/{name}"))
-            files[name] = {"size": size, "sha256": _sha256(source), **({"etag": etag} if etag else {})}
+            published[name] = {"size": sizes[name], "sha256": sha256[name], **({"etag": etag} if etag else {})}
         marker = {
             "format_version": 1,
             "id": uuid.uuid4().hex,
             "published": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "files": files,
+            "files": published,
         }
         fs.pipe_file(f"{path}/{MARKER}", json.dumps(marker, sort_keys=True).encode())
-    return marker
+    return marker, True

@@ -33,6 +33,8 @@ class ConversionSummary:
     seconds: float = 0.0
     workers: int = 0
     up_to_date: bool = False
+    #: for a conversion to a URL: whether the database was uploaded (``False``: the URL already held the same files)
+    uploaded: bool | None = None
 
     @property
     def images_per_sec(self) -> float:
@@ -47,6 +49,8 @@ class ConversionSummary:
 
     def format(self, max_skipped: int = 20) -> str:
         """A human-readable summary, listing at most ``max_skipped`` skipped files."""
+        if self.up_to_date and self.uploaded:
+            return f"the local conversion was up to date ({self.written} images); uploaded it to {self.destination}."
         if self.up_to_date:
             return f"{self.destination} is up to date ({self.written} images); nothing to do."
         splits = ", ".join(f"{name}={count}" for name, count in self.splits.items())
@@ -58,6 +62,8 @@ class ConversionSummary:
             + (f" ({self.bytes_out / self.bytes_in:.0%} of the source)" if self.bytes_in else ""),
             f"  time      {self.seconds:.1f} s, {self.images_per_sec:.0f} images/s ({self.workers} worker processes)",
         ]
+        if self.uploaded is False:
+            lines.append(f"  {self.destination} already held the same files: nothing uploaded")
         if self.ignored:
             lines.insert(2, f"  ignored   {len(self.ignored)} (not images: other files, empty class folders)")
         for kind, items in (("skipped", self.skipped), ("ignored", self.ignored)):
