@@ -200,6 +200,28 @@ def _add_cache(sub: argparse._SubParsersAction) -> None:
     prune.add_argument("--dry-run", action="store_true", help="say what would be removed, remove nothing")
 
 
+def _add_stage(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "stage",
+        help="copy a database published at a URL into this machine's cache folder, as training would",
+        description=(
+            "Copy the database published at URL (s3://bucket/name.lmdb, gs://, az://, https://; needs `pip install"
+            " 'lightning-fastdata[remote]'`) into the cache folder, once: what FastImageDataModule(URL) does in"
+            " prepare_data, ahead of training (one task per node in a job script). A copy of the current publication"
+            " is reused after one request; an interrupted staging resumes."
+        ),
+    )
+    p.add_argument("url", metavar="URL", help="the database's URL, as published by `convert SRC URL`")
+    p.add_argument(
+        "--cache-dir",
+        default=None,
+        metavar="DIR",
+        help="the local cache folder, as FastImageDataModule's cache_dir (default: $LIGHTNING_FASTDATA_CACHE, else"
+        " ~/.cache/lightning_fastdata)",
+    )
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``lightning-fastdata`` (the Lightning sub-commands are parsed by LightningCLI)."""
     parser = argparse.ArgumentParser(
@@ -215,6 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench(sub)
     _add_profile(sub)
     _add_cache(sub)
+    _add_stage(sub)
     _add_lightning(sub)
     return parser
 
@@ -353,6 +376,18 @@ def _profile(args: argparse.Namespace) -> int:
                 fh,
                 indent=1,
             )
+    return 0
+
+
+def _stage(args: argparse.Namespace) -> int:
+    from lightning_fastdata.store import cache, remote
+
+    if not is_url(args.url):
+        raise ValueError(f"`URL` {args.url!r} is not a URL; a local database needs no staging (pass it as data_dir).")
+    remote.check_local(args.cache_dir, "--cache-dir", "the copy is memory-mapped. Pass a folder on the local disk")
+    staged = remote.stage(args.url, cache.cache_root(args.cache_dir), progress=not args.quiet, argument="URL")
+    done = {"staged": "staged", "restaged": "staged again", "reused": "already staged", "found": "already staged"}
+    print(f"{args.url}: {done[staged.action]} at {staged.path}" + (f" ({staged.reason})" if staged.reason else ""))
     return 0
 
 
@@ -766,7 +801,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "convert" and args.clean is None and args.dst is None:
         parser.error("convert: the following arguments are required: SRC and DST (or --clean DIR)")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    handlers = {"convert": _convert, "synth": _synth, "bench": _bench, "profile": _profile, "cache": _cache}
+    handlers = {
+        "convert": _convert, "synth": _synth, "bench": _bench, "profile": _profile, "cache": _cache, "stage": _stage,
+    }  # fmt: skip
     try:
         code = handlers[args.command](args)
         sys.stdout.flush()  # here, where a closed pipe is caught, not at exit

@@ -609,3 +609,20 @@ def test_cache_list_shows_a_staged_copys_url(published: str, tmp_path: Path, cap
     assert entry.staged_from == published
     assert main(["cache", "list", "--cache-dir", str(cache)]) == 0
     assert f"source {published} (staged; converted from " in capsys.readouterr().out
+
+
+def test_the_stage_command_stages_ahead_of_training(published: str, tmp_path: Path, capsys: pytest.CaptureFixture):
+    """`lightning-fastdata stage URL` stages where the DataModule looks, which then reuses it; a path is refused."""
+    cache = tmp_path / "cache"
+    assert main(["stage", published, "--cache-dir", str(cache), "--quiet"]) == 0
+    assert f"{published}: staged at {remote.staged_path(published, cache)}" in capsys.readouterr().out
+    assert main(["stage", published, "--cache-dir", str(cache), "--quiet"]) == 0
+    assert f"{published}: already staged at" in capsys.readouterr().out
+    dm = FastImageDataModule(published, cache_dir=str(cache), image_size=16, batch_size=4, num_workers=0)
+    dm.prepare_data()
+    assert dm.staging is not None
+    assert dm.staging.action == "reused"
+    assert main(["stage", str(tmp_path), "--cache-dir", str(cache)]) == 2
+    assert "is not a URL" in capsys.readouterr().err
+    assert main(["stage", published, "--cache-dir", "s3://bucket/cache"]) == 2
+    assert "--cache-dir" in capsys.readouterr().err
