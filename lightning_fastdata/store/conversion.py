@@ -105,7 +105,8 @@ def convert(  # noqa: D417 - the shared options are documented in _OPTIONS_DOC
             ``src`` is replaced; one converted from another source needs ``force``. Or an fsspec URL
             (``s3://bucket/name.lmdb``; needs ``pip install 'lightning-fastdata[remote]'``): the database is converted
             into the cache folder, where it is kept, then published there unless the URL already holds the same files
-            (:func:`_publish`); running again converts and uploads nothing.
+            (:func:`_publish`); running again converts and uploads nothing. With ``keep_original`` or ``force`` it is
+            converted into a temporary folder instead, removed after the upload.
         {options}
 
     Returns:
@@ -132,7 +133,9 @@ def convert(  # noqa: D417 - the shared options are documented in _OPTIONS_DOC
     remote.check_local(src, "src", "convert reads a local image folder or list file. Copy the source to a local disk")
     if remote.is_url(dst):
         opts = check_options(short_side, quality, keep_original, encoding)
+        # the slot a DataModule converts SRC into (it never keeps originals); a rebuild on demand stays apart from it
         source = Path(src).expanduser().absolute()
+        slot = converted_path(source, default_cache_dir(), opts.short_side, quality, encoding)
         return _publish(
             lambda local: convert(
                 src, local, short_side, quality, keep_original, encoding, num_workers, strict, force, progress,
@@ -140,7 +143,7 @@ def convert(  # noqa: D417 - the shared options are documented in _OPTIONS_DOC
             ),
             os.fspath(dst),
             progress,
-            converted_path(source, default_cache_dir(), opts.short_side, quality, encoding),
+            None if keep_original or force else slot,
         )  # fmt: skip
     opts = check_options(short_side, quality, keep_original, encoding)
     src_path, dst_path = Path(src).expanduser().absolute(), Path(dst).expanduser().absolute()

@@ -57,7 +57,7 @@ PUBLISHED_FILES = (DATA_FILE, REPORT_FILE)
 #: the whole object for every ranged GET, so there fewer, larger ranges win; a real store serves each independently.
 #: A resumed staging refetches at most one range per reader; the ranges in flight are held in memory.
 RANGE_SIZE = 32 * 2**20
-#: ranged reads in flight: twice the usable CPUs, 4 to 16 (``None``: decided when staging). On 2 cores 4 beat 8
+#: ranged reads in flight: twice the usable CPUs, 4 to 10 (``None``: decided when staging). On 2 cores 4 beat 8
 #: (715 against 455 MiB/s, 16 MiB ranges); object stores serve each connection at a fraction of a node's bandwidth,
 #: so a node with more cores keeps more reads in flight
 READ_THREADS: int | None = None
@@ -488,8 +488,11 @@ def _without_response_checksums(fs: AbstractFileSystem) -> AbstractFileSystem:
 
 
 def read_threads() -> int:
-    """How many ranged reads staging keeps in flight: :data:`READ_THREADS`, else twice the usable CPUs, 4 to 16."""
-    return READ_THREADS or min(16, max(4, 2 * usable_cpu_count()))
+    """How many ranged reads staging keeps in flight: :data:`READ_THREADS`, else twice the usable CPUs, 4 to 10.
+
+    10 is the connection pool of s3fs's client (aiobotocore's ``max_pool_connections``): more would queue for it.
+    """
+    return READ_THREADS or min(10, max(4, 2 * usable_cpu_count()))
 
 
 def _read_range(fs: AbstractFileSystem, path: str, start: int, end: int) -> bytes:
@@ -580,6 +583,31 @@ def publish(database: str | os.PathLike[str], url: str, progress: bool = True) -
     return publish_database(database, url, progress)[0]
 
 
+def _holds(
+    fs: AbstractFileSystem,
+    path: str,
+    held: set[str],
+    listed: dict[str, Any],
+    sizes: dict[str, int],
+    sha256: dict[str, str],
+) -> bool:
+    """Whether ``path`` holds these files, as the marker listing them says and each object there confirms.
+
+    The marker lists their sizes and SHA-256; each object must still be there with the size and ETag the marker
+    recorded (one request per file). Without an ETag to compare, ``False``: the marker alone cannot vouch for the bytes.
+    """
+    if set(listed) != set(sizes) or not set(sizes) <= held:
+        return False
+    for name, size in sizes.items():
+        want = listed[name]
+        if want.get("size") != size or want.get("sha256") != sha256[name] or not want.get("etag"):
+            return False
+        info = fs.info(f"{path}/{name}")
+        if info.get("size") != size or _etag(info) != want["etag"]:
+            return False
+    return True
+
+
 def publish_database(
     database: str | os.PathLike[str], url: str, progress: bool = True, destination: str | None = None
 ) -> tuple[dict[str, Any], bool]:
@@ -588,11 +616,42 @@ def publish_database(
     ``destination``: what the uploaded conversion report names as the database's ``destination`` (the URL, where the
     local report names the local folder); the local files stay as they are.
     """
-    from fsspec.callbacks import TqdmCallback
-
-    local = Path(database)
     fs, path = filesystem(url, "dst")
     held = check_destination(url)
+    try:
+        snapshot: Any = tempfile.TemporaryDirectory(prefix=".publish-", dir=Path(database).parent)
+    except OSError:  # a read-only folder: the files as they are
+        snapshot = contextlib.nullcontext(None)
+    with snapshot as tmp:
+        local = Path(database) if tmp is None else _snapshot(Path(database), Path(tmp))
+        return _publish_files(fs, path, url, held, local, progress, destination)
+
+
+def _snapshot(database: Path, folder: Path) -> Path:
+    """Hard links to the published files of ``database`` in ``folder``, or ``database`` where links cannot be made.
+
+    What is hashed is then what is uploaded, even if the database is converted again or removed meanwhile.
+    """
+    for name in PUBLISHED_FILES:
+        if (database / name).is_file():
+            try:
+                os.link(database / name, folder / name)
+            except OSError:
+                return database
+    return folder
+
+
+def _publish_files(
+    fs: AbstractFileSystem,
+    path: str,
+    url: str,
+    held: set[str],
+    local: Path,
+    progress: bool,
+    destination: str | None,
+) -> tuple[dict[str, Any], bool]:
+    from fsspec.callbacks import TqdmCallback
+
     contents = {}  # the files that are uploaded from memory: a report naming its destination
     report = local / REPORT_FILE
     if destination is not None and report.is_file():
@@ -610,10 +669,7 @@ def publish_database(
                 old = _read_marker(fs, path, url)
             except RemoteStorageError:  # a damaged marker: replaced below
                 old = {"files": {}}
-            files = old["files"]
-            if set(files) == set(names) and all(
-                files[name].get("size") == sizes[name] and files[name].get("sha256") == sha256[name] for name in names
-            ):
+            if _holds(fs, path, held, old["files"], sizes, sha256):
                 log.info("%s already holds this database (the same files, published %s): nothing uploaded", url,
                          old.get("published"))  # fmt: skip
                 return old, False
