@@ -354,6 +354,39 @@ def test_ranges_read_past_a_wrong_checksum_are_checked_by_sha256(
     assert remote.find_staged(published, tmp_path / "cache") is None
 
 
+def test_ranges_read_unchecked_before_an_interruption_are_checked_after_the_resume(
+    published: str,
+    s3_endpoint: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    range_checksum_endpoint: Callable[[bool], None],
+):
+    """A staging cut off after reading past wrong checksums resumes from a sound server and still checks SHA-256."""
+    pytest.importorskip("botocore.httpchecksum")
+    monkeypatch.setattr(remote, "RANGE_SIZE", 8192)
+    monkeypatch.setattr(remote, "READ_THREADS", 1)
+    real, calls = remote._read_range, []
+
+    def flaky(fs: Any, path: str, start: int, end: int) -> bytes:
+        calls.append(start)
+        if len(calls) > 5:
+            raise ConnectionResetError("connection reset by peer")
+        return real(fs, path, start, end)
+
+    monkeypatch.setattr(remote, "_read_range", flaky)
+    range_checksum_endpoint(False)
+    with pytest.raises(RemoteStorageError, match="network failure"):
+        remote.stage(published, tmp_path, progress=False)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_endpoint)  # the resume reads from a server that sends no checksums
+    _fresh_clients()
+    monkeypatch.setattr(remote, "_read_range", real)
+    hashed: list[str] = []
+    sha256 = remote._sha256
+    monkeypatch.setattr(remote, "_sha256", lambda path, *args: hashed.append(Path(path).name) or sha256(path, *args))
+    assert remote.stage(published, tmp_path, progress=False).action == "staged"
+    assert "data.mdb" in hashed
+
+
 def test_a_failed_staging_resumes_and_nothing_half_copied_is_read(
     published: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ):
