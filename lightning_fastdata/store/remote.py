@@ -573,7 +573,8 @@ def publish(database: str | os.PathLike[str], url: str, progress: bool = True) -
     Any previous marker at ``url`` is removed first (the old publication stops being readable), then the data files
     are uploaded (s3fs splits large files into a multipart upload), then the new marker, last. An interrupted
     upload leaves files without a marker, which staging refuses; publishing again replaces them. When ``url`` already
-    holds a publication of the same files (sizes and SHA-256), nothing is uploaded and its marker is returned.
+    holds a publication of the same files (its marker lists their sizes and SHA-256, and the objects still have the
+    sizes and ETags it recorded), nothing is uploaded and its marker is returned.
 
     Raises:
         DestinationError: ``url`` holds objects that are not a published database's.
