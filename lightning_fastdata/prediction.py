@@ -26,6 +26,11 @@ from typing_extensions import override
 
 from lightning_fastdata.errors import InvalidArgumentError
 
+try:
+    import fcntl
+except ImportError:  # not on Windows: left-over merges are not cleared there
+    fcntl = None  # type: ignore[assignment]
+
 log = logging.getLogger(__name__)
 
 Format = Literal["csv", "jsonl"]
@@ -211,6 +216,16 @@ class PredictionWriter(BasePredictionWriter):
             self._part.close()
             self._part = None
 
+    def _remove_dead_merges(self) -> None:
+        """Remove the ``.NAME.<pid>.tmp`` files of merges that were killed (no process holds their lock)."""
+        if fcntl is None:
+            return
+        for stale in self.output_path.parent.glob(f".{self.output_path.name}.*.tmp"):
+            with contextlib.suppress(OSError), open(stale, "rb") as fh:
+                fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises while a live merge holds it
+                stale.unlink()
+                log.info("removed %s, left by a merge that was killed", stale)
+
     def _merge(self, world_size: int) -> int:
         """Write the rows of the parts of ranks ``0..world_size-1``, each sample once, in sample order; remove them.
 
@@ -225,12 +240,16 @@ class PredictionWriter(BasePredictionWriter):
             )
         # where each sample's first row is: part and byte offset, one pair of integers per sample (not its row)
         part_of, offset_of, kinds = self._index(parts)
+        self._remove_dead_merges()
         tmp = self.output_path.with_name(f".{self.output_path.name}.{os.getpid()}.tmp")
         rows = 0
         try:
             with contextlib.ExitStack() as stack:
                 readers = [stack.enter_context(open(part, "rb")) for part in parts]
                 out = stack.enter_context(open(tmp, "w", encoding="utf-8", newline=""))
+                if fcntl is not None:  # held while merging: a later run can tell a live merge from a dead one's file
+                    with contextlib.suppress(OSError):
+                        fcntl.flock(out.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
                 columns = [c for c in _COLUMNS if self._has(c, kinds)]
                 emit = self._csv_rows(out, columns) if self.format == "csv" else self._jsonl_rows(out)
                 for index in np.flatnonzero(part_of >= 0):

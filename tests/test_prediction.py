@@ -302,3 +302,17 @@ def test_ddp_writes_each_sample_once_in_order(database: Path, tmp_path: Path) ->
     assert predicted == [(SAMPLES + 1) // 2] * 2  # one sample predicted twice
     _check_class_rows(_csv(out), database)
     assert _leftovers(tmp_path) == []
+
+
+def test_a_killed_merges_leftover_is_removed_and_a_live_ones_kept(database: Path, tmp_path: Path) -> None:
+    """A `.NAME.<pid>.tmp` nobody holds (its merge was killed) goes at the next merge; one a live merge holds stays."""
+    fcntl = pytest.importorskip("fcntl")
+    out = tmp_path / "predictions.csv"
+    dead, live = tmp_path / ".predictions.csv.999999.tmp", tmp_path / ".predictions.csv.999998.tmp"
+    dead.write_text("index,label\n0,")
+    live.write_text("index,label\n")
+    with open(live, "rb") as held:
+        fcntl.flock(held.fileno(), fcntl.LOCK_EX)
+        _predict(OneHotModel(), _dm(database), PredictionWriter(str(out)))
+        assert out.is_file()
+        assert _leftovers(tmp_path) == [live.name]
