@@ -354,15 +354,8 @@ def test_ranges_read_past_a_wrong_checksum_are_checked_by_sha256(
     assert remote.find_staged(published, tmp_path / "cache") is None
 
 
-def test_ranges_read_unchecked_before_an_interruption_are_checked_after_the_resume(
-    published: str,
-    s3_endpoint: str,
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
-    range_checksum_endpoint: Callable[[bool], None],
-):
-    """A staging cut off after reading past wrong checksums resumes from a sound server and still checks SHA-256."""
-    pytest.importorskip("botocore.httpchecksum")
+def _cut_off_after_five_ranges(monkeypatch: pytest.MonkeyPatch) -> Callable[..., bytes]:
+    """8 KiB ranges read one at a time, the sixth failing as a dropped connection; returns the real reader."""
     monkeypatch.setattr(remote, "RANGE_SIZE", 8192)
     monkeypatch.setattr(remote, "READ_THREADS", 1)
     real, calls = remote._read_range, []
@@ -374,6 +367,19 @@ def test_ranges_read_unchecked_before_an_interruption_are_checked_after_the_resu
         return real(fs, path, start, end)
 
     monkeypatch.setattr(remote, "_read_range", flaky)
+    return real
+
+
+def test_ranges_read_unchecked_before_an_interruption_are_checked_after_the_resume(
+    published: str,
+    s3_endpoint: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    range_checksum_endpoint: Callable[[bool], None],
+):
+    """A staging cut off after reading past wrong checksums resumes from a sound server and still checks SHA-256."""
+    pytest.importorskip("botocore.httpchecksum")
+    real = _cut_off_after_five_ranges(monkeypatch)
     range_checksum_endpoint(False)
     with pytest.raises(RemoteStorageError, match="network failure"):
         remote.stage(published, tmp_path, progress=False)
@@ -391,18 +397,7 @@ def test_a_failed_staging_resumes_and_nothing_half_copied_is_read(
     published: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ):
     """A staging cut off after 5 ranges publishes nothing; the next one fetches only the ranges left."""
-    monkeypatch.setattr(remote, "RANGE_SIZE", 8192)
-    monkeypatch.setattr(remote, "READ_THREADS", 1)
-    real = remote._read_range
-    calls: list[int] = []
-
-    def flaky(fs: Any, path: str, start: int, end: int) -> bytes:
-        calls.append(start)
-        if len(calls) > 5:
-            raise ConnectionResetError("connection reset by peer")
-        return real(fs, path, start, end)
-
-    monkeypatch.setattr(remote, "_read_range", flaky)
+    real = _cut_off_after_five_ranges(monkeypatch)
     with pytest.raises(RemoteStorageError, match=r"network failure while staging 's3://.*db.lmdb'.*resumes"):
         remote.stage(published, tmp_path, progress=False)
     target = remote.staged_path(published, tmp_path)

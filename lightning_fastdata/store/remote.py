@@ -390,8 +390,8 @@ def _fetch_all(fs: AbstractFileSystem, path: str, url: str, marker: dict[str, An
         if resumed:
             log.info("%s: resuming a staging interrupted with %d of %d bytes fetched", url, resumed, total)
         lock = threading.Lock()
-        reader = _RangeReader(fs, url)
-        reader.unchecked = bool(state.get("unchecked"))  # ranges of an interrupted staging that botocore did not check
+        # `unchecked`: ranges that an interrupted staging read past botocore's checks need the SHA-256 check too
+        reader = _RangeReader(fs, url, unchecked=bool(state.get("unchecked")))
 
         def fetch(name: str, start: int, end: int) -> int:
             with lock:
@@ -453,9 +453,9 @@ class _RangeReader:
     "when_required"``), and :attr:`unchecked` asks for the SHA-256 check of every staged file instead.
     """
 
-    def __init__(self, fs: AbstractFileSystem, url: str) -> None:
+    def __init__(self, fs: AbstractFileSystem, url: str, unchecked: bool = False) -> None:
         self.fs, self.url = fs, url
-        self.unchecked = False
+        self.unchecked = unchecked
         self._lock = threading.Lock()
 
     def read(self, path: str, start: int, end: int) -> bytes:
