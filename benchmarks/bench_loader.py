@@ -18,6 +18,11 @@ how many cores it takes to feed a GPU at a given rate. The timed epochs follow a
 compilation and pipeline building are left out for every loader).
 
     python benchmarks/bench_loader.py --images 3000 --rounds 3
+
+To measure a change of ours, run the rows of ours at another commit beside this checkout's, in the same rounds:
+
+    git worktree add /tmp/base HEAD~1
+    python benchmarks/bench_loader.py --only fast-float fast-uint8 --baseline /tmp/base
 """
 
 from __future__ import annotations
@@ -432,9 +437,29 @@ def _print_proxies(med: dict[str, dict[str, float]], cores: int) -> None:
             gil = "-"
             bound = f"{1e6 / (m['own_cpu_per_1000'] * 1000):.0f} (1e6 / training process CPU)"
         print(
-            f"| {RUNNERS[name][0]} | {per_core:.0f} | {m['own_cpu_per_1000']:.3f} | {m['main_thread_cpu_per_1000']:.3f}"
+            f"| {LABELS[name]} | {per_core:.0f} | {m['own_cpu_per_1000']:.3f} | {m['main_thread_cpu_per_1000']:.3f}"
             f" | {gil} | {bound} |"
         )
+
+
+#: the table's label of each loader; a ``--baseline`` run adds one per row of ours
+LABELS = {name: label for name, (label, _) in RUNNERS.items()}
+BASELINE = "@baseline"
+
+
+def _baseline_env(checkout: Path) -> dict[str, str]:
+    """The environment whose Python imports ``lightning_fastdata`` from ``checkout`` (checked: a typo would
+    silently benchmark this checkout twice)."""
+    checkout = checkout.resolve()
+    env = {**os.environ, "PYTHONPATH": str(checkout)}
+    code = "import lightning_fastdata; print(lightning_fastdata.__file__)"
+    found = subprocess.run([sys.executable, "-c", code], env=env, cwd="/", capture_output=True, text=True, check=False)
+    if found.returncode != 0 or not Path(found.stdout.strip()).resolve().is_relative_to(checkout):
+        raise SystemExit(
+            f"--baseline {checkout}: lightning_fastdata is not imported from there ({found.stdout.strip()}"
+            f"{found.stderr.strip()[-300:]}). Pass the root of a checkout of this repository."
+        )
+    return env
 
 
 def main() -> None:
@@ -448,6 +473,11 @@ def main() -> None:
     parser.add_argument("--convert-rounds", type=int, default=3, help="interleaved conversions of each store")
     parser.add_argument("--only", nargs="*", help="run these loaders only (names: " + ", ".join(RUNNERS) + ")")
     parser.add_argument("--json", help="also write the results to this file")
+    parser.add_argument(
+        "--baseline",
+        help="a checkout of this package at another commit (`git worktree add /tmp/base REV`): its rows run beside"
+        " this checkout's in every round, so a change is measured against what it changes, side by side",
+    )
     parser.add_argument("--run", help=argparse.SUPPRESS)
     parser.add_argument("--db", help=argparse.SUPPRESS)
     parser.add_argument("--resized", help=argparse.SUPPRESS)
@@ -501,12 +531,21 @@ def main() -> None:
         names = [n for n in names if not n.startswith("dali")]
         notes.append("NVIDIA DALI is not installed (bash benchmarks/install_peers.sh): its row is left out.")
 
+    envs = dict.fromkeys(names, os.environ)
+    if args.baseline:
+        env = _baseline_env(Path(args.baseline))
+        for name in [n for n in names if n.startswith("fast")]:
+            names.insert(names.index(name) + 1, f"{name}{BASELINE}")
+            envs[f"{name}{BASELINE}"] = env
+            LABELS[f"{name}{BASELINE}"] = f"{LABELS[name].strip('*')}, baseline {args.baseline}"
+
     results: dict[str, list[dict[str, float]]] = {n: [] for n in names}
     child = [sys.executable, __file__, "--db", str(db), "--resized", str(resized), "--beton", str(args.beton)]
     child += ["--batch-size", str(args.batch_size), "--workers", str(args.workers), "--epochs", str(args.epochs)]
     for r in range(args.rounds):
         for name in names:
-            out = subprocess.run([*child, "--run", name], capture_output=True, text=True, check=False)
+            run = ["--run", name.removesuffix(BASELINE)]
+            out = subprocess.run([*child, *run], capture_output=True, text=True, check=False, env=envs[name])
             if out.returncode != 0:
                 raise SystemExit(f"{name} failed:\n{out.stderr[-3000:]}")
             results[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
@@ -529,7 +568,7 @@ def main() -> None:
     print("|---|---:|---:|---:|")
     for name, m in sorted(med.items(), key=lambda item: item[1]["images_per_sec"]):
         ratio = f"{m['images_per_sec'] / base:.2f}x" if base else "-"
-        print(f"| {RUNNERS[name][0]} | {m['images_per_sec']:.0f} | {ratio} | {m['cpu_per_1000']:.2f} |")
+        print(f"| {LABELS[name]} | {m['images_per_sec']:.0f} | {ratio} | {m['cpu_per_1000']:.2f} |")
     print()
 
     def ratio(a: str, b: str) -> str:
@@ -551,6 +590,8 @@ def main() -> None:
         f" {ratio('fast-uint8', 'limit-b-ours-parallel')}"
     )
     print(f"float32: FastImageDataModule / DALI = {ratio('fast-float', 'dali-float')}")
+    for name in [n for n in names if n.endswith(BASELINE)]:
+        print(f"{name.removesuffix(BASELINE)}: this checkout / baseline = {ratio(name.removesuffix(BASELINE), name)}")
     print()
     _print_proxies(med, cores)
     print()
