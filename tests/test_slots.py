@@ -288,3 +288,38 @@ def test_slots_are_page_locked_once_for_a_cuda_device(
     del loader, memory, images, _labels
     gc.collect()
     assert calls[-1] == ("unregister", address)
+
+
+@pytest.mark.parametrize(
+    ("engine", "workers", "context"),
+    [
+        ("threads", 2, None),
+        ("threads", 0, None),  # on the calling thread
+        ("processes", 2, "fork"),
+        pytest.param("processes", 2, "spawn", marks=pytest.mark.slow),
+    ],
+)
+def test_loaders_sharing_a_reader_build_their_batches_in_their_own_slots(
+    dataset: LmdbImageDataset, engine: str, workers: int, context: str | None
+) -> None:
+    """Two loaders over one ``BatchReader``, iterated in turn: every batch of each equals a fresh read of its indices
+    (each loader's batches go into its own slots, wherever the reader is shared)."""
+    reader = BatchReader(dataset, output="uint8")
+    loaders = [create_loader(reader, 2, shuffle=True, seed=seed, engine=engine, workers=workers) for seed in (1, 2)]
+    if context is not None:
+        for loader in loaders:
+            loader.multiprocessing_context = context
+    drawn = [_spy_batches(loader) for loader in loaders]
+    got: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[], []]
+    for pair in zip(*loaders, strict=True):
+        for kept, (images, labels) in zip(got, pair, strict=True):
+            kept.append((images.clone(), labels.clone()))
+    reference = BatchReader(dataset, output="uint8")
+    for kept, batches in zip(got, drawn, strict=True):
+        assert len(kept) == len(batches) == len(dataset) // 2
+        for (images, labels), batch in zip(kept, batches, strict=True):
+            want_images, want_labels = _reference(reference, batch)
+            torch.testing.assert_close(images, want_images, rtol=0, atol=0)
+            assert torch.equal(labels, want_labels)
+    assert reader.slots is None  # the shared reader holds no loader's slots
+    del loaders

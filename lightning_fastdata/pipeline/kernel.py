@@ -124,7 +124,8 @@ class BatchReader(Dataset):
                 " pipelines."
             )
         self.transform = transform if self.fused or output == "encoded" else None
-        #: where batches whose indices carry a slot go (:mod:`~lightning_fastdata.pipeline.slots`): set by the loader
+        #: where a worker process builds batches whose indices carry a slot (:mod:`~lightning_fastdata.pipeline.slots`):
+        #: its loader's memory, set as the worker starts; the loader's threads pass theirs to :meth:`__getitems__`
         self.slots: SlotMemory | None = None
         self._scratch = threading.local()
 
@@ -149,19 +150,19 @@ class BatchReader(Dataset):
             return SlotLayout(batch_size, (size, size, 3), "uint8")
         return SlotLayout(batch_size, (size, size, 3) if self.channels_last else (3, size, size), "float32")
 
-    def __getitems__(self, indices: Sequence[int]) -> Any:
+    def __getitems__(self, indices: Sequence[int], slots: SlotMemory | None = None) -> Any:
         """A whole batch, what the engines call: built in the slot its indices carry, if they carry one.
 
         A list of :class:`KeyedIndices` is a task of several batches (worker processes are sent a few at a time):
         they are built in order and returned together as :class:`~lightning_fastdata.pipeline.slots.Batches`.
 
-        Into a slot (:class:`KeyedIndices` with a ``slot``, and :attr:`slots` set), the batch is a
-        :class:`~lightning_fastdata.pipeline.slots.SlotBatch`: the slot and the samples in it, all that goes back
-        from a worker process. Otherwise it is :meth:`read_batch`'s ``(images, labels)``.
+        Into a slot (:class:`KeyedIndices` with a ``slot``) of ``slots`` (default: :attr:`slots`, a worker process's),
+        the batch is a :class:`~lightning_fastdata.pipeline.slots.SlotBatch`: the slot and the samples in it, all
+        that goes back from a worker process. Otherwise it is :meth:`read_batch`'s ``(images, labels)``.
         """
         if indices and type(indices[0]) is KeyedIndices:  # a task of several batches (the process engine)
-            return Batches(self.__getitems__(batch) for batch in indices)
-        slot, slots = getattr(indices, "slot", None), self.slots
+            return Batches(self.__getitems__(batch, slots) for batch in indices)
+        slot, slots = getattr(indices, "slot", None), self.slots if slots is None else slots
         if slot is None or slots is None or len(indices) > slots.layout.batch_size:
             return self.read_batch(indices)
         images = slots.images(slot, len(indices))
