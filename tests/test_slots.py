@@ -6,6 +6,9 @@ import errno
 import gc
 import os
 import pickle
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -119,6 +122,53 @@ def test_a_shared_memory_shortage_is_an_error_at_once_never_a_bus_error(monkeypa
     monkeypatch.setattr(os, "posix_fallocate", fallocate)
     with pytest.raises(OSError, match=r"reserving 1 MiB of shared memory failed"):
         SlotMemory(SlotLayout(1024, (32, 32, 1)), 1, shared=True)
+
+
+#: three reservations of 32 MiB of shared slots under an address-space limit 16 MiB above what the process maps: the
+#: pages are reserved (shmem is not address space), then the mapping fails; prints the errors and the descriptors
+#: open before and after, slot memfds first
+_RESERVE_UNDER_A_LIMIT = textwrap.dedent(
+    """
+    import os, resource
+    from lightning_fastdata.pipeline.slots import SlotLayout, SlotMemory
+
+    def descriptors():
+        names = []
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                names.append(os.readlink(f"/proc/self/fd/{fd}"))
+            except OSError:  # the listing's own descriptor, closed by now
+                pass
+        return sum("lightning_fastdata-slots" in name for name in names), len(names)
+
+    with open("/proc/self/status") as status:
+        mapped = next(int(line.split()[1]) for line in status if line.startswith("VmSize:")) * 1024
+    before = descriptors()
+    resource.setrlimit(resource.RLIMIT_AS, (mapped + 16 * 2**20, resource.RLIM_INFINITY))
+    for _ in range(3):
+        try:
+            SlotMemory(SlotLayout(32, (1024, 1024, 1)), 1, shared=True)
+        except OSError as err:
+            print("RAISED", err, flush=True)
+    print("DESCRIPTORS", *before, *descriptors(), flush=True)
+    """
+)
+
+
+def test_a_reservation_that_cannot_be_mapped_keeps_no_descriptor_and_names_the_size() -> None:
+    """Under an address-space limit the pages are reserved but the mapping fails: each failure closes the memfd (and
+    frees its pages) and says how much was asked for, however often it is tried."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = subprocess.run(
+        [sys.executable, "-c", _RESERVE_UNDER_A_LIMIT], capture_output=True, text=True, env=env, timeout=120
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    raised = [line for line in out.splitlines() if line.startswith("RAISED")]
+    assert len(raised) == 3, out
+    assert all("reserving 32 MiB of shared memory failed: Cannot allocate memory" in line for line in raised), out
+    memfds_before, open_before, memfds_after, open_after = map(int, out.split("DESCRIPTORS")[1].split())
+    assert (memfds_after, open_after) == (memfds_before, open_before) == (0, open_before), out
 
 
 def _reference(reader: BatchReader, batch: KeyedIndices) -> tuple[torch.Tensor, torch.Tensor]:

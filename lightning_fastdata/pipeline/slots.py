@@ -109,20 +109,29 @@ class SlotMemory:
             self._map = None
             self.bytes = np.empty(nbytes, dtype=np.uint8)
             return
-        fd = _anonymous_file()
         try:
-            os.posix_fallocate(fd, 0, nbytes)  # the pages now, or ENOSPC / ENOMEM now: never a bus error later
-        except OSError as err:
-            os.close(fd)
-            raise OSError(
-                err.errno, f"reserving {nbytes / 2**20:.0f} MiB of shared memory failed: {err.strerror}"
-            ) from None
-        self._attach(fd)
+            fd = _anonymous_file()
+        except OSError as err:  # no descriptor left (EMFILE)
+            raise _reserving_failed(err, nbytes) from None
+        self._attach(fd, reserve=True)
 
-    def _attach(self, fd: int) -> None:
+    def _attach(self, fd: int, reserve: bool = False) -> None:
+        """Map the memory of ``fd``, now owned by this object; its pages reserved first when ``reserve``.
+
+        On any failure ``fd`` is closed, and with it whatever was reserved: a failed reservation holds nothing.
+        """
+        nbytes = self.count * self.layout.slot_bytes
+        try:
+            if reserve:
+                os.posix_fallocate(fd, 0, nbytes)  # the pages now, or ENOSPC / ENOMEM now: never a bus error later
+            self._map = mmap.mmap(fd, nbytes)  # ENOMEM under an address-space limit (`ulimit -v`)
+            self.bytes = np.frombuffer(self._map, dtype=np.uint8)
+        except BaseException as err:
+            os.close(fd)
+            if isinstance(err, OSError):
+                raise _reserving_failed(err, nbytes) from None
+            raise
         self._fd = fd
-        self._map = mmap.mmap(fd, self.count * self.layout.slot_bytes)
-        self.bytes = np.frombuffer(self._map, dtype=np.uint8)
         weakref.finalize(self, os.close, fd)
 
     def slot(self, slot: int) -> np.ndarray:
@@ -166,6 +175,11 @@ def _attach_shared(layout: SlotLayout, count: int, fd: Any) -> SlotMemory:
     memory.layout, memory.count, memory.shared = layout, count, True
     memory._attach(fd.detach())
     return memory
+
+
+def _reserving_failed(err: OSError, nbytes: int) -> OSError:
+    """The error of shared slots that could not be made: what was asked for, and why."""
+    return OSError(err.errno, f"reserving {nbytes / 2**20:.0f} MiB of shared memory failed: {err.strerror}")
 
 
 def _anonymous_file() -> int:
