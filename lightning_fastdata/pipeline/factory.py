@@ -150,7 +150,8 @@ class FastLoader(DataLoader):
     (:mod:`~lightning_fastdata.pipeline.slots`), shared with the worker processes or private to the threads, and
     page-locked once when they go to a CUDA device: :attr:`page_locked` then says ``pin_memory`` was asked for, while
     the DataLoader's own ``pin_memory`` is off (no pin-memory thread). :attr:`slot_misses` counts the batches built
-    in fresh memory because the training loop kept every slot's batch alive.
+    in fresh memory because the training loop kept every slot's batch alive (in a worker process, a memfd of the
+    batch's own: no ``/dev/shm``). The slots are the loader's own, so several loaders may share one batch reader.
 
     Args:
         dataset: a :class:`~lightning_fastdata.pipeline.kernel.BatchReader` (whole batches), or any dataset (read as a

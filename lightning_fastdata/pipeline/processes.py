@@ -8,7 +8,12 @@ out with a free slot; the worker decodes, crops and resizes straight into it (:m
 <lightning_fastdata.pipeline.kernel.BatchReader.__getitems__>`) and sends back only ``(slot, count)``. The training
 process hands out a view of the slot, or its copy on the device, and frees the slot when that is done with: no
 shared-memory segment, page fault, pickled tensor or pin-memory copy per batch. A batch whose indices found no free
-slot (the loop kept many batches alive) goes through PyTorch's own shared memory, as a plain DataLoader's would.
+slot (the loop kept many batches alive) is built in a memfd of its own, which goes back as its file descriptor
+(:class:`~lightning_fastdata.pipeline.slots.FreshBatch`): the fused path names nothing in ``/dev/shm``, however many
+batches the loop keeps. What does go through PyTorch's shared memory in ``/dev/shm``, as a plain DataLoader's
+batches do: batches of the per-sample path (a dataset or transform of one's own), still-encoded ones
+(``decode="device"``) and labels that are tensors of their own (a ``target_transform``'s); for those a container
+needs room there (``docker run --shm-size``), or ``engine="threads"``.
 
 Workers import this module to unpickle the ``worker_init_fn``, so it imports neither Lightning nor torchvision.
 """
