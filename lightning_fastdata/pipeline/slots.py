@@ -240,6 +240,8 @@ class FreshBatch(tuple):
     ``labels``: those of another kind than class indices, else ``None`` (the class indices are in the memory).
     """
 
+    _sent: tuple[SlotMemory, int, Any]
+
     def __new__(cls, memory: SlotMemory, count: int, labels: Any = None) -> FreshBatch:  # noqa: D102
         batch = tuple.__new__(cls, _fresh_tensors(memory, count, labels))
         batch._sent = (memory, count, labels)
