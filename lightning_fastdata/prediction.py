@@ -1,8 +1,9 @@
 """``PredictionWriter``: ``trainer.predict``'s outputs written to a CSV or JSON Lines file, one row per sample.
 
 Each process streams its rows, tagged with their sample index, to a part file beside the output; after the last
-batch, rank zero merges the parts in sample order, drops the duplicates that ``DistributedSampler`` pads with, and
-publishes the file under its final name by a rename. A run that stops early publishes nothing.
+batch, rank zero checks that they hold every sample of the split, merges them in sample order, drops the duplicates
+that ``DistributedSampler`` pads with, and publishes the file under its final name by a rename. A run that stops
+early publishes nothing; one whose parts miss samples raises and keeps them.
 """
 
 from __future__ import annotations
@@ -69,6 +70,11 @@ class PredictionWriter(BasePredictionWriter):
     renamed. A run that stops early (an error, Ctrl-C) leaves no new file and no parts, and a previous file of that
     name as it was.
 
+    **Every sample of the split** must have a row: if the parts miss some (a sampler of one's own that leaves samples
+    out), rank zero raises a ``RuntimeError`` that counts and names them, writes nothing, and keeps the parts. Only a
+    ``limit_predict_batches`` that stops the loader early leaves samples out on purpose: then the batches that ran
+    are written, unchecked, and the log says how many ran.
+
     Use ``trainer.predict(..., return_predictions=False)`` (``--return_predictions false`` on the command line) so
     that Lightning does not also keep every output in memory.
 
@@ -115,6 +121,12 @@ class PredictionWriter(BasePredictionWriter):
         self._part: IO[bytes] | None = None
         self._classes: list[str] | None = None
         self._sources: list[str] | None = None
+        #: samples of the predicted split the parts must cover (``None``: not checked), and the batches that ran of
+        #: those the loader has, when `limit_predict_batches` cut it short
+        self._samples: int | None = None
+        self._limited: tuple[int, int] | None = None
+        #: every rank's part was complete: a failed merge keeps them
+        self._parts_complete = False
 
     def part_path(self, rank: int) -> Path:
         """The part file rank ``rank`` streams its rows to: hidden, beside ``output_path``."""
@@ -125,6 +137,7 @@ class PredictionWriter(BasePredictionWriter):
         super().setup(trainer, pl_module, stage)
         if stage != "predict":
             return
+        self._parts_complete = False
         datamodule = trainer.datamodule
         if getattr(datamodule, "on_bad_sample", "raise") == "skip":
             raise InvalidArgumentError(
@@ -147,6 +160,8 @@ class PredictionWriter(BasePredictionWriter):
     def on_predict_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.output_path.parent.mkdir(parents=True, exist_ok=True)
         self._close()
+        self._samples, self._limited = _split_to_cover(trainer)
+        self._parts_complete = False
         self._part = open(self.part_path(trainer.global_rank), "wb")  # noqa: SIM115 - open until the merge
 
     @override
@@ -185,17 +200,21 @@ class PredictionWriter(BasePredictionWriter):
     def on_predict_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._close()
         trainer.strategy.barrier("PredictionWriter.parts_written")
+        self._parts_complete = True
         error = None
         if trainer.global_rank == 0:
             try:
-                rows = self._merge(trainer.world_size)
+                rows = self._merge(trainer.world_size, self._samples)
             except Exception as err:  # told to the other ranks below, then raised here
                 error = f"{type(err).__name__}: {err}"
                 raise
             finally:
                 # every rank waits for the merge and learns its outcome (none waits forever on a failed rank zero)
                 error = trainer.strategy.broadcast(error, src=0)
-            rank_zero_info(f"PredictionWriter: wrote {rows} predictions to {self.output_path}")
+            limited = ""
+            if self._limited is not None:
+                limited = " (`limit_predict_batches` ran {} of the loader's {} batches)".format(*self._limited)
+            rank_zero_info(f"PredictionWriter: wrote {rows} predictions to {self.output_path}{limited}")
         else:
             error = trainer.strategy.broadcast(error, src=0)
             if error is not None:
@@ -204,6 +223,8 @@ class PredictionWriter(BasePredictionWriter):
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         self._close()
+        if self._parts_complete:  # the merge failed: the parts hold every prediction made
+            return
         with contextlib.suppress(OSError):
             self.part_path(trainer.global_rank).unlink(missing_ok=True)
 
@@ -226,10 +247,16 @@ class PredictionWriter(BasePredictionWriter):
                 stale.unlink()
                 log.info("removed %s, left by a merge that was killed", stale)
 
-    def _merge(self, world_size: int) -> int:
+    def _merge(self, world_size: int, samples: int | None = None) -> int:
         """Write the rows of the parts of ranks ``0..world_size-1``, each sample once, in sample order; remove them.
 
-        Returns the number of rows written.
+        With ``samples``, the parts must cover samples ``0..samples-1`` of the split, and no other (repeats are the
+        sampler's padding); otherwise nothing is written and the parts are kept. Returns the number of rows written.
+
+        Raises:
+            FileNotFoundError: a part is missing (another node's disk).
+            RuntimeError: ``samples`` are not all covered, or indices lie beyond them.
+
         """
         parts = [self.part_path(rank) for rank in range(world_size)]
         missing = [str(part) for part in parts if not part.is_file()]
@@ -240,6 +267,8 @@ class PredictionWriter(BasePredictionWriter):
             )
         # where each sample's first row is: part and byte offset, one pair of integers per sample (not its row)
         part_of, offset_of, kinds = self._index(parts)
+        if samples is not None:
+            self._check_coverage(part_of, samples, parts)
         self._remove_dead_merges()
         tmp = self.output_path.with_name(f".{self.output_path.name}.{os.getpid()}.tmp")
         rows = 0
@@ -266,6 +295,28 @@ class PredictionWriter(BasePredictionWriter):
         for part in parts:
             part.unlink(missing_ok=True)
         return rows
+
+    def _check_coverage(self, part_of: np.ndarray, samples: int, parts: Sequence[Path]) -> None:
+        """Raise unless the parts (``part_of``: each sample's part, -1 for none) hold samples ``0..samples-1`` only."""
+        # with the samples past the last index seen: none of them was predicted
+        missing = np.concatenate([np.flatnonzero(part_of[:samples] < 0), np.arange(len(part_of), samples)])
+        beyond = np.flatnonzero(part_of >= 0)
+        beyond = beyond[beyond >= samples]
+        if not len(missing) and not len(beyond):
+            return
+        if len(missing):
+            found, indices = f"{len(missing)} of {samples} samples of the predicted split have no prediction", missing
+        else:
+            where = "an index" if len(beyond) == 1 else f"{len(beyond)} indices"
+            found, indices = f"the predictions name {where} beyond the split's {samples} samples", beyond
+        first = ", ".join(str(i) for i in indices[:5]) + (", ..." if len(indices) > 5 else "")
+        raise RuntimeError(
+            f"{found} (indices [{first}]): `output_path` {str(self.output_path)!r} was not written; the part files are"
+            f" kept: {', '.join(str(part) for part in parts)}. A sampler of one's own leaves samples out (a"
+            " `DistributedSampler` with `drop_last=True`, or with a `num_replicas` other than the run's): predict"
+            " every sample, or, to predict part of a split on purpose, a `torch.utils.data.Subset` of it or the"
+            " first batches (`limit_predict_batches`)."
+        )
 
     @staticmethod
     def _index(parts: Sequence[Path]) -> tuple[np.ndarray, np.ndarray, set[bytes]]:
@@ -331,6 +382,26 @@ class PredictionWriter(BasePredictionWriter):
             out.write(json.dumps(row, ensure_ascii=False) + "\n")
 
         return emit
+
+
+def _split_to_cover(trainer: Trainer) -> tuple[int | None, tuple[int, int] | None]:
+    """The samples the predicted split's rows must cover, and ``(batches run, batches)`` if a limit cut it short.
+
+    Every sample of the split when every batch of the loader runs; ``None`` when that cannot be told (a loader or
+    dataset without a length) or ``limit_predict_batches`` stops the loader early on purpose.
+    """
+    loaders = trainer.predict_dataloaders
+    if isinstance(loaders, Mapping):
+        loaders = next(iter(loaders.values()), None)
+    loader = loaders[0] if isinstance(loaders, list | tuple) and loaders else loaders
+    try:
+        samples, batches = len(loader.dataset), len(loader)  # type: ignore[union-attr,arg-type]
+    except (AttributeError, TypeError):
+        return None, None
+    run = trainer.num_predict_batches[0] if trainer.num_predict_batches else batches
+    if run < batches:
+        return None, (int(run), batches)
+    return samples, None
 
 
 def _per_sample(prediction: Any, n: int, classes: Sequence[str] | None) -> tuple[bytes, list[Any]]:

@@ -15,7 +15,7 @@ import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.cli import LightningCLI
 from prediction_script import FailingModel, LabelModel, OneHotModel, RawModel
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_fastdata import FastImageDataModule, InvalidArgumentError, PredictionWriter
 from lightning_fastdata.cli import lightning_cli, main
@@ -202,7 +202,7 @@ def test_merge_keeps_each_sample_once_in_order(tmp_path: Path) -> None:
         writer.part_path(rank).write_bytes(
             b"".join(b"%d\t%s\t%s\n" % (i, k, json.dumps(v).encode()) for i, k, v in rows)
         )
-    assert writer._merge(2) == 6
+    assert writer._merge(2, samples=6) == 6  # the padding repeat is no error: every sample is there
     rows = _jsonl(tmp_path / "p.jsonl")
     assert rows == [
         {"index": 0, "label": 1},
@@ -212,6 +212,56 @@ def test_merge_keeps_each_sample_once_in_order(tmp_path: Path) -> None:
         {"index": 4, "output": [4]},
         {"index": 5, "label": 0},
     ]
+    assert _leftovers(tmp_path) == []
+
+
+def _write_parts(writer: PredictionWriter, *ranks: list[int]) -> None:
+    """Part files of class rows (label 0) for the sample indices of each rank."""
+    for rank, indices in enumerate(ranks):
+        writer.part_path(rank).write_bytes(b"".join(b"%d\tc\t0\n" % i for i in indices))
+
+
+def test_a_merge_missing_samples_raises_and_keeps_the_parts(tmp_path: Path) -> None:
+    """Parts missing 2 of 8 samples (padded with a repeat) write nothing: the error counts and names them, and the
+    parts stay; samples beyond the split are refused too."""
+    out = tmp_path / "p.csv"
+    out.write_text("an earlier run's file\n")
+    writer = PredictionWriter(str(out))
+    _write_parts(writer, [0, 2, 4, 0], [1, 3, 7])
+    match = (
+        r"2 of 8 samples of the predicted split have no prediction \(indices \[5, 6\]\): `output_path` '.*p\.csv'"
+        r" was not written; the part files are kept: .*\.p\.csv\.rank0\.part.*`drop_last=True`"
+    )
+    with pytest.raises(RuntimeError, match=match):
+        writer._merge(2, samples=8)
+    assert out.read_text() == "an earlier run's file\n"
+    assert _leftovers(tmp_path) == [".p.csv.rank0.part", ".p.csv.rank1.part"]
+    _write_parts(writer, [0, 1, 2, 3], [4, 5, 6, 7, 9])
+    with pytest.raises(RuntimeError, match=r"name an index beyond the split's 8 samples \(indices \[9\]\)"):
+        writer._merge(2, samples=8)
+
+
+def _predict_loader(loader: DataLoader, out: Path, **options: Any) -> None:
+    writer = PredictionWriter(str(out))
+    trainer = Trainer(
+        accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[writer],
+        **options,
+    )  # fmt: skip
+    trainer.predict(LabelModel(), dataloaders=loader, return_predictions=False)
+
+
+def test_a_sampler_that_leaves_samples_out_raises_but_a_limit_on_purpose_does_not(tmp_path: Path) -> None:
+    """A sampler of one's own giving every other sample leaves 3 of 6 out: the run raises and keeps its part. Under
+    `limit_predict_batches` only the batches that ran are written, with no error."""
+    out = tmp_path / "predictions.csv"
+    dataset = TensorDataset(torch.zeros(6, 3, 4, 4), torch.arange(6))
+    half = DistributedSampler(dataset, num_replicas=2, rank=0, shuffle=False)
+    with pytest.raises(RuntimeError, match=r"^3 of 6 samples .* no prediction \(indices \[1, 3, 5\]\)"):
+        _predict_loader(DataLoader(dataset, batch_size=2, sampler=half), out)
+    assert not out.exists()
+    assert _leftovers(tmp_path) == [".predictions.csv.rank0.part"]
+    _predict_loader(DataLoader(dataset, batch_size=2), out, limit_predict_batches=1)
+    assert _csv(out) == [{"index": "0", "label": "0"}, {"index": "1", "label": "1"}]
     assert _leftovers(tmp_path) == []
 
 

@@ -119,11 +119,16 @@ def _train(
     epochs: int = 9,
 ) -> str:
     """The training's output, then ``EXIT <code>``, ``LEFT <python processes>``, ``SHM [<entries>]`` and its use."""
+    args = (str(db), str(tmp_path / "cache"), how, str(image_size), str(batch_size), str(epochs))
+    return _in_private_shm(tmp_path, _TRAIN, *args, how=how, shm_size=shm_size)
+
+
+def _in_private_shm(tmp_path: Path, code: str, *args: str, how: str = "finish", shm_size: str = "64m") -> str:
+    """``python -c code args`` in its own namespaces with a ``shm_size`` tmpfs on ``/dev/shm`` (see ``_WRAPPER``)."""
     out = tmp_path / "out.txt"
     command = [
         *("unshare", "--user", "--map-root-user", "--mount", "--pid", "--fork", "--mount-proc"),
-        *("sh", "-c", _WRAPPER, "wrapper", sys.executable, "-c", _TRAIN, str(db), str(tmp_path / "cache")),
-        *(how, str(image_size), str(batch_size), str(epochs)),
+        *("sh", "-c", _WRAPPER, "wrapper", sys.executable, "-c", code, *args),
     ]
     env = {"PATH": "/usr/bin:/bin:/usr/sbin:/sbin", "HOW": how, "OUT": str(out), "SHM_SIZE": shm_size}
     env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
@@ -166,6 +171,41 @@ def test_a_64_mib_dev_shm_trains_with_slots_far_larger(tmp_path: Path, train_db:
     used_kb = int(re.search(r"SHM-USED-KB (\d+)", out).group(1))  # type: ignore[union-attr]
     assert used_kb < 1024, out
     assert "Bus error" not in out, out
+
+
+#: an epoch on worker processes whose every batch the loop keeps: most miss a slot and are built in fresh memory;
+#: each is compared with a fresh read of its sample, in this process
+_KEEP_EVERY_BATCH = textwrap.dedent(
+    """
+    import sys
+    import torch
+    from lightning_fastdata import LmdbImageDataset
+    from lightning_fastdata.pipeline import BatchReader, KeyedIndices, create_loader
+    from lightning_fastdata.transforms import RandomResizedCropFlip
+
+    dataset = LmdbImageDataset(sys.argv[1], transform=RandomResizedCropFlip(int(sys.argv[2])))
+    loader = create_loader(dataset, 1, shuffle=True, seed=5, engine="processes", workers=2, output="uint8")
+    kept = list(loader)
+    print("KEPT", len(kept), "MISSES", loader.slot_misses, flush=True)
+    reader = BatchReader(dataset, output="uint8")
+    for (images, labels), index in zip(kept, loader.sampler, strict=True):
+        want_images, want_labels = reader.read_batch(KeyedIndices([index], (5, 0)))
+        assert torch.equal(images, want_images) and torch.equal(labels, want_labels), index
+    print("SAME", flush=True)
+    """
+)
+
+
+@pytest.mark.slow
+@needs_namespaces
+def test_batches_that_miss_a_slot_need_no_dev_shm(tmp_path: Path, train_db: Path) -> None:
+    """A loop keeping every batch of an epoch runs the slots out: the batches built in fresh memory go to the training
+    process as memfds too, so a 256 KiB /dev/shm (2 MiB of batches) is enough, and they hold the right samples."""
+    out = _in_private_shm(tmp_path, _KEEP_EVERY_BATCH, str(train_db), "64", shm_size="256k")
+    assert "KEPT 128 MISSES 112" in out, out  # 16 slots: 112 batches of 12 KiB in fresh memory
+    assert "SAME" in out, out
+    assert "EXIT 0" in out, out
+    assert "SHM []" in out, out
 
 
 _KILL_MID_BATCH = textwrap.dedent(

@@ -6,6 +6,9 @@ import errno
 import gc
 import os
 import pickle
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -119,6 +122,53 @@ def test_a_shared_memory_shortage_is_an_error_at_once_never_a_bus_error(monkeypa
     monkeypatch.setattr(os, "posix_fallocate", fallocate)
     with pytest.raises(OSError, match=r"reserving 1 MiB of shared memory failed"):
         SlotMemory(SlotLayout(1024, (32, 32, 1)), 1, shared=True)
+
+
+#: three reservations of 32 MiB of shared slots under an address-space limit 16 MiB above what the process maps: the
+#: pages are reserved (shmem is not address space), then the mapping fails; prints the errors and the descriptors
+#: open before and after, slot memfds first
+_RESERVE_UNDER_A_LIMIT = textwrap.dedent(
+    """
+    import os, resource
+    from lightning_fastdata.pipeline.slots import SlotLayout, SlotMemory
+
+    def descriptors():
+        names = []
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                names.append(os.readlink(f"/proc/self/fd/{fd}"))
+            except OSError:  # the listing's own descriptor, closed by now
+                pass
+        return sum("lightning_fastdata-slots" in name for name in names), len(names)
+
+    with open("/proc/self/status") as status:
+        mapped = next(int(line.split()[1]) for line in status if line.startswith("VmSize:")) * 1024
+    before = descriptors()
+    resource.setrlimit(resource.RLIMIT_AS, (mapped + 16 * 2**20, resource.RLIM_INFINITY))
+    for _ in range(3):
+        try:
+            SlotMemory(SlotLayout(32, (1024, 1024, 1)), 1, shared=True)
+        except OSError as err:
+            print("RAISED", err, flush=True)
+    print("DESCRIPTORS", *before, *descriptors(), flush=True)
+    """
+)
+
+
+def test_a_reservation_that_cannot_be_mapped_keeps_no_descriptor_and_names_the_size() -> None:
+    """Under an address-space limit the pages are reserved but the mapping fails: each failure closes the memfd (and
+    frees its pages) and says how much was asked for, however often it is tried."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = subprocess.run(
+        [sys.executable, "-c", _RESERVE_UNDER_A_LIMIT], capture_output=True, text=True, env=env, timeout=120
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    raised = [line for line in out.splitlines() if line.startswith("RAISED")]
+    assert len(raised) == 3, out
+    assert all("reserving 32 MiB of shared memory failed: Cannot allocate memory" in line for line in raised), out
+    memfds_before, open_before, memfds_after, open_after = map(int, out.split("DESCRIPTORS")[1].split())
+    assert (memfds_after, open_after) == (memfds_before, open_before) == (0, open_before), out
 
 
 def _reference(reader: BatchReader, batch: KeyedIndices) -> tuple[torch.Tensor, torch.Tensor]:
@@ -288,3 +338,38 @@ def test_slots_are_page_locked_once_for_a_cuda_device(
     del loader, memory, images, _labels
     gc.collect()
     assert calls[-1] == ("unregister", address)
+
+
+@pytest.mark.parametrize(
+    ("engine", "workers", "context"),
+    [
+        ("threads", 2, None),
+        ("threads", 0, None),  # on the calling thread
+        ("processes", 2, "fork"),
+        pytest.param("processes", 2, "spawn", marks=pytest.mark.slow),
+    ],
+)
+def test_loaders_sharing_a_reader_build_their_batches_in_their_own_slots(
+    dataset: LmdbImageDataset, engine: str, workers: int, context: str | None
+) -> None:
+    """Two loaders over one ``BatchReader``, iterated in turn: every batch of each equals a fresh read of its indices
+    (each loader's batches go into its own slots, wherever the reader is shared)."""
+    reader = BatchReader(dataset, output="uint8")
+    loaders = [create_loader(reader, 2, shuffle=True, seed=seed, engine=engine, workers=workers) for seed in (1, 2)]
+    if context is not None:
+        for loader in loaders:
+            loader.multiprocessing_context = context
+    drawn = [_spy_batches(loader) for loader in loaders]
+    got: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[], []]
+    for pair in zip(*loaders, strict=True):
+        for kept, (images, labels) in zip(got, pair, strict=True):
+            kept.append((images.clone(), labels.clone()))
+    reference = BatchReader(dataset, output="uint8")
+    for kept, batches in zip(got, drawn, strict=True):
+        assert len(kept) == len(batches) == len(dataset) // 2
+        for (images, labels), batch in zip(kept, batches, strict=True):
+            want_images, want_labels = _reference(reference, batch)
+            torch.testing.assert_close(images, want_images, rtol=0, atol=0)
+            assert torch.equal(labels, want_labels)
+    assert reader.slots is None  # the shared reader holds no loader's slots
+    del loaders

@@ -6,6 +6,7 @@ follows a sample through them, from its database record to a batch on the device
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import random
@@ -17,7 +18,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from lightning_fastdata.pipeline.device import DeviceStage, prefetch_to_device
 from lightning_fastdata.pipeline.kernel import BatchReader, KeyedIndices, Output, _batch_as_is
-from lightning_fastdata.pipeline.processes import WorkerIterator, _worker_init, shared_slots
+from lightning_fastdata.pipeline.processes import WorkerIterator, _worker_init, shared_slots, with_slots
 from lightning_fastdata.pipeline.resume import ResumableSampler, batches_per_epoch, position_state, restore_position
 from lightning_fastdata.pipeline.slots import SlotPool
 from lightning_fastdata.pipeline.threads import private_slots, threaded_batches
@@ -149,7 +150,8 @@ class FastLoader(DataLoader):
     (:mod:`~lightning_fastdata.pipeline.slots`), shared with the worker processes or private to the threads, and
     page-locked once when they go to a CUDA device: :attr:`page_locked` then says ``pin_memory`` was asked for, while
     the DataLoader's own ``pin_memory`` is off (no pin-memory thread). :attr:`slot_misses` counts the batches built
-    in fresh memory because the training loop kept every slot's batch alive.
+    in fresh memory because the training loop kept every slot's batch alive (in a worker process, a memfd of the
+    batch's own: no ``/dev/shm``). The slots are the loader's own, so several loaders may share one batch reader.
 
     Args:
         dataset: a :class:`~lightning_fastdata.pipeline.kernel.BatchReader` (whole batches), or any dataset (read as a
@@ -245,15 +247,17 @@ class FastLoader(DataLoader):
         # 1. index batches, keyed with the epoch's (seed, epoch) and each given a free slot: `_index_sampler`, which
         #    torch's iterators read too
         slots = self._slot_pool()
-        # 2-3. the engine builds each batch whole, record to pixels, into its slot (`BatchReader.__getitems__`)
-        if self.engine == "threads":
-            assert isinstance(self.dataset, BatchReader)
+        # 2-3. the engine builds each batch whole, record to pixels, into its slot (`BatchReader.__getitems__`): the
+        #    threads (or the calling thread) are given this loader's slot memory with each batch, worker processes
+        #    as they start (`_get_iterator`), since the reader may be shared by several loaders
+        if self.engine == "threads" or (self.engine == "main" and slots is not None):
+            reader = self.dataset
+            assert isinstance(reader, BatchReader)
+            read = functools.partial(reader.__getitems__, slots=slots.memory if slots is not None else None)
             release = (lambda indices: slots.release(getattr(indices, "slot", None))) if slots is not None else None
-            batches = threaded_batches(
-                iter(self._index_sampler), self.dataset.__getitems__, self.workers, self._on_threads(), release
-            )
+            batches = threaded_batches(iter(self._index_sampler), read, self.workers, self._on_threads(), release)
         else:
-            batches = super().__iter__()  # torch's: the calling thread, or worker processes (kept between epochs)
+            batches = super().__iter__()  # torch's: worker processes (kept between epochs), or the calling thread
         # 4. slots to tensors: views handed out, or copies to the device one step ahead on the side stream; then the
         #    device stage there
         if slots is not None:
@@ -288,21 +292,25 @@ class FastLoader(DataLoader):
             return super()._get_iterator()
         self.check_worker_number_rationality()
         # torch counts `prefetch_factor` in tasks, each of `_task_batches` batches here: it reads the attribute as it
-        # makes its iterator, which keeps the count for its life (persistent workers)
-        batches_ahead = self.prefetch_factor
+        # makes its iterator, which keeps the count for its life (persistent workers); so it reads `worker_init_fn`,
+        # which gives each worker's batch reader this loader's slots as the worker starts
+        batches_ahead, init = self.prefetch_factor, self.worker_init_fn
         if self._task_batches > 1 and not self._threads_instead:
             self.prefetch_factor = self._tasks_ahead()
+        if self._slots is not None:
+            self.worker_init_fn = functools.partial(with_slots, self._slots.memory, init)
         try:
             return WorkerIterator(self)
         finally:
-            self.prefetch_factor = batches_ahead
+            self.prefetch_factor, self.worker_init_fn = batches_ahead, init
 
     def _slot_pool(self) -> SlotPool | None:
         """The batch slots of the engine about to run: made once, or for worker processes once per set of workers.
 
         Persistent workers keep theirs (and the slots) across epochs; otherwise torch starts workers per epoch and
-        they get fresh slots, while the previous set keeps its own until it stops. Worker processes find the slots
-        on the batch reader: forked ones inherit them, spawned ones receive their file descriptor.
+        they get fresh slots, while the previous set keeps its own until it stops. The slots are this loader's alone,
+        never the batch reader's (several loaders may share one): worker processes get them as they start (forked
+        ones inherit them, spawned ones receive their file descriptor), threads with each batch.
         """
         layout = self._slot_layout
         if layout is None:
@@ -330,8 +338,6 @@ class FastLoader(DataLoader):
             reason = pool.pin()
             if reason is not None:
                 log.warning("Batch slots stay pageable (%s): copies to the GPU will not overlap computation.", reason)
-        assert isinstance(self.dataset, BatchReader)
-        self.dataset.slots = pool.memory
         self._slots = pool
         return pool
 

@@ -34,7 +34,7 @@ from lightning_fastdata._fast_path import inherits
 from lightning_fastdata.errors import FastDataError, SampleError
 from lightning_fastdata.keyed_random import AugmentKey, sample_key
 from lightning_fastdata.pipeline.device_decode import collate_encoded, encoded_sample
-from lightning_fastdata.pipeline.slots import Batches, SlotBatch, SlotLayout, SlotMemory
+from lightning_fastdata.pipeline.slots import Batches, FreshBatch, SlotBatch, SlotLayout, SlotMemory
 from lightning_fastdata.skipping import SkipCounter
 from lightning_fastdata.store.format import RecordHeader
 from lightning_fastdata.store.reader import LmdbImageDataset, collate_labels
@@ -124,7 +124,8 @@ class BatchReader(Dataset):
                 " pipelines."
             )
         self.transform = transform if self.fused or output == "encoded" else None
-        #: where batches whose indices carry a slot go (:mod:`~lightning_fastdata.pipeline.slots`): set by the loader
+        #: where a worker process builds batches whose indices carry a slot (:mod:`~lightning_fastdata.pipeline.slots`):
+        #: its loader's memory, set as the worker starts; the loader's threads pass theirs to :meth:`__getitems__`
         self.slots: SlotMemory | None = None
         self._scratch = threading.local()
 
@@ -149,27 +150,22 @@ class BatchReader(Dataset):
             return SlotLayout(batch_size, (size, size, 3), "uint8")
         return SlotLayout(batch_size, (size, size, 3) if self.channels_last else (3, size, size), "float32")
 
-    def __getitems__(self, indices: Sequence[int]) -> Any:
+    def __getitems__(self, indices: Sequence[int], slots: SlotMemory | None = None) -> Any:
         """A whole batch, what the engines call: built in the slot its indices carry, if they carry one.
 
         A list of :class:`KeyedIndices` is a task of several batches (worker processes are sent a few at a time):
         they are built in order and returned together as :class:`~lightning_fastdata.pipeline.slots.Batches`.
 
-        Into a slot (:class:`KeyedIndices` with a ``slot``, and :attr:`slots` set), the batch is a
-        :class:`~lightning_fastdata.pipeline.slots.SlotBatch`: the slot and the samples in it, all that goes back
-        from a worker process. Otherwise it is :meth:`read_batch`'s ``(images, labels)``.
+        Into a slot (:class:`KeyedIndices` with a ``slot``) of ``slots`` (default: :attr:`slots`, a worker process's),
+        the batch is a :class:`~lightning_fastdata.pipeline.slots.SlotBatch`: the slot and the samples in it, all
+        that goes back from a worker process. Otherwise it is :meth:`read_batch`'s ``(images, labels)``.
         """
         if indices and type(indices[0]) is KeyedIndices:  # a task of several batches (the process engine)
-            return Batches(self.__getitems__(batch) for batch in indices)
-        slot, slots = getattr(indices, "slot", None), self.slots
+            return Batches(self.__getitems__(batch, slots) for batch in indices)
+        slot, slots = getattr(indices, "slot", None), self.slots if slots is None else slots
         if slot is None or slots is None or len(indices) > slots.layout.batch_size:
             return self.read_batch(indices)
-        images = slots.images(slot, len(indices))
-        count, labels = self._fill(indices, getattr(indices, "key", None), images)
-        if all(type(label) is int for label in labels):  # class indices: into the slot too
-            slots.labels(slot, count)[:] = labels
-            return SlotBatch(slot, count)
-        return SlotBatch(slot, count, collate_labels(labels))
+        return SlotBatch(slot, *self._fill_slot(indices, getattr(indices, "key", None), slots, slot))
 
     def read_batch(self, indices: Sequence[int], seed: int | None = None) -> Any:
         """The batch of samples ``indices``: ``(images, labels)``, bad samples left out under the skip policy.
@@ -213,7 +209,17 @@ class BatchReader(Dataset):
     # -- the fused path --------------------------------------------------------------------------------------------
 
     def _read_fused(self, indices: Sequence[int], key: AugmentKey | None) -> tuple[Tensor, Any]:
-        """The fused path into fresh memory (no slot): see :meth:`_fill`."""
+        """The fused path into fresh memory (no slot): see :meth:`_fill`.
+
+        In a worker process that memory is a memfd of its own, which goes to the training process as its file
+        descriptor (:class:`~lightning_fastdata.pipeline.slots.FreshBatch`), as the slots' memory does: never through
+        ``/dev/shm``, however many batches the loop keeps.
+        """
+        if get_worker_info() is not None:
+            layout = self.slot_layout(len(indices))
+            assert layout is not None
+            memory = SlotMemory(layout, 1, shared=True)
+            return FreshBatch(memory, *self._fill_slot(indices, key, memory, 0))
         images = self._new_batch(len(indices))
         count, labels = self._fill(indices, key, images.numpy())
         return self._as_nchw(images[:count]), self._pin_labels(collate_labels(labels))
@@ -244,6 +250,19 @@ class BatchReader(Dataset):
         if base.target_transform is not None:
             labels = [base.target_transform(label) for label in labels]
         return len(labels), labels
+
+    def _fill_slot(
+        self, indices: Sequence[int], key: AugmentKey | None, slots: SlotMemory, slot: int
+    ) -> tuple[int, Any]:
+        """:meth:`_fill` slot ``slot`` of ``slots``: the samples in it, and their labels, ``None`` for class indices.
+
+        Class indices go into the slot too, so nothing but the count need leave a worker process.
+        """
+        count, labels = self._fill(indices, key, slots.images(slot, len(indices)))
+        if all(type(label) is int for label in labels):
+            slots.labels(slot, count)[:] = labels
+            return count, None
+        return count, collate_labels(labels)
 
     def _boxes(self, found: list[tuple[Any, ...]], key: AugmentKey | None) -> tuple[list[Box], list[bool]]:
         """The crop boxes and flips of the records ``found`` (``((index, record), header, ...)``), from their keys."""
@@ -313,17 +332,14 @@ class BatchReader(Dataset):
     # -- buffers ---------------------------------------------------------------------------------------------------
 
     def _new_batch(self, n: int) -> Tensor:
-        """Fresh memory for a batch built without a slot: NHWC uint8 (or NCHW / NHWC float32).
+        """Fresh memory for a batch built without a slot in this process: NHWC uint8 (or NCHW / NHWC float32).
 
-        In shared memory inside a worker process (PyTorch's, one segment per batch), page-locked when asked for and
-        CUDA is there, else NumPy's (which asks the kernel for huge pages: few page faults).
+        Page-locked when asked for and CUDA is there, else NumPy's (which asks the kernel for huge pages: few page
+        faults).
         """
         layout = self.slot_layout(n)
         assert layout is not None
         shape, dtype = (n, *layout.sample_shape), torch.uint8 if layout.dtype == "uint8" else torch.float32
-        if get_worker_info() is not None:  # a worker process: the batch goes back through shared memory, uncopied
-            storage = torch.UntypedStorage._new_shared(layout.image_bytes)
-            return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
         if self._pinned():  # torch's caching host allocator reuses pinned blocks safely
             return torch.empty(shape, dtype=dtype, pin_memory=True)
         return torch.from_numpy(np.empty(shape, dtype=layout.dtype))
@@ -333,7 +349,7 @@ class BatchReader(Dataset):
         return labels.pin_memory() if self._pinned() and isinstance(labels, Tensor) else labels
 
     def _pinned(self) -> bool:
-        """Whether this process builds batches in page-locked memory (not in a worker: those go through shm)."""
+        """Whether this process builds batches in page-locked memory (not in a worker: those go as memfds)."""
         return self.pin_memory and get_worker_info() is None and torch.cuda.is_available()
 
     def _as_nchw(self, images: Tensor) -> Tensor:

@@ -3,12 +3,17 @@
 torch's DataLoader runs the workers (start method, ``worker_init_fn``, persistent workers, a dead worker's error,
 timeouts); only what a worker returns is this package's. The training process owns a pool of batch slots in memory
 it shares with the workers (:mod:`~lightning_fastdata.pipeline.slots`), made once per set of workers and kept across
-epochs with persistent workers. Each batch's indices go out with a free slot; the worker decodes, crops and resizes
-straight into it (:meth:`BatchReader.__getitems__ <lightning_fastdata.pipeline.kernel.BatchReader.__getitems__>`)
-and sends back only ``(slot, count)``. The training process hands out a view of the slot, or its copy on the device,
-and frees the slot when that is done with: no shared-memory segment, page fault, pickled tensor or pin-memory copy
-per batch. A batch whose indices found no free slot (the loop kept many batches alive) goes through PyTorch's own
-shared memory, as a plain DataLoader's would.
+epochs with persistent workers; the workers receive it as they start (:func:`with_slots`). Each batch's indices go
+out with a free slot; the worker decodes, crops and resizes straight into it (:meth:`BatchReader.__getitems__
+<lightning_fastdata.pipeline.kernel.BatchReader.__getitems__>`) and sends back only ``(slot, count)``. The training
+process hands out a view of the slot, or its copy on the device, and frees the slot when that is done with: no
+shared-memory segment, page fault, pickled tensor or pin-memory copy per batch. A batch whose indices found no free
+slot (the loop kept many batches alive) is built in a memfd of its own, which goes back as its file descriptor
+(:class:`~lightning_fastdata.pipeline.slots.FreshBatch`): the fused path names nothing in ``/dev/shm``, however many
+batches the loop keeps. What does go through PyTorch's shared memory in ``/dev/shm``, as a plain DataLoader's
+batches do: batches of the per-sample path (a dataset or transform of one's own), still-encoded ones
+(``decode="device"``) and labels that are tensors of their own (a ``target_transform``'s); for those a container
+needs room there (``docker run --shm-size``), or ``engine="threads"``.
 
 Workers import this module to unpickle the ``worker_init_fn``, so it imports neither Lightning nor torchvision.
 """
@@ -16,10 +21,11 @@ Workers import this module to unpickle the ``worker_init_fn``, so it imports nei
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils.data import _utils
+from torch.utils.data import _utils, get_worker_info
 from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 
 from lightning_fastdata.pipeline.slots import SLOTS_HELD, SlotLayout, SlotMemory, SlotPool
@@ -33,6 +39,19 @@ def shared_slots(layout: SlotLayout, ahead: int) -> SlotPool:
 
     """
     return SlotPool(SlotMemory(layout, ahead + SLOTS_HELD, shared=True))
+
+
+def with_slots(memory: SlotMemory, init: Callable[[int], None] | None, worker_id: int) -> None:
+    """A worker's ``worker_init_fn``: its loader's slot memory onto the worker's batch reader, then ``init``.
+
+    The memory is the loader's, not the reader's (several loaders may share a reader): it reaches the worker with
+    the ``worker_init_fn``, inherited by a forked worker, its file descriptor pickled for a spawned one.
+    """
+    info = get_worker_info()
+    assert info is not None
+    info.dataset.slots = memory  # type: ignore[attr-defined]
+    if init is not None:
+        init(worker_id)
 
 
 def _worker_init(worker_id: int) -> None:

@@ -21,8 +21,11 @@ wait, and never a slot with two owners.
 The memory is private to the process (the threads engine) or shared with worker processes (the process engine):
 an anonymous ``memfd`` on Linux, reserved up front with ``posix_fallocate``, so nothing is ever named in
 ``/dev/shm`` (nothing can be left behind there, whatever kills the process, and a container's small ``/dev/shm``
-does not limit it), and a shortage of memory is an ``OSError`` at start-up instead of a bus error mid-epoch.
-Forked workers inherit the mapping; spawned ones receive the descriptor when the batch reader is pickled for them.
+does not limit it), and a shortage of memory is an ``OSError`` at start-up instead of a bus error mid-epoch (a
+failed reservation closes its descriptor: it holds nothing). The memory is the loader's, never the batch reader's,
+which several loaders may share: the threads are given it with each batch, worker processes as they start (forked
+ones inherit the mapping, spawned ones receive the descriptor). A worker's batch that finds no free slot is built in
+a one-slot memfd of its own, sent back as its descriptor (:class:`FreshBatch`).
 """
 
 from __future__ import annotations
@@ -109,20 +112,29 @@ class SlotMemory:
             self._map = None
             self.bytes = np.empty(nbytes, dtype=np.uint8)
             return
-        fd = _anonymous_file()
         try:
-            os.posix_fallocate(fd, 0, nbytes)  # the pages now, or ENOSPC / ENOMEM now: never a bus error later
-        except OSError as err:
-            os.close(fd)
-            raise OSError(
-                err.errno, f"reserving {nbytes / 2**20:.0f} MiB of shared memory failed: {err.strerror}"
-            ) from None
-        self._attach(fd)
+            fd = _anonymous_file()
+        except OSError as err:  # no descriptor left (EMFILE)
+            raise _reserving_failed(err, nbytes) from None
+        self._attach(fd, reserve=True)
 
-    def _attach(self, fd: int) -> None:
+    def _attach(self, fd: int, reserve: bool = False) -> None:
+        """Map the memory of ``fd``, now owned by this object; its pages reserved first when ``reserve``.
+
+        On any failure ``fd`` is closed, and with it whatever was reserved: a failed reservation holds nothing.
+        """
+        nbytes = self.count * self.layout.slot_bytes
+        try:
+            if reserve:
+                os.posix_fallocate(fd, 0, nbytes)  # the pages now, or ENOSPC / ENOMEM now: never a bus error later
+            self._map = mmap.mmap(fd, nbytes)  # ENOMEM under an address-space limit (`ulimit -v`)
+            self.bytes = np.frombuffer(self._map, dtype=np.uint8)
+        except BaseException as err:
+            os.close(fd)
+            if isinstance(err, OSError):
+                raise _reserving_failed(err, nbytes) from None
+            raise
         self._fd = fd
-        self._map = mmap.mmap(fd, self.count * self.layout.slot_bytes)
-        self.bytes = np.frombuffer(self._map, dtype=np.uint8)
         weakref.finalize(self, os.close, fd)
 
     def slot(self, slot: int) -> np.ndarray:
@@ -166,6 +178,11 @@ def _attach_shared(layout: SlotLayout, count: int, fd: Any) -> SlotMemory:
     memory.layout, memory.count, memory.shared = layout, count, True
     memory._attach(fd.detach())
     return memory
+
+
+def _reserving_failed(err: OSError, nbytes: int) -> OSError:
+    """The error of shared slots that could not be made: what was asked for, and why."""
+    return OSError(err.errno, f"reserving {nbytes / 2**20:.0f} MiB of shared memory failed: {err.strerror}")
 
 
 def _anonymous_file() -> int:
@@ -212,6 +229,34 @@ class SlotBatch(tuple):
 
     def __repr__(self) -> str:
         return f"SlotBatch(slot={self[0]}, count={self[1]})"
+
+
+class FreshBatch(tuple):
+    """A batch a worker process built in a memfd of its own (no slot was free): ``(images, labels)`` over its memory.
+
+    In the worker it is the batch itself. Sent to the training process it goes as the memfd's file descriptor, as
+    the slots' memory goes to a spawned worker, and arrives as a plain ``(images, labels)`` tuple of tensors over the
+    same pages: nothing copied, nothing named in ``/dev/shm``, and the memory freed with the last tensor that uses it.
+    ``labels``: those of another kind than class indices, else ``None`` (the class indices are in the memory).
+    """
+
+    _sent: tuple[SlotMemory, int, Any]
+
+    def __new__(cls, memory: SlotMemory, count: int, labels: Any = None) -> FreshBatch:  # noqa: D102
+        batch = tuple.__new__(cls, _fresh_tensors(memory, count, labels))
+        batch._sent = (memory, count, labels)
+        return batch
+
+    def __reduce__(self) -> Any:
+        return _fresh_tensors, self._sent
+
+
+def _fresh_tensors(memory: SlotMemory, count: int, labels: Any) -> tuple[Tensor, Any]:
+    """A one-slot memory's first ``count`` samples as ``(images, labels)``: NCHW images, the slot's labels if none."""
+    images = torch.from_numpy(memory.images(0, count))
+    if memory.layout.channels_last:
+        images = images.permute(0, 3, 1, 2)
+    return images, torch.from_numpy(memory.labels(0, count)) if labels is None else labels
 
 
 class Batches(tuple):

@@ -1,8 +1,9 @@
 """The threads engine (``engine="threads"``): batches built whole on threads in the training process.
 
 No worker start-up, no copy of the dataset per worker, no inter-process transfer; the decode and resize kernels
-release the GIL. :class:`~lightning_fastdata.pipeline.factory.FastLoader` runs it with its ``threads``, each batch
-built into a private batch slot (:mod:`~lightning_fastdata.pipeline.slots`).
+release the GIL. :class:`~lightning_fastdata.pipeline.factory.FastLoader` runs it with its ``threads`` (or on the
+calling thread, with none), each batch built into a private batch slot (:mod:`~lightning_fastdata.pipeline.slots`)
+of that loader: the slot memory goes with each batch to the batch reader, which several loaders may share.
 """
 
 from __future__ import annotations
@@ -30,9 +31,39 @@ def threaded_batches(
 ) -> Iterator[Any]:
     """Build batches on ``threads`` threads, each batch whole on one thread, ``ahead`` batches in flight, in order.
 
-    ``dropped`` is called with the indices of every batch that is not handed out: one that failed, and those still
-    queued or being built when the consumer stops early (once their thread is done with them).
+    ``threads=0``: each batch on the calling thread as it is asked for (``ahead`` unused). ``dropped`` is called with
+    the indices of every batch that is not handed out: one that failed, and those still queued or being built when
+    the consumer stops early (once their thread is done with them).
     """
+    if threads == 0:
+        return _in_turn(batch_indices, read_batch, dropped)
+    return _on_threads(batch_indices, read_batch, threads, ahead, dropped)
+
+
+def _in_turn(
+    batch_indices: Iterator[Sequence[int]],
+    read_batch: Callable[[Sequence[int]], Any],
+    dropped: Callable[[Sequence[int]], None] | None,
+) -> Iterator[Any]:
+    """:func:`threaded_batches` on the calling thread."""
+    for indices in batch_indices:
+        try:
+            batch = read_batch(indices)
+        except BaseException:
+            if dropped is not None:
+                dropped(indices)
+            raise
+        yield batch
+
+
+def _on_threads(
+    batch_indices: Iterator[Sequence[int]],
+    read_batch: Callable[[Sequence[int]], Any],
+    threads: int,
+    ahead: int,
+    dropped: Callable[[Sequence[int]], None] | None,
+) -> Iterator[Any]:
+    """:func:`threaded_batches` on a pool of ``threads`` threads."""
     pool = ThreadPoolExecutor(threads, thread_name_prefix="lightning_fastdata")
     pending: deque[tuple[Sequence[int], Future]] = deque(
         (b, pool.submit(read_batch, b)) for b in itertools.islice(batch_indices, ahead)
