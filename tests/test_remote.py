@@ -691,3 +691,19 @@ def test_the_stage_command_stages_ahead_of_training(published: str, tmp_path: Pa
     assert "is not a URL" in capsys.readouterr().err
     assert main(["stage", published, "--cache-dir", "s3://bucket/cache"]) == 2
     assert "--cache-dir" in capsys.readouterr().err
+
+
+def test_convert_clean_names_what_an_interrupted_staging_left(
+    published: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+):
+    """`convert --clean` removes a staging's working copy, calling it what it is."""
+    _cut_off_after_five_ranges(monkeypatch)
+    with pytest.raises(RemoteStorageError, match="network failure"):
+        remote.stage(published, tmp_path, progress=False)
+    work = remote.partial_path(remote.staged_path(published, tmp_path))
+    assert work.is_dir()
+    assert main(["convert", "--clean", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert f"removed {work} (" in out
+    assert "), left by an interrupted staging" in out
+    assert not work.exists()
