@@ -707,3 +707,14 @@ def test_convert_clean_names_what_an_interrupted_staging_left(
     assert f"removed {work} (" in out
     assert "), left by an interrupted staging" in out
     assert not work.exists()
+
+
+def test_the_cli_logs_its_own_lines_not_botos(published: str, tmp_path: Path):
+    """`lightning-fastdata stage URL` says what it stages, without botocore's "Found credentials..." lines."""
+    code = "import sys; from lightning_fastdata.cli import main; sys.exit(main())"
+    cmd = [sys.executable, "-c", code, "stage", published, "--cache-dir", str(tmp_path), "--quiet"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert f"staging {published} into {remote.staged_path(published, tmp_path)}" in proc.stderr
+    assert "Found credentials" not in proc.stderr
+    assert "Found endpoint" not in proc.stderr
