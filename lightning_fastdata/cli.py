@@ -311,7 +311,8 @@ def _local(path: str, argument: str) -> str:
     from lightning_fastdata.store.format import default_cache_dir
 
     staged = remote.stage(path, default_cache_dir(), argument=argument)
-    print(f"{argument} {path}: {staged.reason or staged.action}, read from {staged.path}", file=sys.stderr)
+    shown = remote.redact_url(path)
+    print(f"{argument} {shown}: {staged.reason or staged.action}, read from {staged.path}", file=sys.stderr)
     return str(staged.path)
 
 
@@ -387,7 +388,8 @@ def _stage(args: argparse.Namespace) -> int:
     remote.check_local(args.cache_dir, "--cache-dir", "the copy is memory-mapped. Pass a folder on the local disk")
     staged = remote.stage(args.url, cache.cache_root(args.cache_dir), progress=not args.quiet, argument="URL")
     done = {"staged": "staged", "restaged": "staged again", "reused": "already staged", "found": "already staged"}
-    print(f"{args.url}: {done[staged.action]} at {staged.path}" + (f" ({staged.reason})" if staged.reason else ""))
+    shown = remote.redact_url(args.url)
+    print(f"{shown}: {done[staged.action]} at {staged.path}" + (f" ({staged.reason})" if staged.reason else ""))
     return 0
 
 

@@ -7,6 +7,7 @@ as they would on a cluster; nothing in the package is given them.
 from __future__ import annotations
 
 import functools
+import hashlib
 import http.server
 import json
 import logging
@@ -718,3 +719,56 @@ def test_the_cli_logs_its_own_lines_not_botos(published: str, tmp_path: Path):
     assert f"staging {published} into {remote.staged_path(published, tmp_path)}" in proc.stderr
     assert "Found credentials" not in proc.stderr
     assert "Found endpoint" not in proc.stderr
+
+
+def test_a_plain_urls_cache_folder_keeps_its_name_and_secrets_never_make_one(tmp_path: Path):
+    """Plain URLs are staged where they always were; user-info and a query (a signature) are no part of the name."""
+    for url in ("s3://bucket/imagenet.lmdb", "gs://b/x/y.lmdb/", "https://host:8443/data/db.lmdb", "file:///d/db"):
+        clean = url.rstrip("/")
+        digest = hashlib.sha256(json.dumps(["remote", clean]).encode()).hexdigest()[:10]
+        name = clean.rsplit("/", 1)[-1].removesuffix(".lmdb")
+        assert remote.staged_path(url, tmp_path) == tmp_path / f"{name}-{digest}.lmdb"
+        assert remote.redact_url(url) == url
+    signed = "https://reader:pa%40ss@host:8443/data/db.lmdb?X-Amz-Signature=abc&X-Amz-Credential=AKIA#frag"
+    assert remote.redact_url(signed) == "https://host:8443/data/db.lmdb"
+    assert remote.staged_path(signed, tmp_path) == remote.staged_path("https://host:8443/data/db.lmdb", tmp_path)
+    assert remote.redact_url("GET 'https://u:p@h/x?sig=1' failed, see s3://b/k?versionId=2.") == (
+        "GET 'https://h/x' failed, see s3://b/k"
+    )
+
+
+def test_credentials_in_a_url_appear_in_no_error_log_progress_bar_record_or_name(
+    http_site: tuple[Path, str],
+    database: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    capsys: pytest.CaptureFixture,
+):
+    """A URL with ``user:password@`` (and, where it fails, a signed query) stages with it, and every place that shows
+    or records the URL (errors, logs, the progress bar, staged.json, `stage`, `cache list`, folder names) shows it
+    without them."""
+    pytest.importorskip("aiohttp")
+    site, base = http_site
+    remote.publish(database, (site / "db.lmdb").as_uri(), progress=False)
+    monkeypatch.setattr(remote, "RANGE_SIZE", 8192)
+    secret = base.replace("http://", "http://reader:s3cr3t-pw@") + "/db.lmdb"
+    cache = tmp_path / "cache"
+    with caplog.at_level(logging.INFO, logger="lightning_fastdata"):
+        staged = remote.stage(secret, cache, progress=True)
+        assert main(["stage", secret, "--cache-dir", str(cache)]) == 0
+        assert main(["cache", "list", "--cache-dir", str(cache)]) == 0
+        with pytest.raises(RemoteStorageError) as missing:
+            remote.stage(secret.replace("db.lmdb", "none.lmdb?X-Amz-Signature=t0ken"), cache, progress=False)
+        dm = FastImageDataModule(secret, cache_dir=str(cache / "other"), num_workers=0)
+        with pytest.raises(RemoteStorageError) as not_staged:
+            dm.classes  # noqa: B018 - the property raises
+    out, err = capsys.readouterr()
+    assert staged.action == "staged"
+    assert staged.path == remote.staged_path(f"{base}/db.lmdb", cache)
+    assert f"{base}/db.lmdb: already staged at" in out
+    assert f"source {base}/db.lmdb (staged;" in out
+    assert f"staging {base}/db.lmdb" in err  # the progress bar
+    records = [(p / "staged.json").read_text() for p in cache.glob("*.lmdb")]
+    shown = [out, err, caplog.text, str(missing.value), str(not_staged.value), *records, *os.listdir(cache)]
+    assert [text for text in shown if "s3cr3t" in text or "reader" in text or "t0ken" in text] == []

@@ -63,6 +63,8 @@ RANGE_SIZE = 32 * 2**20
 READ_THREADS: int | None = None
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+#: a URL in a line of text: its scheme, user-info (``user:password@``), the rest, and a query or fragment (a signature)
+_URL = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?:[^/?#\s'\"]*@)?(?P<rest>[^?#\s'\"]*)(?:[?#][^\s'\"]*)?")
 #: the package fsspec needs for each scheme, for the error when it is missing
 _BACKENDS = {
     "s3": "s3fs",
@@ -90,6 +92,16 @@ def is_url(path: str | os.PathLike[str] | None) -> bool:
     return path is not None and _SCHEME.match(os.fspath(path)) is not None
 
 
+def redact_url(url: str) -> str:
+    """``url`` as it may be shown, logged, recorded or used as a name: without user-info and query.
+
+    ``https://user:password@host/db.lmdb?signature=...`` becomes ``https://host/db.lmdb``; a plain URL is returned
+    as it is. Applied to a line of text (an error from a backend), it does the same to every URL in it. The full URL
+    is still the one used to read.
+    """
+    return _URL.sub(r"\g<scheme>\g<rest>", url)
+
+
 def check_local(path: str | os.PathLike[str] | None, argument: str, why: str) -> None:
     """Refuse a URL where a local path is needed.
 
@@ -98,7 +110,8 @@ def check_local(path: str | os.PathLike[str] | None, argument: str, why: str) ->
 
     """
     if is_url(path):
-        raise InvalidArgumentError(f"`{argument}` {os.fspath(path)!r} is a URL, but {why}.")  # type: ignore[arg-type]
+        shown = redact_url(os.fspath(path))  # type: ignore[arg-type]
+        raise InvalidArgumentError(f"`{argument}` {shown!r} is a URL, but {why}.")
 
 
 def _scheme(url: str) -> str:
@@ -113,30 +126,34 @@ def filesystem(url: str, argument: str = "data_dir") -> tuple[AbstractFileSystem
         RemoteStorageError: fsspec, or the backend of the URL's scheme, is not installed, or the scheme is unknown.
 
     """
-    scheme = _scheme(url)
+    scheme, shown = _scheme(url), redact_url(url)
     backend = _BACKENDS.get(scheme)
     install = "pip install 'lightning-fastdata[remote]'" + (f" {backend}" if backend not in (None, "s3fs") else "")
     try:
         import fsspec
     except ImportError:
-        raise RemoteStorageError(f"`{argument}` {url!r} is a URL, which needs fsspec: run `{install}`.") from None
+        raise RemoteStorageError(f"`{argument}` {shown!r} is a URL, which needs fsspec: run `{install}`.") from None
     try:
         fs, path = fsspec.core.url_to_fs(url)
     except ImportError as err:
         raise RemoteStorageError(
-            f"`{argument}` {url!r} needs fsspec's {scheme}:// backend ({backend or err}): run `{install}`."
+            f"`{argument}` {shown!r} needs fsspec's {scheme}:// backend ({backend or err}): run `{install}`."
         ) from None
     except ValueError as err:
         raise RemoteStorageError(
-            f"`{argument}` {url!r}: fsspec cannot open {scheme}:// URLs ({err}). Pass an s3://, gs://, az://, https://"
-            " or file:// URL, or a local path."
+            f"`{argument}` {shown!r}: fsspec cannot open {scheme}:// URLs ({redact_url(str(err))}). Pass an s3://,"
+            " gs://, az://, https:// or file:// URL, or a local path."
         ) from None
     return fs, path.rstrip("/")
 
 
 def staged_path(url: str, root: Path) -> Path:
-    """Where ``url`` is staged under the cache folder ``root``: ``<name>-<digest of the URL>.lmdb``."""
-    clean = url.rstrip("/")
+    """Where ``url`` is staged under the cache folder ``root``: ``<name>-<digest of the URL>.lmdb``.
+
+    Of the URL without user-info and query (:func:`redact_url`): no secret becomes part of a name, and a URL signed
+    again (a new query) is still the same copy.
+    """
+    clean = redact_url(url).rstrip("/")
     name = clean.rsplit("/", 1)[-1].removesuffix(".lmdb") or "database"
     digest = hashlib.sha256(json.dumps(["remote", clean]).encode()).hexdigest()[:10]
     return root / f"{name}-{digest}.lmdb"
@@ -148,10 +165,13 @@ def staged_path(url: str, root: Path) -> Path:
 
 
 def _remote_error(err: BaseException, url: str, doing: str) -> RemoteStorageError:
-    """The one-line error for ``err``, raised by fsspec while ``doing`` (``"reading"``...) ``url``."""
-    scheme = _scheme(url)
+    """The one-line error for ``err``, raised by fsspec while ``doing`` (``"reading"``...) ``url``.
+
+    The URL, and any URL in the backend's message, is shown without user-info and query (:func:`redact_url`).
+    """
+    scheme, url = _scheme(url), redact_url(url)
     names = {cls.__name__ for cls in type(err).__mro__}
-    detail = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    detail = redact_url(str(err).strip().splitlines()[0]) if str(err).strip() else type(err).__name__
     where = _CREDENTIALS.get(scheme, "the credentials your fsspec backend reads")
     if names & {"NoCredentialsError", "PartialCredentialsError", "DefaultCredentialsError"}:
         return RemoteStorageError(f"no credentials found for {url!r} while {doing} it ({detail}). Set {where}.")
@@ -181,23 +201,23 @@ def _remote(url: str, doing: str) -> Iterator[None]:
         raise _remote_error(err, url, doing) from err
 
 
-def _missing_marker(fs: AbstractFileSystem, path: str, url: str) -> RemoteStorageError:
-    """Why ``url`` has no marker: an unfinished upload, a missing bucket, or nothing there (a few requests)."""
-    with _remote(url, "reading"):
+def _missing_marker(fs: AbstractFileSystem, path: str, shown: str) -> RemoteStorageError:
+    """Why ``shown`` (the URL, redacted) has no marker: an unfinished upload, a missing bucket, or nothing there."""
+    with _remote(shown, "reading"):
         if fs.exists(f"{path}/{DATA_FILE}"):
             return RemoteStorageError(
-                f"{url!r} holds {DATA_FILE} but no {MARKER}, the marker uploaded last: an upload is under way or was"
-                f" interrupted, so it is not read. Publish it again with `lightning-fastdata convert SRC {url}`."
+                f"{shown!r} holds {DATA_FILE} but no {MARKER}, the marker uploaded last: an upload is under way or was"
+                f" interrupted, so it is not read. Publish it again with `lightning-fastdata convert SRC {shown}`."
             )
         bucket = path.split("/", 1)[0]
-        if _scheme(url) in _CREDENTIALS and bucket != path and not fs.exists(bucket):
+        if _scheme(shown) in _CREDENTIALS and bucket != path and not fs.exists(bucket):
             return RemoteStorageError(
-                f"the bucket {bucket!r} of {url!r} does not exist (or these credentials cannot see it). Check the URL,"
-                f" or the credentials ({_CREDENTIALS[_scheme(url)]})."
+                f"the bucket {bucket!r} of {shown!r} does not exist (or these credentials cannot see it). Check the"
+                f" URL, or the credentials ({_CREDENTIALS[_scheme(shown)]})."
             )
     return RemoteStorageError(
-        f"no database at {url!r} (no {MARKER} there). Check the URL, or publish one with"
-        f" `lightning-fastdata convert SRC {url}`."
+        f"no database at {shown!r} (no {MARKER} there). Check the URL, or publish one with"
+        f" `lightning-fastdata convert SRC {shown}`."
     )
 
 
@@ -232,7 +252,7 @@ def _write_json(path: Path, value: dict[str, Any]) -> None:
 
 
 def _read_marker(fs: AbstractFileSystem, path: str, url: str) -> dict[str, Any]:
-    """The marker of the database at ``url``: one request."""
+    """The marker of the database at ``url`` (the URL as shown: :func:`redact_url`): one request."""
     with _remote(url, "reading"):
         try:
             # `start=0`: one ranged GET; a whole-object read makes s3fs ask for the size first (a second request)
@@ -304,24 +324,25 @@ def stage(url: str, root: str | os.PathLike[str], progress: bool = True, argumen
     """
     from lightning_fastdata.store.writer import _publish, _recover_interrupted_publish, _target_lock, _unwritable_error
 
+    shown = redact_url(url)  # what errors, logs, the progress bar and staged.json say; `url` is only read
     target = staged_path(url, Path(root))
     fs, path = filesystem(url, argument)
     with contextlib.suppress(OSError):
         target.parent.mkdir(parents=True, exist_ok=True)
     with _target_lock(target) as unlockable:
         _recover_interrupted_publish(target)
-        marker = _read_marker(fs, path, url)
+        marker = _read_marker(fs, path, shown)
         if _is_staged(target, marker):
-            log.debug("%s: reusing %s, staged from the current publication", url, target)
+            log.debug("%s: reusing %s, staged from the current publication", shown, target)
             return StagedDatabase(target, "reused")
         if unlockable is not None:  # a read-only cache, or one without file locks: only a staged copy may be used
             raise _unwritable_error(target, unlockable, outdated=target.exists()) from unlockable
         old = _read_json(target / STAGED_RECORD)
-        reason = _why_restaged(old["marker"], marker, url) if old and isinstance(old.get("marker"), dict) else None
-        log.info(reason or f"staging {url} into {target}")
+        reason = _why_restaged(old["marker"], marker, shown) if old and isinstance(old.get("marker"), dict) else None
+        log.info(reason or f"staging {shown} into {target}")
         work = partial_path(target)
-        _fetch_all(fs, path, url, marker, work, progress)
-        _write_json(work / STAGED_RECORD, {"url": url, "marker": marker})
+        _fetch_all(fs, path, shown, marker, work, progress)
+        _write_json(work / STAGED_RECORD, {"url": shown, "marker": marker})
         (work / PROGRESS_FILE).unlink(missing_ok=True)
         _publish(work, target)
         return StagedDatabase(target, "restaged" if reason else "staged", reason)
@@ -360,7 +381,10 @@ def _check_source(fs: AbstractFileSystem, path: str, url: str, name: str, want: 
 
 
 def _fetch_all(fs: AbstractFileSystem, path: str, url: str, marker: dict[str, Any], work: Path, progress: bool) -> None:
-    """Fetch every file of the publication ``marker`` into ``work`` in parallel ranges, resumably, and check them."""
+    """Fetch every file of the publication ``marker`` into ``work`` in parallel ranges, resumably, and check them.
+
+    ``url`` is the URL as shown (:func:`redact_url`): ``fs`` and ``path`` read.
+    """
     from tqdm.auto import tqdm
 
     work.mkdir(parents=True, exist_ok=True)
@@ -474,7 +498,7 @@ class _RangeReader:
                         " servers send the whole object's checksum with every range. Staging goes on without"
                         " botocore's response checks and checks each file's SHA-256 against the marker instead.",
                         self.url,
-                        err,
+                        redact_url(str(err)),
                     )
                     self.fs, self.unchecked = _without_response_checksums(fs), True
             return _read_range(self.fs, path, start, end)
@@ -546,6 +570,7 @@ def check_destination(url: str) -> set[str]:
 
     """
     fs, path = filesystem(url, "dst")
+    url = redact_url(url)  # from here on only shown
     with _remote(url, "publishing to"):
         fs.invalidate_cache(path)
         try:
@@ -614,18 +639,19 @@ def publish_database(
 ) -> tuple[dict[str, Any], bool]:
     """:func:`publish`, and whether it uploaded anything.
 
-    ``destination``: what the uploaded conversion report names as the database's ``destination`` (the URL, where the
-    local report names the local folder); the local files stay as they are.
+    ``destination``: what the uploaded conversion report names as the database's ``destination`` (the URL without
+    user-info and query, where the local report names the local folder); the local files stay as they are.
     """
     fs, path = filesystem(url, "dst")
     held = check_destination(url)
+    destination = None if destination is None else redact_url(destination)
     try:
         snapshot: Any = tempfile.TemporaryDirectory(prefix=".publish-", dir=Path(database).parent)
     except OSError:  # a read-only folder: the files as they are
         snapshot = contextlib.nullcontext(None)
     with snapshot as tmp:
         local = Path(database) if tmp is None else _snapshot(Path(database), Path(tmp))
-        return _publish_files(fs, path, url, held, local, progress, destination)
+        return _publish_files(fs, path, redact_url(url), held, local, progress, destination)
 
 
 def _snapshot(database: Path, folder: Path) -> Path:
