@@ -6,12 +6,14 @@ as they would on a cluster; nothing in the package is given them.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import http.server
 import json
 import logging
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -30,6 +32,7 @@ from lightning_fastdata import FastImageDataModule, convert, read_meta
 from lightning_fastdata.cli import main
 from lightning_fastdata.errors import DestinationError, InvalidArgumentError, RemoteStorageError
 from lightning_fastdata.store import remote
+from lightning_fastdata.store.format import lock_path
 
 pytest.importorskip("s3fs")
 moto_server = pytest.importorskip("moto.server")
@@ -772,3 +775,183 @@ def test_credentials_in_a_url_appear_in_no_error_log_progress_bar_record_or_name
     records = [(p / "staged.json").read_text() for p in cache.glob("*.lmdb")]
     shown = [out, err, caplog.text, str(missing.value), str(not_staged.value), *records, *os.listdir(cache)]
     assert [text for text in shown if "s3cr3t" in text or "reader" in text or "t0ken" in text] == []
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Data you did not make: what a bucket (its marker, its bytes) and the cache folder hold is checked before it is used
+# ---------------------------------------------------------------------------------------------------------------
+
+
+#: names a hostile marker lists beside data.mdb; `{outside}` is the folder the test watches, outside the cache
+_HOSTILE_NAMES = [
+    "{outside}/victim.txt",  # absolute: replaces the whole path
+    "/{outside}/victim.txt",
+    "../../outside/victim.txt",  # from the working copy .NAME.partial, out of the cache
+    "../../../outside/victim.txt",
+    "../outside-sibling.txt",
+    "a/../../b",
+    "data.mdb/../../../outside/victim.txt",
+    "./data.mdb",
+    "data.mdb/",
+    "sub/data.mdb",
+    "..",
+    ".",
+    "",
+    "data.mdb\x00../../outside/victim.txt",  # a NUL byte
+    "data.mdb\n",  # a line break: the error stays one line
+    "x" * 5000,  # very long
+    "../" * 300 + "outside/victim.txt",
+    "d\u0430ta.mdb",  # a Cyrillic a
+    "data\uff0emdb",  # a fullwidth dot
+    "DATA.MDB",
+    "data.mdb ",
+    "progress.json",  # staging's own files: writing them would forge its state
+    "staged.json",
+    "published.json",
+    "lock.mdb",
+    "verified.json",
+    "..\\..\\outside\\victim.txt",
+    "~/victim.txt",
+    "%2e%2e/%2e%2e/outside/victim.txt",
+]
+
+
+#: (field, value) of data.mdb's entry that a hostile marker sets: sizes and SHA-256 that are not ones
+_HOSTILE_FIELDS = [
+    ("size", -1),
+    ("size", True),
+    ("size", 2**70),
+    ("size", "135168"),
+    ("size", 1.5),
+    ("size", None),
+    ("sha256", "0" * 63),
+    ("sha256", "Z" * 64),
+    ("sha256", None),
+    ("etag", 12),
+]
+
+
+def _tree(root: Path, skip: tuple[Path, ...]) -> dict[str, tuple[Any, ...]]:
+    """Every entry under ``root`` but ``skip``: kind, size, mtime and SHA-256 of contents (a link: its target)."""
+    found: dict[str, tuple[Any, ...]] = {}
+    for folder, dirs, names in os.walk(root):
+        dirs[:] = [d for d in dirs if Path(folder, d) not in skip]
+        for name in [*dirs, *names]:
+            path = Path(folder, name)
+            st = path.lstat()
+            if path.is_symlink():
+                found[str(path)] = ("link", os.readlink(path))
+            elif path.is_file():
+                found[str(path)] = ("file", st.st_size, st.st_mtime_ns, hashlib.sha256(path.read_bytes()).hexdigest())
+            else:
+                found[str(path)] = ("other", st.st_mode, st.st_mtime_ns)
+    return found
+
+
+def _one_line(err: BaseException) -> str:
+    text = str(err)
+    assert "\n" not in text, text
+    assert len(text) < 1000, text
+    return text
+
+
+@pytest.fixture
+def hostile(
+    request: pytest.FixtureRequest, bucket: str, database: Path, tmp_path: Path
+) -> tuple[str, Callable[[dict[str, Any]], None]]:
+    """The session database published on moto's S3 (``s3``) or a ``file://`` folder; and a way to replace its
+    marker, uploading the report's bytes under each name it lists that is not published (what an attacker would)."""
+    import fsspec
+
+    url = f"{bucket}/db.lmdb" if request.param == "s3" else (tmp_path / "site" / "db.lmdb").as_uri()
+    remote.publish(database, url, progress=False)
+    fs, path = fsspec.core.url_to_fs(url)
+    report = fs.cat_file(f"{path}/convert_report.json")
+
+    def write(marker: dict[str, Any]) -> None:
+        if request.param == "s3":  # file:// objects outside the site would be the watched files themselves
+            for name in marker["files"]:
+                if name not in remote.PUBLISHED_FILES:
+                    with contextlib.suppress(Exception):
+                        fs.pipe_file(f"{path}/{name}", report)
+        fs.pipe_file(f"{path}/{remote.MARKER}", json.dumps(marker).encode())
+        fs.invalidate_cache()
+
+    return url, write
+
+
+@pytest.mark.parametrize("hostile", ["s3", "file"], indirect=True)
+def test_a_hostile_marker_or_a_planted_link_changes_nothing_outside_the_cache(
+    hostile: tuple[str, Callable[[dict[str, Any]], None]], tmp_path: Path
+):
+    """29 file names, 11 sizes or checksums a marker may list and 5 links or folders planted in the cache: each is
+    refused with one line before anything is written through it, and no file outside the cache is created or changed."""
+    url, write_marker = hostile
+    outside = tmp_path / "outside"
+    (outside / "dir").mkdir(parents=True)
+    (outside / "victim.txt").write_text("the victim's own bytes\n")
+    (outside / "dir" / "keep.txt").write_text("keep me\n")
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    watched = (cache, tmp_path / "site")
+    before = _tree(tmp_path, watched)
+    good = json.loads(_marker(url))
+    report = good["files"]["convert_report.json"]
+    tried = refused = 0
+    for template in _HOSTILE_NAMES:
+        name = template.replace("{outside}", str(outside))
+        write_marker({**good, "files": {**good["files"], name: dict(report)}})
+        tried += 1
+        with pytest.raises(RemoteStorageError) as info:
+            remote.stage(url, cache, progress=False)
+        assert "nothing was fetched or written" in _one_line(info.value)
+        assert ascii(name)[:50] in str(info.value)
+        refused += 1
+        assert not remote.partial_path(remote.staged_path(url, cache)).exists()
+    for field, value in _HOSTILE_FIELDS:
+        entry = {**good["files"]["data.mdb"], field: value}
+        write_marker({**good, "files": {**good["files"], "data.mdb": entry}})
+        tried += 1
+        with pytest.raises(RemoteStorageError, match="is not a marker written by lightning_fastdata") as info:
+            remote.stage(url, cache, progress=False)
+        _one_line(info.value)
+        refused += 1
+    huge = {**good["files"]["data.mdb"], "size": 2**50}  # larger than the object, and than any disk
+    write_marker({**good, "files": {**good["files"], "data.mdb": huge}})
+    tried += 1
+    with pytest.raises((RemoteStorageError, DestinationError)) as info:
+        remote.stage(url, cache, progress=False)
+    _one_line(info.value)
+    refused += 1
+    write_marker(good)
+
+    target = remote.staged_path(url, cache)
+    work, lock = remote.partial_path(target), lock_path(target)
+    victim = outside / "victim.txt"
+    planted: list[tuple[bool, Callable[[], Any]]] = [  # (inside a working copy resuming this publication, plant)
+        (True, lambda: (work / "data.mdb").symlink_to(victim)),
+        (True, lambda: (work / "convert_report.json").symlink_to(victim)),
+        (True, lambda: (work / "data.mdb").mkdir()),
+        (False, lambda: work.symlink_to(outside / "dir")),
+        (False, lambda: lock.symlink_to(victim)),
+    ]
+    for resuming, plant in planted:
+        if resuming:
+            work.mkdir()
+            progress = {"marker": good, "range_size": remote.RANGE_SIZE, "done": {}}
+            (work / remote.PROGRESS_FILE).write_text(json.dumps(progress))
+        plant()
+        tried += 1
+        with pytest.raises(DestinationError, match=r"is a symbolic link|is not a regular file") as info:
+            remote.stage(url, cache, progress=False)
+        assert "nothing was written through it" in _one_line(info.value)
+        refused += 1
+        for path in (work, lock):
+            if path.is_symlink() or path.is_file():
+                path.unlink()
+            elif path.is_dir():
+                shutil.rmtree(path)
+    after = _tree(tmp_path, watched)
+    touched = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+    assert (tried, refused, touched) == (len(_HOSTILE_NAMES) + len(_HOSTILE_FIELDS) + 1 + 5, tried, [])
+    assert remote.stage(url, cache, progress=False).action == "staged"  # the cache is usable afterwards

@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import tempfile
 import threading
 import uuid
@@ -61,10 +62,14 @@ RANGE_SIZE = 32 * 2**20
 #: (715 against 455 MiB/s, 16 MiB ranges); object stores serve each connection at a fraction of a node's bandwidth,
 #: so a node with more cores keeps more reads in flight
 READ_THREADS: int | None = None
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 #: a URL in a line of text: its scheme, user-info (``user:password@``), the rest, and a query or fragment (a signature)
 _URL = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?:[^/?#\s'\"]*@)?(?P<rest>[^?#\s'\"]*)(?:[?#][^\s'\"]*)?")
+#: the largest file a marker may list (1 EiB): beyond it a size is not a database's, and beyond what ``ftruncate`` takes
+_MAX_SIZE = 2**60
+_SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 #: the package fsspec needs for each scheme, for the error when it is missing
 _BACKENDS = {
     "s3": "s3fs",
@@ -252,7 +257,7 @@ def _write_json(path: Path, value: dict[str, Any]) -> None:
 
 
 def _read_marker(fs: AbstractFileSystem, path: str, url: str) -> dict[str, Any]:
-    """The marker of the database at ``url`` (the URL as shown: :func:`redact_url`): one request."""
+    """The marker of the database at ``url``: one request, and checked (:func:`_check_marker`) before any write."""
     with _remote(url, "reading"):
         try:
             # `start=0`: one ranged GET; a whole-object read makes s3fs ask for the size first (a second request)
@@ -263,17 +268,61 @@ def _read_marker(fs: AbstractFileSystem, path: str, url: str) -> dict[str, Any]:
         raise _missing_marker(fs, path, url)
     try:
         marker = json.loads(raw.decode())
-        files = marker["files"]
-        if not isinstance(files, dict) or DATA_FILE not in files:
-            raise ValueError(f"no {DATA_FILE} listed")
-        if not all(isinstance(f["size"], int) and isinstance(f["sha256"], str) for f in files.values()):
-            raise ValueError("a file without its size or SHA-256")
-    except (UnicodeDecodeError, ValueError, KeyError, TypeError):
+    except (UnicodeDecodeError, ValueError):
+        marker = None
+    _check_marker(marker, url)
+    return marker  # type: ignore[no-any-return]
+
+
+def _check_marker(marker: Any, url: str) -> None:
+    r"""Refuse a marker that names a file the publisher never writes, or a size or SHA-256 that is not one.
+
+    The names are compared as exact strings with :data:`PUBLISHED_FILES`, the only files staging then creates in the
+    working copy: so a marker cannot name a path outside the cache (``/x``, ``../x``), one of staging's own files
+    (``progress.json``, ``staged.json``), a folder or a look-alike (``d\u0430ta.mdb``).
+
+    Raises:
+        RemoteStorageError: one line naming the bad name (ASCII-escaped, cut short) or field.
+
+    """
+    files = marker.get("files") if isinstance(marker, dict) else None
+    for name in files if isinstance(files, dict) else ():
+        if name not in PUBLISHED_FILES:
+            raise RemoteStorageError(
+                f"{url}/{MARKER} lists a file named {_clip(name)}, but a publication holds only"
+                f" {' and '.join(PUBLISHED_FILES)}; nothing was fetched or written. The marker was not written by"
+                f" lightning_fastdata, or it was altered: publish the database again with"
+                f" `lightning-fastdata convert SRC {url}`."
+            )
+    why = _marker_problem(files)
+    if why is not None:
         raise RemoteStorageError(
-            f"{url}/{MARKER} is not a marker written by lightning_fastdata (or it is damaged). Publish the database"
-            f" again with `lightning-fastdata convert SRC {url}`."
-        ) from None
-    return marker
+            f"{url}/{MARKER} is not a marker written by lightning_fastdata, or it is damaged ({why}); nothing was"
+            f" fetched. Publish the database again with `lightning-fastdata convert SRC {url}`."
+        )
+
+
+def _marker_problem(files: Any) -> str | None:
+    """What is wrong with a marker's ``files`` whose names are all published ones (``None``: nothing)."""
+    if not isinstance(files, dict) or DATA_FILE not in files:
+        return f"no {DATA_FILE} listed"
+    for name, info in files.items():
+        size = info.get("size") if isinstance(info, dict) else None
+        if type(size) is not int or not 0 <= size <= _MAX_SIZE:
+            return f"{name}: the size {_clip(size)} is not a number of bytes from 0 to 2**60"
+        if not isinstance(info.get("sha256"), str) or not _SHA256_HEX.fullmatch(info["sha256"]):
+            return f"{name}: no SHA-256 of 64 hexadecimal digits"
+        if not isinstance(info.get("etag", ""), str):
+            return f"{name}: an ETag that is not a string"
+    return None
+
+
+def _clip(value: object) -> str:
+    """``value``, read from a marker, for one line: ASCII escapes show NUL, line breaks and look-alike letters."""
+    text = ascii(value)
+    if len(text) <= 80:
+        return text
+    return f"{text[:60]}... ({len(value) if isinstance(value, str) else len(text)} characters)"
 
 
 def _is_staged(target: Path, marker: dict[str, Any] | None = None) -> bool:
@@ -387,22 +436,18 @@ def _fetch_all(fs: AbstractFileSystem, path: str, url: str, marker: dict[str, An
     """
     from tqdm.auto import tqdm
 
-    work.mkdir(parents=True, exist_ok=True)
-    state = _read_json(work / PROGRESS_FILE)
-    if state is None or state.get("marker") != marker or state.get("range_size") != RANGE_SIZE:
-        if state is not None:
-            log.info("%s: discarding a partly staged copy of another publication", work)
-        for item in work.iterdir():
-            item.unlink()
-        state = {"marker": marker, "range_size": RANGE_SIZE, "done": {}}
-    done: dict[str, list[int]] = {name: list(state["done"].get(name, [])) for name in marker["files"]}
+    from lightning_fastdata.store.writer import _open_own
+
     etags = {name: _check_source(fs, path, url, name, want) for name, want in marker["files"].items()}
+    state = _working_copy(work, marker)
+    done: dict[str, list[int]] = {name: list(state["done"].get(name, [])) for name in marker["files"]}
     tasks, fds = [], {}
     total = resumed = 0
+    folder = os.open(work, os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW)
     try:
         for name, want in marker["files"].items():
             size = want["size"]
-            fds[name] = os.open(work / name, os.O_RDWR | os.O_CREAT, 0o644)
+            fds[name] = _open_own(work / name, os.O_RDWR, folder)
             os.ftruncate(fds[name], size)
             total += size
             for start in range(0, size, RANGE_SIZE):
@@ -462,9 +507,45 @@ def _fetch_all(fs: AbstractFileSystem, path: str, url: str, marker: dict[str, An
     finally:
         for fd in fds.values():
             os.close(fd)
+        os.close(folder)
     if reader.unchecked:  # botocore checked no range: the SHA-256 of the marker checks every file
         etags = dict.fromkeys(etags)
     _check_copy(fs, path, url, marker, work, etags)
+
+
+def _working_copy(work: Path, marker: dict[str, Any]) -> dict[str, Any]:
+    """The progress recorded in the working copy ``work`` towards ``marker``; ``work`` made, or emptied to start over.
+
+    Raises:
+        DestinationError: ``work`` is a symbolic link, not a folder, or another user's.
+
+    """
+    from lightning_fastdata.store.writer import _not_own
+
+    try:
+        found = os.lstat(work)
+    except FileNotFoundError:
+        work.mkdir()
+        found = os.lstat(work)
+    refused = _not_own(work, found, directory=True)
+    if refused is not None:
+        raise refused
+    state = _read_json(work / PROGRESS_FILE)
+    if (
+        state is None
+        or state.get("marker") != marker
+        or state.get("range_size") != RANGE_SIZE
+        or not isinstance(state.get("done"), dict)
+    ):
+        if state is not None:
+            log.info("%s: discarding a partly staged copy of another publication", work)
+        for entry in os.scandir(work):
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path)
+            else:
+                os.unlink(entry.path)
+        state = {"marker": marker, "range_size": RANGE_SIZE, "done": {}}
+    return state
 
 
 class _RangeReader:
