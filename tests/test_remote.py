@@ -13,6 +13,8 @@ import http.server
 import json
 import logging
 import os
+import random
+import re
 import shutil
 import socket
 import subprocess
@@ -374,27 +376,31 @@ def _cut_off_after_five_ranges(monkeypatch: pytest.MonkeyPatch) -> Callable[...,
     return real
 
 
-def test_ranges_read_unchecked_before_an_interruption_are_checked_after_the_resume(
+def test_ranges_altered_before_an_interruption_are_found_by_sha256_and_fetched_again(
     published: str,
+    database: Path,
     s3_endpoint: str,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
     range_checksum_endpoint: Callable[[bool], None],
 ):
-    """A staging cut off after reading past wrong checksums resumes from a sound server and still checks SHA-256."""
+    """Ranges a server altered past wrong checksums before an interruption: the resume hashes them, finds the copy
+    wrong, says so and fetches the file again, whole, once; what is published is the publication's bytes."""
     pytest.importorskip("botocore.httpchecksum")
     real = _cut_off_after_five_ranges(monkeypatch)
-    range_checksum_endpoint(False)
+    range_checksum_endpoint(True)
     with pytest.raises(RemoteStorageError, match="network failure"):
         remote.stage(published, tmp_path, progress=False)
-    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_endpoint)  # the resume reads from a server that sends no checksums
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_endpoint)  # the resume reads from a server that alters nothing
     _fresh_clients()
     monkeypatch.setattr(remote, "_read_range", real)
-    hashed: list[str] = []
-    sha256 = remote._sha256
-    monkeypatch.setattr(remote, "_sha256", lambda path, *args: hashed.append(Path(path).name) or sha256(path, *args))
-    assert remote.stage(published, tmp_path, progress=False).action == "staged"
-    assert "data.mdb" in hashed
+    with caplog.at_level(logging.WARNING, logger=remote.__name__):
+        staged = remote.stage(published, tmp_path, progress=False)
+    assert staged.action == "staged"
+    assert (staged.path / "data.mdb").read_bytes() == (database / "data.mdb").read_bytes()
+    assert "does not match the SHA-256 its published.json lists" in caplog.text
+    assert "fetching it again" in caplog.text
 
 
 def test_a_failed_staging_resumes_and_nothing_half_copied_is_read(
@@ -955,3 +961,206 @@ def test_a_hostile_marker_or_a_planted_link_changes_nothing_outside_the_cache(
     touched = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
     assert (tried, refused, touched) == (len(_HOSTILE_NAMES) + len(_HOSTILE_FIELDS) + 1 + 5, tried, [])
     assert remote.stage(url, cache, progress=False).action == "staged"  # the cache is usable afterwards
+
+
+def _damage(rng: random.Random, work: Path) -> str:
+    """Damage the working copy an interrupted staging left, in one of six ways (or none); returns which."""
+    progress, data = work / remote.PROGRESS_FILE, work / "data.mdb"
+    state = json.loads(progress.read_text())
+    done = state["done"].get("data.mdb", [])
+    how = rng.choice(["none", "zeros over a done range", "a byte flipped", "all claimed done", "garbage", "cut short"])
+    if how in ("zeros over a done range", "a byte flipped") and done:
+        start = rng.choice(done)
+        with open(data, "r+b") as fh:
+            fh.seek(start)
+            chunk = fh.read(remote.RANGE_SIZE)
+            fh.seek(start)
+            fh.write(bytes(len(chunk)) if how.startswith("zeros") else bytes([chunk[0] ^ 0xFF]) + chunk[1:])
+    elif how == "all claimed done":  # progress.json says every range is there: most are holes
+        size = state["marker"]["files"]["data.mdb"]["size"]
+        state["done"]["data.mdb"] = list(range(0, size, remote.RANGE_SIZE))
+        progress.write_text(json.dumps(state))
+    elif how == "garbage":
+        progress.write_text('{"marker": tru')
+    elif how == "cut short":
+        os.truncate(data, data.stat().st_size // 3)
+    return how
+
+
+@pytest.mark.parametrize("hostile", ["s3", "file"], indirect=True)
+def test_stagings_cut_off_at_random_and_damaged_never_publish_a_wrong_copy(
+    hostile: tuple[str, Callable[[dict[str, Any]], None]],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+):
+    """20 stagings cut off after a random number of ranges (seeded), once or twice, the working copy damaged in some
+    (zeros over done ranges, a flipped byte, progress.json claiming every range, garbage, a file cut short), then
+    resumed: each publishes a copy with the marker's SHA-256."""
+    url = hostile[0]
+    monkeypatch.setattr(remote, "RANGE_SIZE", 16384)
+    monkeypatch.setattr(remote, "READ_THREADS", 1)
+    marker = json.loads(_marker(url))
+    want = {name: info["sha256"] for name, info in marker["files"].items()}
+    ranges = sum(-(-f["size"] // remote.RANGE_SIZE) for f in marker["files"].values())
+    real = remote._read_range
+    rng = random.Random(33)
+    damaged: list[str] = []
+    published: list[dict[str, str]] = []  # the SHA-256 of each copy staging published
+
+    def stage(cache: Path) -> bool:
+        """Stage into ``cache``; whether it published (an interrupted staging raises a network failure)."""
+        try:
+            staged = remote.stage(url, cache, progress=False, check=False)
+        except RemoteStorageError as err:
+            if "network failure" not in str(err):  # the cut, and nothing else
+                raise
+            damaged.append(_damage(rng, remote.partial_path(remote.staged_path(url, cache))))
+            return False
+        if staged.action == "staged":
+            published.append({n: hashlib.sha256((staged.path / n).read_bytes()).hexdigest() for n in want})
+        return True
+
+    for trial in range(20):
+        cache = tmp_path / f"cache{trial}"
+        for _ in range(rng.choice([1, 1, 2])):
+            calls, cut = [], rng.randrange(1, ranges)
+
+            def flaky(*args: Any, calls: list[int] = calls, cut: int = cut) -> bytes:
+                calls.append(1)
+                if len(calls) > cut:
+                    raise ConnectionResetError("connection reset by peer")
+                return real(*args)
+
+            monkeypatch.setattr(remote, "_read_range", flaky)
+            if stage(cache):  # a resume that needed no more than `cut` reads
+                break
+        monkeypatch.setattr(remote, "_read_range", real)
+        assert stage(cache)
+    assert [sha256 for sha256 in published if sha256 != want] == []
+    assert len(published) == 20
+    assert len(damaged) >= 20
+    assert len(set(damaged)) == 6, damaged  # every kind of damage was tried
+
+
+# Mounts a tmpfs of SIZE on FOLDER in a private mount namespace, stages URL into it with the CLI, then prints the CLI's
+# exit status and the bytes the cache holds (exit 97: the mount could not be made)
+_SMALL_DISK = """
+mount -t tmpfs -o "size=$1" tmpfs "$2" || exit 97
+"$3" -c 'import sys; from lightning_fastdata.cli import main; sys.exit(main())' stage "$4" --cache-dir "$2" --quiet
+echo "exit $?"
+du -sb "$2"
+"""
+
+
+def test_staging_onto_a_disk_too_small_says_what_it_needs_in_one_line(published: str, tmp_path: Path):
+    """A cache on a 64 KiB disk: `stage` fetches nothing and says, in one `error:` line, how much it needs and how
+    much is free (no traceback)."""
+    unshare = shutil.which("unshare")
+    if unshare is None or subprocess.run([unshare, "-rm", "true"], capture_output=True).returncode != 0:
+        pytest.skip("needs unprivileged user and mount namespaces (`unshare -rm`) to mount a small disk")
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    cmd = [unshare, "-rm", "sh", "-c", _SMALL_DISK, "sh", "64k", str(cache), sys.executable, published]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    if proc.returncode == 97:
+        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
+    assert "Traceback" not in proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, proc.stderr
+    assert re.fullmatch(
+        rf"error: staging {published} needs 13\d\.\d KiB more on the disk of '{cache}', but \d+\.\d KiB is free there;"
+        r" nothing more was fetched\. Free space there .*, or pass a `cache_dir` \(`--cache-dir`\) on a larger disk\.",
+        lines[0],
+    ), lines[0]
+    assert "exit 2" in proc.stdout
+    assert int(proc.stdout.split("\n")[1].split()[0]) < 8192  # the lock and progress.json: no data was written
+
+
+def test_a_staged_copy_that_no_longer_opens_is_staged_again_once_and_said(
+    published: str, database: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+):
+    """A staged copy damaged since (its LMDB meta pages zeroed) is thrown away and staged again, with a warning."""
+    first = remote.stage(published, tmp_path, progress=False)
+    data = first.path / "data.mdb"
+    damaged = tmp_path / "damaged"
+    damaged.write_bytes(bytes(8192) + data.read_bytes()[8192:])
+    os.replace(damaged, data)  # a new file: no environment this process opened holds it
+    with caplog.at_level(logging.WARNING, logger=remote.__name__):
+        again = remote.stage(published, tmp_path, progress=False)
+    assert again.action == "restaged"
+    assert again.path == first.path
+    assert "does not open" in (again.reason or "")
+    assert "staging it again" in caplog.text
+    assert data.read_bytes() == (database / "data.mdb").read_bytes()
+    assert remote.stage(published, tmp_path, progress=False).action == "reused"
+
+
+def test_a_publication_that_matches_its_marker_but_does_not_open_is_refused(
+    bucket: str, database: Path, tmp_path: Path
+):
+    """A database published damaged (its SHA-256 is the marker's) is refused in one line, and not left in the cache."""
+    broken = tmp_path / "broken.lmdb"
+    shutil.copytree(database, broken)
+    data = broken / "data.mdb"
+    data.write_bytes(bytes(8192) + data.read_bytes()[8192:])
+    url = f"{bucket}/broken.lmdb"
+    remote.publish(broken, url, progress=False)
+    cache = tmp_path / "cache"
+    with pytest.raises(RemoteStorageError, match=r"is damaged: its files have the SHA-256 .* do not open") as info:
+        remote.stage(url, cache, progress=False)
+    _one_line(info.value)
+    assert not remote.staged_path(url, cache).exists()
+
+
+def test_a_range_counts_as_done_only_once_its_bytes_are_on_disk(
+    published: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """progress.json lists a range only after its file was synced since the range was written; the copy and its
+    record are synced before the rename that publishes it, and the rename is synced."""
+    from lightning_fastdata.store import writer
+
+    monkeypatch.setattr(remote, "RANGE_SIZE", 8192)
+    monkeypatch.setattr(remote, "SYNC_SECONDS", 0.0, raising=False)  # a record after every range
+    events: list[tuple[Any, ...]] = []
+    real_pwrite, real_datasync, real_fsync = os.pwrite, os.fdatasync, os.fsync
+    real_write, real_publish = remote._write_json, writer._publish
+
+    def pwrite(fd: int, data: bytes, offset: int) -> int:
+        events.append(("write", os.readlink(f"/proc/self/fd/{fd}"), offset))
+        return real_pwrite(fd, data, offset)
+
+    def sync(fd: int, real: Callable[[int], None]) -> None:
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        events.append(("sync folder" if os.path.isdir(path) else "sync", path))
+        real(fd)
+
+    def record(path: Path, value: dict[str, Any]) -> None:
+        events.append(("record", path.name, json.loads(json.dumps(value))))
+        real_write(path, value)
+
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    monkeypatch.setattr(os, "fdatasync", lambda fd: sync(fd, real_datasync))
+    monkeypatch.setattr(os, "fsync", lambda fd: sync(fd, real_fsync))
+    monkeypatch.setattr(remote, "_write_json", record)
+    monkeypatch.setattr(writer, "_publish", lambda tmp, dst: events.append(("publish",)) or real_publish(tmp, dst))
+    staged = remote.stage(published, tmp_path, progress=False)
+    work = remote.partial_path(staged.path)
+    checked = 0
+    for i, event in enumerate(events):
+        if event[:2] != ("record", remote.PROGRESS_FILE):
+            continue
+        for name, starts in event[2]["done"].items():
+            path = str(work / name)
+            for start in starts:
+                written = max(j for j, e in enumerate(events[:i]) if e == ("write", path, start))
+                assert ("sync", path) in events[written:i], (name, start)
+                checked += 1
+    assert checked >= 17  # every range of data.mdb, at least once
+    publish = events.index(("publish",))
+    last_write = max(j for j, e in enumerate(events) if e[0] == "write")
+    synced = {e[1] for e in events[last_write:publish] if e[0] == "sync"}
+    assert synced >= {str(work / "data.mdb"), str(work / "convert_report.json")}
+    assert ("record", remote.STAGED_RECORD) in [e[:2] for e in events[last_write:publish]]
+    assert ("sync folder", str(work)) in events[last_write:publish]
+    assert ("sync folder", str(tmp_path)) in events[publish:]
