@@ -73,7 +73,7 @@ RANGE_SIZE = 32 * 2**20
 #: so a node with more cores keeps more reads in flight
 READ_THREADS: int | None = None
 #: seconds between two records of the ranges done: each syncs the files to disk first (``fdatasync``), then
-#: ``progress.json``; a staging killed meanwhile fetches the ranges of those seconds again
+#: ``progress.json``; a staging killed meanwhile fetches those seconds' ranges again (0: a record after each range)
 SYNC_SECONDS = 1.0
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
@@ -669,7 +669,7 @@ def _fetch_files(
             try:
                 advance()  # the ranges fetched before, while the first reads are under way
                 while pending:
-                    finished, pending = wait(pending, timeout=SYNC_SECONDS, return_when=FIRST_COMPLETED)
+                    finished, pending = wait(pending, timeout=SYNC_SECONDS or None, return_when=FIRST_COMPLETED)
                     for future in finished:
                         bar.update(future.result())
                     advance()
