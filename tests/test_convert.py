@@ -1347,6 +1347,35 @@ def test_a_finished_conversion_leaves_no_lock_file(split_folder, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["db"]
 
 
+def test_a_planted_lock_file_is_refused_and_never_written_through(split_folder, tmp_path, monkeypatch):
+    """A ``.DST.lock`` that is a symbolic link (to a file the lock would truncate and overwrite), a folder, or another
+    user's file stops the conversion with one line naming it; the file it points to is untouched."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    dst = tmp_path / "out" / "db.lmdb"
+    dst.parent.mkdir()
+    lock = store_format.lock_path(dst)
+    lock.symlink_to(victim)
+    with pytest.raises(DestinationError, match="is a symbolic link, where this package writes its own file") as info:
+        _run(split_folder, dst)
+    assert "\n" not in str(info.value)
+    assert str(lock) in str(info.value)
+    assert victim.read_text() == "precious\n"
+    lock.unlink()
+    lock.mkdir()
+    with pytest.raises(DestinationError, match="is not a regular file"):
+        _run(split_folder, dst)
+    lock.rmdir()
+    lock.write_text("")
+    with monkeypatch.context() as patched:
+        patched.setattr(os, "geteuid", lambda: os.getuid() + 1)  # as if another user had made it
+        with pytest.raises(DestinationError, match=r"is owned by another user \(uid \d+\)"):
+            _run(split_folder, dst)
+    assert _run(split_folder, dst).written == 33
+    assert not lock.exists()
+    assert victim.read_text() == "precious\n"
+
+
 # A conversion through the command line whose pool workers block on their first image, until the test interrupts or
 # kills it; the file `ready` appears once a worker blocks (the pool inherits the patch through fork)
 _BLOCKED_CONVERSION = textwrap.dedent(

@@ -6,11 +6,16 @@ as they would on a cluster; nothing in the package is given them.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import hashlib
 import http.server
 import json
 import logging
 import os
+import random
+import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -29,6 +34,7 @@ from lightning_fastdata import FastImageDataModule, convert, read_meta
 from lightning_fastdata.cli import main
 from lightning_fastdata.errors import DestinationError, InvalidArgumentError, RemoteStorageError
 from lightning_fastdata.store import remote
+from lightning_fastdata.store.format import lock_path
 
 pytest.importorskip("s3fs")
 moto_server = pytest.importorskip("moto.server")
@@ -370,27 +376,31 @@ def _cut_off_after_five_ranges(monkeypatch: pytest.MonkeyPatch) -> Callable[...,
     return real
 
 
-def test_ranges_read_unchecked_before_an_interruption_are_checked_after_the_resume(
+def test_ranges_altered_before_an_interruption_are_found_by_sha256_and_fetched_again(
     published: str,
+    database: Path,
     s3_endpoint: str,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
     range_checksum_endpoint: Callable[[bool], None],
 ):
-    """A staging cut off after reading past wrong checksums resumes from a sound server and still checks SHA-256."""
+    """Ranges a server altered past wrong checksums before an interruption: the resume hashes them, finds the copy
+    wrong, says so and fetches the file again, whole, once; what is published is the publication's bytes."""
     pytest.importorskip("botocore.httpchecksum")
     real = _cut_off_after_five_ranges(monkeypatch)
-    range_checksum_endpoint(False)
+    range_checksum_endpoint(True)
     with pytest.raises(RemoteStorageError, match="network failure"):
         remote.stage(published, tmp_path, progress=False)
-    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_endpoint)  # the resume reads from a server that sends no checksums
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_endpoint)  # the resume reads from a server that alters nothing
     _fresh_clients()
     monkeypatch.setattr(remote, "_read_range", real)
-    hashed: list[str] = []
-    sha256 = remote._sha256
-    monkeypatch.setattr(remote, "_sha256", lambda path, *args: hashed.append(Path(path).name) or sha256(path, *args))
-    assert remote.stage(published, tmp_path, progress=False).action == "staged"
-    assert "data.mdb" in hashed
+    with caplog.at_level(logging.WARNING, logger=remote.__name__):
+        staged = remote.stage(published, tmp_path, progress=False)
+    assert staged.action == "staged"
+    assert (staged.path / "data.mdb").read_bytes() == (database / "data.mdb").read_bytes()
+    assert "does not match the SHA-256 its published.json lists" in caplog.text
+    assert "fetching it again" in caplog.text
 
 
 def test_a_failed_staging_resumes_and_nothing_half_copied_is_read(
@@ -691,3 +701,466 @@ def test_the_stage_command_stages_ahead_of_training(published: str, tmp_path: Pa
     assert "is not a URL" in capsys.readouterr().err
     assert main(["stage", published, "--cache-dir", "s3://bucket/cache"]) == 2
     assert "--cache-dir" in capsys.readouterr().err
+
+
+def test_convert_clean_names_what_an_interrupted_staging_left(
+    published: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+):
+    """`convert --clean` removes a staging's working copy, calling it what it is."""
+    _cut_off_after_five_ranges(monkeypatch)
+    with pytest.raises(RemoteStorageError, match="network failure"):
+        remote.stage(published, tmp_path, progress=False)
+    work = remote.partial_path(remote.staged_path(published, tmp_path))
+    assert work.is_dir()
+    assert main(["convert", "--clean", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert f"removed {work} (" in out
+    assert "), left by an interrupted staging" in out
+    assert not work.exists()
+
+
+def test_the_cli_logs_its_own_lines_not_botos(published: str, tmp_path: Path):
+    """`lightning-fastdata stage URL` says what it stages, without botocore's "Found credentials..." lines."""
+    code = "import sys; from lightning_fastdata.cli import main; sys.exit(main())"
+    cmd = [sys.executable, "-c", code, "stage", published, "--cache-dir", str(tmp_path), "--quiet"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert f"staging {published} into {remote.staged_path(published, tmp_path)}" in proc.stderr
+    assert "Found credentials" not in proc.stderr
+    assert "Found endpoint" not in proc.stderr
+
+
+def test_a_plain_urls_cache_folder_keeps_its_name_and_secrets_never_make_one(tmp_path: Path):
+    """Plain URLs are staged where they always were; user-info and a query (a signature) are no part of the name."""
+    for url in ("s3://bucket/imagenet.lmdb", "gs://b/x/y.lmdb/", "https://host:8443/data/db.lmdb", "file:///d/db"):
+        clean = url.rstrip("/")
+        digest = hashlib.sha256(json.dumps(["remote", clean]).encode()).hexdigest()[:10]
+        name = clean.rsplit("/", 1)[-1].removesuffix(".lmdb")
+        assert remote.staged_path(url, tmp_path) == tmp_path / f"{name}-{digest}.lmdb"
+        assert remote.redact_url(url) == url
+    signed = "https://reader:pa%40ss@host:8443/data/db.lmdb?X-Amz-Signature=abc&X-Amz-Credential=AKIA#frag"
+    assert remote.redact_url(signed) == "https://host:8443/data/db.lmdb"
+    assert remote.staged_path(signed, tmp_path) == remote.staged_path("https://host:8443/data/db.lmdb", tmp_path)
+    assert remote.redact_url("GET 'https://u:p@h/x?sig=1' failed, see s3://b/k?versionId=2.") == (
+        "GET 'https://h/x' failed, see s3://b/k"
+    )
+
+
+def test_credentials_in_a_url_appear_in_no_error_log_progress_bar_record_or_name(
+    http_site: tuple[Path, str],
+    database: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    capsys: pytest.CaptureFixture,
+):
+    """A URL with ``user:password@`` (and, where it fails, a signed query) stages with it, and every place that shows
+    or records the URL (errors, logs, the progress bar, staged.json, `stage`, `cache list`, folder names) shows it
+    without them."""
+    pytest.importorskip("aiohttp")
+    site, base = http_site
+    remote.publish(database, (site / "db.lmdb").as_uri(), progress=False)
+    monkeypatch.setattr(remote, "RANGE_SIZE", 8192)
+    secret = base.replace("http://", "http://reader:s3cr3t-pw@") + "/db.lmdb"
+    cache = tmp_path / "cache"
+    with caplog.at_level(logging.INFO, logger="lightning_fastdata"):
+        staged = remote.stage(secret, cache, progress=True)
+        assert main(["stage", secret, "--cache-dir", str(cache)]) == 0
+        assert main(["cache", "list", "--cache-dir", str(cache)]) == 0
+        with pytest.raises(RemoteStorageError) as missing:
+            remote.stage(secret.replace("db.lmdb", "none.lmdb?X-Amz-Signature=t0ken"), cache, progress=False)
+        dm = FastImageDataModule(secret, cache_dir=str(cache / "other"), num_workers=0)
+        with pytest.raises(RemoteStorageError) as not_staged:
+            dm.classes  # noqa: B018 - the property raises
+    out, err = capsys.readouterr()
+    assert staged.action == "staged"
+    assert staged.path == remote.staged_path(f"{base}/db.lmdb", cache)
+    assert f"{base}/db.lmdb: already staged at" in out
+    assert f"source {base}/db.lmdb (staged;" in out
+    assert f"staging {base}/db.lmdb" in err  # the progress bar
+    records = [(p / "staged.json").read_text() for p in cache.glob("*.lmdb")]
+    shown = [out, err, caplog.text, str(missing.value), str(not_staged.value), *records, *os.listdir(cache)]
+    assert [text for text in shown if "s3cr3t" in text or "reader" in text or "t0ken" in text] == []
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Data you did not make: what a bucket (its marker, its bytes) and the cache folder hold is checked before it is used
+# ---------------------------------------------------------------------------------------------------------------
+
+
+#: names a hostile marker lists beside data.mdb; `{outside}` is the folder the test watches, outside the cache
+_HOSTILE_NAMES = [
+    "{outside}/victim.txt",  # absolute: replaces the whole path
+    "/{outside}/victim.txt",
+    "../../outside/victim.txt",  # from the working copy .NAME.partial, out of the cache
+    "../../../outside/victim.txt",
+    "../outside-sibling.txt",
+    "a/../../b",
+    "data.mdb/../../../outside/victim.txt",
+    "./data.mdb",
+    "data.mdb/",
+    "sub/data.mdb",
+    "..",
+    ".",
+    "",
+    "data.mdb\x00../../outside/victim.txt",  # a NUL byte
+    "data.mdb\n",  # a line break: the error stays one line
+    "x" * 5000,  # very long
+    "../" * 300 + "outside/victim.txt",
+    "d\u0430ta.mdb",  # a Cyrillic a
+    "data\uff0emdb",  # a fullwidth dot
+    "DATA.MDB",
+    "data.mdb ",
+    "progress.json",  # staging's own files: writing them would forge its state
+    "staged.json",
+    "published.json",
+    "lock.mdb",
+    "verified.json",
+    "..\\..\\outside\\victim.txt",
+    "~/victim.txt",
+    "%2e%2e/%2e%2e/outside/victim.txt",
+]
+
+
+#: (field, value) of data.mdb's entry that a hostile marker sets: sizes and SHA-256 that are not ones
+_HOSTILE_FIELDS = [
+    ("size", -1),
+    ("size", True),
+    ("size", 2**70),
+    ("size", "135168"),
+    ("size", 1.5),
+    ("size", None),
+    ("sha256", "0" * 63),
+    ("sha256", "Z" * 64),
+    ("sha256", None),
+    ("etag", 12),
+]
+
+
+def _tree(root: Path, skip: tuple[Path, ...]) -> dict[str, tuple[Any, ...]]:
+    """Every entry under ``root`` but ``skip``: kind, size, mtime and SHA-256 of contents (a link: its target)."""
+    found: dict[str, tuple[Any, ...]] = {}
+    for folder, dirs, names in os.walk(root):
+        dirs[:] = [d for d in dirs if Path(folder, d) not in skip]
+        for name in [*dirs, *names]:
+            path = Path(folder, name)
+            st = path.lstat()
+            if path.is_symlink():
+                found[str(path)] = ("link", os.readlink(path))
+            elif path.is_file():
+                found[str(path)] = ("file", st.st_size, st.st_mtime_ns, hashlib.sha256(path.read_bytes()).hexdigest())
+            else:
+                found[str(path)] = ("other", st.st_mode, st.st_mtime_ns)
+    return found
+
+
+def _one_line(err: BaseException) -> str:
+    text = str(err)
+    assert "\n" not in text, text
+    assert len(text) < 1000, text
+    return text
+
+
+@pytest.fixture
+def hostile(
+    request: pytest.FixtureRequest, bucket: str, database: Path, tmp_path: Path
+) -> tuple[str, Callable[[dict[str, Any]], None]]:
+    """The session database published on moto's S3 (``s3``) or a ``file://`` folder; and a way to replace its
+    marker, uploading the report's bytes under each name it lists that is not published (what an attacker would)."""
+    import fsspec
+
+    url = f"{bucket}/db.lmdb" if request.param == "s3" else (tmp_path / "site" / "db.lmdb").as_uri()
+    remote.publish(database, url, progress=False)
+    fs, path = fsspec.core.url_to_fs(url)
+    report = fs.cat_file(f"{path}/convert_report.json")
+
+    def write(marker: dict[str, Any]) -> None:
+        if request.param == "s3":  # file:// objects outside the site would be the watched files themselves
+            for name in marker["files"]:
+                if name not in remote.PUBLISHED_FILES:
+                    with contextlib.suppress(Exception):
+                        fs.pipe_file(f"{path}/{name}", report)
+        fs.pipe_file(f"{path}/{remote.MARKER}", json.dumps(marker).encode())
+        fs.invalidate_cache()
+
+    return url, write
+
+
+@pytest.mark.parametrize("hostile", ["s3", "file"], indirect=True)
+def test_a_hostile_marker_or_a_planted_link_changes_nothing_outside_the_cache(
+    hostile: tuple[str, Callable[[dict[str, Any]], None]], tmp_path: Path
+):
+    """29 file names, 11 sizes or checksums a marker may list and 5 links or folders planted in the cache: each is
+    refused with one line before anything is written through it, and no file outside the cache is created or changed."""
+    url, write_marker = hostile
+    outside = tmp_path / "outside"
+    (outside / "dir").mkdir(parents=True)
+    (outside / "victim.txt").write_text("the victim's own bytes\n")
+    (outside / "dir" / "keep.txt").write_text("keep me\n")
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    watched = (cache, tmp_path / "site")
+    before = _tree(tmp_path, watched)
+    good = json.loads(_marker(url))
+    report = good["files"]["convert_report.json"]
+    tried = refused = 0
+    for template in _HOSTILE_NAMES:
+        name = template.replace("{outside}", str(outside))
+        write_marker({**good, "files": {**good["files"], name: dict(report)}})
+        tried += 1
+        with pytest.raises(RemoteStorageError) as info:
+            remote.stage(url, cache, progress=False)
+        assert "nothing was fetched or written" in _one_line(info.value)
+        assert ascii(name)[:50] in str(info.value)
+        refused += 1
+        assert not remote.partial_path(remote.staged_path(url, cache)).exists()
+    for field, value in _HOSTILE_FIELDS:
+        entry = {**good["files"]["data.mdb"], field: value}
+        write_marker({**good, "files": {**good["files"], "data.mdb": entry}})
+        tried += 1
+        with pytest.raises(RemoteStorageError, match="is not a marker written by lightning_fastdata") as info:
+            remote.stage(url, cache, progress=False)
+        _one_line(info.value)
+        refused += 1
+    huge = {**good["files"]["data.mdb"], "size": 2**50}  # larger than the object, and than any disk
+    write_marker({**good, "files": {**good["files"], "data.mdb": huge}})
+    tried += 1
+    with pytest.raises((RemoteStorageError, DestinationError)) as info:
+        remote.stage(url, cache, progress=False)
+    _one_line(info.value)
+    refused += 1
+    write_marker(good)
+
+    target = remote.staged_path(url, cache)
+    work, lock = remote.partial_path(target), lock_path(target)
+    victim = outside / "victim.txt"
+    planted: list[tuple[bool, Callable[[], Any]]] = [  # (inside a working copy resuming this publication, plant)
+        (True, lambda: (work / "data.mdb").symlink_to(victim)),
+        (True, lambda: (work / "convert_report.json").symlink_to(victim)),
+        (True, lambda: (work / "data.mdb").mkdir()),
+        (False, lambda: work.symlink_to(outside / "dir")),
+        (False, lambda: lock.symlink_to(victim)),
+    ]
+    for resuming, plant in planted:
+        if resuming:
+            work.mkdir()
+            progress = {"marker": good, "range_size": remote.RANGE_SIZE, "done": {}}
+            (work / remote.PROGRESS_FILE).write_text(json.dumps(progress))
+        plant()
+        tried += 1
+        with pytest.raises(DestinationError, match=r"is a symbolic link|is not a regular file") as info:
+            remote.stage(url, cache, progress=False)
+        assert "nothing was written through it" in _one_line(info.value)
+        refused += 1
+        for path in (work, lock):
+            if path.is_symlink() or path.is_file():
+                path.unlink()
+            elif path.is_dir():
+                shutil.rmtree(path)
+    after = _tree(tmp_path, watched)
+    touched = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+    assert (tried, refused, touched) == (len(_HOSTILE_NAMES) + len(_HOSTILE_FIELDS) + 1 + 5, tried, [])
+    assert remote.stage(url, cache, progress=False).action == "staged"  # the cache is usable afterwards
+
+
+def _damage(rng: random.Random, work: Path) -> str:
+    """Damage the working copy an interrupted staging left, in one of six ways (or none); returns which."""
+    progress, data = work / remote.PROGRESS_FILE, work / "data.mdb"
+    state = json.loads(progress.read_text())
+    done = state["done"].get("data.mdb", [])
+    how = rng.choice(["none", "zeros over a done range", "a byte flipped", "all claimed done", "garbage", "cut short"])
+    if how in ("zeros over a done range", "a byte flipped") and done:
+        start = rng.choice(done)
+        with open(data, "r+b") as fh:
+            fh.seek(start)
+            chunk = fh.read(remote.RANGE_SIZE)
+            fh.seek(start)
+            fh.write(bytes(len(chunk)) if how.startswith("zeros") else bytes([chunk[0] ^ 0xFF]) + chunk[1:])
+    elif how == "all claimed done":  # progress.json says every range is there: most are holes
+        size = state["marker"]["files"]["data.mdb"]["size"]
+        state["done"]["data.mdb"] = list(range(0, size, remote.RANGE_SIZE))
+        progress.write_text(json.dumps(state))
+    elif how == "garbage":
+        progress.write_text('{"marker": tru')
+    elif how == "cut short":
+        os.truncate(data, data.stat().st_size // 3)
+    return how
+
+
+@pytest.mark.parametrize("hostile", ["s3", "file"], indirect=True)
+def test_stagings_cut_off_at_random_and_damaged_never_publish_a_wrong_copy(
+    hostile: tuple[str, Callable[[dict[str, Any]], None]],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+):
+    """20 stagings cut off after a random number of ranges (seeded), once or twice, the working copy damaged in some
+    (zeros over done ranges, a flipped byte, progress.json claiming every range, garbage, a file cut short), then
+    resumed: each publishes a copy with the marker's SHA-256."""
+    url = hostile[0]
+    monkeypatch.setattr(remote, "RANGE_SIZE", 16384)
+    monkeypatch.setattr(remote, "READ_THREADS", 1)
+    marker = json.loads(_marker(url))
+    want = {name: info["sha256"] for name, info in marker["files"].items()}
+    ranges = sum(-(-f["size"] // remote.RANGE_SIZE) for f in marker["files"].values())
+    real = remote._read_range
+    rng = random.Random(33)
+    damaged: list[str] = []
+    published: list[dict[str, str]] = []  # the SHA-256 of each copy staging published
+
+    def stage(cache: Path) -> bool:
+        """Stage into ``cache``; whether it published (an interrupted staging raises a network failure)."""
+        try:
+            staged = remote.stage(url, cache, progress=False, check=False)
+        except RemoteStorageError as err:
+            if "network failure" not in str(err):  # the cut, and nothing else
+                raise
+            damaged.append(_damage(rng, remote.partial_path(remote.staged_path(url, cache))))
+            return False
+        if staged.action == "staged":
+            published.append({n: hashlib.sha256((staged.path / n).read_bytes()).hexdigest() for n in want})
+        return True
+
+    for trial in range(20):
+        cache = tmp_path / f"cache{trial}"
+        for _ in range(rng.choice([1, 1, 2])):
+            calls, cut = [], rng.randrange(1, ranges)
+
+            def flaky(*args: Any, calls: list[int] = calls, cut: int = cut) -> bytes:
+                calls.append(1)
+                if len(calls) > cut:
+                    raise ConnectionResetError("connection reset by peer")
+                return real(*args)
+
+            monkeypatch.setattr(remote, "_read_range", flaky)
+            if stage(cache):  # a resume that needed no more than `cut` reads
+                break
+        monkeypatch.setattr(remote, "_read_range", real)
+        assert stage(cache)
+    assert [sha256 for sha256 in published if sha256 != want] == []
+    assert len(published) == 20
+    assert len(damaged) >= 20
+    assert len(set(damaged)) == 6, damaged  # every kind of damage was tried
+
+
+# Mounts a tmpfs of SIZE on FOLDER in a private mount namespace, stages URL into it with the CLI, then prints the CLI's
+# exit status and the bytes the cache holds (exit 97: the mount could not be made)
+_SMALL_DISK = """
+mount -t tmpfs -o "size=$1" tmpfs "$2" || exit 97
+"$3" -c 'import sys; from lightning_fastdata.cli import main; sys.exit(main())' stage "$4" --cache-dir "$2" --quiet
+echo "exit $?"
+du -sb "$2"
+"""
+
+
+def test_staging_onto_a_disk_too_small_says_what_it_needs_in_one_line(published: str, tmp_path: Path):
+    """A cache on a 64 KiB disk: `stage` fetches nothing and says, in one `error:` line, how much it needs and how
+    much is free (no traceback)."""
+    unshare = shutil.which("unshare")
+    if unshare is None or subprocess.run([unshare, "-rm", "true"], capture_output=True).returncode != 0:
+        pytest.skip("needs unprivileged user and mount namespaces (`unshare -rm`) to mount a small disk")
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    cmd = [unshare, "-rm", "sh", "-c", _SMALL_DISK, "sh", "64k", str(cache), sys.executable, published]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    if proc.returncode == 97:
+        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
+    assert "Traceback" not in proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, proc.stderr
+    assert re.fullmatch(
+        rf"error: staging {published} needs 13\d\.\d KiB more on the disk of '{cache}', but \d+\.\d KiB is free there;"
+        r" nothing more was fetched\. Free space there .*, or pass a `cache_dir` \(`--cache-dir`\) on a larger disk\.",
+        lines[0],
+    ), lines[0]
+    assert "exit 2" in proc.stdout
+    assert int(proc.stdout.split("\n")[1].split()[0]) < 8192  # the lock and progress.json: no data was written
+
+
+def test_a_staged_copy_that_no_longer_opens_is_staged_again_once_and_said(
+    published: str, database: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+):
+    """A staged copy damaged since (its LMDB meta pages zeroed) is thrown away and staged again, with a warning."""
+    first = remote.stage(published, tmp_path, progress=False)
+    data = first.path / "data.mdb"
+    damaged = tmp_path / "damaged"
+    damaged.write_bytes(bytes(8192) + data.read_bytes()[8192:])
+    os.replace(damaged, data)  # a new file: no environment this process opened holds it
+    with caplog.at_level(logging.WARNING, logger=remote.__name__):
+        again = remote.stage(published, tmp_path, progress=False)
+    assert again.action == "restaged"
+    assert again.path == first.path
+    assert "does not open" in (again.reason or "")
+    assert "staging it again" in caplog.text
+    assert data.read_bytes() == (database / "data.mdb").read_bytes()
+    assert remote.stage(published, tmp_path, progress=False).action == "reused"
+
+
+def test_a_publication_that_matches_its_marker_but_does_not_open_is_refused(
+    bucket: str, database: Path, tmp_path: Path
+):
+    """A database published damaged (its SHA-256 is the marker's) is refused in one line, and not left in the cache."""
+    broken = tmp_path / "broken.lmdb"
+    shutil.copytree(database, broken)
+    data = broken / "data.mdb"
+    data.write_bytes(bytes(8192) + data.read_bytes()[8192:])
+    url = f"{bucket}/broken.lmdb"
+    remote.publish(broken, url, progress=False)
+    cache = tmp_path / "cache"
+    with pytest.raises(RemoteStorageError, match=r"is damaged: its files have the SHA-256 .* do not open") as info:
+        remote.stage(url, cache, progress=False)
+    _one_line(info.value)
+    assert not remote.staged_path(url, cache).exists()
+
+
+def test_a_range_counts_as_done_only_once_its_bytes_are_on_disk(
+    published: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """progress.json lists a range only after its file was synced since the range was written; the copy and its
+    record are synced before the rename that publishes it, and the rename is synced."""
+    from lightning_fastdata.store import writer
+
+    monkeypatch.setattr(remote, "RANGE_SIZE", 8192)
+    monkeypatch.setattr(remote, "SYNC_SECONDS", 0.0, raising=False)  # a record after every range
+    events: list[tuple[Any, ...]] = []
+    real_pwrite, real_datasync, real_fsync = os.pwrite, os.fdatasync, os.fsync
+    real_write, real_publish = remote._write_json, writer._publish
+
+    def pwrite(fd: int, data: bytes, offset: int) -> int:
+        events.append(("write", os.readlink(f"/proc/self/fd/{fd}"), offset))
+        return real_pwrite(fd, data, offset)
+
+    def sync(fd: int, real: Callable[[int], None]) -> None:
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        events.append(("sync folder" if os.path.isdir(path) else "sync", path))
+        real(fd)
+
+    def record(path: Path, value: dict[str, Any]) -> None:
+        events.append(("record", path.name, json.loads(json.dumps(value))))
+        real_write(path, value)
+
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    monkeypatch.setattr(os, "fdatasync", lambda fd: sync(fd, real_datasync))
+    monkeypatch.setattr(os, "fsync", lambda fd: sync(fd, real_fsync))
+    monkeypatch.setattr(remote, "_write_json", record)
+    monkeypatch.setattr(writer, "_publish", lambda tmp, dst: events.append(("publish",)) or real_publish(tmp, dst))
+    staged = remote.stage(published, tmp_path, progress=False)
+    work = remote.partial_path(staged.path)
+    checked = 0
+    for i, event in enumerate(events):
+        if event[:2] != ("record", remote.PROGRESS_FILE):
+            continue
+        for name, starts in event[2]["done"].items():
+            path = str(work / name)
+            for start in starts:
+                written = max(j for j, e in enumerate(events[:i]) if e == ("write", path, start))
+                assert ("sync", path) in events[written:i], (name, start)
+                checked += 1
+    assert checked >= 17  # every range of data.mdb, at least once
+    publish = events.index(("publish",))
+    last_write = max(j for j, e in enumerate(events) if e[0] == "write")
+    synced = {e[1] for e in events[last_write:publish] if e[0] == "sync"}
+    assert synced >= {str(work / "data.mdb"), str(work / "convert_report.json")}
+    assert ("record", remote.STAGED_RECORD) in [e[:2] for e in events[last_write:publish]]
+    assert ("sync folder", str(work)) in events[last_write:publish]
+    assert ("sync folder", str(tmp_path)) in events[publish:]

@@ -250,10 +250,16 @@ def _entry(database: Path, key: str, partial: bool) -> CachedConversion:
 
 
 def _staged_from(database: Path) -> str | None:
-    """The URL in a staged copy's record (:mod:`~lightning_fastdata.store.remote`), else ``None``."""
+    """The URL in a staged copy's record (:mod:`~lightning_fastdata.store.remote`), else ``None``.
+
+    Without user-info and query (:func:`~lightning_fastdata.store.remote.redact_url`): records written before staging
+    redacted them may hold them.
+    """
+    from lightning_fastdata.store.remote import redact_url
+
     with contextlib.suppress(OSError, UnicodeDecodeError, ValueError, AttributeError):
         url = json.loads((database / STAGED_RECORD).read_text()).get("url")
-        return url if isinstance(url, str) else None
+        return redact_url(url) if isinstance(url, str) else None
     return None
 
 

@@ -264,5 +264,5 @@ def _publish(
             local = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=".publish-", dir=root))) / "db.lmdb"
         summary = convert_into(local)
         _, summary.uploaded = remote.publish_database(local, url, progress, destination=url)
-    summary.destination = url
+    summary.destination = remote.redact_url(url)  # printed: no user-info or signature
     return summary

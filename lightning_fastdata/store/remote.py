@@ -9,11 +9,13 @@ the store gives one) and SHA-256, and an id that changes with every publication.
 upload under way or interrupted) is refused, so nothing half-uploaded is ever read.
 
 Staging (:func:`stage`), under the cache's lock of the staged copy (:func:`~lightning_fastdata.store.writer`'s, which
-works across jobs on one node): read the marker (the only request when the node already holds this publication),
-fetch every file in parallel ranged reads into the hidden working copy ``.NAME.partial`` (the ranges done are kept in
-``progress.json`` there, so an interrupted staging resumes), check each file's size and ETag (or SHA-256 where the
-store gives no ETag) against the marker, and rename the working copy into place. The staged copy keeps the marker it
-was staged from in ``staged.json``.
+works across jobs on one node): read the marker (the only request when the node already holds this publication) and
+refuse one that names any file but the published ones, fetch every file in parallel ranged reads into the hidden
+working copy ``.NAME.partial`` (the ranges done, synced to disk, are kept in ``progress.json`` there, so an
+interrupted staging resumes), hash each file as its ranges complete and compare it with the marker's SHA-256, rename
+the working copy into place, and open it. The staged copy keeps the marker it was staged from in ``staged.json``. A
+bucket's data is never trusted: nothing is written outside the working copy, nor through a link planted in it, and
+a URL's user-info and query are shown nowhere (:func:`redact_url`).
 
 Credentials and endpoints come from fsspec and its backend alone (``AWS_*`` variables, profiles and instance roles
 for s3fs, ``FSSPEC_<PROTOCOL>_<OPTION>`` variables such as ``FSSPEC_S3_ENDPOINT_URL``); this module holds none.
@@ -22,13 +24,16 @@ for s3fs, ``FSSPEC_<PROTOCOL>_<OPTION>`` variables such as ``FSSPEC_S3_ENDPOINT_
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import logging
 import os
 import re
+import shutil
 import tempfile
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -38,8 +43,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from lightning_fastdata.cpus import usable_cpu_count
-from lightning_fastdata.errors import DestinationError, FastDataError, InvalidArgumentError, RemoteStorageError
-from lightning_fastdata.store.format import DATA_FILE, REPORT_FILE, STAGED_RECORD, partial_path
+from lightning_fastdata.errors import (
+    DatasetFormatError,
+    DestinationError,
+    FastDataError,
+    InvalidArgumentError,
+    RemoteStorageError,
+)
+from lightning_fastdata.store.format import DATA_FILE, REPORT_FILE, STAGED_RECORD, partial_path, read_meta
 
 if TYPE_CHECKING:
     from fsspec import AbstractFileSystem
@@ -61,8 +72,17 @@ RANGE_SIZE = 32 * 2**20
 #: (715 against 455 MiB/s, 16 MiB ranges); object stores serve each connection at a fraction of a node's bandwidth,
 #: so a node with more cores keeps more reads in flight
 READ_THREADS: int | None = None
+#: seconds between two records of the ranges done: each syncs the files to disk first (``fdatasync``), then
+#: ``progress.json``; a staging killed meanwhile fetches those seconds' ranges again (0: a record after each range)
+SYNC_SECONDS = 1.0
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+#: a URL in a line of text: its scheme, user-info (``user:password@``), the rest, and a query or fragment (a signature)
+_URL = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?:[^/?#\s'\"]*@)?(?P<rest>[^?#\s'\"]*)(?:[?#][^\s'\"]*)?")
+#: the largest file a marker may list (1 EiB): beyond it a size is not a database's, and beyond what ``ftruncate`` takes
+_MAX_SIZE = 2**60
+_SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 #: the package fsspec needs for each scheme, for the error when it is missing
 _BACKENDS = {
     "s3": "s3fs",
@@ -90,6 +110,16 @@ def is_url(path: str | os.PathLike[str] | None) -> bool:
     return path is not None and _SCHEME.match(os.fspath(path)) is not None
 
 
+def redact_url(url: str) -> str:
+    """``url`` as it may be shown, logged, recorded or used as a name: without user-info and query.
+
+    ``https://user:password@host/db.lmdb?signature=...`` becomes ``https://host/db.lmdb``; a plain URL is returned
+    as it is. Applied to a line of text (an error from a backend), it does the same to every URL in it. The full URL
+    is still the one used to read.
+    """
+    return _URL.sub(r"\g<scheme>\g<rest>", url)
+
+
 def check_local(path: str | os.PathLike[str] | None, argument: str, why: str) -> None:
     """Refuse a URL where a local path is needed.
 
@@ -98,7 +128,8 @@ def check_local(path: str | os.PathLike[str] | None, argument: str, why: str) ->
 
     """
     if is_url(path):
-        raise InvalidArgumentError(f"`{argument}` {os.fspath(path)!r} is a URL, but {why}.")  # type: ignore[arg-type]
+        shown = redact_url(os.fspath(path))  # type: ignore[arg-type]
+        raise InvalidArgumentError(f"`{argument}` {shown!r} is a URL, but {why}.")
 
 
 def _scheme(url: str) -> str:
@@ -113,30 +144,34 @@ def filesystem(url: str, argument: str = "data_dir") -> tuple[AbstractFileSystem
         RemoteStorageError: fsspec, or the backend of the URL's scheme, is not installed, or the scheme is unknown.
 
     """
-    scheme = _scheme(url)
+    scheme, shown = _scheme(url), redact_url(url)
     backend = _BACKENDS.get(scheme)
     install = "pip install 'lightning-fastdata[remote]'" + (f" {backend}" if backend not in (None, "s3fs") else "")
     try:
         import fsspec
     except ImportError:
-        raise RemoteStorageError(f"`{argument}` {url!r} is a URL, which needs fsspec: run `{install}`.") from None
+        raise RemoteStorageError(f"`{argument}` {shown!r} is a URL, which needs fsspec: run `{install}`.") from None
     try:
         fs, path = fsspec.core.url_to_fs(url)
     except ImportError as err:
         raise RemoteStorageError(
-            f"`{argument}` {url!r} needs fsspec's {scheme}:// backend ({backend or err}): run `{install}`."
+            f"`{argument}` {shown!r} needs fsspec's {scheme}:// backend ({backend or err}): run `{install}`."
         ) from None
     except ValueError as err:
         raise RemoteStorageError(
-            f"`{argument}` {url!r}: fsspec cannot open {scheme}:// URLs ({err}). Pass an s3://, gs://, az://, https://"
-            " or file:// URL, or a local path."
+            f"`{argument}` {shown!r}: fsspec cannot open {scheme}:// URLs ({redact_url(str(err))}). Pass an s3://,"
+            " gs://, az://, https:// or file:// URL, or a local path."
         ) from None
     return fs, path.rstrip("/")
 
 
 def staged_path(url: str, root: Path) -> Path:
-    """Where ``url`` is staged under the cache folder ``root``: ``<name>-<digest of the URL>.lmdb``."""
-    clean = url.rstrip("/")
+    """Where ``url`` is staged under the cache folder ``root``: ``<name>-<digest of the URL>.lmdb``.
+
+    Of the URL without user-info and query (:func:`redact_url`): no secret becomes part of a name, and a URL signed
+    again (a new query) is still the same copy.
+    """
+    clean = redact_url(url).rstrip("/")
     name = clean.rsplit("/", 1)[-1].removesuffix(".lmdb") or "database"
     digest = hashlib.sha256(json.dumps(["remote", clean]).encode()).hexdigest()[:10]
     return root / f"{name}-{digest}.lmdb"
@@ -148,10 +183,13 @@ def staged_path(url: str, root: Path) -> Path:
 
 
 def _remote_error(err: BaseException, url: str, doing: str) -> RemoteStorageError:
-    """The one-line error for ``err``, raised by fsspec while ``doing`` (``"reading"``...) ``url``."""
-    scheme = _scheme(url)
+    """The one-line error for ``err``, raised by fsspec while ``doing`` (``"reading"``...) ``url``.
+
+    The URL, and any URL in the backend's message, is shown without user-info and query (:func:`redact_url`).
+    """
+    scheme, url = _scheme(url), redact_url(url)
     names = {cls.__name__ for cls in type(err).__mro__}
-    detail = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    detail = redact_url(str(err).strip().splitlines()[0]) if str(err).strip() else type(err).__name__
     where = _CREDENTIALS.get(scheme, "the credentials your fsspec backend reads")
     if names & {"NoCredentialsError", "PartialCredentialsError", "DefaultCredentialsError"}:
         return RemoteStorageError(f"no credentials found for {url!r} while {doing} it ({detail}). Set {where}.")
@@ -181,23 +219,23 @@ def _remote(url: str, doing: str) -> Iterator[None]:
         raise _remote_error(err, url, doing) from err
 
 
-def _missing_marker(fs: AbstractFileSystem, path: str, url: str) -> RemoteStorageError:
-    """Why ``url`` has no marker: an unfinished upload, a missing bucket, or nothing there (a few requests)."""
-    with _remote(url, "reading"):
+def _missing_marker(fs: AbstractFileSystem, path: str, shown: str) -> RemoteStorageError:
+    """Why ``shown`` (the URL, redacted) has no marker: an unfinished upload, a missing bucket, or nothing there."""
+    with _remote(shown, "reading"):
         if fs.exists(f"{path}/{DATA_FILE}"):
             return RemoteStorageError(
-                f"{url!r} holds {DATA_FILE} but no {MARKER}, the marker uploaded last: an upload is under way or was"
-                f" interrupted, so it is not read. Publish it again with `lightning-fastdata convert SRC {url}`."
+                f"{shown!r} holds {DATA_FILE} but no {MARKER}, the marker uploaded last: an upload is under way or was"
+                f" interrupted, so it is not read. Publish it again with `lightning-fastdata convert SRC {shown}`."
             )
         bucket = path.split("/", 1)[0]
-        if _scheme(url) in _CREDENTIALS and bucket != path and not fs.exists(bucket):
+        if _scheme(shown) in _CREDENTIALS and bucket != path and not fs.exists(bucket):
             return RemoteStorageError(
-                f"the bucket {bucket!r} of {url!r} does not exist (or these credentials cannot see it). Check the URL,"
-                f" or the credentials ({_CREDENTIALS[_scheme(url)]})."
+                f"the bucket {bucket!r} of {shown!r} does not exist (or these credentials cannot see it). Check the"
+                f" URL, or the credentials ({_CREDENTIALS[_scheme(shown)]})."
             )
     return RemoteStorageError(
-        f"no database at {url!r} (no {MARKER} there). Check the URL, or publish one with"
-        f" `lightning-fastdata convert SRC {url}`."
+        f"no database at {shown!r} (no {MARKER} there). Check the URL, or publish one with"
+        f" `lightning-fastdata convert SRC {shown}`."
     )
 
 
@@ -224,36 +262,85 @@ def _read_json(path: Path) -> dict[str, Any] | None:
 
 
 def _write_json(path: Path, value: dict[str, Any]) -> None:
-    """Write ``value`` atomically (a temporary file renamed into place)."""
+    """Write ``value`` atomically and durably: a temporary file, synced, renamed into place, its folder synced."""
+    from lightning_fastdata.store.writer import _fsync_dir
+
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     with os.fdopen(fd, "w") as fh:
         json.dump(value, fh)
+        fh.flush()
+        os.fsync(fh.fileno())
     os.replace(tmp, path)
+    _fsync_dir(path.parent)
 
 
-def _read_marker(fs: AbstractFileSystem, path: str, url: str) -> dict[str, Any]:
-    """The marker of the database at ``url``: one request."""
-    with _remote(url, "reading"):
+def _read_marker(fs: AbstractFileSystem, path: str, shown: str) -> dict[str, Any]:
+    """The marker of the database at ``shown``: one request, and checked (:func:`_check_marker`) before any write."""
+    with _remote(shown, "reading"):
         try:
             # `start=0`: one ranged GET; a whole-object read makes s3fs ask for the size first (a second request)
             raw = fs.cat_file(f"{path}/{MARKER}", start=0)
         except FileNotFoundError:
             raw = None
     if raw is None:
-        raise _missing_marker(fs, path, url)
+        raise _missing_marker(fs, path, shown)
     try:
         marker = json.loads(raw.decode())
-        files = marker["files"]
-        if not isinstance(files, dict) or DATA_FILE not in files:
-            raise ValueError(f"no {DATA_FILE} listed")
-        if not all(isinstance(f["size"], int) and isinstance(f["sha256"], str) for f in files.values()):
-            raise ValueError("a file without its size or SHA-256")
-    except (UnicodeDecodeError, ValueError, KeyError, TypeError):
+    except (UnicodeDecodeError, ValueError):
+        marker = None
+    _check_marker(marker, shown)
+    return marker  # type: ignore[no-any-return]
+
+
+def _check_marker(marker: Any, shown: str) -> None:
+    r"""Refuse a marker that names a file the publisher never writes, or a size or SHA-256 that is not one.
+
+    The names are compared as exact strings with :data:`PUBLISHED_FILES`, the only files staging then creates in the
+    working copy: so a marker cannot name a path outside the cache (``/x``, ``../x``), one of staging's own files
+    (``progress.json``, ``staged.json``), a folder or a look-alike (``d\u0430ta.mdb``).
+
+    Raises:
+        RemoteStorageError: one line naming the bad name (ASCII-escaped, cut short) or field.
+
+    """
+    files = marker.get("files") if isinstance(marker, dict) else None
+    for name in files if isinstance(files, dict) else ():
+        if name not in PUBLISHED_FILES:
+            raise RemoteStorageError(
+                f"{shown}/{MARKER} lists a file named {_clip(name)}, but a publication holds only"
+                f" {' and '.join(PUBLISHED_FILES)}; nothing was fetched or written. The marker was not written by"
+                f" lightning_fastdata, or it was altered: publish the database again with"
+                f" `lightning-fastdata convert SRC {shown}`."
+            )
+    why = _marker_problem(files)
+    if why is not None:
         raise RemoteStorageError(
-            f"{url}/{MARKER} is not a marker written by lightning_fastdata (or it is damaged). Publish the database"
-            f" again with `lightning-fastdata convert SRC {url}`."
-        ) from None
-    return marker
+            f"{shown}/{MARKER} is not a marker written by lightning_fastdata, or it is damaged ({why}); nothing was"
+            f" fetched. Publish the database again with `lightning-fastdata convert SRC {shown}`."
+        )
+
+
+def _marker_problem(files: Any) -> str | None:
+    """What is wrong with a marker's ``files`` whose names are all published ones (``None``: nothing)."""
+    if not isinstance(files, dict) or DATA_FILE not in files:
+        return f"no {DATA_FILE} listed"
+    for name, info in files.items():
+        size = info.get("size") if isinstance(info, dict) else None
+        if type(size) is not int or not 0 <= size <= _MAX_SIZE:
+            return f"{name}: the size {_clip(size)} is not a number of bytes from 0 to 2**60"
+        if not isinstance(info.get("sha256"), str) or not _SHA256_HEX.fullmatch(info["sha256"]):
+            return f"{name}: no SHA-256 of 64 hexadecimal digits"
+        if not isinstance(info.get("etag", ""), str):
+            return f"{name}: an ETag that is not a string"
+    return None
+
+
+def _clip(value: object) -> str:
+    """``value``, read from a marker, for one line: ASCII escapes show NUL, line breaks and look-alike letters."""
+    text = ascii(value)
+    if len(text) <= 80:
+        return text
+    return f"{text[:60]}... ({len(value) if isinstance(value, str) else len(text)} characters)"
 
 
 def _is_staged(target: Path, marker: dict[str, Any] | None = None) -> bool:
@@ -264,21 +351,32 @@ def _is_staged(target: Path, marker: dict[str, Any] | None = None) -> bool:
     files = record.get("marker", {}).get("files", {})
     try:
         return all((target / name).stat().st_size == info["size"] for name, info in files.items())
-    except (OSError, KeyError, TypeError):
+    except (OSError, KeyError, TypeError, AttributeError):
         return False
 
 
-def _why_restaged(old: dict[str, Any], new: dict[str, Any], url: str) -> str:
+def _why_restaged(old: dict[str, Any], new: dict[str, Any], shown: str) -> str:
     """Why a staged copy of ``old`` is replaced by the publication ``new``."""
     before, after = old.get("files", {}).get(DATA_FILE, {}), new["files"][DATA_FILE]
     sizes = f"{DATA_FILE} {before.get('size', '?')} -> {after['size']} bytes"
     return (
-        f"{url!r} was published again ({old.get('published', '?')} -> {new.get('published', '?')}, {sizes}):"
+        f"{shown!r} was published again ({old.get('published', '?')} -> {new.get('published', '?')}, {sizes}):"
         " staging the new version"
     )
 
 
-def stage(url: str, root: str | os.PathLike[str], progress: bool = True, argument: str = "data_dir") -> StagedDatabase:
+def _cannot_open(target: Path) -> DatasetFormatError | None:
+    """Why the staged copy ``target`` does not open as a database (metadata read, pages walked once), else ``None``."""
+    try:
+        read_meta(target)
+    except DatasetFormatError as err:
+        return err
+    return None
+
+
+def stage(
+    url: str, root: str | os.PathLike[str], progress: bool = True, argument: str = "data_dir", check: bool = True
+) -> StagedDatabase:
     """Copy the database published at ``url`` into the cache folder ``root``, once; later calls reuse it.
 
     Holds the lock of the staged copy while it works, so the processes of one node (and jobs sharing the node) stage
@@ -286,44 +384,77 @@ def stage(url: str, root: str | os.PathLike[str], progress: bool = True, argumen
     marker); a changed publication is staged again, and the log says why. An interrupted staging resumes: the
     ranges fetched are kept in the working copy.
 
+    What a bucket says is checked before it is used: the marker may name only the files a publication holds, every
+    staged file has the SHA-256 the marker lists (a file that does not is fetched again once, then refused), and the
+    copy is opened before it is returned; a copy staged earlier that no longer opens is thrown away and staged again,
+    once, with a warning. Errors and logs show ``url`` without its user-info and query (:func:`redact_url`).
+
     Args:
         url: an fsspec URL of a database published by ``lightning-fastdata convert SRC URL``.
         root: the local cache folder (``FastImageDataModule``'s ``cache_dir``).
         progress: show a progress bar while fetching.
         argument: the argument named in errors.
+        check: open the staged copy before returning it (``False``: check its files only).
 
     Returns:
         The :class:`StagedDatabase`: its local path, and what was done.
 
     Raises:
-        RemoteStorageError: a missing backend, bucket, object or marker, missing credentials, a network failure, or
-            a file that does not match its marker. Nothing is published in the cache then.
+        RemoteStorageError: a missing backend, bucket, object or marker, missing credentials, a network failure, a
+            marker naming a file a publication never holds, a file that does not match its marker twice, or a
+            publication that matches its marker but does not open. Nothing is published in the cache then.
         DestinationError: ``root`` is read-only (:class:`~lightning_fastdata.errors.ReadOnlyDestinationError`) or has
-            no file locks, and holds no staged copy of this publication.
+            no file locks, and holds no staged copy of this publication; its disk has less free space than is left to
+            fetch; or it holds a symbolic link, or another user's file, where staging writes.
+        DatasetFormatError: the copy in a read-only ``root`` does not open (it cannot be staged again there).
 
     """
-    from lightning_fastdata.store.writer import _publish, _recover_interrupted_publish, _target_lock, _unwritable_error
+    from lightning_fastdata.store.writer import (
+        _fsync_dir,
+        _publish,
+        _recover_interrupted_publish,
+        _target_lock,
+        _unwritable_error,
+    )
 
+    shown = redact_url(url)
     target = staged_path(url, Path(root))
     fs, path = filesystem(url, argument)
     with contextlib.suppress(OSError):
         target.parent.mkdir(parents=True, exist_ok=True)
     with _target_lock(target) as unlockable:
         _recover_interrupted_publish(target)
-        marker = _read_marker(fs, path, url)
+        marker = _read_marker(fs, path, shown)
         if _is_staged(target, marker):
-            log.debug("%s: reusing %s, staged from the current publication", url, target)
-            return StagedDatabase(target, "reused")
-        if unlockable is not None:  # a read-only cache, or one without file locks: only a staged copy may be used
+            damage = _cannot_open(target) if check else None
+            if damage is None:
+                log.debug("%s: reusing %s, staged from the current publication", shown, target)
+                return StagedDatabase(target, "reused")
+            if unlockable is not None:  # a read-only cache: the copy cannot be replaced
+                raise damage
+            reason: str | None = f"the copy staged at {target} does not open ({damage}): staging it again"
+            log.warning("%s: %s", shown, reason)
+            shutil.rmtree(target)
+        elif unlockable is not None:  # a read-only cache, or one without file locks: only a staged copy may be used
             raise _unwritable_error(target, unlockable, outdated=target.exists()) from unlockable
-        old = _read_json(target / STAGED_RECORD)
-        reason = _why_restaged(old["marker"], marker, url) if old and isinstance(old.get("marker"), dict) else None
-        log.info(reason or f"staging {url} into {target}")
+        else:
+            old = (_read_json(target / STAGED_RECORD) or {}).get("marker")
+            reason = _why_restaged(old, marker, shown) if isinstance(old, dict) else None
+            log.info(reason or f"staging {shown} into {target}")
         work = partial_path(target)
-        _fetch_all(fs, path, url, marker, work, progress)
-        _write_json(work / STAGED_RECORD, {"url": url, "marker": marker})
+        _fetch_all(fs, path, shown, marker, work, progress)
+        _write_json(work / STAGED_RECORD, {"url": shown, "marker": marker})
         (work / PROGRESS_FILE).unlink(missing_ok=True)
+        _fsync_dir(work)
         _publish(work, target)
+        damage = _cannot_open(target) if check else None
+        if damage is not None:  # the bytes are the publication's (SHA-256): fetching them again cannot help
+            shutil.rmtree(target, ignore_errors=True)
+            raise RemoteStorageError(
+                f"the database published at {shown} is damaged: its files have the SHA-256 its {MARKER} lists, but"
+                f" they do not open as a database ({damage}). Publish it again from a sound copy with"
+                f" `lightning-fastdata convert SRC {shown}`."
+            ) from damage
         return StagedDatabase(target, "restaged" if reason else "staged", reason)
 
 
@@ -344,103 +475,267 @@ def _etag(info: dict[str, Any]) -> str | None:
     return str(value).strip('"') if value else None
 
 
-def _check_source(fs: AbstractFileSystem, path: str, url: str, name: str, want: dict[str, Any]) -> str | None:
-    """Check that the object ``name`` is the one the marker lists (size, ETag); returns its ETag (``None``: none)."""
-    with _remote(url, "reading"):
+def _check_source(fs: AbstractFileSystem, path: str, shown: str, name: str, want: dict[str, Any]) -> None:
+    """Check that the object ``name`` is the one the marker lists: its size, and its ETag where both have one."""
+    with _remote(shown, "reading"):
         fs.invalidate_cache(f"{path}/{name}")
         info = fs.info(f"{path}/{name}")
     etag = _etag(info)
     if info.get("size") != want["size"] or (etag and want.get("etag") and etag != want["etag"]):
         raise RemoteStorageError(
-            f"{url}/{name} is not the file its {MARKER} lists ({info.get('size')} bytes, ETag {etag}; the marker says"
-            f" {want['size']} bytes, ETag {want.get('etag')}): it is being published again, or was replaced by hand."
-            f" Wait for the upload and run again, or publish it again with `lightning-fastdata convert SRC {url}`."
+            f"{shown}/{name} is not the file its {MARKER} lists ({info.get('size')} bytes, ETag {etag}; the marker"
+            f" says {want['size']} bytes, ETag {want.get('etag')}): it is being published again, or was replaced by"
+            f" hand. Wait for the upload and run again, or publish it again with `lightning-fastdata convert SRC"
+            f" {shown}`."
         )
-    return etag
 
 
-def _fetch_all(fs: AbstractFileSystem, path: str, url: str, marker: dict[str, Any], work: Path, progress: bool) -> None:
-    """Fetch every file of the publication ``marker`` into ``work`` in parallel ranges, resumably, and check them."""
-    from tqdm.auto import tqdm
+def _fetch_all(
+    fs: AbstractFileSystem, path: str, shown: str, marker: dict[str, Any], work: Path, progress: bool
+) -> None:
+    """Fetch every file of the publication ``marker`` into ``work``, resumably; each then has the marker's SHA-256.
 
-    work.mkdir(parents=True, exist_ok=True)
+    A file whose copy does not match (ranges damaged on this disk since an interrupted staging, or bytes altered on
+    the way) is fetched again, whole, once; a second mismatch discards the working copy.
+    """
+    for name, want in marker["files"].items():
+        _check_source(fs, path, shown, name, want)
+    state = _working_copy(work, marker)
+    bad = _fetch_files(fs, path, shown, marker, work, state, progress)
+    if bad:
+        for name in bad:  # a new publication under way: its marker will say so; fetching again cannot help
+            _check_source(fs, path, shown, name, marker["files"][name])
+        log.warning(
+            "%s: the copy of %s does not match the SHA-256 its %s lists (ranges damaged on this disk since an"
+            " interrupted staging, or bytes altered on the way); fetching it again",
+            shown,
+            " and ".join(bad),
+            MARKER,
+        )
+        state["done"] = {name: starts for name, starts in state["done"].items() if name not in bad}
+        bad = _fetch_files(fs, path, shown, marker, work, state, progress)
+    if bad:
+        shutil.rmtree(work, ignore_errors=True)
+        raise RemoteStorageError(
+            f"the copy of {shown}/{bad[0]} does not match the SHA-256 its {MARKER} lists, fetched twice: the server"
+            " altered it, or the object changed without a new marker; the copy is discarded. Check the server, or"
+            f" publish the database again with `lightning-fastdata convert SRC {shown}`."
+        )
+
+
+def _working_copy(work: Path, marker: dict[str, Any]) -> dict[str, Any]:
+    """The progress recorded in the working copy ``work`` towards ``marker``; ``work`` made, or emptied to start over.
+
+    Raises:
+        DestinationError: ``work`` is a symbolic link, not a folder, or another user's.
+
+    """
+    from lightning_fastdata.store.writer import _not_own
+
+    try:
+        found = os.lstat(work)
+    except FileNotFoundError:
+        work.mkdir()
+        found = os.lstat(work)
+    refused = _not_own(work, found, directory=True)
+    if refused is not None:
+        raise refused
     state = _read_json(work / PROGRESS_FILE)
-    if state is None or state.get("marker") != marker or state.get("range_size") != RANGE_SIZE:
+    if (
+        state is None
+        or state.get("marker") != marker
+        or state.get("range_size") != RANGE_SIZE
+        or not isinstance(state.get("done"), dict)
+    ):
         if state is not None:
             log.info("%s: discarding a partly staged copy of another publication", work)
-        for item in work.iterdir():
-            item.unlink()
+        for entry in os.scandir(work):
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path)
+            else:
+                os.unlink(entry.path)
         state = {"marker": marker, "range_size": RANGE_SIZE, "done": {}}
-    done: dict[str, list[int]] = {name: list(state["done"].get(name, [])) for name in marker["files"]}
-    etags = {name: _check_source(fs, path, url, name, want) for name, want in marker["files"].items()}
-    tasks, fds = [], {}
-    total = resumed = 0
+        _write_json(work / PROGRESS_FILE, state)  # from the start: `convert --clean` tells it from a conversion's
+    return state
+
+
+def _check_free_space(work: Path, shown: str, needed: int) -> None:
+    """Refuse to start when the disk of ``work`` has less free space than the ``needed`` bytes left to fetch."""
+    from lightning_fastdata.store.summary import human_bytes
+
+    free = shutil.disk_usage(work).free
+    if needed > free:
+        raise DestinationError(
+            f"staging {shown} needs {human_bytes(needed)} more on the disk of {str(work.parent)!r}, but"
+            f" {human_bytes(free)} is free there; nothing more was fetched. Free space there (`lightning-fastdata cache"
+            " prune`), or pass a `cache_dir` (`--cache-dir`) on a larger disk."
+        )
+
+
+def _fetch_files(
+    fs: AbstractFileSystem,
+    path: str,
+    shown: str,
+    marker: dict[str, Any],
+    work: Path,
+    state: dict[str, Any],
+    progress: bool,
+) -> list[str]:
+    """Fetch the ranges not done in ``state`` in parallel, hashing each file as its ranges complete in order.
+
+    The ranges done before (by an interrupted staging) are read back and hashed too. A range counts as done in
+    ``progress.json`` only once its bytes are synced to disk; every file is synced before this returns.
+
+    Returns:
+        The files whose SHA-256 is not the one ``marker`` lists.
+
+    """
+    from tqdm.auto import tqdm
+
+    from lightning_fastdata.store.writer import _open_own
+
+    files = marker["files"]
+    done = {name: _done_ranges(state, name, want["size"]) for name, want in files.items()}
+    total = sum(want["size"] for want in files.values())
+    resumed = sum(min(RANGE_SIZE, files[name]["size"] - start) for name, starts in done.items() for start in starts)
+    _check_free_space(work, shown, total - resumed)  # before anything is allocated
+    if resumed:
+        log.info("%s: resuming a staging interrupted with %d of %d bytes fetched", shown, resumed, total)
+    fds: dict[str, int] = {}
+    folder = os.open(work, os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW)
     try:
-        for name, want in marker["files"].items():
-            size = want["size"]
-            fds[name] = os.open(work / name, os.O_RDWR | os.O_CREAT, 0o644)
-            os.ftruncate(fds[name], size)
-            total += size
-            for start in range(0, size, RANGE_SIZE):
-                end = min(start + RANGE_SIZE, size)
-                if start in done[name]:
-                    resumed += end - start
-                else:
-                    tasks.append((name, start, end))
-        if resumed:
-            log.info("%s: resuming a staging interrupted with %d of %d bytes fetched", url, resumed, total)
+        for name, want in files.items():
+            fds[name] = _open_own(work / name, os.O_RDWR, folder)
+            if os.fstat(fds[name]).st_size != want["size"]:
+                os.ftruncate(fds[name], want["size"])
+        hashes = {name: _FileHash(fds[name], want["size"]) for name, want in files.items()}
+        tasks = [
+            (name, start, min(start + RANGE_SIZE, want["size"]))
+            for name, want in files.items()
+            for start in range(0, want["size"], RANGE_SIZE)
+            if start not in done[name]
+        ]
         lock = threading.Lock()
-        # `unchecked`: ranges that an interrupted staging read past botocore's checks need the SHA-256 check too
-        reader = _RangeReader(fs, url, unchecked=bool(state.get("unchecked")))
+        reader = _RangeReader(fs, shown)
 
         def fetch(name: str, start: int, end: int) -> int:
             with lock:
                 if start in done[name]:  # fetched with the whole file by a server that ignores ranges
                     return 0
             data = reader.read(f"{path}/{name}", start, end)
-            size = marker["files"][name]["size"]
+            size = files[name]["size"]
             if len(data) == size and end - start != size:  # a server that ignores ranges sent the whole file
                 os.pwrite(fds[name], data, 0)
                 with lock:
                     new = size - sum(min(RANGE_SIZE, size - s) for s in done[name])
-                    done[name] = list(range(0, size, RANGE_SIZE))
+                    done[name] = set(range(0, size, RANGE_SIZE))
                 return new
             if len(data) != end - start:
                 raise OSError(f"a read of bytes {start}-{end} of {name} returned {len(data)} bytes")
             os.pwrite(fds[name], data, start)
             with lock:
-                if start not in done[name]:
-                    done[name].append(start)
+                done[name].add(start)
             return end - start
+
+        def advance() -> None:
+            with lock:
+                ready = {name: set(starts) for name, starts in done.items()}
+            for name, digest in hashes.items():
+                digest.advance(ready[name])
+
+        recorded = [-1]
+
+        def persist() -> None:
+            """Record the ranges done, once their bytes are on disk."""
+            with lock:
+                snapshot = {name: sorted(starts) for name, starts in done.items()}
+            count = sum(map(len, snapshot.values()))
+            if count == recorded[0]:
+                return
+            for fd in fds.values():
+                os.fdatasync(fd)
+            state["done"] = snapshot
+            _write_json(work / PROGRESS_FILE, state)
+            recorded[0] = count
 
         with (
             tqdm(
-                total=total, initial=resumed, unit="B", unit_scale=True, desc=f"staging {url}", disable=not progress
+                total=total, initial=resumed, unit="B", unit_scale=True, desc=f"staging {shown}", disable=not progress
             ) as bar,
             ThreadPoolExecutor(read_threads(), thread_name_prefix="stage") as pool,
         ):
             pending: set[Future[int]] = {pool.submit(fetch, *task) for task in tasks}
+            synced = time.perf_counter()
             try:
+                advance()  # the ranges fetched before, while the first reads are under way
                 while pending:
-                    finished, pending = wait(pending, return_when=FIRST_COMPLETED)
+                    finished, pending = wait(pending, timeout=SYNC_SECONDS or None, return_when=FIRST_COMPLETED)
                     for future in finished:
                         bar.update(future.result())
-                    with lock:
-                        _write_json(work / PROGRESS_FILE, {**state, "done": done, "unchecked": reader.unchecked})
+                    advance()
+                    if not finished or time.perf_counter() - synced >= SYNC_SECONDS:
+                        persist()
+                        synced = time.perf_counter()
             except BaseException as err:
                 for future in pending:
                     future.cancel()
-                with lock:
-                    _write_json(work / PROGRESS_FILE, {**state, "done": done, "unchecked": reader.unchecked})
+                with contextlib.suppress(OSError):  # a full disk may refuse progress.json too: the error says why
+                    persist()
+                if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+                    raise _disk_full(err, work, shown) from err
                 if isinstance(err, Exception):
-                    raise _remote_error(err, url, "staging") from err
+                    raise _remote_error(err, shown, "staging") from err
                 raise
+        advance()
+        persist()
+        return [name for name, digest in hashes.items() if digest.hexdigest() != files[name]["sha256"]]
     finally:
         for fd in fds.values():
             os.close(fd)
-    if reader.unchecked:  # botocore checked no range: the SHA-256 of the marker checks every file
-        etags = dict.fromkeys(etags)
-    _check_copy(fs, path, url, marker, work, etags)
+        os.close(folder)
+
+
+def _done_ranges(state: dict[str, Any], name: str, size: int) -> set[int]:
+    """The starts of the ranges of ``name`` that ``state`` records as done, those that are ranges of this file."""
+    starts = state["done"].get(name)
+    if not isinstance(starts, list):
+        return set()
+    return {s for s in starts if type(s) is int and 0 <= s < size and s % RANGE_SIZE == 0}
+
+
+def _disk_full(err: OSError, work: Path, shown: str) -> DestinationError:
+    """The error for a disk that filled up during staging (another program wrote to it meanwhile)."""
+    return DestinationError(
+        f"staging {shown} filled the disk of {str(work.parent)!r} ({err.strerror}): another program wrote to it"
+        " meanwhile. Free space there and run again (staging resumes), or pass a `cache_dir` on a larger disk."
+    )
+
+
+class _FileHash:
+    """The SHA-256 of a file being staged, advanced over its ranges in order as they are done, read back from it.
+
+    What is hashed is what is on disk and gets published, ranges fetched by an interrupted staging included; a range
+    read back right after it was written comes from the page cache, and hashing overlaps the reads still in flight.
+    """
+
+    def __init__(self, fd: int, size: int) -> None:
+        self.fd, self.size, self.offset = fd, size, 0
+        self._sha256 = hashlib.sha256()
+
+    def advance(self, done: set[int]) -> None:
+        """Hash the ranges from :attr:`offset` on whose starts are in ``done``, up to the first that is not."""
+        while self.offset < self.size and self.offset in done:
+            end = min(self.offset + RANGE_SIZE, self.size)
+            while self.offset < end:
+                chunk = os.pread(self.fd, min(2**22, end - self.offset), self.offset)
+                if not chunk:
+                    raise OSError(f"the working copy ends at byte {self.offset} of {self.size}")
+                self._sha256.update(chunk)
+                self.offset += len(chunk)
+
+    def hexdigest(self) -> str | None:
+        """The file's SHA-256, ``None`` while a range is not hashed."""
+        return self._sha256.hexdigest() if self.offset >= self.size else None
 
 
 class _RangeReader:
@@ -450,12 +745,11 @@ class _RangeReader:
     GET with the whole object's checksum; botocore (1.36+) then checks the part against it and raises
     ``FlexibleChecksumError``. AWS S3 sends no checksum for such a range. On the first such error the reads go through
     a copy of the file system that does not check response checksums (``response_checksum_validation=
-    "when_required"``), and :attr:`unchecked` asks for the SHA-256 check of every staged file instead.
+    "when_required"``); the SHA-256 that every staged file is checked against covers them.
     """
 
-    def __init__(self, fs: AbstractFileSystem, url: str, unchecked: bool = False) -> None:
-        self.fs, self.url = fs, url
-        self.unchecked = unchecked
+    def __init__(self, fs: AbstractFileSystem, shown: str) -> None:
+        self.fs, self.shown = fs, shown
         self._lock = threading.Lock()
 
     def read(self, path: str, start: int, end: int) -> bytes:
@@ -472,11 +766,11 @@ class _RangeReader:
                     log.warning(
                         "%s: the server sent a checksum that does not match a ranged read (%s); some S3-compatible"
                         " servers send the whole object's checksum with every range. Staging goes on without"
-                        " botocore's response checks and checks each file's SHA-256 against the marker instead.",
-                        self.url,
-                        err,
+                        " botocore's response checks; each file's SHA-256 is checked against the marker, as always.",
+                        self.shown,
+                        redact_url(str(err)),
                     )
-                    self.fs, self.unchecked = _without_response_checksums(fs), True
+                    self.fs = _without_response_checksums(fs)
             return _read_range(self.fs, path, start, end)
 
 
@@ -498,28 +792,6 @@ def read_threads() -> int:
 def _read_range(fs: AbstractFileSystem, path: str, start: int, end: int) -> bytes:
     """Bytes ``start:end`` of ``path`` (one ranged GET)."""
     return bytes(fs.cat_file(path, start=start, end=end))
-
-
-def _check_copy(
-    fs: AbstractFileSystem, path: str, url: str, marker: dict[str, Any], work: Path, etags: dict[str, str | None]
-) -> None:
-    """Check the fetched files against the marker: sizes, unchanged ETags, and the SHA-256 where there is no ETag."""
-    for name, want in marker["files"].items():
-        local = work / name
-        if local.stat().st_size != want["size"]:
-            raise RemoteStorageError(f"staging {url}/{name} left {local.stat().st_size} of {want['size']} bytes.")
-        if etags[name] is not None:
-            if _check_source(fs, path, url, name, want) != etags[name]:
-                (work / PROGRESS_FILE).unlink(missing_ok=True)
-                raise RemoteStorageError(
-                    f"{url}/{name} changed while it was staged; the copy is discarded. Run again to stage the new one."
-                )
-        elif _sha256(local) != want["sha256"]:
-            (work / PROGRESS_FILE).unlink(missing_ok=True)
-            raise RemoteStorageError(
-                f"the copy of {url}/{name} does not match the SHA-256 its {MARKER} lists: it changed while it was"
-                " staged, or the server altered it; the copy is discarded. Run again."
-            )
 
 
 def _sha256(path: Path, callback: Callable[[int], Any] | None = None) -> str:
@@ -546,6 +818,7 @@ def check_destination(url: str) -> set[str]:
 
     """
     fs, path = filesystem(url, "dst")
+    url = redact_url(url)  # from here on only shown
     with _remote(url, "publishing to"):
         fs.invalidate_cache(path)
         try:
@@ -614,18 +887,19 @@ def publish_database(
 ) -> tuple[dict[str, Any], bool]:
     """:func:`publish`, and whether it uploaded anything.
 
-    ``destination``: what the uploaded conversion report names as the database's ``destination`` (the URL, where the
-    local report names the local folder); the local files stay as they are.
+    ``destination``: what the uploaded conversion report names as the database's ``destination`` (the URL without
+    user-info and query, where the local report names the local folder); the local files stay as they are.
     """
     fs, path = filesystem(url, "dst")
     held = check_destination(url)
+    destination = None if destination is None else redact_url(destination)
     try:
         snapshot: Any = tempfile.TemporaryDirectory(prefix=".publish-", dir=Path(database).parent)
     except OSError:  # a read-only folder: the files as they are
         snapshot = contextlib.nullcontext(None)
     with snapshot as tmp:
         local = Path(database) if tmp is None else _snapshot(Path(database), Path(tmp))
-        return _publish_files(fs, path, url, held, local, progress, destination)
+        return _publish_files(fs, path, redact_url(url), held, local, progress, destination)
 
 
 def _snapshot(database: Path, folder: Path) -> Path:
@@ -645,7 +919,7 @@ def _snapshot(database: Path, folder: Path) -> Path:
 def _publish_files(
     fs: AbstractFileSystem,
     path: str,
-    url: str,
+    shown: str,
     held: set[str],
     local: Path,
     progress: bool,
@@ -664,14 +938,14 @@ def _publish_files(
         for name in names
     }
     sizes = {name: len(contents[name]) if name in contents else (local / name).stat().st_size for name in names}
-    with _remote(url, "publishing to"):
+    with _remote(shown, "publishing to"):
         if MARKER in held:
             try:
-                old = _read_marker(fs, path, url)
+                old = _read_marker(fs, path, shown)
             except RemoteStorageError:  # a damaged marker: replaced below
                 old = {"files": {}}
             if _holds(fs, path, held, old["files"], sizes, sha256):
-                log.info("%s already holds this database (the same files, published %s): nothing uploaded", url,
+                log.info("%s already holds this database (the same files, published %s): nothing uploaded", shown,
                          old.get("published"))  # fmt: skip
                 return old, False
             fs.rm_file(f"{path}/{MARKER}")  # from here on the old publication is not readable

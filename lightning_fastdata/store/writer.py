@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import shutil
+import stat
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict
@@ -51,6 +52,7 @@ from lightning_fastdata.store.format import (
     record_key,
     sources_key,
 )
+from lightning_fastdata.store.remote import PROGRESS_FILE
 from lightning_fastdata.store.sources import ConversionPlan
 from lightning_fastdata.store.summary import ConversionSummary, SkippedFile, human_bytes
 
@@ -150,7 +152,7 @@ def _target_lock(dst: Path, wait: bool = True) -> Iterator[OSError | None]:
     path = lock_path(dst)
     while True:
         try:
-            fh = open(path, "a+b")  # noqa: SIM115 - held for the whole block, closed in `finally`
+            fh = os.fdopen(_open_own(path, os.O_RDWR), "r+b")  # held for the whole block, closed in `finally`
         except OSError as err:
             if err.errno not in _READ_ONLY:
                 raise
@@ -189,6 +191,7 @@ def _target_lock(dst: Path, wait: bool = True) -> Iterator[OSError | None]:
         fh.close()  # the converter we waited for removed this lock file: lock the current one
     try:
         fh.truncate(0)
+        fh.seek(0)
         fh.write(converter_record())
         fh.flush()
         yield None
@@ -197,6 +200,64 @@ def _target_lock(dst: Path, wait: bool = True) -> Iterator[OSError | None]:
             os.unlink(path)
         fcntl.flock(fh, fcntl.LOCK_UN)
         fh.close()
+
+
+def _open_own(path: Path, flags: int, folder: int | None = None) -> int:
+    """``os.open`` of ``path``, created if missing, only as a regular file of this user's, never through a link.
+
+    ``O_NOFOLLOW`` refuses a symbolic link planted at ``path`` (a lock file or a staged file pointing at another file,
+    which opening would truncate and write); ``folder``: a descriptor of the folder ``path`` is in, opened without
+    following links either.
+
+    Raises:
+        DestinationError: ``path`` is a symbolic link, not a regular file, or another user's file.
+        OSError: what ``os.open`` raises otherwise (a read-only folder: EROFS, EACCES).
+
+    """
+    flags |= os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path.name if folder is not None else path, flags, 0o644, dir_fd=folder)
+    except OSError:
+        with contextlib.suppress(OSError):
+            refused = _not_own(path, os.lstat(path.name if folder is not None else path, dir_fd=folder))
+            if refused is not None:
+                raise refused from None
+        raise
+    refused = _not_own(path, os.fstat(fd))
+    if refused is not None:
+        os.close(fd)
+        raise refused
+    return fd
+
+
+def _not_own(path: Path, found: os.stat_result, directory: bool = False) -> DestinationError | None:
+    """Why ``path`` (``found``: its ``lstat``) is not a regular file (``directory``: a folder) of this user's."""
+    if stat.S_ISLNK(found.st_mode):
+        what = "a symbolic link"
+    elif not (stat.S_ISDIR if directory else stat.S_ISREG)(found.st_mode):
+        what = "not a folder" if directory else "not a regular file"
+    elif hasattr(os, "geteuid") and found.st_uid != os.geteuid():
+        what = f"owned by another user (uid {found.st_uid})"
+    else:
+        return None
+    return DestinationError(
+        f"{str(path)!r} is {what}, where this package writes its own {'folder' if directory else 'file'}; nothing"
+        f" was written through it. Remove it, and check who else can write to {str(path.parent)!r}."
+    )
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Make the names in ``folder`` (files created, renamed or removed there) durable; a no-op where unsupported."""
+    try:
+        fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # a file system whose folders cannot be synced
+    finally:
+        os.close(fd)
 
 
 def _same_file(fd: int, path: Path) -> bool:
@@ -311,7 +372,12 @@ def _is_ours(path: Path, target: Path) -> bool:
             record = json.loads(path.read_text() or "null")
             return isinstance(record, dict) and "pid" in record and "host" in record
         return False
-    return path.is_dir() and ((path / DATA_FILE).is_file() or not any(path.iterdir()))
+    return path.is_dir() and ((path / DATA_FILE).is_file() or _staging(path) or not any(path.iterdir()))
+
+
+def _staging(path: Path) -> bool:
+    """Whether the working copy ``path`` is a staging's (it holds ``progress.json``), not a conversion's."""
+    return (path / PROGRESS_FILE).is_file()
 
 
 def clean_stale_conversions(folder: str | os.PathLike[str]) -> list[str]:
@@ -350,9 +416,9 @@ def _clean(path: Path, target: Path) -> str:
         os.replace(path, target)
         return f"restored {target} from {path.name}, left by a conversion interrupted while replacing it"
     if path.is_dir():
-        size = _dir_size(path)
+        size, what = _dir_size(path), "staging" if _staging(path) else "conversion"
         shutil.rmtree(path, ignore_errors=True)
-        return f"removed {path} ({human_bytes(size)}), left by an interrupted conversion"
+        return f"removed {path} ({human_bytes(size)}), left by an interrupted {what}"
     return f"removed {path}, the lock file of a conversion that is no longer running"  # removed when the lock ends
 
 
@@ -501,15 +567,21 @@ def write_database(
 
 
 def _publish(tmp: Path, dst: Path) -> None:
-    """Move the finished database into place; an interruption leaves either the old or the new one, or none."""
+    """Move the finished database into place; an interruption leaves either the old or the new one, or none.
+
+    The rename is synced (the folder of ``dst``): after a crash the new database is there, not a name pointing at
+    nothing. The files in ``tmp`` must be synced already.
+    """
     if dst.exists():
         old = dst.parent / f".{dst.name}.old"
         shutil.rmtree(old, ignore_errors=True)  # left by a publish that died after moving the new one in
         os.replace(dst, old)
         os.replace(tmp, dst)
+        _fsync_dir(dst.parent)
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, dst)
+        _fsync_dir(dst.parent)
 
 
 def _write(
