@@ -10,6 +10,7 @@ import sys
 import threading
 from pathlib import Path
 
+import hostile
 import lmdb
 import pytest
 
@@ -18,6 +19,7 @@ from lightning_fastdata.store import format as store_format
 from lightning_fastdata.store.format import (
     ENCODING_JPEG,
     ENCODING_PNG,
+    ENCODING_RAW,
     FORMAT_VERSION,
     HEADER,
     dump_meta,
@@ -524,3 +526,35 @@ def test_a_fork_from_inside_a_read_transaction_does_not_wait_for_itself(database
         _, payload = read(1)  # the parent's transaction still reads
     assert os.waitstatus_to_exitcode(status) == 0
     assert len(payload) > 0
+
+
+@pytest.mark.parametrize(
+    ("height", "width"), [(0, 64), (48, 0), (2**32 - 1, 2**32 - 1), (65536, 64), (48, 65536), (2**31, 1)]
+)
+def test_a_header_declaring_an_impossible_size_is_refused(height: int, width: int) -> None:
+    """A header whose sides are not 1 to 65535 (JPEG's limit) is a bad record, even with a valid checksum."""
+    damaged = hostile.record(ENCODING_JPEG, 0, height, width, PAYLOAD)
+    for verify in (True, False):
+        with pytest.raises(CorruptRecordError, match=f"declares a {height}x{width} image; each side must be 1 to"):
+            unpack_record(damaged, verify=verify)
+    assert unpack_record(hostile.record(ENCODING_JPEG, 0, 65535, 65535, PAYLOAD))[0].height == 65535
+
+
+def test_a_raw_record_must_hold_exactly_its_pixels() -> None:
+    """A raw record's payload is its ``height * width * 3`` bytes, checked with the header (before any allocation)."""
+    assert unpack_record(hostile.record(ENCODING_RAW, 0, 2, 3, bytes(18)))[0].width == 3
+    for payload in (bytes(17), bytes(19), b""):
+        with pytest.raises(CorruptRecordError, match=f"a raw 2x3 RGB record needs 18 bytes, found {len(payload)}"):
+            unpack_record(hostile.record(ENCODING_RAW, 0, 2, 3, payload), verify=False)
+
+
+def test_the_writer_skips_an_image_a_record_cannot_hold(tmp_path: Path) -> None:
+    """An image over 65535 pixels a side is skipped at conversion (readers would refuse its record), not written."""
+    from PIL import Image
+
+    from lightning_fastdata import convert_dataset
+
+    images = [(Image.new("RGB", (65536, 1)), 0), (Image.new("RGB", (8, 4)), 0)]
+    summary = convert_dataset(images, tmp_path / "db", encoding="raw", short_side=0, num_workers=0, progress=False)
+    assert summary.written == 1
+    assert "65536x1 is over 65535 pixels a side" in summary.skipped[0].reason

@@ -63,6 +63,8 @@ ENCODING_NAMES = {ENCODING_JPEG: "jpeg", ENCODING_PNG: "png", ENCODING_RAW: "raw
 
 #: magic, format version, encoding, label, height, width, crc32 of (header without crc + payload)
 HEADER = struct.Struct("<2sBBiIII")
+#: the largest side a record may have: JPEG's (its frame header stores each side in 16 bits)
+MAX_SIDE = 65535
 
 
 def record_key(split: str, index: int) -> bytes:
@@ -105,7 +107,9 @@ def unpack_record(record: bytes | memoryview, verify: bool = True) -> tuple[Reco
     """Parse a record into its header and a view of the encoded image bytes.
 
     Raises:
-        CorruptRecordError: the record is too short, has a bad magic, version or encoding, or fails its checksum.
+        CorruptRecordError: the record is too short, has a bad magic, version or encoding, fails its checksum,
+            declares a side outside 1 to :data:`MAX_SIDE`, or is a raw record whose payload is not its
+            ``height * width * 3`` bytes.
 
     """
     view = memoryview(record)
@@ -121,6 +125,13 @@ def unpack_record(record: bytes | memoryview, verify: bool = True) -> tuple[Reco
     payload = view[HEADER.size :]
     if verify and _checksum(encoding, label, height, width, payload) != crc:
         raise CorruptRecordError("checksum mismatch: the record was modified or truncated after conversion")
+    # checked before anything is allocated for the image: a forged header (with a valid checksum) must not size a buffer
+    if not (1 <= height <= MAX_SIDE and 1 <= width <= MAX_SIDE):
+        raise CorruptRecordError(f"the header declares a {height}x{width} image; each side must be 1 to {MAX_SIDE}")
+    if encoding == ENCODING_RAW and len(payload) != height * width * 3:
+        raise CorruptRecordError(
+            f"a raw {height}x{width} RGB record needs {height * width * 3} bytes, found {len(payload)}"
+        )
     return RecordHeader(encoding, label, height, width), payload
 
 
