@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import hostile
@@ -31,6 +32,7 @@ from lightning_fastdata.store.format import (
     record_key,
     unpack_record,
 )
+from lightning_fastdata.store.reader import LmdbImageDataset
 
 PAYLOAD = bytes(range(7, 47))  # 40 bytes that are not all alike
 RECORD = pack_record(ENCODING_JPEG, 3, 480, 640, PAYLOAD)
@@ -558,3 +560,95 @@ def test_the_writer_skips_an_image_a_record_cannot_hold(tmp_path: Path) -> None:
     summary = convert_dataset(images, tmp_path / "db", encoding="raw", short_side=0, num_workers=0, progress=False)
     assert summary.written == 1
     assert "65536x1 is over 65535 pixels a side" in summary.skipped[0].reason
+
+
+def _read_meta_in_a_child(db: Path, timeout: float = 60) -> str:
+    """What ``read_meta(db)`` raises (``"opened"`` if nothing), in a child that must end within ``timeout``."""
+    script = """
+import sys
+from lightning_fastdata.store.format import read_meta
+try:
+    read_meta(sys.argv[1])
+    print("opened")
+except Exception as err:
+    print(type(err).__name__, err)
+"""
+    try:
+        proc = subprocess.run([sys.executable, "-c", script, str(db)], capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"opening {db} took over {timeout} s")
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip()
+
+
+def _claiming(db: Path, records: list[bytes], length: Callable[[int], int]) -> int:
+    """Rewrite ``db``'s metadata to claim ``length(size)`` records, ``size`` its data file's bytes once it is written
+    (a write may grow the file by a page)."""
+    claimed = None
+    for _ in range(10):
+        size = (db / store_format.DATA_FILE).stat().st_size
+        if claimed == length(size):
+            return claimed
+        claimed = length(size)
+        splits = {"train": {"length": claimed, "class_counts": [2, 1]}}
+        hostile.write_database(db, records, ["a", "b"], meta={"splits": splits})
+    raise AssertionError(f"{db} keeps growing")
+
+
+def _most(size: int) -> int:
+    """The most records of split ``train`` a data file of ``size`` bytes can hold."""
+    return size // store_format._min_record_bytes("train")
+
+
+@pytest.mark.parametrize("claimed", [10**10, 2**64, "one more than fits"])
+def test_a_length_the_data_file_cannot_hold_is_refused_at_once(tmp_path: Path, claimed: int | str) -> None:
+    """A split length beyond what the data file can hold (each record takes at least its key, its 20-byte header and
+    LMDB's entry) is a ``DatasetFormatError`` at open, in moments: the first-open walk took time in proportion to it
+    (10**10: about 100 minutes). The most that fits opens, its missing records each a ``CorruptRecordError``."""
+    records = [hostile.record(ENCODING_JPEG, i % 2, 8, 8, hostile.jpeg(8, 8)) for i in range(3)]
+    db = hostile.write_database(tmp_path / "db", records, ["a", "b"])
+    length = _claiming(db, records, lambda size: _most(size) + 1 if isinstance(claimed, str) else claimed)
+    line = _read_meta_in_a_child(db)  # on a child: the walk took 100 minutes at 10**10
+    assert line.startswith(f"DatasetFormatError the metadata of {str(db)!r} claims {length:,} records in split")
+    assert "more than its data.mdb of" in line
+    most = _claiming(db, records, _most)
+    dataset = LmdbImageDataset(db)
+    assert len(dataset) == most
+    dataset[2]
+    with pytest.raises(CorruptRecordError, match=f"split 'train' index {most - 1} of .*the record is missing"):
+        dataset[most - 1]
+
+
+@pytest.mark.parametrize(
+    "splits",
+    [
+        {"train": {"length": -1, "class_counts": [0, 0]}},
+        {"train": {"length": "3", "class_counts": [2, 1]}},
+        {"train": {"length": 3.0, "class_counts": [2, 1]}},
+        {"train": {"length": True, "class_counts": [1, 0]}},
+        {"train": {"length": 3, "class_counts": [3]}},
+        {"train": {"length": 3}},
+        {"train": 3},
+        [3],
+    ],
+)
+def test_splits_not_shaped_as_the_writer_writes_them_are_a_format_error(tmp_path: Path, splits: object) -> None:
+    """Split lengths and class counts that are not counts are refused at open with a ``DatasetFormatError``."""
+    records = [hostile.record(ENCODING_JPEG, i % 2, 8, 8, hostile.jpeg(8, 8)) for i in range(3)]
+    db = hostile.write_database(tmp_path / "db", records, ["a", "b"], meta={"splits": splits})
+    for opener in (read_meta, LmdbImageDataset):
+        with pytest.raises(DatasetFormatError, match=re.escape(f"the metadata of {str(db)!r} is damaged: ")):
+            opener(db)
+
+
+def test_a_walk_that_times_out_is_a_format_error(database_copy: Path, walks: list[Path], monkeypatch) -> None:
+    """The first-open walk of a database that does not end in time is a ``DatasetFormatError`` that says so."""
+
+    def too_slow(args: list[str], **kwargs: object) -> None:
+        raise subprocess.TimeoutExpired(args, kwargs.get("timeout") or 0)
+
+    _as_a_new_process(monkeypatch)
+    monkeypatch.setattr(subprocess, "run", too_slow)
+    with pytest.raises(DatasetFormatError, match=r"could not be checked: walking its LMDB pages took over \d+ s"):
+        read_meta(database_copy)
+    assert walks == [database_copy]

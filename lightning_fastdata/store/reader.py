@@ -136,7 +136,7 @@ class LmdbImageDataset(Dataset):
         self.class_to_idx = {name: i for i, name in enumerate(self.classes)}
         self.class_counts: list[int] = list(splits[split]["class_counts"])
         self.splits: list[str] = sorted(splits)
-        self.encoding: dict[str, Any] = dict(meta["encoding"])
+        self.encoding: dict[str, Any] = dict(meta.get("encoding", {}))
         self._length = int(splits[split]["length"])
         self._env: lmdb.Environment | None = None
         self._pid: int | None = None
