@@ -652,3 +652,32 @@ def test_a_walk_that_times_out_is_a_format_error(database_copy: Path, walks: lis
     with pytest.raises(DatasetFormatError, match=r"could not be checked: walking its LMDB pages took over \d+ s"):
         read_meta(database_copy)
     assert walks == [database_copy]
+
+
+def test_a_fork_from_inside_a_read_transaction_is_named_as_such_in_the_child(database: Path) -> None:
+    """A child that reads through the transaction its parent opened before forking is told that, not that the
+    database is damaged (it is not): the transaction was closed in the child at the fork."""
+    script = """
+import os, sys
+from lightning_fastdata.store.reader import LmdbImageDataset
+dataset = LmdbImageDataset(sys.argv[1])
+with dataset.records() as read:
+    read(0)
+    pid = os.fork()
+    if pid == 0:
+        try:
+            read(1)
+        except Exception as err:
+            print(type(err).__name__, err, flush=True)
+        os._exit(0)
+    os.waitpid(pid, 0)
+"""
+    proc = subprocess.run([sys.executable, "-c", script, str(database)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    message = proc.stdout.strip()
+    assert message.startswith("RuntimeError split 'train' index 1 of"), message
+    assert "was opened in process" in message
+    assert "before this process" in message
+    assert "`records()`" in message
+    assert "damaged" not in message
+    assert "\n" not in message

@@ -174,16 +174,17 @@ class LmdbImageDataset(Dataset):
         """Many records in one read transaction (the batch path's way): yields ``read(index) -> (header, payload)``.
 
         ``payload`` is a view into the database's memory map, valid until the ``with`` block ends: decode it there, or
-        copy it. ``read`` raises as :meth:`read_record` does.
+        copy it. ``read`` raises as :meth:`read_record` does, and ``RuntimeError`` in a process forked inside the
+        block (the transaction belongs to the parent: read in the child with ``records()`` of its own).
         """
         with contextlib.ExitStack() as stack:
             try:
                 txn = stack.enter_context(read_transaction(self._environment(), buffers=True))
             except lmdb.Error as err:
                 raise CorruptRecordError(f"reading {self.path!r} failed: {err}") from err
-            yield functools.partial(self._read, txn)
+            yield functools.partial(self._read, txn, os.getpid())
 
-    def _read(self, txn: lmdb.Transaction, index: int) -> tuple[RecordHeader, memoryview]:
+    def _read(self, txn: lmdb.Transaction, opened_in: int, index: int) -> tuple[RecordHeader, memoryview]:
         length = self._length
         if not -length <= index < length:
             raise IndexError(f"index {index} is out of range for split {self.split!r} of length {length}")
@@ -196,6 +197,13 @@ class LmdbImageDataset(Dataset):
                 raise CorruptRecordError(f"the record claims {len(record)} bytes, more than the whole file")
             header, payload = unpack_record(record, verify=self.verify_checksums)
         except (CorruptRecordError, lmdb.Error) as err:
+            if os.getpid() != opened_in:  # not damage: the parent's transaction, closed in this child at the fork
+                raise RuntimeError(
+                    f"{self._where(index)}: this read transaction was opened in process {opened_in}, before this"
+                    f" process ({os.getpid()}) was forked from it, and a transaction does not cross a fork. Fork"
+                    " outside `records()` / `read_transaction`, and read in the child through a transaction of its"
+                    " own (`records()` or `read_record` called after the fork)."
+                ) from err
             raise CorruptRecordError(
                 f"{self._where(index)}: {err}. The database is damaged: convert the source again with"
                 " `lightning-fastdata convert --force`."
