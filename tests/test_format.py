@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -681,3 +682,77 @@ with dataset.records() as read:
     assert "`records()`" in message
     assert "damaged" not in message
     assert "\n" not in message
+
+
+class _CountedCondition(threading.Condition):
+    """A condition that counts the threads waiting on it."""
+
+    def __init__(self) -> None:
+        super().__init__(threading.Lock())
+        self.waiting = 0
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.waiting += 1  # under the condition's lock
+        try:
+            return super().wait(timeout)
+        finally:
+            self.waiting -= 1
+
+
+def test_two_threads_forking_at_once_keep_transactions_out_until_both_have_forked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """While one fork still waits for transactions to end, the other fork's end must not let new ones start.
+
+    B forks from inside its own transaction, A from outside one. B goes first (only its own transaction is left) and
+    finishes; then C asks to start a transaction: it must wait until A has forked too, or A would wait for C.
+    """
+    monkeypatch.setattr(store_format, "FORK_WAIT_S", 5.0)  # A gives up on C after this, forking unclean
+    gate = store_format._ForkGate()
+    gate._cond = cond = _CountedCondition()
+    reader_in, reader_out, b_forked, b_out, c_in, c_out = (threading.Event() for _ in range(6))
+    a_clean: list[bool] = []
+
+    def reader() -> None:
+        with gate.inside():
+            reader_in.set()
+            reader_out.wait(10)
+
+    def fork_a() -> None:
+        gate.before_fork()
+        a_clean.append(gate.clean)
+        gate.after_fork_in_parent()
+
+    def fork_b() -> None:
+        with gate.inside():
+            gate.before_fork()  # waits for the reader only: its own transaction is not in flight
+            b_forked.set()
+            gate.after_fork_in_parent()
+            b_out.wait(10)
+
+    def c() -> None:
+        with gate.inside():
+            c_in.set()
+            c_out.wait(10)
+
+    threads = [threading.Thread(target=reader)]
+    threads[0].start()
+    assert reader_in.wait(10)
+    threads += [threading.Thread(target=fork_b), threading.Thread(target=fork_a)]
+    for thread in threads[1:]:
+        thread.start()
+    deadline = time.monotonic() + 10
+    while cond.waiting < 2 and time.monotonic() < deadline:  # both forks wait for the reader's transaction to end
+        time.sleep(0.01)
+    assert cond.waiting == 2
+    reader_out.set()
+    assert b_forked.wait(10)
+    threads.append(threading.Thread(target=c))
+    threads[-1].start()
+    assert not c_in.wait(1.0)  # A still waits for B's transaction: C must not start one
+    b_out.set()
+    assert c_in.wait(10)  # A forked (B's transaction ended), then C went in
+    c_out.set()
+    for thread in threads:
+        thread.join(10)
+    assert a_clean == [True]

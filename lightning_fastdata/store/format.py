@@ -346,12 +346,14 @@ class _ForkGate:
     when the fork came (a threads engine's look-ahead, say, while worker processes start), closing the inherited
     environment in the child would wait forever. So every read transaction of the package runs inside :meth:`inside`,
     and a fork waits (up to :data:`FORK_WAIT_S`) until none does on another thread, new ones waiting meanwhile.
+    Forks are counted, not flagged: two threads may fork at once, and the first to finish must not let transactions
+    start while the second still waits for them to end.
     """
 
     def __init__(self) -> None:
         self._cond = threading.Condition(threading.Lock())
         self._inside = 0  # threads inside a transaction
-        self._forking = False
+        self._forking = 0  # forks under way (in before_fork, or between it and after_fork_in_parent)
         self._depth = threading.local()  # this thread's nesting
         self.clean = True  # whether the last fork found no other thread inside
 
@@ -371,18 +373,18 @@ class _ForkGate:
             if depth == 0:
                 with self._cond:
                     self._inside -= 1
-                    if self._inside == 0:
+                    if self._forking:  # a fork waits for this: from inside a transaction, for one left, not none
                         self._cond.notify_all()
 
     def before_fork(self) -> None:
         self._cond.acquire()  # held through the fork: no transaction starts until it is done
-        self._forking = True
+        self._forking += 1
         own = 1 if getattr(self._depth, "n", 0) else 0  # the forking thread's own transaction is not in flight
         self._cond.wait_for(lambda: self._inside <= own, FORK_WAIT_S)
         self.clean = self._inside <= own
 
     def after_fork_in_parent(self) -> None:
-        self._forking = False
+        self._forking -= 1
         self._cond.notify_all()
         self._cond.release()
 
