@@ -34,7 +34,7 @@ from lightning_fastdata.skipping import SkipCounter
 from lightning_fastdata.store import cache, remote
 from lightning_fastdata.store import format as _format
 from lightning_fastdata.store.conversion import convert
-from lightning_fastdata.store.reader import LmdbImageDataset
+from lightning_fastdata.store.reader import DEFAULT_MAX_PIXELS, LmdbImageDataset
 from lightning_fastdata.store.sources import canonical_split, folder_classes
 from lightning_fastdata.transforms import (
     IMAGENET_MEAN,
@@ -199,6 +199,11 @@ class FastImageDataModule(LightningDataModule):
             data in ``prepare_data``; ``False``: global rank 0 alone does, while every other rank waits. For a
             ``cache_dir`` that every node shares (docs/ddp.md); with a cache per node, a URL is then staged in
             ``setup`` by the first rank of each other node, but a folder's conversion is not found there.
+        max_pixels: the most pixels a stored image may have (default ``2**26``: 8192 x 8192, 192 MiB decoded), checked
+            against each record's header and the image's own frame header before decoding; a larger one is a bad
+            sample naming its split and index (skipped under ``on_bad_sample="skip"``). It keeps a database you did not
+            make from having the loader decode a decompression bomb; raise it for trusted databases of larger images
+            (``None``: no limit).
 
     Example:
         >>> from lightning.pytorch import Trainer
@@ -235,6 +240,7 @@ class FastImageDataModule(LightningDataModule):
         on_bad_sample: Literal["raise", "skip"] = "raise",
         predict_split: str | None = None,
         prepare_data_per_node: bool = True,
+        max_pixels: int | None = DEFAULT_MAX_PIXELS,
     ) -> None:
         super().__init__()
         if image_size < 1 or batch_size < 1:
@@ -251,6 +257,8 @@ class FastImageDataModule(LightningDataModule):
             raise InvalidArgumentError(f"`decode` must be 'cpu' or 'device', got {decode!r}.")
         if on_bad_sample not in ("raise", "skip"):
             raise InvalidArgumentError(f"`on_bad_sample` must be 'raise' or 'skip', got {on_bad_sample!r}.")
+        if max_pixels is not None and max_pixels < 1:
+            raise InvalidArgumentError(f"`max_pixels` must be >= 1 or None (no limit), got {max_pixels}.")
         if len(mean) != 3 or len(std) != 3 or min(std) <= 0:
             raise InvalidArgumentError(f"`mean` and `std` need 3 values each and `std` > 0, got {mean} and {std}.")
         remote.check_local(
@@ -283,6 +291,7 @@ class FastImageDataModule(LightningDataModule):
         self.on_bad_sample = on_bad_sample
         self.predict_split = predict_split
         self.prepare_data_per_node = prepare_data_per_node
+        self.max_pixels = max_pixels
         self._skip_counter = SkipCounter()
         self.train_dataset: Dataset | None = None
         self.val_dataset: Dataset | None = None
@@ -668,9 +677,11 @@ class FastImageDataModule(LightningDataModule):
         """The dataset of one split of the database; override to add fields or change decoding.
 
         It decodes as the built-in batch path does (``fast_decode=True``), so a transform of one's own for one split
-        sees the same pixels as the built-in transform of another.
+        sees the same pixels as the built-in transform of another, and refuses images over ``max_pixels``.
         """
-        return LmdbImageDataset(self.database_path, split=split, transform=transform, fast_decode=True)
+        return LmdbImageDataset(
+            self.database_path, split=split, transform=transform, fast_decode=True, max_pixels=self.max_pixels
+        )
 
     # ------------------------------------------------------------------------------------------------------------
     # Loaders

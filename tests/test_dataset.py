@@ -10,11 +10,12 @@ import stat
 import zlib
 from pathlib import Path
 
+import hostile
 import lmdb
 import numpy as np
 import pytest
 import torch
-from PIL import Image
+from PIL import Image, ImageFile
 from torch.utils.data import DataLoader
 from torchvision.datasets import ImageFolder
 from torchvision.io import ImageReadMode, decode_jpeg
@@ -27,6 +28,7 @@ from lightning_fastdata import (
     read_meta,
 )
 from lightning_fastdata.store import format as store_format
+from lightning_fastdata.store import reader
 from lightning_fastdata.store.format import ENCODING_JPEG, ENCODING_PNG, pack_record, record_key
 
 
@@ -480,3 +482,100 @@ def test_classic_pil_transform_error_points_to_output_pil(database):
         LmdbImageDataset(database, transform=classic)[0]
     image, _ = LmdbImageDataset(database, transform=classic, output="pil")[0]
     assert image.shape == (3, 24, 24)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Images larger than `max_pixels`: refused by their record header and by their own frame header, before decoding
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _no_decode(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make any decode of pixels (libjpeg-turbo, or PIL's load) fail the test: the checks must come before it."""
+
+    def decoded(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the image was decoded")
+
+    monkeypatch.setattr(reader.simplejpeg, "decode_jpeg", decoded)
+    monkeypatch.setattr(ImageFile.ImageFile, "load", decoded)
+
+
+@pytest.mark.parametrize("output", ["tensor", "pil"])
+@pytest.mark.parametrize(
+    ("encoding", "image", "stored"),
+    [
+        (ENCODING_JPEG, hostile.gray_jpeg(16000, 16000), (16000, 16000)),  # a real 1 MB JPEG of 768 MB of pixels
+        (ENCODING_JPEG, hostile.gray_jpeg(16000, 16000), (48, 64)),  # ... whose record header lies
+        (ENCODING_JPEG, hostile.claiming(hostile.jpeg(48, 64), 12000, 9000), (48, 64)),
+        (ENCODING_PNG, hostile.claiming(hostile.png(48, 64), 9000, 9000), (48, 64)),
+        (ENCODING_PNG, hostile.claiming(hostile.png(48, 64), 9000, 9000), (9000, 9000)),
+    ],
+)
+def test_an_image_over_max_pixels_is_refused_before_it_is_decoded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, output: str, encoding: int, image: bytes, stored: tuple[int, int]
+) -> None:
+    """An image whose record header or own frame header (JPEG SOF, PNG IHDR) is over ``max_pixels`` (default
+    ``2**26``) is a ``CorruptRecordError`` naming the record, the size, the limit and the argument; nothing is
+    decoded (a 4 MB record decoded to 16,000 x 16,000 pixels grew the process by 734 MiB)."""
+    db = hostile.write_database(
+        tmp_path / "db",
+        [hostile.record(ENCODING_JPEG, 0, 8, 8, hostile.jpeg(8, 8)), hostile.record(encoding, 1, *stored, image)],
+        ["a", "b"],
+    )
+    dataset = LmdbImageDataset(db, output=output)  # type: ignore[arg-type]
+    dataset[0]
+    _no_decode(monkeypatch)
+    with pytest.raises(CorruptRecordError) as info:
+        dataset[1]
+    message = str(info.value)
+    assert re.match(
+        rf"split 'train' index 1 of {re.escape(repr(str(db)))}: the image is \d+x\d+ \([\d,]+ pixels\)", message
+    )
+    assert "over `max_pixels` (67,108,864)" in message
+    assert "raise `max_pixels`" in message
+    assert "\n" not in message
+
+
+def test_max_pixels_can_be_raised_or_lifted(tmp_path: Path) -> None:
+    """An image of exactly ``max_pixels`` reads, one pixel more does not; ``None`` lifts the limit."""
+    image = hostile.jpeg(48, 64)
+    db = hostile.write_database(tmp_path / "db", [hostile.record(ENCODING_JPEG, 0, 48, 64, image)], ["a"])
+    assert LmdbImageDataset(db, max_pixels=48 * 64)[0][0].shape == (3, 48, 64)
+    assert LmdbImageDataset(db, max_pixels=None)[0][0].shape == (3, 48, 64)
+    with pytest.raises(CorruptRecordError, match=r"the image is 48x64 \(3,072 pixels\), over `max_pixels` \(3,071\)"):
+        LmdbImageDataset(db, max_pixels=48 * 64 - 1)[0]
+    with pytest.raises(ValueError, match="`max_pixels` must be >= 1 or None"):
+        LmdbImageDataset(db, max_pixels=0)
+
+
+def test_a_frame_header_that_disagrees_with_the_record_is_refused_before_decoding(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under the limit, a JPEG or PNG whose own size differs from its record header's is refused undecoded."""
+    records = [
+        hostile.record(ENCODING_JPEG, 0, 48, 64, hostile.claiming(hostile.jpeg(48, 64), 4000, 4000)),
+        hostile.record(ENCODING_PNG, 0, 48, 64, hostile.claiming(hostile.png(48, 64), 4000, 4000)),
+    ]
+    db = hostile.write_database(tmp_path / "db", records, ["a"])
+    _no_decode(monkeypatch)
+    for output in ("tensor", "pil"):
+        dataset = LmdbImageDataset(db, output=output)  # type: ignore[arg-type]
+        for index, kind in enumerate(["JPEG", "PNG"]):
+            with pytest.raises(
+                CorruptRecordError,
+                match=re.escape(f"the {kind} frame header's size (4000, 4000) differs from the stored (48, 64)"),
+            ):
+                dataset[index]
+
+
+def test_a_record_is_read_only_as_its_encoding(tmp_path: Path) -> None:
+    """A PNG record holding another format (here a JPEG, or a GIF) is refused: PIL opens it as a PNG only."""
+    gif = io.BytesIO()
+    Image.new("RGB", (64, 48)).save(gif, format="GIF")
+    records = [
+        hostile.record(ENCODING_PNG, 0, 48, 64, hostile.jpeg(48, 64)),
+        hostile.record(ENCODING_PNG, 0, 48, 64, gif.getvalue()),
+    ]
+    dataset = LmdbImageDataset(hostile.write_database(tmp_path / "db", records, ["a"]))
+    for index in range(2):
+        with pytest.raises(CorruptRecordError, match=f"split 'train' index {index} of .*does not decode"):
+            dataset[index]

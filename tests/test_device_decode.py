@@ -642,7 +642,10 @@ def test_decode_device_datamodule_on_gpu(databases: dict[str, Path]) -> None:
 
 
 def _damaged_copy(database: Path, tmp_path: Path, index: int, payload: Any = None) -> Path:
-    """A copy of ``database`` whose training record ``index`` holds a JPEG cut short (or ``payload``)."""
+    """A copy of ``database`` whose training record ``index`` holds a JPEG cut short in its scan (or ``payload``).
+
+    Its headers are whole, so it passes the host's frame-header check and fails on the device.
+    """
     import lmdb
 
     from lightning_fastdata.store import format as store_format
@@ -653,7 +656,7 @@ def _damaged_copy(database: Path, tmp_path: Path, index: int, payload: Any = Non
     with env.begin(write=True) as txn:
         key = store_format.record_key("train", index)
         header, data = store_format.unpack_record(txn.get(key))
-        new = bytes(data[:40]) if payload is None else payload
+        new = bytes(data[: bytes(data).index(b"\xff\xda") + 20]) if payload is None else payload
         txn.put(key, store_format.pack_record(header.encoding, header.label, header.height, header.width, new))
     env.close()
     return dst
@@ -681,15 +684,23 @@ def test_device_decode_names_a_bad_record_or_skips_it_with_its_label(databases: 
 
 
 def test_device_decode_checks_the_decoded_size_against_the_record(databases: dict[str, Path], tmp_path) -> None:
-    """A record whose JPEG decodes to another size than its header says is an error naming it."""
+    """A record whose JPEG is of another size than its header says is an error naming it: on the host, from the
+    JPEG's frame header, before its bytes go to the device; and on the device, from the decoded image."""
     other = LmdbImageDataset(databases["plain"], "train").read_record(0)[1]
     db = _damaged_copy(databases["jpeg"], tmp_path, 1, payload=bytes(other))
     reader = EncodedCropDataset(LmdbImageDataset(db, "train"), CenterCropResize(SIZE).box, flip_p=0.0)
     header = LmdbImageDataset(db, "train").read_record(1)[0]
     other_header = LmdbImageDataset(databases["plain"], "train").read_record(0)[0]
     assert (header.height, header.width) != (other_header.height, other_header.width)
-    encoded, _ = collate_encoded([reader.read(i) for i in range(2)])
-    with pytest.raises(CorruptRecordError, match=r"index 1 of .*decoded size"):
+    with pytest.raises(
+        CorruptRecordError, match=r"index 1 of .*the JPEG frame header's size .* differs from the stored"
+    ):
+        reader.read(1)
+    (image, box, flip, record), _ = reader.read(0)  # beside the other JPEG under record 1's stored size
+    jpegs = [image, torch.frombuffer(other, dtype=torch.uint8)]
+    stored = (header.height, header.width, "split 'train' index 1")
+    encoded = EncodedImages(jpegs, torch.tensor([box, box]), torch.tensor([flip, flip]), [record, stored])
+    with pytest.raises(CorruptRecordError, match=r"index 1: decoded size"):
         decode_crop(encoded, SIZE, torch.device("cpu"))
 
 

@@ -8,8 +8,11 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
+import hostile
 import lmdb
 import pytest
 
@@ -18,6 +21,7 @@ from lightning_fastdata.store import format as store_format
 from lightning_fastdata.store.format import (
     ENCODING_JPEG,
     ENCODING_PNG,
+    ENCODING_RAW,
     FORMAT_VERSION,
     HEADER,
     dump_meta,
@@ -29,6 +33,7 @@ from lightning_fastdata.store.format import (
     record_key,
     unpack_record,
 )
+from lightning_fastdata.store.reader import LmdbImageDataset
 
 PAYLOAD = bytes(range(7, 47))  # 40 bytes that are not all alike
 RECORD = pack_record(ENCODING_JPEG, 3, 480, 640, PAYLOAD)
@@ -524,3 +529,230 @@ def test_a_fork_from_inside_a_read_transaction_does_not_wait_for_itself(database
         _, payload = read(1)  # the parent's transaction still reads
     assert os.waitstatus_to_exitcode(status) == 0
     assert len(payload) > 0
+
+
+@pytest.mark.parametrize(
+    ("height", "width"), [(0, 64), (48, 0), (2**32 - 1, 2**32 - 1), (65536, 64), (48, 65536), (2**31, 1)]
+)
+def test_a_header_declaring_an_impossible_size_is_refused(height: int, width: int) -> None:
+    """A header whose sides are not 1 to 65535 (JPEG's limit) is a bad record, even with a valid checksum."""
+    damaged = hostile.record(ENCODING_JPEG, 0, height, width, PAYLOAD)
+    for verify in (True, False):
+        with pytest.raises(CorruptRecordError, match=f"declares a {height}x{width} image; each side must be 1 to"):
+            unpack_record(damaged, verify=verify)
+    assert unpack_record(hostile.record(ENCODING_JPEG, 0, 65535, 65535, PAYLOAD))[0].height == 65535
+
+
+def test_a_raw_record_must_hold_exactly_its_pixels() -> None:
+    """A raw record's payload is its ``height * width * 3`` bytes, checked with the header (before any allocation)."""
+    assert unpack_record(hostile.record(ENCODING_RAW, 0, 2, 3, bytes(18)))[0].width == 3
+    for payload in (bytes(17), bytes(19), b""):
+        with pytest.raises(CorruptRecordError, match=f"a raw 2x3 RGB record needs 18 bytes, found {len(payload)}"):
+            unpack_record(hostile.record(ENCODING_RAW, 0, 2, 3, payload), verify=False)
+
+
+def test_the_writer_skips_an_image_a_record_cannot_hold(tmp_path: Path) -> None:
+    """An image over 65535 pixels a side is skipped at conversion (readers would refuse its record), not written."""
+    from PIL import Image
+
+    from lightning_fastdata import convert_dataset
+
+    images = [(Image.new("RGB", (65536, 1)), 0), (Image.new("RGB", (8, 4)), 0)]
+    summary = convert_dataset(images, tmp_path / "db", encoding="raw", short_side=0, num_workers=0, progress=False)
+    assert summary.written == 1
+    assert "65536x1 is over 65535 pixels a side" in summary.skipped[0].reason
+
+
+def _read_meta_in_a_child(db: Path, timeout: float = 60) -> str:
+    """What ``read_meta(db)`` raises (``"opened"`` if nothing), in a child that must end within ``timeout``."""
+    script = """
+import sys
+from lightning_fastdata.store.format import read_meta
+try:
+    read_meta(sys.argv[1])
+    print("opened")
+except Exception as err:
+    print(type(err).__name__, err)
+"""
+    try:
+        proc = subprocess.run([sys.executable, "-c", script, str(db)], capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"opening {db} took over {timeout} s")
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip()
+
+
+def _claiming(db: Path, records: list[bytes], length: Callable[[int], int]) -> int:
+    """Rewrite ``db``'s metadata to claim ``length(size)`` records, ``size`` its data file's bytes once it is written
+    (a write may grow the file by a page)."""
+    claimed = None
+    for _ in range(10):
+        size = (db / store_format.DATA_FILE).stat().st_size
+        if claimed == length(size):
+            return claimed
+        claimed = length(size)
+        splits = {"train": {"length": claimed, "class_counts": [2, 1]}}
+        hostile.write_database(db, records, ["a", "b"], meta={"splits": splits})
+    raise AssertionError(f"{db} keeps growing")
+
+
+def _most(size: int) -> int:
+    """The most records of split ``train`` a data file of ``size`` bytes can hold."""
+    return size // store_format._min_record_bytes("train")
+
+
+@pytest.mark.parametrize("claimed", [10**10, 2**64, "one more than fits"])
+def test_a_length_the_data_file_cannot_hold_is_refused_at_once(tmp_path: Path, claimed: int | str) -> None:
+    """A split length beyond what the data file can hold (each record takes at least its key, its 20-byte header and
+    LMDB's entry) is a ``DatasetFormatError`` at open, in moments: the first-open walk took time in proportion to it
+    (10**10: about 100 minutes). The most that fits opens, its missing records each a ``CorruptRecordError``."""
+    records = [hostile.record(ENCODING_JPEG, i % 2, 8, 8, hostile.jpeg(8, 8)) for i in range(3)]
+    db = hostile.write_database(tmp_path / "db", records, ["a", "b"])
+    length = _claiming(db, records, lambda size: _most(size) + 1 if isinstance(claimed, str) else claimed)
+    line = _read_meta_in_a_child(db)  # on a child: the walk took 100 minutes at 10**10
+    assert line.startswith(f"DatasetFormatError the metadata of {str(db)!r} claims {length:,} records in split")
+    assert "more than its data.mdb of" in line
+    most = _claiming(db, records, _most)
+    dataset = LmdbImageDataset(db)
+    assert len(dataset) == most
+    dataset[2]
+    with pytest.raises(CorruptRecordError, match=f"split 'train' index {most - 1} of .*the record is missing"):
+        dataset[most - 1]
+
+
+@pytest.mark.parametrize(
+    "splits",
+    [
+        {"train": {"length": -1, "class_counts": [0, 0]}},
+        {"train": {"length": "3", "class_counts": [2, 1]}},
+        {"train": {"length": 3.0, "class_counts": [2, 1]}},
+        {"train": {"length": True, "class_counts": [1, 0]}},
+        {"train": {"length": 3, "class_counts": [3]}},
+        {"train": {"length": 3}},
+        {"train": 3},
+        [3],
+    ],
+)
+def test_splits_not_shaped_as_the_writer_writes_them_are_a_format_error(tmp_path: Path, splits: object) -> None:
+    """Split lengths and class counts that are not counts are refused at open with a ``DatasetFormatError``."""
+    records = [hostile.record(ENCODING_JPEG, i % 2, 8, 8, hostile.jpeg(8, 8)) for i in range(3)]
+    db = hostile.write_database(tmp_path / "db", records, ["a", "b"], meta={"splits": splits})
+    for opener in (read_meta, LmdbImageDataset):
+        with pytest.raises(DatasetFormatError, match=re.escape(f"the metadata of {str(db)!r} is damaged: ")):
+            opener(db)
+
+
+def test_a_walk_that_times_out_is_a_format_error(database_copy: Path, walks: list[Path], monkeypatch) -> None:
+    """The first-open walk of a database that does not end in time is a ``DatasetFormatError`` that says so."""
+
+    def too_slow(args: list[str], **kwargs: object) -> None:
+        raise subprocess.TimeoutExpired(args, kwargs.get("timeout") or 0)
+
+    _as_a_new_process(monkeypatch)
+    monkeypatch.setattr(subprocess, "run", too_slow)
+    with pytest.raises(DatasetFormatError, match=r"could not be checked: walking its LMDB pages took over \d+ s"):
+        read_meta(database_copy)
+    assert walks == [database_copy]
+
+
+def test_a_fork_from_inside_a_read_transaction_is_named_as_such_in_the_child(database: Path) -> None:
+    """A child that reads through the transaction its parent opened before forking is told that, not that the
+    database is damaged (it is not): the transaction was closed in the child at the fork."""
+    script = """
+import os, sys
+from lightning_fastdata.store.reader import LmdbImageDataset
+dataset = LmdbImageDataset(sys.argv[1])
+with dataset.records() as read:
+    read(0)
+    pid = os.fork()
+    if pid == 0:
+        try:
+            read(1)
+        except Exception as err:
+            print(type(err).__name__, err, flush=True)
+        os._exit(0)
+    os.waitpid(pid, 0)
+"""
+    proc = subprocess.run([sys.executable, "-c", script, str(database)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    message = proc.stdout.strip()
+    assert message.startswith("RuntimeError split 'train' index 1 of"), message
+    assert "was opened in process" in message
+    assert "before this process" in message
+    assert "`records()`" in message
+    assert "damaged" not in message
+    assert "\n" not in message
+
+
+class _CountedCondition(threading.Condition):
+    """A condition that counts the threads waiting on it."""
+
+    def __init__(self) -> None:
+        super().__init__(threading.Lock())
+        self.waiting = 0
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.waiting += 1  # under the condition's lock
+        try:
+            return super().wait(timeout)
+        finally:
+            self.waiting -= 1
+
+
+def test_two_threads_forking_at_once_keep_transactions_out_until_both_have_forked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """While one fork still waits for transactions to end, the other fork's end must not let new ones start.
+
+    B forks from inside its own transaction, A from outside one. B goes first (only its own transaction is left) and
+    finishes; then C asks to start a transaction: it must wait until A has forked too, or A would wait for C.
+    """
+    monkeypatch.setattr(store_format, "FORK_WAIT_S", 5.0)  # A gives up on C after this, forking unclean
+    gate = store_format._ForkGate()
+    gate._cond = cond = _CountedCondition()
+    reader_in, reader_out, b_forked, b_out, c_in, c_out = (threading.Event() for _ in range(6))
+    a_clean: list[bool] = []
+
+    def reader() -> None:
+        with gate.inside():
+            reader_in.set()
+            reader_out.wait(10)
+
+    def fork_a() -> None:
+        gate.before_fork()
+        a_clean.append(gate.clean)
+        gate.after_fork_in_parent()
+
+    def fork_b() -> None:
+        with gate.inside():
+            gate.before_fork()  # waits for the reader only: its own transaction is not in flight
+            b_forked.set()
+            gate.after_fork_in_parent()
+            b_out.wait(10)
+
+    def c() -> None:
+        with gate.inside():
+            c_in.set()
+            c_out.wait(10)
+
+    threads = [threading.Thread(target=reader)]
+    threads[0].start()
+    assert reader_in.wait(10)
+    threads += [threading.Thread(target=fork_b), threading.Thread(target=fork_a)]
+    for thread in threads[1:]:
+        thread.start()
+    deadline = time.monotonic() + 10
+    while cond.waiting < 2 and time.monotonic() < deadline:  # both forks wait for the reader's transaction to end
+        time.sleep(0.01)
+    assert cond.waiting == 2
+    reader_out.set()
+    assert b_forked.wait(10)
+    threads.append(threading.Thread(target=c))
+    threads[-1].start()
+    assert not c_in.wait(1.0)  # A still waits for B's transaction: C must not start one
+    b_out.set()
+    assert c_in.wait(10)  # A forked (B's transaction ended), then C went in
+    c_out.set()
+    for thread in threads:
+        thread.join(10)
+    assert a_clean == [True]

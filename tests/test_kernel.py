@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import cv2
+import hostile
 import lmdb
 import numpy as np
 import pytest
@@ -533,3 +534,29 @@ def test_a_worker_process_imports_neither_lightning_nor_torchvision() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
     assert out.stdout.strip() == "[]", out.stderr
+
+
+@pytest.mark.parametrize("output", ["uint8", "encoded"])
+def test_a_header_with_an_absurd_or_too_large_size_is_a_bad_sample(tmp_path: Path, output: str) -> None:
+    """Record headers (with valid checksums) claiming 2**32 - 1 pixels a side, or more than ``max_pixels``, and a JPEG
+    whose own frame header is larger than its record's, are bad samples naming their index: skipped under the skip
+    policy, on the batch path and on device decode's host side (``ValueError: Maximum allowed dimension exceeded``
+    escaped the skip policy)."""
+    image = hostile.jpeg(48, 64)
+    records = [
+        hostile.record(store_format.ENCODING_JPEG, 0, 48, 64, image),
+        hostile.record(store_format.ENCODING_JPEG, 0, 2**32 - 1, 2**32 - 1, image),
+        hostile.record(store_format.ENCODING_JPEG, 0, 65535, 65535, image),
+        hostile.record(store_format.ENCODING_JPEG, 0, 48, 64, hostile.claiming(image, 16000, 16000)),
+        hostile.record(store_format.ENCODING_JPEG, 0, 48, 64, image),
+    ]
+    dataset = LmdbImageDataset(
+        hostile.write_database(tmp_path / "db", records, ["a"]), transform=CenterCropResize(SIZE)
+    )
+    for bad in (1, 2, 3):
+        with pytest.raises(CorruptRecordError, match=f"split 'train' index {bad} of"):
+            BatchReader(dataset, output=output).read_batch([0, bad, 4])  # type: ignore[arg-type]
+    counter = SkipCounter()
+    images, labels = BatchReader(dataset, output=output, skip_counter=counter).read_batch(range(5))  # type: ignore[arg-type]
+    assert len(images) == len(labels) == 2
+    assert counter.value == 3

@@ -11,7 +11,7 @@ import pytest
 import torch
 from lightning.pytorch.cli import LightningCLI
 
-from lightning_fastdata import make_image_folder
+from lightning_fastdata import CorruptRecordError, FastImageDataModule, InvalidArgumentError, make_image_folder
 from lightning_fastdata.cli import lightning_cli, main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -322,3 +322,18 @@ def test_prepare_data_per_node_is_a_cli_argument() -> None:
     assert lightning_cli(config, run=False).datamodule.prepare_data_per_node is True
     cli = lightning_cli([*config, "--data.prepare_data_per_node", "false"], run=False)
     assert cli.datamodule.prepare_data_per_node is False
+
+
+@pytest.mark.usefixtures("in_repo")
+def test_max_pixels_is_a_cli_argument_that_reaches_the_datasets(database: Path) -> None:
+    """`--data.max_pixels N` reaches the DataModule and the datasets it builds, which refuse larger images."""
+    config = ["--config", "examples/configs/cpu.yaml", "--data.data_dir", str(database)]
+    assert lightning_cli(config, run=False).datamodule.max_pixels == 2**26
+    cli = lightning_cli([*config, "--data.max_pixels", "100"], run=False)
+    dataset = cli.datamodule.build_dataset("train", None)
+    assert dataset.max_pixels == 100
+    with pytest.raises(CorruptRecordError, match=r"split 'train' index 0 of .*over `max_pixels` \(100\)"):
+        dataset[0]
+    assert FastImageDataModule(str(database), max_pixels=None).build_dataset("train", None)[0][0].ndim == 3
+    with pytest.raises(InvalidArgumentError, match="`max_pixels` must be >= 1 or None"):
+        FastImageDataModule(str(database), max_pixels=0)

@@ -151,9 +151,12 @@ def encoded_sample(
 ) -> tuple[tuple[Tensor, Box, bool, tuple[int, int, str]], Any]:
     """One sample for device decode: ``(bytes or decoded pixels, box, flip, (height, width, where)), label``.
 
-    JPEG bytes are copied out of ``payload`` (which may be a view of the memory map); other encodings (raw pixels,
+    JPEG bytes are copied out of ``payload`` (which may be a view of the memory map) once their frame header is checked
+    against the record's size and ``max_pixels`` (no image larger reaches the decoder); other encodings (raw pixels,
     PNG), which nvJPEG cannot take, travel decoded.
     """
+    if header.encoding == _format.ENCODING_JPEG:
+        dataset._check_frame(index, header, payload)
     data = bytearray(payload)
     if header.encoding == _format.ENCODING_JPEG:
         image = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)

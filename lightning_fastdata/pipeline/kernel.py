@@ -302,13 +302,15 @@ class BatchReader(Dataset):
         """Still-encoded JPEGs with their crop boxes and flips (``decode="device"``): no pixels on the CPU."""
         base = self.base
         assert isinstance(base, LmdbImageDataset)
+
+        def sample(item: tuple[tuple[tuple[int, int], RecordHeader, memoryview], Box, bool]) -> Any:
+            ((_, record), header, payload), box, flip = item
+            return encoded_sample(base, record, header, payload, box, flip)  # checks the frame, decodes non-JPEGs
+
         with base.records() as read:
             found = self._each(self._records(indices), lambda pair: (pair, *read(pair[1])))
             boxes, flips = self._boxes(found, key)
-            samples = [
-                encoded_sample(base, record, header, payload, box, flip)
-                for ((_, record), header, payload), box, flip in zip(found, boxes, flips, strict=True)
-            ]
+            samples = self._each(list(zip(found, boxes, flips, strict=True)), sample)
         encoded, labels = collate_encoded(samples)
         return encoded, self._pin_labels(labels)
 

@@ -22,7 +22,7 @@ import simplejpeg
 from PIL import Image, UnidentifiedImageError
 
 from lightning_fastdata._cv import cv2
-from lightning_fastdata.store.format import ENCODING_JPEG, ENCODING_RAW
+from lightning_fastdata.store.format import ENCODING_JPEG, ENCODING_RAW, MAX_SIDE
 
 if TYPE_CHECKING:
     from lightning_fastdata.store.sources import Task
@@ -118,6 +118,8 @@ def _encode_image(source: Any, opts: EncodeOptions) -> tuple[int, int, int, byte
     try:
         width, height = img.size
         target = _target_size(width, height, opts.short_side)
+        if max(target or (width, height)) > MAX_SIDE:  # readers refuse such a record (and JPEG cannot hold it)
+            raise _Skip(f"{width}x{height} is over {MAX_SIDE} pixels a side, the most a record holds; set `short_side`")
         if (
             opts.encoding == "jpeg"
             and raw is not None

@@ -63,6 +63,10 @@ ENCODING_NAMES = {ENCODING_JPEG: "jpeg", ENCODING_PNG: "png", ENCODING_RAW: "raw
 
 #: magic, format version, encoding, label, height, width, crc32 of (header without crc + payload)
 HEADER = struct.Struct("<2sBBiIII")
+#: the largest side a record may have: JPEG's (its frame header stores each side in 16 bits)
+MAX_SIDE = 65535
+#: what LMDB stores beside each key and value in a page: an 8-byte node header and a 2-byte slot in the page's index
+_LMDB_ENTRY_BYTES = 10
 
 
 def record_key(split: str, index: int) -> bytes:
@@ -105,7 +109,9 @@ def unpack_record(record: bytes | memoryview, verify: bool = True) -> tuple[Reco
     """Parse a record into its header and a view of the encoded image bytes.
 
     Raises:
-        CorruptRecordError: the record is too short, has a bad magic, version or encoding, or fails its checksum.
+        CorruptRecordError: the record is too short, has a bad magic, version or encoding, fails its checksum,
+            declares a side outside 1 to :data:`MAX_SIDE`, or is a raw record whose payload is not its
+            ``height * width * 3`` bytes.
 
     """
     view = memoryview(record)
@@ -121,6 +127,13 @@ def unpack_record(record: bytes | memoryview, verify: bool = True) -> tuple[Reco
     payload = view[HEADER.size :]
     if verify and _checksum(encoding, label, height, width, payload) != crc:
         raise CorruptRecordError("checksum mismatch: the record was modified or truncated after conversion")
+    # checked before anything is allocated for the image: a forged header (with a valid checksum) must not size a buffer
+    if not (1 <= height <= MAX_SIDE and 1 <= width <= MAX_SIDE):
+        raise CorruptRecordError(f"the header declares a {height}x{width} image; each side must be 1 to {MAX_SIDE}")
+    if encoding == ENCODING_RAW and len(payload) != height * width * 3:
+        raise CorruptRecordError(
+            f"a raw {height}x{width} RGB record needs {height * width * 3} bytes, found {len(payload)}"
+        )
     return RecordHeader(encoding, label, height, width), payload
 
 
@@ -133,8 +146,9 @@ def load_meta(raw: bytes | None, path: str | os.PathLike[str]) -> dict[str, Any]
     """Parse and validate the dataset metadata read from ``path``.
 
     Raises:
-        DatasetFormatError: no metadata (not our database), unreadable JSON, an unknown format version, or a
-            conversion that never finished.
+        DatasetFormatError: no metadata (not our database), unreadable JSON, an unknown format version, a
+            conversion that never finished, or classes, splits, encoding or source not of the shapes the writer
+            writes.
 
     """
     if raw is None:
@@ -159,7 +173,61 @@ def load_meta(raw: bytes | None, path: str | os.PathLike[str]) -> dict[str, Any]
         )
     if meta.get("complete") is not True:
         raise DatasetFormatError(_incomplete_message(Path(path)))
+    _check_shapes(meta, path)
     return meta
+
+
+def _check_shapes(meta: dict[str, Any], path: str | os.PathLike[str]) -> None:
+    """Refuse metadata whose classes, splits, encoding or source are not of the shapes the writer writes."""
+    classes, splits = meta.get("classes"), meta.get("splits")
+    problem = None
+    if not isinstance(classes, list) or not all(isinstance(name, str) for name in classes):
+        problem = "`classes` is not a list of names"
+    elif not isinstance(meta.get("encoding", {}), dict) or not isinstance(meta.get("source", {}), dict):
+        problem = "`encoding` or `source` is not an object"
+    elif not isinstance(splits, dict):
+        problem = "`splits` is not an object"
+    else:
+        for name, info in splits.items():
+            length = info.get("length") if isinstance(info, dict) else None
+            counts = info.get("class_counts") if isinstance(info, dict) else None
+            if not _is_count(length):
+                problem = f"split {name!r} has length {length!r}"
+            elif not isinstance(counts, list) or len(counts) != len(classes) or not all(map(_is_count, counts)):
+                problem = f"split {name!r} does not count its records per class"
+            if problem:
+                break
+    if problem:
+        raise DatasetFormatError(
+            f"the metadata of {os.fspath(path)!r} is damaged: {problem}. Convert the source again with"
+            " `lightning-fastdata convert`, or copy the database again from an intact copy."
+        )
+
+
+def _is_count(value: Any) -> bool:
+    return type(value) is int and value >= 0
+
+
+def _min_record_bytes(split: str) -> int:
+    """The fewest bytes one record of ``split`` takes in an LMDB data file: its key, its header, LMDB's entry."""
+    return len(record_key(split, 0)) + HEADER.size + _LMDB_ENTRY_BYTES
+
+
+def _check_fits(meta: dict[str, Any], path: str | os.PathLike[str], size: int) -> None:
+    """Refuse split lengths a data file of ``size`` bytes cannot hold: each record takes :func:`_min_record_bytes`.
+
+    A length beyond that would have a reader sample, allocate for and walk records that cannot be there. (Records
+    that are missing under a length that fits are each a ``CorruptRecordError`` when read, as damage is.)
+    """
+    lengths = {name: info["length"] for name, info in meta["splits"].items()}
+    if sum(length * _min_record_bytes(name) for name, length in lengths.items()) > size:
+        claimed = " and ".join(f"{length:,} records in split {name!r}" for name, length in lengths.items())
+        raise DatasetFormatError(
+            f"the metadata of {os.fspath(path)!r} claims {claimed}, more than its {DATA_FILE} of {size:,} bytes can"
+            f" hold (a record takes {HEADER.size + _LMDB_ENTRY_BYTES} bytes beside its key): it is damaged or forged."
+            " Convert the source again with `lightning-fastdata convert`, or copy the database again from an intact"
+            " copy."
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -278,12 +346,14 @@ class _ForkGate:
     when the fork came (a threads engine's look-ahead, say, while worker processes start), closing the inherited
     environment in the child would wait forever. So every read transaction of the package runs inside :meth:`inside`,
     and a fork waits (up to :data:`FORK_WAIT_S`) until none does on another thread, new ones waiting meanwhile.
+    Forks are counted, not flagged: two threads may fork at once, and the first to finish must not let transactions
+    start while the second still waits for them to end.
     """
 
     def __init__(self) -> None:
         self._cond = threading.Condition(threading.Lock())
         self._inside = 0  # threads inside a transaction
-        self._forking = False
+        self._forking = 0  # forks under way (in before_fork, or between it and after_fork_in_parent)
         self._depth = threading.local()  # this thread's nesting
         self.clean = True  # whether the last fork found no other thread inside
 
@@ -303,18 +373,18 @@ class _ForkGate:
             if depth == 0:
                 with self._cond:
                     self._inside -= 1
-                    if self._inside == 0:
+                    if self._forking:  # a fork waits for this: from inside a transaction, for one left, not none
                         self._cond.notify_all()
 
     def before_fork(self) -> None:
         self._cond.acquire()  # held through the fork: no transaction starts until it is done
-        self._forking = True
+        self._forking += 1
         own = 1 if getattr(self._depth, "n", 0) else 0  # the forking thread's own transaction is not in flight
         self._cond.wait_for(lambda: self._inside <= own, FORK_WAIT_S)
         self.clean = self._inside <= own
 
     def after_fork_in_parent(self) -> None:
-        self._forking = False
+        self._forking -= 1
         self._cond.notify_all()
         self._cond.release()
 
@@ -422,6 +492,8 @@ def open_readonly(path: str | os.PathLike[str]) -> lmdb.Environment:
         return env
 
 
+#: how long the first-open walk of a data file may take; a database of 1.28 million records takes seconds
+WALK_TIMEOUT_S = 3600.0
 #: data files (device, inode, size, mtime, ctime) whose LMDB pages were walked without a crash, here or in a parent
 _VERIFIED: set[tuple[int, int, int, int, int]] = set()
 
@@ -503,10 +575,11 @@ def _write_marker(path: Path, st: os.stat_result, identity: dict[str, int]) -> N
 # reader does (values as views: record bytes are not read; their CRC covers them, and a missing or damaged record is
 # reported when it is read, naming its split and index). LMDB trusts its own B-tree pages, so a damaged branch or
 # leaf page can abort or SIGBUS the process that walks it; here that process is a throwaway child, and its death
-# becomes a clear error at open instead of a crash in training. Exit status 3: not a complete database of ours,
-# nothing walked.
+# becomes a clear error at open instead of a crash in training. Exit status 3: not a complete database of ours, or
+# metadata that claims more records than the file can hold (argv[2]: the bytes each takes beside its key, as
+# _min_record_bytes counts them), nothing walked: the walk's time is bounded by the file's size, not by a claim.
 _STRUCTURE_CHECK = r"""
-import json, sys
+import json, os, sys
 import lmdb
 env = lmdb.open(sys.argv[1], readonly=True, lock=False, readahead=False, meminit=False, subdir=True)
 with env.begin(buffers=True) as txn:
@@ -514,9 +587,12 @@ with env.begin(buffers=True) as txn:
     try:
         meta = json.loads(bytes(raw).decode())
         assert meta["complete"] is True
-        lengths = {str(name): int(info["length"]) for name, info in meta["splits"].items()}
+        lengths = {str(name): info["length"] for name, info in meta["splits"].items()}
+        assert all(type(length) is int and length >= 0 for length in lengths.values())
+        least = sum(n * (len(f"{name}/{0:010d}".encode()) + int(sys.argv[2])) for name, n in lengths.items())
+        assert least <= os.path.getsize(os.path.join(sys.argv[1], "data.mdb"))
     except Exception:
-        sys.exit(3)  # not ours, incomplete or unreadable metadata: load_meta says which, clearly
+        sys.exit(3)  # not ours, incomplete, unreadable or impossible metadata: read_meta says which, clearly
     for name, length in lengths.items():
         txn.get(f"__labels__/{name}".encode())
         txn.get(f"__sources__/{name}".encode())
@@ -536,9 +612,20 @@ def _check_structure(path: Path) -> bool:
     import subprocess
     import sys
 
-    proc = subprocess.run(
-        [sys.executable, "-c", _STRUCTURE_CHECK, str(path)], capture_output=True, text=True, timeout=3600
-    )
+    per_record = str(HEADER.size + _LMDB_ENTRY_BYTES)
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", _STRUCTURE_CHECK, str(path), per_record],
+            capture_output=True,
+            text=True,
+            timeout=WALK_TIMEOUT_S,
+        )
+    except subprocess.TimeoutExpired:
+        raise DatasetFormatError(
+            f"{str(path)!r} could not be checked: walking its LMDB pages took over {WALK_TIMEOUT_S:.0f} s, which a"
+            " local disk does in seconds. Copy the database to a local disk and open it there; if that times out too,"
+            " it is damaged: convert the source again."
+        ) from None
     if proc.returncode in (0, 3):
         return proc.returncode == 0
     last_line = (proc.stderr.strip().splitlines() or [""])[-1]
@@ -570,15 +657,20 @@ def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
-        DatasetFormatError: ``path`` is not a complete lightning_fastdata database of a readable version.
+        DatasetFormatError: ``path`` is not a complete lightning_fastdata database of a readable version, or its
+            metadata claims more records than its data file can hold.
 
     """
+    env = open_readonly(path)
     try:
-        with read_transaction(open_readonly(path)) as txn:
+        with read_transaction(env) as txn:
             raw = txn.get(META_KEY)
-    except lmdb.Error as err:
+        size = (Path(path).expanduser() / DATA_FILE).stat().st_size
+    except (lmdb.Error, OSError) as err:
         raise DatasetFormatError(f"reading the metadata of {os.fspath(path)!r} failed: {err}") from err
-    return load_meta(raw, path)
+    meta = load_meta(raw, path)
+    _check_fits(meta, path, size)
+    return meta
 
 
 def read_sources(path: str | os.PathLike[str], split: str = "train") -> list[str] | None:

@@ -9,6 +9,7 @@ import contextlib
 import functools
 import io
 import os
+import struct
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -25,6 +26,7 @@ from lightning_fastdata.errors import CorruptRecordError, SampleError
 from lightning_fastdata.store.format import (
     DATA_FILE,
     ENCODING_JPEG,
+    ENCODING_PNG,
     ENCODING_RAW,
     RecordHeader,
     labels_key,
@@ -36,6 +38,21 @@ from lightning_fastdata.store.format import (
 )
 
 Output = Literal["tensor", "pil", "encoded"]
+
+#: the most pixels a record may decode to by default: 8192 x 8192, 192 MiB of RGB, more than a 61 MP camera's photos;
+#: a database you did not make cannot ask a reader for more memory than this per image (decompression bombs).
+DEFAULT_MAX_PIXELS = 2**26
+#: the only format PIL may read a record of each encoding as (none of its other, rarer, decoders)
+_PIL_FORMATS = {ENCODING_JPEG: "JPEG", ENCODING_PNG: "PNG"}
+_PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def _png_size(data: bytearray | memoryview) -> tuple[int, int]:
+    """``(height, width)`` from a PNG's IHDR chunk, which the format puts first."""
+    if len(data) < 24 or bytes(data[:8]) != _PNG_SIGNATURE or bytes(data[12:16]) != b"IHDR":
+        raise ValueError("not a PNG (no PNG signature and IHDR chunk)")
+    width, height = struct.unpack_from(">II", data, 16)
+    return height, width
 
 
 def collate_labels(labels: list[Any]) -> Any:
@@ -68,11 +85,16 @@ class LmdbImageDataset(Dataset):
             :class:`~lightning_fastdata.FastImageDataModule` does (its ``build_dataset`` sets it, so a transform of
             one's own sees the same pixels as the built-in path): about 14% less time, and about a grey level darker on
             average than the accurate decode of PIL and torchvision, which ``False`` (the default) matches.
+        max_pixels: the most pixels an image may have (default ``2**26``: 8192 x 8192, 192 MiB decoded). Checked
+            against the record header when a record is read and against the image's own frame header (JPEG SOF, PNG
+            IHDR) before it is decoded; a larger image is a :class:`~lightning_fastdata.CorruptRecordError` naming it
+            (skipped under ``on_bad_sample="skip"``), so a database you did not make cannot have a reader decode a
+            decompression bomb. Raise it for trusted databases of larger images; ``None``: no limit.
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
         DatasetFormatError: ``path`` is not a complete database of a version this package reads.
-        ValueError: ``split`` is not in the database, or ``output`` is unknown.
+        ValueError: ``split`` is not in the database, ``output`` is unknown, or ``max_pixels`` is below 1.
 
     Example:
         >>> from torch.utils.data import DataLoader
@@ -92,9 +114,12 @@ class LmdbImageDataset(Dataset):
         output: Output = "tensor",
         verify_checksums: bool = True,
         fast_decode: bool = False,
+        max_pixels: int | None = DEFAULT_MAX_PIXELS,
     ) -> None:
         if output not in ("tensor", "pil", "encoded"):
             raise ValueError(f"`output` must be 'tensor', 'pil' or 'encoded', got {output!r}.")
+        if max_pixels is not None and max_pixels < 1:
+            raise ValueError(f"`max_pixels` must be >= 1 or None (no limit), got {max_pixels}.")
         meta = read_meta(path)
         splits = meta["splits"]
         if split not in splits:
@@ -106,11 +131,12 @@ class LmdbImageDataset(Dataset):
         self.output = output
         self.verify_checksums = verify_checksums
         self.fast_decode = fast_decode
+        self.max_pixels = max_pixels
         self.classes: list[str] = list(meta["classes"])
         self.class_to_idx = {name: i for i, name in enumerate(self.classes)}
         self.class_counts: list[int] = list(splits[split]["class_counts"])
         self.splits: list[str] = sorted(splits)
-        self.encoding: dict[str, Any] = dict(meta["encoding"])
+        self.encoding: dict[str, Any] = dict(meta.get("encoding", {}))
         self._length = int(splits[split]["length"])
         self._env: lmdb.Environment | None = None
         self._pid: int | None = None
@@ -135,7 +161,8 @@ class LmdbImageDataset(Dataset):
 
         Raises:
             IndexError: ``index`` is out of range.
-            CorruptRecordError: the record is missing or damaged; the message names the split and index.
+            CorruptRecordError: the record is missing or damaged, or its header declares more than ``max_pixels``;
+                the message names the split and index.
 
         """
         with self.records() as read:
@@ -147,16 +174,17 @@ class LmdbImageDataset(Dataset):
         """Many records in one read transaction (the batch path's way): yields ``read(index) -> (header, payload)``.
 
         ``payload`` is a view into the database's memory map, valid until the ``with`` block ends: decode it there, or
-        copy it. ``read`` raises as :meth:`read_record` does.
+        copy it. ``read`` raises as :meth:`read_record` does, and ``RuntimeError`` in a process forked inside the
+        block (the transaction belongs to the parent: read in the child with ``records()`` of its own).
         """
         with contextlib.ExitStack() as stack:
             try:
                 txn = stack.enter_context(read_transaction(self._environment(), buffers=True))
             except lmdb.Error as err:
                 raise CorruptRecordError(f"reading {self.path!r} failed: {err}") from err
-            yield functools.partial(self._read, txn)
+            yield functools.partial(self._read, txn, os.getpid())
 
-    def _read(self, txn: lmdb.Transaction, index: int) -> tuple[RecordHeader, memoryview]:
+    def _read(self, txn: lmdb.Transaction, opened_in: int, index: int) -> tuple[RecordHeader, memoryview]:
         length = self._length
         if not -length <= index < length:
             raise IndexError(f"index {index} is out of range for split {self.split!r} of length {length}")
@@ -169,6 +197,13 @@ class LmdbImageDataset(Dataset):
                 raise CorruptRecordError(f"the record claims {len(record)} bytes, more than the whole file")
             header, payload = unpack_record(record, verify=self.verify_checksums)
         except (CorruptRecordError, lmdb.Error) as err:
+            if os.getpid() != opened_in:  # not damage: the parent's transaction, closed in this child at the fork
+                raise RuntimeError(
+                    f"{self._where(index)}: this read transaction was opened in process {opened_in}, before this"
+                    f" process ({os.getpid()}) was forked from it, and a transaction does not cross a fork. Fork"
+                    " outside `records()` / `read_transaction`, and read in the child through a transaction of its"
+                    " own (`records()` or `read_record` called after the fork)."
+                ) from err
             raise CorruptRecordError(
                 f"{self._where(index)}: {err}. The database is damaged: convert the source again with"
                 " `lightning-fastdata convert --force`."
@@ -177,7 +212,43 @@ class LmdbImageDataset(Dataset):
             raise CorruptRecordError(
                 f"{self._where(index)}: label {header.label} is outside the {len(self.classes)} classes"
             )
+        self._check_pixels(index, header.height, header.width)
         return header, payload
+
+    def _check_pixels(self, index: int, height: int, width: int) -> None:
+        """Refuse an image of more than :attr:`max_pixels` pixels, before anything is allocated for it."""
+        if self.max_pixels is not None and height * width > self.max_pixels:
+            raise CorruptRecordError(
+                f"{self._where(index)}: the image is {height}x{width} ({height * width:,} pixels), over `max_pixels`"
+                f" ({self.max_pixels:,}). If you trust this database, raise `max_pixels` (LmdbImageDataset or"
+                " FastImageDataModule, `--data.max_pixels` on the command line), or pass None for no limit."
+            )
+
+    def _check_frame(self, index: int, header: RecordHeader, data: bytearray | memoryview) -> None:
+        """Check a JPEG or PNG record's own frame header (SOF, IHDR) before anything decodes it; no pixels are touched.
+
+        A decoder sizes its output by the frame header, not the record's: a record header within ``max_pixels`` may
+        carry a frame header that asks for far more (a decompression bomb). It must give the record's size exactly.
+
+        Raises:
+            CorruptRecordError: the frame header does not parse, is over ``max_pixels``, or differs from the record
+                header's size; the message names the split and index.
+
+        """
+        kind = _PIL_FORMATS[header.encoding]
+        try:
+            if header.encoding == ENCODING_JPEG:
+                height, width, _, _ = simplejpeg.decode_jpeg_header(data)
+            else:
+                height, width = _png_size(data)
+        except ValueError as err:
+            raise CorruptRecordError(f"{self._where(index)}: the image does not decode: {err}") from err
+        self._check_pixels(index, height, width)
+        if (height, width) != (header.height, header.width):
+            raise CorruptRecordError(
+                f"{self._where(index)}: the {kind} frame header's size {(height, width)} differs from the stored"
+                f" {(header.height, header.width)}"
+            )
 
     def decode(self, index: int, header: RecordHeader, data: bytearray) -> Any:
         """Decode a record read by :meth:`read_record` into this dataset's ``output`` form (before ``transform``).
@@ -207,17 +278,18 @@ class LmdbImageDataset(Dataset):
         a view of ``data``.
 
         Raises:
-            CorruptRecordError: the bytes do not decode to the stored size; the message names the split and index.
+            CorruptRecordError: the bytes do not decode to the stored size, or their frame header is over
+                ``max_pixels``; the message names the split and index.
 
         """
         if header.encoding == ENCODING_RAW:
             return self._raw_image(index, header, data)
+        if header.encoding != ENCODING_JPEG:
+            return np.array(self._pil_image(index, header, data))  # writable, as decoded JPEGs are
+        self._check_frame(index, header, data)
         try:
-            if header.encoding == ENCODING_JPEG:
-                image = simplejpeg.decode_jpeg(data, "RGB", fastdct=fast, fastupsample=fast, buffer=buffer)
-            else:
-                image = np.array(self._pil_image(index, header, data))  # writable, as decoded JPEGs are
-        except (RuntimeError, OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
+            image = simplejpeg.decode_jpeg(data, "RGB", fastdct=fast, fastupsample=fast, buffer=buffer)
+        except (RuntimeError, OSError, ValueError) as err:
             raise CorruptRecordError(f"{self._where(index)}: the image does not decode: {err}") from err
         if image.shape[:2] != (header.height, header.width):
             raise CorruptRecordError(
@@ -226,13 +298,15 @@ class LmdbImageDataset(Dataset):
             )
         return image
 
-    def _pil_image(self, index: int, header: RecordHeader, data: bytearray) -> Image.Image:
+    def _pil_image(self, index: int, header: RecordHeader, data: bytearray | memoryview) -> Image.Image:
         if header.encoding == ENCODING_RAW:
             return Image.fromarray(self._raw_image(index, header, data))
+        self._check_frame(index, header, data)
         try:
-            image = Image.open(io.BytesIO(data))
+            image = Image.open(io.BytesIO(data), formats=[_PIL_FORMATS[header.encoding]])
             image.load()
-            image = image.convert("RGB")
+            if image.mode != "RGB":  # an RGB image is not copied again (PIL holds 4 bytes a pixel)
+                image = image.convert("RGB")
         except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
             raise CorruptRecordError(f"{self._where(index)}: the image does not decode: {err}") from err
         if (image.height, image.width) != (header.height, header.width):

@@ -1,0 +1,146 @@
+"""Hostile images, records and databases, written byte by byte: what a database you did not make may hold.
+
+Shared by the tests of the reader's limits (``tests/test_dataset.py``, ``tests/test_kernel.py``) and the fuzz of
+hostile databases (``tests/test_hostile.py``, whose cases run in ``tests/hostile_script.py``). Imports no torch.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import struct
+import zlib
+from pathlib import Path
+from typing import Any
+
+import lmdb
+import numpy as np
+import simplejpeg
+from PIL import Image
+
+from lightning_fastdata.store.format import (
+    FORMAT_VERSION,
+    HEADER,
+    MAGIC,
+    META_KEY,
+    dump_meta,
+    labels_key,
+    record_key,
+    sources_key,
+)
+
+
+def _segment(marker: int, body: bytes) -> bytes:
+    return b"\xff" + bytes([marker]) + struct.pack(">H", len(body) + 2) + body
+
+
+def gray_jpeg(height: int, width: int) -> bytes:
+    """A valid baseline greyscale JPEG of any size (mid-grey), a real decompression bomb: 2 bits per 8x8 block.
+
+    Its Huffman tables hold one code each (DC difference 0, end of block), so every block is two zero bits: a
+    16,000 x 16,000 image is 1 MB, and decodes to 768 MB of RGB.
+    """
+    bits = 2 * math.ceil(height / 8) * math.ceil(width / 8)
+    scan = bytes(bits // 8) + (bytes([0xFF >> (bits % 8)]) if bits % 8 else b"")  # padded with one bits
+    one_code = bytes([1] + [0] * 15)  # a single code, of length 1
+    return b"".join(
+        [
+            b"\xff\xd8",
+            _segment(0xDB, b"\x00" + bytes([1] * 64)),
+            _segment(0xC0, struct.pack(">BHHB", 8, height, width, 1) + b"\x01\x11\x00"),
+            _segment(0xC4, b"\x00" + one_code + b"\x00"),  # DC table 0
+            _segment(0xC4, b"\x10" + one_code + b"\x00"),  # AC table 0: end of block
+            _segment(0xDA, b"\x01\x01\x00\x00\x3f\x00"),
+            scan,
+            b"\xff\xd9",
+        ]
+    )
+
+
+def pixels(height: int, width: int, seed: int = 0) -> np.ndarray:
+    """Random RGB pixels."""
+    return np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+
+
+def jpeg(height: int, width: int, seed: int = 0) -> bytes:
+    """A real RGB JPEG of random pixels."""
+    return simplejpeg.encode_jpeg(pixels(height, width, seed), quality=90)
+
+
+def png(height: int, width: int, seed: int = 0) -> bytes:
+    """A real RGB PNG of random pixels."""
+    out = io.BytesIO()
+    Image.fromarray(pixels(height, width, seed)).save(out, format="PNG")
+    return out.getvalue()
+
+
+def claiming(image: bytes, height: int, width: int) -> bytes:
+    """``image`` (a JPEG or a PNG) with its own frame header (SOF, IHDR) claiming ``height`` x ``width``.
+
+    The pixel data is left as it is: a small file that asks its decoder for a huge image.
+    """
+    data = bytearray(image)
+    if data.startswith(b"\x89PNG"):
+        data[16:24] = struct.pack(">II", width, height)
+        data[29:33] = struct.pack(">I", zlib.crc32(bytes(data[12:29])))  # IHDR's own checksum, recomputed
+    else:
+        sof = data.index(b"\xff\xc0")
+        data[sof + 5 : sof + 9] = struct.pack(">HH", height, width)
+    return bytes(data)
+
+
+def record(
+    encoding: int,
+    label: int,
+    height: int,
+    width: int,
+    payload: bytes,
+    magic: bytes = MAGIC,
+    version: int = FORMAT_VERSION,
+) -> bytes:
+    """A record with any header fields, its checksum computed as the reader computes it: only the checks can tell."""
+    crc = zlib.crc32(payload, zlib.crc32(HEADER.pack(MAGIC, FORMAT_VERSION, encoding, label, height, width, 0)))
+    return HEADER.pack(magic, version, encoding, label, height, width, crc) + payload
+
+
+def write_database(
+    path: Path,
+    records: list[bytes | None],
+    classes: list[str],
+    meta: dict[str, Any] | None = None,
+    labels: bytes | None = None,
+    sources: bytes | None = None,
+    split: str = "train",
+    extra: dict[bytes, bytes | None] | None = None,
+) -> Path:
+    """A complete database of one split written with ``lmdb`` directly: ``records`` (``None``: left out), labels
+    0, 1, 2, ... and sources as the writer writes them unless given; ``meta`` overrides the metadata's keys and
+    ``extra`` puts (or, for ``None``, deletes) raw keys last."""
+    n = len(records)
+    label_list = [i % len(classes) for i in range(n)] if classes else []
+    full: dict[str, Any] = {
+        "format_version": FORMAT_VERSION,
+        "complete": True,
+        "classes": classes,
+        "encoding": {"encoding": "jpeg", "short_side": 0, "quality": 90, "keep_original": True},
+        "source": {"path": "elsewhere", "fingerprint": "0"},
+        "splits": {split: {"length": n, "class_counts": np.bincount(label_list, minlength=len(classes)).tolist()}},
+        "writer": "someone else",
+    }
+    full.update(meta or {})
+    env = lmdb.open(str(path), map_size=1 << 28, subdir=True)
+    with env.begin(write=True) as txn:
+        for index, value in enumerate(records):
+            if value is not None:
+                txn.put(record_key(split, index), value)
+        txn.put(labels_key(split), np.asarray(label_list, "<i4").tobytes() if labels is None else labels)
+        txn.put(sources_key(split), json.dumps([f"{i}.jpg" for i in range(n)]).encode() if sources is None else sources)
+        txn.put(META_KEY, dump_meta(full))
+        for key, value in (extra or {}).items():
+            if value is None:
+                txn.delete(key)
+            else:
+                txn.put(key, value)
+    env.close()
+    return path
