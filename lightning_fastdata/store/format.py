@@ -53,6 +53,8 @@ DATA_FILE = "data.mdb"
 REPORT_FILE = "convert_report.json"
 #: in a copy staged from a bucket (:mod:`~lightning_fastdata.store.remote`): its URL and the marker it was staged from
 STAGED_RECORD = "staged.json"
+#: in the working copy of a staging (``.NAME.partial``): the publication it belongs to and the ranges already fetched
+PROGRESS_FILE = "progress.json"
 #: beside ``data.mdb``: the identity of the data file whose LMDB pages were walked without a crash
 VERIFIED_FILE = "verified.json"
 

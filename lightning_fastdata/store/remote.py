@@ -50,7 +50,14 @@ from lightning_fastdata.errors import (
     InvalidArgumentError,
     RemoteStorageError,
 )
-from lightning_fastdata.store.format import DATA_FILE, REPORT_FILE, STAGED_RECORD, partial_path, read_meta
+from lightning_fastdata.store.format import (
+    DATA_FILE,
+    PROGRESS_FILE,
+    REPORT_FILE,
+    STAGED_RECORD,
+    partial_path,
+    read_meta,
+)
 
 if TYPE_CHECKING:
     from fsspec import AbstractFileSystem
@@ -59,8 +66,6 @@ log = logging.getLogger(__name__)
 
 #: the completion marker, uploaded last: a folder without it is not (yet) a database
 MARKER = "published.json"
-#: in a working copy: the publication it belongs to and the ranges already fetched
-PROGRESS_FILE = "progress.json"
 #: the files of a database that are published (``lock.mdb`` and ``verified.json`` belong to one machine)
 PUBLISHED_FILES = (DATA_FILE, REPORT_FILE)
 #: bytes per ranged read. From rclone's S3 server on 2 cores (benchmarks/bench_staging.py, 200 MiB, 4 reads in

@@ -36,6 +36,7 @@ from lightning_fastdata.store.format import (
     DATA_FILE,
     FORMAT_VERSION,
     META_KEY,
+    PROGRESS_FILE,
     REPORT_FILE,
     converter_of,
     converter_record,
@@ -52,7 +53,6 @@ from lightning_fastdata.store.format import (
     record_key,
     sources_key,
 )
-from lightning_fastdata.store.remote import PROGRESS_FILE
 from lightning_fastdata.store.sources import ConversionPlan
 from lightning_fastdata.store.summary import ConversionSummary, SkippedFile, human_bytes
 
