@@ -199,11 +199,11 @@ class FastImageDataModule(LightningDataModule):
             data in ``prepare_data``; ``False``: global rank 0 alone does, while every other rank waits. For a
             ``cache_dir`` that every node shares (docs/ddp.md); with a cache per node, a URL is then staged in
             ``setup`` by the first rank of each other node, but a folder's conversion is not found there.
-        max_pixels: the most pixels a stored image may have (default ``2**26``: 8192 x 8192, 192 MiB decoded), checked
-            against each record's header and the image's own frame header before decoding; a larger one is a bad
-            sample naming its split and index (skipped under ``on_bad_sample="skip"``). It keeps a database you did not
-            make from having the loader decode a decompression bomb; raise it for trusted databases of larger images
-            (``None``: no limit).
+        max_pixels: the most pixels a stored image may have (default 48 MiP: 50,331,648, 8192 x 6144, 144 MiB
+            decoded), checked against each record's header and the image's own frame header before decoding; a
+            larger one is a bad sample naming its split and index (skipped under ``on_bad_sample="skip"``). It keeps
+            a database you did not make from having the loader decode a decompression bomb; raise it for trusted
+            databases of larger images (``None``: no limit).
 
     Example:
         >>> from lightning.pytorch import Trainer

@@ -514,7 +514,7 @@ def test_an_image_over_max_pixels_is_refused_before_it_is_decoded(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, output: str, encoding: int, image: bytes, stored: tuple[int, int]
 ) -> None:
     """An image whose record header or own frame header (JPEG SOF, PNG IHDR) is over ``max_pixels`` (default
-    ``2**26``) is a ``CorruptRecordError`` naming the record, the size, the limit and the argument; nothing is
+    48 MiP) is a ``CorruptRecordError`` naming the record, the size, the limit and the argument; nothing is
     decoded (a 4 MB record decoded to 16,000 x 16,000 pixels grew the process by 734 MiB)."""
     db = hostile.write_database(
         tmp_path / "db",
@@ -530,7 +530,7 @@ def test_an_image_over_max_pixels_is_refused_before_it_is_decoded(
     assert re.match(
         rf"split 'train' index 1 of {re.escape(repr(str(db)))}: the image is \d+x\d+ \([\d,]+ pixels\)", message
     )
-    assert "over `max_pixels` (67,108,864)" in message
+    assert "over `max_pixels` (50,331,648)" in message
     assert "raise `max_pixels`" in message
     assert "\n" not in message
 

@@ -13,6 +13,7 @@ from lightning.pytorch.cli import LightningCLI
 
 from lightning_fastdata import CorruptRecordError, FastImageDataModule, InvalidArgumentError, make_image_folder
 from lightning_fastdata.cli import lightning_cli, main
+from lightning_fastdata.store.reader import DEFAULT_MAX_PIXELS
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "examples" / "configs").glob("*.yaml"))
@@ -328,7 +329,7 @@ def test_prepare_data_per_node_is_a_cli_argument() -> None:
 def test_max_pixels_is_a_cli_argument_that_reaches_the_datasets(database: Path) -> None:
     """`--data.max_pixels N` reaches the DataModule and the datasets it builds, which refuse larger images."""
     config = ["--config", "examples/configs/cpu.yaml", "--data.data_dir", str(database)]
-    assert lightning_cli(config, run=False).datamodule.max_pixels == 2**26
+    assert lightning_cli(config, run=False).datamodule.max_pixels == DEFAULT_MAX_PIXELS
     cli = lightning_cli([*config, "--data.max_pixels", "100"], run=False)
     dataset = cli.datamodule.build_dataset("train", None)
     assert dataset.max_pixels == 100

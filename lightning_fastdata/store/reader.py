@@ -39,9 +39,10 @@ from lightning_fastdata.store.format import (
 
 Output = Literal["tensor", "pil", "encoded"]
 
-#: the most pixels a record may decode to by default: 8192 x 8192, 192 MiB of RGB, more than a 61 MP camera's photos;
-#: a database you did not make cannot ask a reader for more memory than this per image (decompression bombs).
-DEFAULT_MAX_PIXELS = 2**26
+#: the most pixels a record may decode to by default: 48 MiP (50,331,648: 8192 x 6144), as much as a 50 MP camera's
+#: photos (8688 x 5792); a database you did not make cannot ask a reader for more memory than this per image
+#: (decompression bombs): 144 MiB decoded as RGB, 240 MiB as a greyscale JPEG that PIL converts to RGB.
+DEFAULT_MAX_PIXELS = 3 * 2**24
 #: the only format PIL may read a record of each encoding as (none of its other, rarer, decoders)
 _PIL_FORMATS = {ENCODING_JPEG: "JPEG", ENCODING_PNG: "PNG"}
 _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -85,11 +86,11 @@ class LmdbImageDataset(Dataset):
             :class:`~lightning_fastdata.FastImageDataModule` does (its ``build_dataset`` sets it, so a transform of
             one's own sees the same pixels as the built-in path): about 14% less time, and about a grey level darker on
             average than the accurate decode of PIL and torchvision, which ``False`` (the default) matches.
-        max_pixels: the most pixels an image may have (default ``2**26``: 8192 x 8192, 192 MiB decoded). Checked
-            against the record header when a record is read and against the image's own frame header (JPEG SOF, PNG
-            IHDR) before it is decoded; a larger image is a :class:`~lightning_fastdata.CorruptRecordError` naming it
-            (skipped under ``on_bad_sample="skip"``), so a database you did not make cannot have a reader decode a
-            decompression bomb. Raise it for trusted databases of larger images; ``None``: no limit.
+        max_pixels: the most pixels an image may have (default 48 MiP: 50,331,648, 8192 x 6144, 144 MiB decoded).
+            Checked against the record header when a record is read and against the image's own frame header (JPEG
+            SOF, PNG IHDR) before it is decoded; a larger image is a :class:`~lightning_fastdata.CorruptRecordError`
+            naming it (skipped under ``on_bad_sample="skip"``), so a database you did not make cannot have a reader
+            decode a decompression bomb. Raise it for trusted databases of larger images; ``None``: no limit.
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
