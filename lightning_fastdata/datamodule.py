@@ -267,6 +267,13 @@ class FastImageDataModule(LightningDataModule):
             "the cache must be a local folder: its databases are memory-mapped. Pass a folder on the node's local disk",
         )
         self.save_hyperparameters()
+        shown = remote.redact_url(data_dir) if isinstance(data_dir, str) else data_dir
+        if shown != data_dir:  # the loggers' hyperparameters and the checkpoints never hold a URL's secrets
+            self.save_hyperparameters({**self.hparams, "data_dir": shown})
+            rank_zero_info(
+                f"`data_dir` {shown!r} carries credentials or a signed query: they are left out of the saved"
+                " hyperparameters and checkpoints (pass `data_dir` again to load from one)."
+            )
         self.data_dir = data_dir
         self.cache_dir = cache_dir
         self.image_size = image_size

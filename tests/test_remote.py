@@ -783,6 +783,21 @@ def test_credentials_in_a_url_appear_in_no_error_log_progress_bar_record_or_name
     assert [text for text in shown if "s3cr3t" in text or "reader" in text or "t0ken" in text] == []
 
 
+def test_a_urls_secrets_stay_out_of_the_saved_hyperparameters(tmp_path: Path, caplog: pytest.LogCaptureFixture):
+    """What the loggers log (``hparams_initial``) and checkpoints keep (``hparams``) holds ``data_dir`` without its
+    user-info and query; the DataModule still reads the full URL, and a plain URL is saved as it is."""
+    secret = "https://reader:s3cr3t-pw@127.0.0.1:9/data/db.lmdb?X-Amz-Signature=t0ken"
+    with caplog.at_level(logging.INFO):
+        dm = FastImageDataModule(secret, cache_dir=str(tmp_path), num_workers=0)
+    assert dm.data_dir == secret
+    assert dm.hparams["data_dir"] == dm.hparams_initial["data_dir"] == "https://127.0.0.1:9/data/db.lmdb"
+    saved = f"{dict(dm.hparams)} {dict(dm.hparams_initial)} {caplog.text}"
+    assert [word for word in ("s3cr3t", "t0ken", "reader") if word in saved] == []
+    assert dm.hparams["batch_size"] == dm.batch_size  # the other arguments are saved as before
+    plain = FastImageDataModule("s3://bucket/db.lmdb", cache_dir=str(tmp_path), num_workers=0)
+    assert plain.hparams["data_dir"] == plain.hparams_initial["data_dir"] == "s3://bucket/db.lmdb"
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Data you did not make: what a bucket (its marker, its bytes) and the cache folder hold is checked before it is used
 # ---------------------------------------------------------------------------------------------------------------
