@@ -1180,6 +1180,26 @@ def test_list_file_numeric_labels_and_missing_columns(tmp_path):
         _run(src, tmp_path / "db2")
 
 
+@pytest.mark.parametrize("label", ["3000000000", str(2**20 + 2)])
+def test_a_list_files_class_index_is_checked_before_a_class_is_made_for_each(tmp_path, label):
+    """A numeric label far beyond the rows (a hostile or mistyped list) is one error, not billions of class names."""
+    _tree(tmp_path / "images", {"x": 2})
+    src = tmp_path / "list.csv"
+    src.write_text(f"path,label\nimages/x/0.jpg,0\nimages/x/1.jpg,{label}\n")
+    with pytest.raises(SourceLayoutError, match=rf"the label {label} read as a class index makes [\d,]+ classes for 2"):
+        _run(src, tmp_path / "db")
+    assert not (tmp_path / "db").exists()
+
+
+def test_a_list_files_digits_that_are_not_ascii_are_class_names(tmp_path):
+    """Labels such as ``²`` (a digit to ``str.isdigit``, not to ``int``) are class names, not a crash."""
+    _tree(tmp_path / "images", {"x": 2})
+    src = tmp_path / "list.csv"
+    src.write_text("path,label\nimages/x/0.jpg,\u00b2\nimages/x/1.jpg,1\n", encoding="utf-8")
+    _run(src, tmp_path / "db")
+    assert LmdbImageDataset(tmp_path / "db").classes == ["1", "\u00b2"]
+
+
 @pytest.mark.parametrize(
     ("labels", "classes", "targets"), [("cat,,dog", ["cat", "dog"], [0, 1]), ("0,,1", ["0", "1"], [0, 1])]
 )

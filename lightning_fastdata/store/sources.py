@@ -44,6 +44,10 @@ SPLIT_ALIASES = {
 #: Files accepted as a list source: ``path,label`` rows (CSV with a header) or a JSON list of objects.
 LIST_EXTENSIONS = (".csv", ".json")
 
+#: how far a list file's numeric labels (class indices) may exceed its rows: a class name is made for every index up to
+#: the largest, so a label of 3000000000 would otherwise ask for 3 billion of them (the subset of a larger label set
+#: still fits: ImageNet-21k's 21,841 classes for a list of any length)
+_SPARE_CLASS_INDICES = 2**20
 _LAYOUT_HELP = """Expected an ImageFolder tree:
     SRC/<class_a>/<image>.jpg
     SRC/<class_b>/<image>.png
@@ -404,8 +408,16 @@ def scan_list(src: Path) -> ConversionPlan:
     labels = [str(row.get("label", "")).strip() for row in rows]
     # the classes of the rows that are kept: a row without a path or a label is skipped, and is no class `''`
     named = [label for row, label in zip(rows, labels, strict=True) if label and str(row.get("path") or "").strip()]
-    if named and all(label.isdigit() for label in named):  # numeric labels keep their value as the class index
-        classes = [str(i) for i in range(max(int(label) for label in named) + 1)]
+    # numeric labels keep their value as the class index (ASCII digits: `'²'.isdigit()` too, but int() refuses it)
+    if named and all(label.isascii() and label.isdigit() for label in named):
+        top = max(int(label) for label in named)
+        if top >= len(named) + _SPARE_CLASS_INDICES:  # checked before a class name is made for every index below it
+            raise SourceLayoutError(
+                f"`src` {str(src)!r}: the label {top} read as a class index makes {top + 1:,} classes for"
+                f" {len(named):,} row(s); class indices may exceed the rows by {_SPARE_CLASS_INDICES:,} at most."
+                " Number the classes from 0, or label the rows with class names."
+            )
+        classes = [str(i) for i in range(top + 1)]
         index = {label: int(label) for label in named}
     else:
         classes = sorted(set(named))
