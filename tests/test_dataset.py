@@ -9,6 +9,7 @@ import shutil
 import stat
 import zlib
 from pathlib import Path
+from typing import Any
 
 import hostile
 import lmdb
@@ -490,12 +491,20 @@ def test_classic_pil_transform_error_points_to_output_pil(database):
 
 
 def _no_decode(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Make any decode of pixels (libjpeg-turbo, or PIL's load) fail the test: the checks must come before it."""
+    """Make PIL's decode of pixels fail the test (the checks must come before it), and libjpeg-turbo's unless it is
+    given the memory to decode into, no more than the record header declares: it reads the JPEG's own frame header
+    and refuses a larger image before it decodes a pixel (``buffer is too small``)."""
+    decode_jpeg = reader.simplejpeg.decode_jpeg
 
     def decoded(*args: object, **kwargs: object) -> None:
         raise AssertionError("the image was decoded")
 
-    monkeypatch.setattr(reader.simplejpeg, "decode_jpeg", decoded)
+    def into_the_records_size(data: Any, *args: Any, buffer: Any = None, **kwargs: Any) -> Any:
+        if buffer is None or buffer.nbytes > 3 * 48 * 64:  # the records that lie declare 48 x 64
+            raise AssertionError(f"decoded into {None if buffer is None else buffer.nbytes} bytes")
+        return decode_jpeg(data, *args, buffer=buffer, **kwargs)
+
+    monkeypatch.setattr(reader.simplejpeg, "decode_jpeg", into_the_records_size)
     monkeypatch.setattr(ImageFile.ImageFile, "load", decoded)
 
 

@@ -278,6 +278,11 @@ class LmdbImageDataset(Dataset):
         ``height * width * 3`` bytes); ``fast`` uses its fast DCT and upsampling (see ``fast_decode``). Raw records are
         a view of ``data``.
 
+        A JPEG decodes into exactly the ``height * width * 3`` bytes its record header declares (checked against
+        ``max_pixels`` when the record was read): libjpeg-turbo reads the JPEG's own frame header first and refuses a
+        larger image before it decodes a pixel, so a decompression bomb costs no memory and no separate look at its
+        frame header per image; :meth:`_check_frame` only explains a failure.
+
         Raises:
             CorruptRecordError: the bytes do not decode to the stored size, or their frame header is over
                 ``max_pixels``; the message names the split and index.
@@ -287,12 +292,15 @@ class LmdbImageDataset(Dataset):
             return self._raw_image(index, header, data)
         if header.encoding != ENCODING_JPEG:
             return np.array(self._pil_image(index, header, data))  # writable, as decoded JPEGs are
-        self._check_frame(index, header, data)
+        nbytes = header.height * header.width * 3
+        out = np.empty(nbytes, dtype=np.uint8) if buffer is None else buffer[:nbytes]
         try:
-            image = simplejpeg.decode_jpeg(data, "RGB", fastdct=fast, fastupsample=fast, buffer=buffer)
+            image = simplejpeg.decode_jpeg(data, "RGB", fastdct=fast, fastupsample=fast, buffer=out)
         except (RuntimeError, OSError, ValueError) as err:
+            self._check_frame(index, header, data)  # a frame header over `max_pixels` or unlike the record's says so
             raise CorruptRecordError(f"{self._where(index)}: the image does not decode: {err}") from err
         if image.shape[:2] != (header.height, header.width):
+            self._check_frame(index, header, data)
             raise CorruptRecordError(
                 f"{self._where(index)}: decoded size {image.shape[:2]} differs from the stored"
                 f" {(header.height, header.width)}"
