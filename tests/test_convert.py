@@ -1397,13 +1397,17 @@ def test_a_planted_lock_file_is_refused_and_never_written_through(split_folder, 
 
 
 # A conversion through the command line whose pool workers block on their first image, until the test interrupts or
-# kills it; the file `ready` appears once a worker blocks (the pool inherits the patch through fork)
+# kills it; the file `ready` appears once a worker blocks (the pool inherits the patch through fork). Ctrl-C is
+# handled as in a terminal even where the suite runs with SIGINT ignored (a shell's background job), which the child
+# would inherit
 _BLOCKED_CONVERSION = textwrap.dedent(
     """
-    import sys, time
+    import signal, sys, time
     from pathlib import Path
     from lightning_fastdata.cli import main
     from lightning_fastdata.store import encode
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
     ready = Path(sys.argv[1])
 
