@@ -1179,3 +1179,125 @@ def test_a_range_counts_as_done_only_once_its_bytes_are_on_disk(
     assert ("record", remote.STAGED_RECORD) in [e[:2] for e in events[last_write:publish]]
     assert ("sync folder", str(work)) in events[last_write:publish]
     assert ("sync folder", str(tmp_path)) in events[publish:]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A server that ignores ranges, or answers them out of turn: what is hashed is what is published
+# ---------------------------------------------------------------------------------------------------------------
+
+#: what a scripted server sends for a GET of ``(file, range start or None, range end or None)``: (status, body)
+_Answer = Callable[[Path, "int | None", "int | None"], tuple[int, bytes]]
+
+
+class _ScriptedHandler(http.server.BaseHTTPRequestHandler):
+    """Serves the files under ``site`` as ``answer`` says; a 206 is sent with its Content-Range."""
+
+    site: Path
+    answer: _Answer
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+    def do_HEAD(self) -> None:
+        path = self.site / self.path.lstrip("/")
+        self.send_response(200 if path.is_file() else 404)
+        self.send_header("Content-Length", str(path.stat().st_size if path.is_file() else 0))
+        self.end_headers()
+
+    def do_GET(self) -> None:
+        path = self.site / self.path.lstrip("/")
+        if not path.is_file():
+            self.send_response(404)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        asked = re.fullmatch(r"bytes=(\d+)-(\d+)", self.headers.get("Range", ""))
+        start, end = (int(asked[1]), int(asked[2]) + 1) if asked else (None, None)
+        status, body = self.answer(path, start, end)
+        self.send_response(status)
+        if status == 206:
+            self.send_header("Content-Range", f"bytes {start}-{start + len(body) - 1}/{path.stat().st_size}")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        with contextlib.suppress(ConnectionError):  # a client that stopped reading
+            self.wfile.write(body)
+
+
+def _honest(path: Path, start: int | None, end: int | None) -> tuple[int, bytes]:
+    data = path.read_bytes()
+    return (200, data) if start is None else (206, data[start:end])
+
+
+@pytest.fixture
+def scripted_site(tmp_path: Path, database: Path) -> Iterator[tuple[Path, str, Callable[[_Answer], None]]]:
+    """The session database published under a folder served over HTTP as a test scripts it: ``(the database's
+    published folder, its URL, a way to set the answer)``; honest until set."""
+    site = tmp_path / "site"
+    remote.publish(database, (site / "db.lmdb").as_uri(), progress=False)
+    handler = type("Handler", (_ScriptedHandler,), {"site": site, "answer": staticmethod(_honest)})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
+
+    def script(answer: _Answer) -> None:
+        handler.answer = staticmethod(answer)
+
+    yield site / "db.lmdb", f"http://127.0.0.1:{server.server_address[1]}/db.lmdb", script
+    server.shutdown()
+    server.server_close()
+
+
+def _when_hashed(monkeypatch: pytest.MonkeyPatch, size: int, offset: int) -> threading.Event:
+    """An event set once staging has hashed a file of ``size`` bytes up to ``offset``."""
+    hashed, real = threading.Event(), remote._FileHash.advance
+
+    def advance(self: Any, done: set[int]) -> None:
+        real(self, done)
+        if self.size == size and self.offset >= offset:
+            hashed.set()
+
+    monkeypatch.setattr(remote._FileHash, "advance", advance)
+    return hashed
+
+
+@pytest.mark.parametrize("late", ["a whole file altered after range 0 was hashed", "ranges after the whole file"])
+def test_what_a_server_ignoring_ranges_sends_late_is_never_published(
+    scripted_site: tuple[Path, str, Callable[[_Answer], None]],
+    database: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    late: str,
+):
+    """A server that answers range 0 honestly, then sends the whole file with range 0 altered once range 0 is
+    hashed; or that sends the whole file for one range and answers the ranges in flight, altered, once it is all
+    hashed: each range is written once, from the first reply that brings it, so the copy is the publication's."""
+    pytest.importorskip("aiohttp")
+    published, url, script = scripted_site
+    monkeypatch.setattr(remote, "RANGE_SIZE", 8192)
+    monkeypatch.setattr(remote, "READ_THREADS", 4)
+    good = (published / "data.mdb").read_bytes()
+    if late.startswith("a whole file"):
+        hashed = _when_hashed(monkeypatch, len(good), 8192)
+        altered = bytes(b ^ 0xFF for b in good[:8192]) + good[8192:]
+    else:
+        hashed = _when_hashed(monkeypatch, len(good), len(good))
+        altered = bytes(b ^ 0xFF for b in good)
+
+    def answer(path: Path, start: int | None, end: int | None) -> tuple[int, bytes]:
+        if path.name != "data.mdb" or start is None:
+            return _honest(path, start, end)
+        if late.startswith("a whole file"):
+            if start == 0:
+                return 206, good[:end]
+            hashed.wait(10)
+            return 200, altered
+        if start == 8192:
+            return 200, good
+        hashed.wait(10)
+        return 206, altered[start:end]
+
+    script(answer)
+    staged = remote.stage(url, tmp_path / "cache", progress=False, check=False)
+    assert staged.action == "staged"
+    assert hashed.is_set()
+    assert hashlib.sha256((staged.path / "data.mdb").read_bytes()).hexdigest() == hashlib.sha256(good).hexdigest()
+    assert (staged.path / "data.mdb").read_bytes() == (database / "data.mdb").read_bytes()

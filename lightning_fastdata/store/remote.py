@@ -622,25 +622,33 @@ def _fetch_files(
         ]
         lock = threading.Lock()
         reader = _RangeReader(fs, shown)
+        # the ranges written, or being written, from one reply: each range is written once, from the first reply that
+        # brings it, so the bytes hashed (the ranges done, read back) are the bytes published
+        claimed = {name: set(starts) for name, starts in done.items()}
+
+        def settle(name: str, start: int, data: bytes | memoryview) -> int:
+            """Write ``data`` as the range ``start`` of ``name`` unless another reply claimed it; the bytes written."""
+            with lock:
+                if start in claimed[name]:
+                    return 0  # written, or being written, from another reply: these bytes are dropped
+                claimed[name].add(start)
+            _pwrite_all(fds[name], data, start)
+            with lock:
+                done[name].add(start)
+            return len(data)
 
         def fetch(name: str, start: int, end: int) -> int:
             with lock:
-                if start in done[name]:  # fetched with the whole file by a server that ignores ranges
+                if start in claimed[name]:  # written from a whole file a server sent for another range
                     return 0
             data = reader.read(f"{path}/{name}", start, end)
             size = files[name]["size"]
             if len(data) == size and end - start != size:  # a server that ignores ranges sent the whole file
-                os.pwrite(fds[name], data, 0)
-                with lock:
-                    new = size - sum(min(RANGE_SIZE, size - s) for s in done[name])
-                    done[name] = set(range(0, size, RANGE_SIZE))
-                return new
+                view = memoryview(data)
+                return sum(settle(name, s, view[s : s + RANGE_SIZE]) for s in range(0, size, RANGE_SIZE))
             if len(data) != end - start:
                 raise OSError(f"a read of bytes {start}-{end} of {name} returned {len(data)} bytes")
-            os.pwrite(fds[name], data, start)
-            with lock:
-                done[name].add(start)
-            return end - start
+            return settle(name, start, data)
 
         def advance() -> None:
             with lock:
@@ -698,6 +706,16 @@ def _fetch_files(
         for fd in fds.values():
             os.close(fd)
         os.close(folder)
+
+
+def _pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
+    """Write all of ``data`` at ``offset`` of ``fd`` (``os.pwrite`` may write less)."""
+    view = memoryview(data)
+    while view:
+        written = os.pwrite(fd, view, offset)
+        if not written:
+            raise OSError(errno.ENOSPC, f"nothing was written at byte {offset}")
+        view, offset = view[written:], offset + written
 
 
 def _done_ranges(state: dict[str, Any], name: str, size: int) -> set[int]:
