@@ -20,6 +20,7 @@ import socket
 import subprocess
 import sys
 import threading
+import tracemalloc
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -79,25 +80,26 @@ def _fresh_clients() -> None:
 
 def _range_checksum_server(corrupt: bool) -> Any:
     """moto's S3 app (the session server's objects) behind a server that, as Ceph RGW before its 2025 fix and
-    ``rclone serve s3`` do, sends a checksum with every partial range that does not match it; ``corrupt`` also flips
-    the first byte of each such range."""
+    ``rclone serve s3`` do, sends the whole object's checksum with every range, which a range of part of it does not
+    match; ``corrupt`` also flips the first byte of each such range."""
     from moto.moto_server.werkzeug_app import DomainDispatcherApplication, create_backend_app
     from werkzeug.serving import make_server
 
     app = DomainDispatcherApplication(create_backend_app)
 
     def misbehaving(environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
-        partial = environ.get("HTTP_RANGE") not in (None, "bytes=0-")
-        if not partial:
-            return app(environ, start_response)
+        partial = []  # a 206 of part of the object (a range covering it whole, such as the marker's, is not)
 
         def start(status: str, headers: list[tuple[str, str]], *args: Any) -> Any:
-            if status.startswith("206"):
+            sent = {key.lower(): value for key, value in headers}
+            found = re.fullmatch(r"bytes (\d+)-(\d+)/(\d+)", sent.get("content-range", ""))
+            if status.startswith("206") and found and (int(found[1]), int(found[2]) + 1) != (0, int(found[3])):
+                partial.append(True)
                 headers = [*headers, ("x-amz-checksum-crc32", "AAAAAA==")]
             return start_response(status, headers, *args)
 
         body = b"".join(app(environ, start))
-        if corrupt and body:
+        if corrupt and partial and body:
             body = bytes([body[0] ^ 0xFF]) + body[1:]
         return [body]
 
@@ -1219,8 +1221,10 @@ class _ScriptedHandler(http.server.BaseHTTPRequestHandler):
             self.send_header("Content-Range", f"bytes {start}-{start + len(body) - 1}/{path.stat().st_size}")
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
+        view = memoryview(body)  # sent in slices: the server allocates nothing per reply
         with contextlib.suppress(ConnectionError):  # a client that stopped reading
-            self.wfile.write(body)
+            for at in range(0, len(view), 2**16):
+                self.wfile.write(view[at : at + 2**16])
 
 
 def _honest(path: Path, start: int | None, end: int | None) -> tuple[int, bytes]:
@@ -1301,3 +1305,75 @@ def test_what_a_server_ignoring_ranges_sends_late_is_never_published(
     assert hashed.is_set()
     assert hashlib.sha256((staged.path / "data.mdb").read_bytes()).hexdigest() == hashlib.sha256(good).hexdigest()
     assert (staged.path / "data.mdb").read_bytes() == (database / "data.mdb").read_bytes()
+
+
+@contextlib.contextmanager
+def _peak_memory() -> Iterator[list[int]]:
+    """The most bytes Python allocated at once while the block ran, beyond what it held before (tracemalloc)."""
+    peak: list[int] = []
+    tracemalloc.start()
+    try:
+        yield peak
+    finally:
+        peak.append(tracemalloc.get_traced_memory()[1])
+        tracemalloc.stop()
+
+
+@pytest.mark.parametrize("reply", ["the whole file for every range", "a range longer than asked"])
+def test_a_server_ignoring_ranges_costs_a_few_ranges_of_memory_not_the_file(
+    scripted_site: tuple[Path, str, Callable[[_Answer], None]],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    reply: str,
+):
+    """A 32 MiB file sent whole for every ranged read of 256 KiB is staged one range at a time, with no read issued
+    after the first whole reply and the others closed unread; a reply longer than its range is refused unread. Python
+    holds under a quarter of the file at once (tracemalloc: a range per read, and what aiohttp buffers of each reply),
+    where reading each reply whole held the file several times over."""
+    pytest.importorskip("aiohttp")
+    published, url, script = scripted_site
+    remote.stage(url, tmp_path / "warm", progress=False)  # imports and the HTTP session: allocated before the count
+    monkeypatch.setattr(remote, "RANGE_SIZE", 2**18)
+    monkeypatch.setattr(remote, "READ_THREADS", 4)
+    data = random.Random(9).randbytes(2**25)
+    (published / "data.mdb").write_bytes(data)
+    marker = {"files": {"data.mdb": {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}}, "id": "big"}
+    (published / remote.MARKER).write_text(json.dumps(marker))
+    longer = data + b"!"  # a 206 for any range: longer than the range, and than the file
+    reads: list[int | None] = []
+
+    def answer(path: Path, start: int | None, end: int | None) -> tuple[int, bytes]:
+        if path.name != "data.mdb":
+            return _honest(path, start, end)
+        reads.append(start)
+        return (200, data) if reply.startswith("the whole") else (206, longer)
+
+    script(answer)
+    with _peak_memory() as peak:
+        if reply.startswith("the whole"):
+            staged = remote.stage(url, tmp_path / "cache", progress=False, check=False)
+        else:
+            with pytest.raises(
+                RemoteStorageError, match=r"bytes \d+-\d+ of data.mdb with more than 262144 bytes: noth"
+            ):
+                remote.stage(url, tmp_path / "cache", progress=False, check=False)
+    assert peak[0] < len(data) // 4, peak
+    if reply.startswith("the whole"):
+        assert (staged.path / "data.mdb").read_bytes() == data
+        assert len(reads) <= remote.read_threads(), reads
+
+
+def test_a_marker_larger_than_1_mib_is_refused_unread(
+    scripted_site: tuple[Path, str, Callable[[_Answer], None]], tmp_path: Path
+):
+    """A server sending 32 MiB for published.json (whatever the range asked) is refused in one line, having read
+    1 MiB: Python holds under 8 MiB at once (tracemalloc)."""
+    pytest.importorskip("aiohttp")
+    _, url, script = scripted_site
+    remote.stage(url, tmp_path / "warm", progress=False)  # imports and the HTTP session: allocated before the count
+    huge = b" " * 2**25
+    script(lambda path, start, end: (200, huge) if path.name == remote.MARKER else _honest(path, start, end))
+    with _peak_memory() as peak, pytest.raises(RemoteStorageError, match=r"larger than 1048576 bytes") as info:
+        remote.stage(url, tmp_path / "cache", progress=False)
+    assert "nothing was fetched" in _one_line(info.value)
+    assert peak[0] < 2**23, peak

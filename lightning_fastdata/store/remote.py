@@ -81,6 +81,8 @@ READ_THREADS: int | None = None
 #: ``progress.json``; a staging killed meanwhile fetches those seconds' ranges again (0: a record after each range)
 SYNC_SECONDS = 1.0
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+#: the most bytes a marker may hold (it lists two files in a few hundred): a larger one is refused, unread
+MARKER_LIMIT = 2**20
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 #: a URL in a line of text: its scheme, user-info (``user:password@``), the rest, and a query or fragment (a signature)
@@ -280,15 +282,24 @@ def _write_json(path: Path, value: dict[str, Any]) -> None:
 
 
 def _read_marker(fs: AbstractFileSystem, path: str, shown: str) -> dict[str, Any]:
-    """The marker of the database at ``shown``: one request, and checked (:func:`_check_marker`) before any write."""
+    """The marker of the database at ``shown``: one request, and checked (:func:`_check_marker`) before any write.
+
+    One ranged GET of :data:`MARKER_LIMIT` bytes and one more (a whole-object read makes s3fs ask for the size first, a
+    second request); over HTTP no more is read whatever the server sends. A larger marker is refused.
+    """
     with _remote(shown, "reading"):
         try:
-            # `start=0`: one ranged GET; a whole-object read makes s3fs ask for the size first (a second request)
-            raw = fs.cat_file(f"{path}/{MARKER}", start=0)
+            if _reads_http(fs):
+                with _HttpReply(fs, f"{path}/{MARKER}", 0, MARKER_LIMIT + 1) as reply:
+                    raw: bytes | None = bytes(reply.read(MARKER_LIMIT + 1))
+            else:
+                raw = fs.cat_file(f"{path}/{MARKER}", start=0, end=MARKER_LIMIT + 1)
         except FileNotFoundError:
             raw = None
     if raw is None:
         raise _missing_marker(fs, path, shown)
+    if len(raw) > MARKER_LIMIT:
+        raise _not_a_marker(shown, f"larger than {MARKER_LIMIT} bytes, where a marker lists two files in a few hundred")
     try:
         marker = json.loads(raw.decode())
     except (UnicodeDecodeError, ValueError):
@@ -319,10 +330,15 @@ def _check_marker(marker: Any, shown: str) -> None:
             )
     why = _marker_problem(files)
     if why is not None:
-        raise RemoteStorageError(
-            f"{shown}/{MARKER} is not a marker written by lightning_fastdata, or it is damaged ({why}); nothing was"
-            f" fetched. Publish the database again with `lightning-fastdata convert SRC {shown}`."
-        )
+        raise _not_a_marker(shown, why)
+
+
+def _not_a_marker(shown: str, why: str) -> RemoteStorageError:
+    """The error for a marker that lightning_fastdata did not write, or that is damaged (``why``)."""
+    return RemoteStorageError(
+        f"{shown}/{MARKER} is not a marker written by lightning_fastdata, or it is damaged ({why}); nothing was"
+        f" fetched. Publish the database again with `lightning-fastdata convert SRC {shown}`."
+    )
 
 
 def _marker_problem(files: Any) -> str | None:
@@ -637,18 +653,41 @@ def _fetch_files(
                 done[name].add(start)
             return len(data)
 
+        whole: set[str] = set()  # the files a server sent whole, for a ranged read: no more reads are issued for them
+
         def fetch(name: str, start: int, end: int) -> int:
             with lock:
-                if start in claimed[name]:  # written from a whole file a server sent for another range
+                if start in claimed[name] or name in whole:  # written, or coming, from a whole file the server sent
                     return 0
-            data = reader.read(f"{path}/{name}", start, end)
-            size = files[name]["size"]
-            if len(data) == size and end - start != size:  # a server that ignores ranges sent the whole file
-                view = memoryview(data)
-                return sum(settle(name, s, view[s : s + RANGE_SIZE]) for s in range(0, size, RANGE_SIZE))
+            with reader.open(f"{path}/{name}", start, end, files[name]["size"]) as reply:
+                if reply.whole:
+                    return take_whole(name, reply)
+                data = reply.read(end - start + 1)  # one byte more than asked tells a longer reply, unread
             if len(data) != end - start:
-                raise OSError(f"a read of bytes {start}-{end} of {name} returned {len(data)} bytes")
+                got = f"more than {end - start}" if len(data) > end - start else len(data)
+                raise _BadReply(f"answered a read of bytes {start}-{end} of {name} with {got} bytes")
             return settle(name, start, data)
+
+        def take_whole(name: str, reply: _Reply) -> int:
+            """Write from ``reply``, the whole file ``name``, the ranges nobody claimed, holding one range at a time."""
+            with lock:
+                if name in whole:
+                    return 0  # another reply brings the whole file: this one is closed unread
+                whole.add(name)
+            size, new = files[name]["size"], 0
+            for start in range(0, size, RANGE_SIZE):
+                with lock:
+                    if len(claimed[name]) * RANGE_SIZE >= size:  # every range is written, or being written
+                        return new
+                data = reply.read(min(RANGE_SIZE, size - start))
+                if len(data) < min(RANGE_SIZE, size - start):
+                    raise _BadReply(
+                        f"sent {name} whole for a ranged read, but it ends at byte {start + len(data)} of {size}"
+                    )
+                new += settle(name, start, data)
+            if reply.read(1):
+                raise _BadReply(f"sent {name} whole for a ranged read, but it is longer than its {size} bytes")
+            return new
 
         def advance() -> None:
             with lock:
@@ -694,6 +733,12 @@ def _fetch_files(
                     future.cancel()
                 with contextlib.suppress(OSError):  # a full disk may refuse progress.json too: the error says why
                     persist()
+                if isinstance(err, _BadReply):
+                    raise RemoteStorageError(
+                        f"the server of {shown!r} {err}: nothing of that reply was written. Check the server (a ranged"
+                        " read must be answered with those bytes, or with the whole file), then run again: staging"
+                        " resumes where it stopped."
+                    ) from err
                 if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
                     raise _disk_full(err, work, shown) from err
                 if isinstance(err, Exception):
@@ -775,8 +820,19 @@ class _RangeReader:
         self.fs, self.shown = fs, shown
         self._lock = threading.Lock()
 
+    def open(self, path: str, start: int, end: int, size: int) -> _Reply:
+        """The reply to a ranged read of bytes ``start:end`` of ``path``, a file of ``size`` bytes (one GET).
+
+        Over HTTP the reply is read from the connection as it is used (:class:`_HttpReply`); other backends read it
+        whole (``cat_file``), and a reply of ``size`` bytes for a shorter range is then the whole file.
+        """
+        if _reads_http(self.fs):
+            return _HttpReply(self.fs, path, start, end)
+        data = self.read(path, start, end)
+        return _Reply(data, whole=len(data) == size and end - start != size)
+
     def read(self, path: str, start: int, end: int) -> bytes:
-        """Bytes ``start:end`` of ``path`` (one ranged GET)."""
+        """Bytes ``start:end`` of ``path`` (one ranged GET), read whole."""
         fs = self.fs
         try:
             return _read_range(fs, path, start, end)
@@ -795,6 +851,97 @@ class _RangeReader:
                     )
                     self.fs = _without_response_checksums(fs)
             return _read_range(self.fs, path, start, end)
+
+
+class _BadReply(OSError):
+    """A reply that is not what was asked: a range of another length or start, or a whole file of another size."""
+
+
+class _Reply:
+    """The reply to a ranged read, read as it is used; ``whole``: the server ignored the range and sends the whole file.
+
+    This one holds a reply read whole (``cat_file``); :class:`_HttpReply` reads one from the connection.
+    """
+
+    def __init__(self, data: bytes, whole: bool) -> None:
+        self.whole, self._data, self._at = whole, memoryview(data), 0
+
+    def read(self, n: int) -> bytes | bytearray | memoryview:
+        """The next ``n`` bytes of the reply, fewer only where it ends."""
+        chunk = self._data[self._at : self._at + n]
+        self._at += len(chunk)
+        return chunk
+
+    def close(self) -> None:
+        """Let go of the reply, read or not."""
+        self._data = memoryview(b"")
+
+    def __enter__(self) -> _Reply:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _HttpReply(_Reply):
+    """A reply of fsspec's HTTP file system, read from its connection as it is used (aiohttp, on fsspec's loop).
+
+    What is held is what is asked for: a reply longer than asked, or the whole file a server that ignores ranges
+    sends, is never read whole into memory, and a reply closed unread closes its connection. A reply other than 206
+    is the whole file (from byte 0); a 206 must start where asked.
+    """
+
+    def __init__(self, fs: Any, url: str, start: int, end: int) -> None:
+        from fsspec.asyn import sync
+
+        self._fs, self._sync = fs, sync
+        self._response = sync(fs.loop, self._get, url, start, end)
+        self.whole = self._response.status != 206
+        found = re.match(r"bytes (\d+)-", self._response.headers.get("Content-Range", ""))
+        if not self.whole and found is not None and int(found[1]) != start:
+            self.close()
+            raise _BadReply(f"answered a read from byte {start} of {url.rsplit('/', 1)[-1]} with bytes from {found[1]}")
+
+    async def _get(self, url: str, start: int, end: int) -> Any:
+        session = await self._fs.set_session()
+        options = dict(self._fs.kwargs)
+        options["headers"] = {**options.get("headers", {}), "Range": f"bytes={start}-{end - 1}"}
+        response = await session.get(self._fs.encode_url(url), **options)
+        try:
+            self._fs._raise_not_found_for_status(response, url)
+        except BaseException:
+            response.close()
+            raise
+        return response
+
+    async def _read(self, n: int) -> bytearray:
+        data, got = bytearray(n), 0  # filled in place: ``n`` bytes held, and one chunk of 64 KiB
+        with memoryview(data) as view:
+            while got < n and (chunk := await self._response.content.read(min(n - got, 2**16))):
+                view[got : got + len(chunk)] = chunk
+                got += len(chunk)
+        del data[got:]
+        return data
+
+    def read(self, n: int) -> bytearray:
+        """The next ``n`` bytes of the reply, fewer only where it ends."""
+        return self._sync(self._fs.loop, self._read, n)  # type: ignore[no-any-return]
+
+    async def _close(self) -> None:
+        if self._response.content.at_eof():
+            self._response.release()  # read to its end: the connection serves the next read
+        else:
+            self._response.close()  # the rest is never read
+
+    def close(self) -> None:
+        """Let go of the reply; one not read to its end closes its connection."""
+        self._sync(self._fs.loop, self._close)
+
+
+def _reads_http(fs: AbstractFileSystem) -> bool:
+    """Whether ``fs`` is fsspec's HTTP file system, whose replies :class:`_HttpReply` reads as they are used."""
+    protocols = (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
+    return "http" in protocols and hasattr(fs, "set_session")
 
 
 def _without_response_checksums(fs: AbstractFileSystem) -> AbstractFileSystem:
