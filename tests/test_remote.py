@@ -1377,3 +1377,13 @@ def test_a_marker_larger_than_1_mib_is_refused_unread(
         remote.stage(url, tmp_path / "cache", progress=False)
     assert "nothing was fetched" in _one_line(info.value)
     assert peak[0] < 2**23, peak
+
+
+def test_a_marker_nested_too_deep_is_refused_in_one_line(tmp_path: Path):
+    """A published.json of 100,000 nested arrays is refused as not a marker, in one line, not a RecursionError."""
+    site = tmp_path / "site" / "db.lmdb"
+    site.mkdir(parents=True)
+    (site / remote.MARKER).write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(RemoteStorageError, match=r"is not a marker written by .* \(JSON nested too deep\)") as info:
+        remote.stage(site.as_uri(), tmp_path / "cache", progress=False)
+    assert "nothing was fetched" in _one_line(info.value)

@@ -263,7 +263,7 @@ class StagedDatabase:
 def _read_json(path: Path) -> dict[str, Any] | None:
     try:
         value = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, ValueError):
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
         return None
     return value if isinstance(value, dict) else None
 
@@ -304,6 +304,8 @@ def _read_marker(fs: AbstractFileSystem, path: str, shown: str) -> dict[str, Any
         marker = json.loads(raw.decode())
     except (UnicodeDecodeError, ValueError):
         marker = None
+    except RecursionError:  # arrays or objects nested deeper than the interpreter's stack
+        raise _not_a_marker(shown, "JSON nested too deep") from None
     _check_marker(marker, shown)
     return marker  # type: ignore[no-any-return]
 
