@@ -732,20 +732,77 @@ def test_the_cli_logs_its_own_lines_not_botos(published: str, tmp_path: Path):
     assert "Found endpoint" not in proc.stderr
 
 
+#: URLs with no user-info (and over HTTP no query): each is staged where it was before user-info and queries were cut
+#: from names; fsspec reads ``?`` and ``#`` as part of the path but for http(s)
+_PLAIN_URLS = (
+    "s3://bucket/imagenet.lmdb",
+    "gs://b/x/y.lmdb/",
+    "https://host:8443/data/db.lmdb",
+    "http://[::1]:9000/db.lmdb",
+    "file:///d/db",
+    "file:///data/run#1/db.lmdb",
+    "file:///data/run#2/db.lmdb",
+    "file:///data/run?x=1/db.lmdb",
+    "file:///data/it's@home/db.lmdb",
+    "s3://bucket/exp?a/db.lmdb",
+    "s3://bucket/exp?b/db.lmdb",
+    "az://container/runs#3/db.lmdb",
+)
+
+
 def test_a_plain_urls_cache_folder_keeps_its_name_and_secrets_never_make_one(tmp_path: Path):
-    """Plain URLs are staged where they always were; user-info and a query (a signature) are no part of the name."""
-    for url in ("s3://bucket/imagenet.lmdb", "gs://b/x/y.lmdb/", "https://host:8443/data/db.lmdb", "file:///d/db"):
+    """Plain URLs, ``?`` and ``#`` in a file:// or s3:// path included, are staged where they always were, each in a
+    folder of its own; user-info and an HTTP query (a signature) are no part of the name."""
+    for url in _PLAIN_URLS:
         clean = url.rstrip("/")
         digest = hashlib.sha256(json.dumps(["remote", clean]).encode()).hexdigest()[:10]
         name = clean.rsplit("/", 1)[-1].removesuffix(".lmdb")
-        assert remote.staged_path(url, tmp_path) == tmp_path / f"{name}-{digest}.lmdb"
+        assert remote.staged_path(url, tmp_path) == tmp_path / f"{name}-{digest}.lmdb", url
         assert remote.redact_url(url) == url
+    assert len({remote.staged_path(url, tmp_path) for url in _PLAIN_URLS}) == len(_PLAIN_URLS)
     signed = "https://reader:pa%40ss@host:8443/data/db.lmdb?X-Amz-Signature=abc&X-Amz-Credential=AKIA#frag"
     assert remote.redact_url(signed) == "https://host:8443/data/db.lmdb"
     assert remote.staged_path(signed, tmp_path) == remote.staged_path("https://host:8443/data/db.lmdb", tmp_path)
-    assert remote.redact_url("GET 'https://u:p@h/x?sig=1' failed, see s3://b/k?versionId=2.") == (
-        "GET 'https://h/x' failed, see s3://b/k"
+    assert remote.redact_text("GET 'https://u:p@h/x?sig=1' failed, see s3://u:p@b/k?versionId=2.") == (
+        "GET 'https://h/x' failed, see s3://b/k?versionId=2."
     )
+
+
+def test_two_file_urls_that_differ_after_a_hash_sign_are_staged_apart(database: Path, tmp_path: Path):
+    """``file://.../run#1/db.lmdb`` and ``.../run#2/db.lmdb`` (two folders to fsspec) stage into two copies: neither
+    replaces the other, and each is found as its own."""
+    urls = [(tmp_path / f"run#{k}" / "db.lmdb").as_uri().replace("%23", "#") for k in (1, 2)]
+    for url in urls:
+        remote.publish(database, url, progress=False)
+    cache = tmp_path / "cache"
+    first, second = (remote.stage(url, cache, progress=False) for url in urls)
+    assert (first.action, second.action) == ("staged", "staged")
+    assert first.path != second.path
+    assert [remote.find_staged(url, cache) for url in urls] == [first.path, second.path]
+    assert remote.stage(urls[0], cache, progress=False).action == "reused"
+    marker = json.loads((tmp_path / "run#1" / "db.lmdb" / remote.MARKER).read_text())
+    assert json.loads((first.path / remote.STAGED_RECORD).read_text())["marker"] == marker
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("https://user:pa'ss@host/db.lmdb", "https://host/db.lmdb"),
+        ('https://user:p"w@host/db.lmdb', "https://host/db.lmdb"),
+        ("s3://AKIAX:se'cret@bucket/db.lmdb", "s3://bucket/db.lmdb"),
+        ("https://u:p@[::1]:8080/db?sig=1", "https://[::1]:8080/db"),
+        ("https://u%40x:p%2F@host/db", "https://host/db"),
+        ("https://a@b:c@host:1/a@b/db.lmdb", "https://host:1/a@b/db.lmdb"),
+        ("https://host/it's/db.lmdb?X-Amz-Signature=SE'CRET", "https://host/it's/db.lmdb"),
+        ("file://me:pw@/data/run#1/db.lmdb", "file:///data/run#1/db.lmdb"),
+    ],
+)
+def test_user_info_with_quotes_or_brackets_is_cut_from_a_url_and_from_text(tmp_path: Path, url: str, shown: str):
+    """User-info is all of the authority up to its last ``@`` whatever it holds (a quote, a ``"``), host, port and IPv6
+    brackets stay; alone or in a line of text, the URL is shown without it, and names the folder it would."""
+    assert remote.redact_url(url) == shown
+    assert remote.staged_path(url, tmp_path) == remote.staged_path(shown, tmp_path)
+    assert remote.redact_text(f"GET '{url}' failed: 403 ({url}).") == f"GET '{shown}' failed: 403 ({shown})."
 
 
 def test_credentials_in_a_url_appear_in_no_error_log_progress_bar_record_or_name(

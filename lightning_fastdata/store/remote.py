@@ -85,8 +85,14 @@ _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 MARKER_LIMIT = 2**20
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
-#: a URL in a line of text: its scheme, user-info (``user:password@``), the rest, and a query or fragment (a signature)
-_URL = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?:[^/?#\s'\"]*@)?(?P<rest>[^?#\s'\"]*)(?:[?#][^\s'\"]*)?")
+#: the schemes whose query and fragment are not part of the path: HTTP's, where a query holds a signature or a token.
+#: fsspec keeps ``?`` and ``#`` in the path for every other scheme (``file:///data/run#1``, ``s3://bucket/exp?a``)
+_QUERY_SCHEMES = ("http", "https")
+#: a URL in a line of text: its scheme, user-info (everything from ``//`` to the last ``@`` before the first ``/``),
+#: its path, and a query or fragment, up to the next blank
+_URL = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*)://(?:[^/\s]*@)?(?P<path>[^?#\s]*)(?P<query>[?#]\S*)?")
+#: what ends a query in a line of text but belongs to the text: closing quotes and brackets, punctuation
+_QUERY_END = re.compile(r"[\'\")\]>},.;:]*$")
 #: the largest file a marker may list (1 EiB): beyond it a size is not a database's, and beyond what ``ftruncate`` takes
 _MAX_SIZE = 2**60
 _SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
@@ -118,13 +124,37 @@ def is_url(path: str | os.PathLike[str] | None) -> bool:
 
 
 def redact_url(url: str) -> str:
-    """``url`` as it may be shown, logged, recorded or used as a name: without user-info and query.
+    """``url`` as it may be shown, logged, recorded or used as a name: without user-info, and over HTTP without query.
 
-    ``https://user:password@host/db.lmdb?signature=...`` becomes ``https://host/db.lmdb``; a plain URL is returned
-    as it is. Applied to a line of text (an error from a backend), it does the same to every URL in it. The full URL
-    is still the one used to read.
+    ``https://user:pa'ss@[::1]:8443/db.lmdb?signature=...#x`` becomes ``https://[::1]:8443/db.lmdb``. The user-info is
+    all of the authority (what follows ``//``, up to the first ``/``) to its last ``@``. A query and a fragment are cut
+    only from ``http(s)://`` URLs: fsspec reads ``?`` and ``#`` as part of the path for every other scheme
+    (``file:///data/run#1/db.lmdb`` is a folder ``run#1``), so they stay. A plain URL, and a local path, are returned as
+    they are. The full URL is still the one used to read; :func:`redact_text` does the same to a line of text.
     """
-    return _URL.sub(r"\g<scheme>\g<rest>", url)
+    found = _SCHEME.match(url)
+    if found is None:
+        return url
+    rest = url[found.end() :]
+    if found[1].lower() in _QUERY_SCHEMES:
+        rest = re.split(r"[?#]", rest, maxsplit=1)[0]
+    authority, slash, path = rest.partition("/")
+    return f"{url[: found.end()]}{authority.rpartition('@')[2]}{slash}{path}"
+
+
+def redact_text(text: str) -> str:
+    """``text`` (an error from a backend) with every URL in it redacted as :func:`redact_url` does.
+
+    A URL in text ends at the next blank; the closing quotes, brackets and punctuation after a query cut from it stay.
+    """
+
+    def redact(found: re.Match[str]) -> str:
+        query = found["query"] or ""
+        if found["scheme"].lower() in _QUERY_SCHEMES:
+            query = _QUERY_END.search(query)[0]  # type: ignore[index]
+        return f"{found['scheme']}://{found['path']}{query}"
+
+    return _URL.sub(redact, text)
 
 
 def check_local(path: str | os.PathLike[str] | None, argument: str, why: str) -> None:
@@ -166,7 +196,7 @@ def filesystem(url: str, argument: str = "data_dir") -> tuple[AbstractFileSystem
         ) from None
     except ValueError as err:
         raise RemoteStorageError(
-            f"`{argument}` {shown!r}: fsspec cannot open {scheme}:// URLs ({redact_url(str(err))}). Pass an s3://,"
+            f"`{argument}` {shown!r}: fsspec cannot open {scheme}:// URLs ({redact_text(str(err))}). Pass an s3://,"
             " gs://, az://, https:// or file:// URL, or a local path."
         ) from None
     return fs, path.rstrip("/")
@@ -175,8 +205,9 @@ def filesystem(url: str, argument: str = "data_dir") -> tuple[AbstractFileSystem
 def staged_path(url: str, root: Path) -> Path:
     """Where ``url`` is staged under the cache folder ``root``: ``<name>-<digest of the URL>.lmdb``.
 
-    Of the URL without user-info and query (:func:`redact_url`): no secret becomes part of a name, and a URL signed
-    again (a new query) is still the same copy.
+    Of the URL without user-info, and over HTTP without query (:func:`redact_url`): no secret becomes part of a name,
+    and a URL signed again (a new query) is still the same copy; two paths that differ only after a ``?`` or ``#``
+    (``file:///data/run#1/db.lmdb``, ``.../run#2/db.lmdb``) are two copies. A plain URL's name is the one it always had.
     """
     clean = redact_url(url).rstrip("/")
     name = clean.rsplit("/", 1)[-1].removesuffix(".lmdb") or "database"
@@ -196,7 +227,7 @@ def _remote_error(err: BaseException, url: str, doing: str) -> RemoteStorageErro
     """
     scheme, url = _scheme(url), redact_url(url)
     names = {cls.__name__ for cls in type(err).__mro__}
-    detail = redact_url(str(err).strip().splitlines()[0]) if str(err).strip() else type(err).__name__
+    detail = redact_text(str(err).strip().splitlines()[0]) if str(err).strip() else type(err).__name__
     where = _CREDENTIALS.get(scheme, "the credentials your fsspec backend reads")
     if names & {"NoCredentialsError", "PartialCredentialsError", "DefaultCredentialsError"}:
         return RemoteStorageError(f"no credentials found for {url!r} while {doing} it ({detail}). Set {where}.")
@@ -849,7 +880,7 @@ class _RangeReader:
                         " servers send the whole object's checksum with every range. Staging goes on without"
                         " botocore's response checks; each file's SHA-256 is checked against the marker, as always.",
                         self.shown,
-                        redact_url(str(err)),
+                        redact_text(str(err)),
                     )
                     self.fs = _without_response_checksums(fs)
             return _read_range(self.fs, path, start, end)
