@@ -1127,18 +1127,25 @@ du -sb "$2"
 """
 
 
-def test_staging_onto_a_disk_too_small_says_what_it_needs_in_one_line(published: str, tmp_path: Path):
-    """A cache on a 64 KiB disk: `stage` fetches nothing and says, in one `error:` line, how much it needs and how
-    much is free (no traceback)."""
+def _on_a_small_disk(script: str, size: str, folder: Path, url: str) -> subprocess.CompletedProcess[str]:
+    """Run the shell ``script`` with the arguments SIZE FOLDER PYTHON URL in a private mount namespace (``unshare
+    -rm``); skips the test where none can be made, or where the script could not mount its disk (exit 97)."""
     unshare = shutil.which("unshare")
     if unshare is None or subprocess.run([unshare, "-rm", "true"], capture_output=True).returncode != 0:
         pytest.skip("needs unprivileged user and mount namespaces (`unshare -rm`) to mount a small disk")
-    cache = tmp_path / "cache"
-    cache.mkdir()
-    cmd = [unshare, "-rm", "sh", "-c", _SMALL_DISK, "sh", "64k", str(cache), sys.executable, published]
+    folder.mkdir()
+    cmd = [unshare, "-rm", "sh", "-c", script, "sh", size, str(folder), sys.executable, url]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     if proc.returncode == 97:
         pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
+    return proc
+
+
+def test_staging_onto_a_disk_too_small_says_what_it_needs_in_one_line(published: str, tmp_path: Path):
+    """A cache on a 64 KiB disk: `stage` fetches nothing and says, in one `error:` line, how much it needs and how
+    much is free (no traceback)."""
+    cache = tmp_path / "cache"
+    proc = _on_a_small_disk(_SMALL_DISK, "64k", cache, published)
     assert "Traceback" not in proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(lines) == 1, proc.stderr
@@ -1149,6 +1156,72 @@ def test_staging_onto_a_disk_too_small_says_what_it_needs_in_one_line(published:
     ), lines[0]
     assert "exit 2" in proc.stdout
     assert int(proc.stdout.split("\n")[1].split()[0]) < 8192  # the lock and progress.json: no data was written
+
+
+# Stages URL into a cache on a tmpfs of SIZE in a private mount namespace, range 16384 of data.mdb altered on its first
+# read (so data.mdb is fetched again after its SHA-256 did not match); prints what staging did (exit 97: no mount)
+_REFETCH_ON_A_SMALL_DISK = """
+mount -t tmpfs -o "size=$1" tmpfs "$2" || exit 97
+"$3" - "$4" "$2" <<'END'
+import sys
+from lightning_fastdata.store import remote
+remote.RANGE_SIZE, real, seen = 16384, remote._read_range, []
+def altered_once(fs, path, start, end):
+    data = real(fs, path, start, end)
+    if path.endswith("data.mdb") and start == 16384 and not seen:
+        seen.append(start)
+        data = bytes([data[0] ^ 1]) + data[1:]
+    return data
+remote._read_range = altered_once
+try:
+    print("action", remote.stage(sys.argv[1], sys.argv[2], progress=False, check=False).action)
+except Exception as err:
+    print(type(err).__name__, err)
+END
+"""
+
+
+def test_fetching_a_file_again_counts_the_space_it_already_holds(database: Path, tmp_path: Path):
+    """A cache on a 200 KiB disk holding the 132 KiB data.mdb whose SHA-256 did not match: fetching it again overwrites
+    its blocks, so it needs no more space, and staging publishes the publication's bytes."""
+    url = (tmp_path / "site" / "db.lmdb").as_uri()
+    remote.publish(database, url, progress=False)
+    proc = _on_a_small_disk(_REFETCH_ON_A_SMALL_DISK, "200k", tmp_path / "cache", url)
+    assert proc.stdout.strip() == "action staged", proc.stdout + proc.stderr
+    assert "does not match the SHA-256" in proc.stderr
+
+
+def test_a_file_whose_sha256_did_not_match_is_fetched_again_by_the_next_run_too(
+    published: str, database: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """A staging stopped after data.mdb did not match its SHA-256, before fetching it again (the disk was full), has
+    already dropped its ranges from progress.json: the next run fetches them all, not trusting the damaged copy."""
+    monkeypatch.setattr(remote, "RANGE_SIZE", 16384)
+    real, check = remote._read_range, remote._check_free_space
+    checks: list[int] = []
+
+    def altered(fs: Any, path: str, start: int, end: int) -> bytes:
+        data = real(fs, path, start, end)
+        return bytes([data[0] ^ 1]) + data[1:] if path.endswith("data.mdb") and start == 16384 else data
+
+    def full_the_second_time(work: Path, shown: str, needed: int) -> None:
+        checks.append(needed)
+        if len(checks) == 2:
+            raise DestinationError("the disk filled up meanwhile")
+        check(work, shown, needed)
+
+    monkeypatch.setattr(remote, "_read_range", altered)
+    monkeypatch.setattr(remote, "_check_free_space", full_the_second_time)
+    with pytest.raises(DestinationError, match="filled up"):
+        remote.stage(published, tmp_path, progress=False)
+    work = remote.partial_path(remote.staged_path(published, tmp_path))
+    assert json.loads((work / remote.PROGRESS_FILE).read_text())["done"].get("data.mdb", []) == []
+    fetched: list[int] = []
+    monkeypatch.setattr(remote, "_read_range", lambda *a: fetched.append(a[2]) or real(*a))
+    staged = remote.stage(published, tmp_path, progress=False)
+    assert staged.action == "staged"
+    assert (staged.path / "data.mdb").read_bytes() == (database / "data.mdb").read_bytes()
+    assert sorted(fetched) == list(range(0, (database / "data.mdb").stat().st_size, 16384))
 
 
 def test_a_staged_copy_that_no_longer_opens_is_staged_again_once_and_said(

@@ -31,6 +31,7 @@ import logging
 import os
 import re
 import shutil
+import stat
 import tempfile
 import threading
 import time
@@ -567,6 +568,7 @@ def _fetch_all(
             MARKER,
         )
         state["done"] = {name: starts for name, starts in state["done"].items() if name not in bad}
+        _write_json(work / PROGRESS_FILE, state)  # a run stopped before they are fetched again fetches them too
         bad = _fetch_files(fs, path, shown, marker, work, state, progress)
     if bad:
         shutil.rmtree(work, ignore_errors=True)
@@ -652,7 +654,7 @@ def _fetch_files(
     done = {name: _done_ranges(state, name, want["size"]) for name, want in files.items()}
     total = sum(want["size"] for want in files.values())
     resumed = sum(min(RANGE_SIZE, files[name]["size"] - start) for name, starts in done.items() for start in starts)
-    _check_free_space(work, shown, total - resumed)  # before anything is allocated
+    _check_free_space(work, shown, total - _on_disk(work, files, done))  # before anything is allocated
     if resumed:
         log.info("%s: resuming a staging interrupted with %d of %d bytes fetched", shown, resumed, total)
     fds: dict[str, int] = {}
@@ -794,6 +796,25 @@ def _pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
         if not written:
             raise OSError(errno.ENOSPC, f"nothing was written at byte {offset}")
         view, offset = view[written:], offset + written
+
+
+def _on_disk(work: Path, files: dict[str, Any], done: dict[str, set[int]]) -> int:
+    """The bytes of ``files`` that the working copy ``work`` already holds on its disk, which fetching does not need.
+
+    Per file, its ranges ``done``, or the blocks it holds (capped at its size) where that is more: a file fetched
+    again after its SHA-256 did not match holds all its blocks with no range done, and fetching it again overwrites
+    them in place.
+    """
+    held = 0
+    for name, want in files.items():
+        resumed = sum(min(RANGE_SIZE, want["size"] - start) for start in done[name])
+        try:
+            found = os.lstat(work / name)
+        except OSError:
+            found = None
+        blocks = min(found.st_blocks * 512, want["size"]) if found is not None and stat.S_ISREG(found.st_mode) else 0
+        held += max(resumed, blocks)
+    return held
 
 
 def _done_ranges(state: dict[str, Any], name: str, size: int) -> set[int]:
