@@ -1158,6 +1158,62 @@ def test_staging_onto_a_disk_too_small_says_what_it_needs_in_one_line(published:
     assert int(proc.stdout.split("\n")[1].split()[0]) < 8192  # the lock and progress.json: no data was written
 
 
+def _chown_tree(root: Path, uid: int) -> None:
+    for folder, _, names in os.walk(root):
+        for name in [folder, *(os.path.join(folder, n) for n in names)]:
+            os.chown(name, uid, uid)
+
+
+_PLANTS = [
+    "a link as the copy",
+    "another user's copy",
+    "a link as the copy moved aside",
+    "another user's copy moved aside",
+]
+
+
+@pytest.mark.parametrize("plant", _PLANTS)
+def test_a_staged_copy_planted_in_a_shared_cache_is_refused_never_read(
+    published: str, database: Path, tmp_path: Path, plant: str
+):
+    """A copy of the current publication, 4 bytes altered, planted where staging keeps its copy (or the copy a
+    publish moved aside, ``.NAME.old``) as a symbolic link or another user's folder: refused in one line before it is
+    read, restored, removed or followed; once it is gone, staging fetches the publication."""
+    if "user" in plant and os.geteuid() != 0:
+        pytest.skip("making another user's folder needs root")
+    copy = remote.stage(published, tmp_path / "elsewhere", progress=False).path
+    with open(copy / "data.mdb", "r+b") as fh:
+        fh.seek(30000)
+        fh.write(b"EVIL")
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    target = remote.staged_path(published, cache)
+    planted = cache / f".{target.name}.old" if plant.endswith("moved aside") else target
+    if "link" in plant:
+        planted.symlink_to(copy, target_is_directory=True)
+    else:
+        shutil.copytree(copy, planted)
+        _chown_tree(planted, 4242)
+    before = _tree(tmp_path, ())
+    del before[str(cache)]  # its lock file comes and goes
+    refused = r"is (a symbolic link|owned by another user \(uid 4242\)): a copy this user did not stage"
+    with pytest.raises(DestinationError, match=refused) as info:
+        remote.stage(published, cache, progress=False)
+    assert "nothing was read, restored or removed through it" in _one_line(info.value)
+    assert str(planted) in str(info.value)
+    if planted == target:
+        with pytest.raises(DestinationError, match=refused):
+            remote.find_staged(published, cache)
+    assert {name: found for name, found in _tree(tmp_path, ()).items() if name != str(cache)} == before
+    if planted.is_symlink():
+        planted.unlink()
+    else:
+        shutil.rmtree(planted)
+    staged = remote.stage(published, cache, progress=False)
+    assert staged.action == "staged"
+    assert (staged.path / "data.mdb").read_bytes() == (database / "data.mdb").read_bytes()
+
+
 # Stages URL into a cache on a tmpfs of SIZE in a private mount namespace, range 16384 of data.mdb altered on its first
 # read (so data.mdb is fetched again after its SHA-256 did not match); prints what staging did (exit 97: no mount)
 _REFETCH_ON_A_SMALL_DISK = """

@@ -410,6 +410,30 @@ def _is_staged(target: Path, marker: dict[str, Any] | None = None) -> bool:
         return False
 
 
+def _check_own_copy(path: Path) -> None:
+    """Refuse the staged copy ``path`` (or ``.NAME.old``, moved aside) unless it is missing or a folder of this user's.
+
+    Another user's copy in a shared cache could hold any bytes under a marker it copied; a link is never followed.
+
+    Raises:
+        DestinationError: ``path`` is a symbolic link (never followed), not a folder, or another user's; nothing was
+            read, restored or removed through it.
+
+    """
+    from lightning_fastdata.store.writer import _foreign
+
+    try:
+        found = os.lstat(path)
+    except FileNotFoundError:
+        return
+    what = _foreign(found, directory=True)
+    if what is not None:
+        raise DestinationError(
+            f"the staged copy {str(path)!r} is {what}: a copy this user did not stage could hold any bytes, so nothing"
+            " was read, restored or removed through it. Remove it (its owner can), or pass a `cache_dir` of your own."
+        )
+
+
 def _why_restaged(old: dict[str, Any], new: dict[str, Any], shown: str) -> str:
     """Why a staged copy of ``old`` is replaced by the publication ``new``."""
     before, after = old.get("files", {}).get(DATA_FILE, {}), new["files"][DATA_FILE]
@@ -478,6 +502,8 @@ def stage(
     with contextlib.suppress(OSError):
         target.parent.mkdir(parents=True, exist_ok=True)
     with _target_lock(target) as unlockable:
+        for copy in (target, target.parent / f".{target.name}.old"):
+            _check_own_copy(copy)
         _recover_interrupted_publish(target)
         marker = _read_marker(fs, path, shown)
         if _is_staged(target, marker):
@@ -521,6 +547,7 @@ def find_staged(url: str, root: str | os.PathLike[str]) -> Path | None:
     if not target.parent.is_dir():
         return None
     with _target_lock(target):
+        _check_own_copy(target)
         return target if _is_staged(target) else None
 
 

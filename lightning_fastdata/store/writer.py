@@ -232,18 +232,28 @@ def _open_own(path: Path, flags: int, folder: int | None = None) -> int:
 
 def _not_own(path: Path, found: os.stat_result, directory: bool = False) -> DestinationError | None:
     """Why ``path`` (``found``: its ``lstat``) is not a regular file (``directory``: a folder) of this user's."""
-    if stat.S_ISLNK(found.st_mode):
-        what = "a symbolic link"
-    elif not (stat.S_ISDIR if directory else stat.S_ISREG)(found.st_mode):
-        what = "not a folder" if directory else "not a regular file"
-    elif hasattr(os, "geteuid") and found.st_uid != os.geteuid():
-        what = f"owned by another user (uid {found.st_uid})"
-    else:
+    what = _foreign(found, directory)
+    if what is None:
         return None
     return DestinationError(
         f"{str(path)!r} is {what}, where this package writes its own {'folder' if directory else 'file'}; nothing"
         f" was written through it. Remove it, and check who else can write to {str(path.parent)!r}."
     )
+
+
+def _foreign(found: os.stat_result, directory: bool = False) -> str | None:
+    """What ``found`` (an ``lstat``) is, where a regular file (``directory``: a folder) of this user's should be.
+
+    ``None`` when it is one; else ``"a symbolic link"``, ``"not a folder"``, ``"not a regular file"`` or ``"owned by
+    another user (uid N)"``.
+    """
+    if stat.S_ISLNK(found.st_mode):
+        return "a symbolic link"
+    if not (stat.S_ISDIR if directory else stat.S_ISREG)(found.st_mode):
+        return "not a folder" if directory else "not a regular file"
+    if hasattr(os, "geteuid") and found.st_uid != os.geteuid():
+        return f"owned by another user (uid {found.st_uid})"
+    return None
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -329,11 +339,25 @@ def _unwritable_error(dst: Path, err: OSError, outdated: bool = False) -> Destin
 
 
 def _recover_interrupted_publish(dst: Path) -> None:
-    """Put back the previous database if a conversion died between moving it aside and moving the new one in."""
+    """Put back the previous database if a conversion died between moving it aside and moving the new one in.
+
+    Raises:
+        DestinationError: the database moved aside (``.DST.old``) is a symbolic link, not a folder, or another user's:
+            it is neither followed nor moved.
+
+    """
     old = dst.parent / f".{dst.name}.old"
-    if old.is_dir() and not dst.exists():
-        log.warning("restoring %s from %s, left by a conversion interrupted while it replaced it", dst, old)
-        os.replace(old, dst)
+    try:
+        found = os.lstat(old)
+    except FileNotFoundError:
+        return
+    if os.path.lexists(dst):
+        return  # nothing to put back: the next publish removes it
+    refused = _not_own(old, found, directory=True)
+    if refused is not None:
+        raise refused
+    log.warning("restoring %s from %s, left by a conversion interrupted while it replaced it", dst, old)
+    os.replace(old, dst)
 
 
 def stale_conversions(folder: str | os.PathLike[str]) -> list[Path]:
