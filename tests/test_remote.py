@@ -1214,6 +1214,30 @@ def test_a_staged_copy_planted_in_a_shared_cache_is_refused_never_read(
     assert (staged.path / "data.mdb").read_bytes() == (database / "data.mdb").read_bytes()
 
 
+def test_a_staged_copy_is_reused_beside_another_users_lock_file_never_written(published: str, tmp_path: Path):
+    """Another user's lock file beside this user's staged copy (in a shared cache): the copy of the current
+    publication is reused without the lock; a new publication is one line naming the lock file and its owner. The
+    lock file is never written."""
+    import fsspec
+
+    if os.geteuid() != 0:
+        pytest.skip("making another user's file needs root")
+    first = remote.stage(published, tmp_path, progress=False)
+    lock = lock_path(first.path)
+    lock.write_text('{"pid": 1, "host": "their-node"}')
+    os.chown(lock, 4242, 4242)
+    assert remote.stage(published, tmp_path, progress=False).action == "reused"
+    assert remote.find_staged(published, tmp_path) == first.path
+    fs, path = fsspec.core.url_to_fs(published)
+    marker = {**json.loads(_marker(published)), "id": "a-new-publication"}  # to be staged: not without the lock
+    fs.pipe_file(f"{path}/{remote.MARKER}", json.dumps(marker).encode())
+    with pytest.raises(DestinationError, match=r"its lock file '.*' belongs to another user \(uid 4242\)") as info:
+        remote.stage(published, tmp_path, progress=False)
+    assert str(lock) in _one_line(info.value)
+    assert lock.read_text() == '{"pid": 1, "host": "their-node"}'
+    assert os.stat(lock).st_uid == 4242
+
+
 # Stages URL into a cache on a tmpfs of SIZE in a private mount namespace, range 16384 of data.mdb altered on its first
 # read (so data.mdb is fetched again after its SHA-256 did not match); prints what staging did (exit 97: no mount)
 _REFETCH_ON_A_SMALL_DISK = """

@@ -504,7 +504,8 @@ def stage(
     with _target_lock(target) as unlockable:
         for copy in (target, target.parent / f".{target.name}.old"):
             _check_own_copy(copy)
-        _recover_interrupted_publish(target)
+        if unlockable is None:  # without the lock, another process may be replacing the copy: nothing is moved
+            _recover_interrupted_publish(target)
         marker = _read_marker(fs, path, shown)
         if _is_staged(target, marker):
             damage = _cannot_open(target) if check else None
