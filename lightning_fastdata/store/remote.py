@@ -14,8 +14,9 @@ refuse one that names any file but the published ones, fetch every file in paral
 working copy ``.NAME.partial`` (the ranges done, synced to disk, are kept in ``progress.json`` there, so an
 interrupted staging resumes), hash each file as its ranges complete and compare it with the marker's SHA-256, rename
 the working copy into place, and open it. The staged copy keeps the marker it was staged from in ``staged.json``. A
-bucket's data is never trusted: nothing is written outside the working copy, nor through a link planted in it, and
-a URL's user-info and query are shown nowhere (:func:`redact_url`).
+bucket's data is never trusted: nothing is written outside the working copy, nor through a link planted in it, each
+range is written once (what is hashed is what is published), a server cannot make staging hold more than a range per
+read (over HTTP), and a URL's user-info (and an http(s) query) is shown nowhere (:func:`redact_url`).
 
 Credentials and endpoints come from fsspec and its backend alone (``AWS_*`` variables, profiles and instance roles
 for s3fs, ``FSSPEC_<PROTOCOL>_<OPTION>`` variables such as ``FSSPEC_S3_ENDPOINT_URL``); this module holds none.
@@ -224,7 +225,8 @@ def staged_path(url: str, root: Path) -> Path:
 def _remote_error(err: BaseException, url: str, doing: str) -> RemoteStorageError:
     """The one-line error for ``err``, raised by fsspec while ``doing`` (``"reading"``...) ``url``.
 
-    The URL, and any URL in the backend's message, is shown without user-info and query (:func:`redact_url`).
+    The URL, and any URL in the backend's message, is shown without user-info and an http(s) query (:func:`redact_url`,
+    :func:`redact_text`).
     """
     scheme, url = _scheme(url), redact_url(url)
     names = {cls.__name__ for cls in type(err).__mro__}
@@ -466,7 +468,7 @@ def stage(
     What a bucket says is checked before it is used: the marker may name only the files a publication holds, every
     staged file has the SHA-256 the marker lists (a file that does not is fetched again once, then refused), and the
     copy is opened before it is returned; a copy staged earlier that no longer opens is thrown away and staged again,
-    once, with a warning. Errors and logs show ``url`` without its user-info and query (:func:`redact_url`).
+    once, with a warning. Errors and logs show ``url`` without its user-info and an http(s) query (:func:`redact_url`).
 
     Args:
         url: an fsspec URL of a database published by ``lightning-fastdata convert SRC URL``.
@@ -482,9 +484,10 @@ def stage(
         RemoteStorageError: a missing backend, bucket, object or marker, missing credentials, a network failure, a
             marker naming a file a publication never holds, a file that does not match its marker twice, or a
             publication that matches its marker but does not open. Nothing is published in the cache then.
-        DestinationError: ``root`` is read-only (:class:`~lightning_fastdata.errors.ReadOnlyDestinationError`) or has
-            no file locks, and holds no staged copy of this publication; its disk has less free space than is left to
-            fetch; or it holds a symbolic link, or another user's file, where staging writes.
+        DestinationError: ``root`` is read-only (:class:`~lightning_fastdata.errors.ReadOnlyDestinationError`), has
+            no file locks, or holds another user's lock file, and holds no staged copy of this publication; its disk
+            has less free space than is left to fetch; or it holds a symbolic link, or another user's file or staged
+            copy, where staging writes or keeps its copy.
         DatasetFormatError: the copy in a read-only ``root`` does not open (it cannot be staged again there).
 
     """
