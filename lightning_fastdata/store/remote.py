@@ -708,7 +708,7 @@ def _fetch_files(
         # brings it, so the bytes hashed (the ranges done, read back) are the bytes published
         claimed = {name: set(starts) for name, starts in done.items()}
 
-        def settle(name: str, start: int, data: bytes | memoryview) -> int:
+        def settle(name: str, start: int, data: bytes | bytearray | memoryview) -> int:
             """Write ``data`` as the range ``start`` of ``name`` unless another reply claimed it; the bytes written."""
             with lock:
                 if start in claimed[name]:
@@ -819,7 +819,7 @@ def _fetch_files(
         os.close(folder)
 
 
-def _pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
+def _pwrite_all(fd: int, data: bytes | bytearray | memoryview, offset: int) -> None:
     """Write all of ``data`` at ``offset`` of ``fd`` (``os.pwrite`` may write less)."""
     view = memoryview(data)
     while view:
