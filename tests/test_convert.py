@@ -6,6 +6,7 @@ import io
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -1369,7 +1370,8 @@ def test_a_finished_conversion_leaves_no_lock_file(split_folder, tmp_path):
 
 def test_a_planted_lock_file_is_refused_and_never_written_through(split_folder, tmp_path, monkeypatch):
     """A ``.DST.lock`` that is a symbolic link (to a file the lock would truncate and overwrite), a folder, or another
-    user's file stops the conversion with one line naming it; the file it points to is untouched."""
+    user's file (where there is no database to reuse) stops the conversion with one line naming it and, for another
+    user's, its owner; the file it points to, or the other user's lock file, is untouched."""
     victim = tmp_path / "victim.txt"
     victim.write_text("precious\n")
     dst = tmp_path / "out" / "db.lmdb"
@@ -1389,11 +1391,41 @@ def test_a_planted_lock_file_is_refused_and_never_written_through(split_folder, 
     lock.write_text("")
     with monkeypatch.context() as patched:
         patched.setattr(os, "geteuid", lambda: os.getuid() + 1)  # as if another user had made it
-        with pytest.raises(DestinationError, match=r"is owned by another user \(uid \d+\)"):
+        with pytest.raises(DestinationError, match=_foreign_lock(lock)) as info:
             _run(split_folder, dst)
+    assert "\n" not in str(info.value)
+    assert (lock.read_text(), dst.exists()) == ("", False)
     assert _run(split_folder, dst).written == 33
     assert not lock.exists()
     assert victim.read_text() == "precious\n"
+
+
+def _foreign_lock(lock: Path) -> str:
+    """What the error says of the lock file ``lock`` of another user (this process's real uid, its euid patched)."""
+    return rf"its lock file '{re.escape(str(lock))}' belongs to another user \((\w+, )?uid {os.getuid()}\)"
+
+
+def test_a_database_another_user_converted_is_reused_beside_their_lock_file(split_folder, tmp_path, monkeypatch):
+    """A complete database with its converter's lock file beside it, both another user's (a run of theirs stopped,
+    or under way): converting it again with the same settings reuses it, never writing the lock file; with other
+    settings, one line names the lock file, its owner and that no process holds it."""
+    dst = tmp_path / "shared" / "db.lmdb"
+    _run(split_folder, dst, short_side=32)
+    lock = store_format.lock_path(dst)
+    record = '{"pid": 1, "host": "their-node"}'
+    lock.write_text(record)
+    with monkeypatch.context() as patched:
+        patched.setattr(os, "geteuid", lambda: os.getuid() + 1)  # as if another user had made them
+        again = _run(split_folder, dst, short_side=32)
+        with pytest.raises(DestinationError, match=_foreign_lock(lock)) as info:
+            _run(split_folder, dst, short_side=48)
+    assert again.up_to_date
+    assert again.written == 33
+    assert "holds a database that is out of date" in str(info.value)
+    assert "held by no process" in str(info.value)
+    assert "\n" not in str(info.value)
+    assert lock.read_text() == record
+    assert read_meta(dst)["encoding"]["short_side"] == 32
 
 
 # A conversion through the command line whose pool workers block on their first image, until the test interrupts or

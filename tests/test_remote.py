@@ -20,6 +20,7 @@ import socket
 import subprocess
 import sys
 import threading
+import tracemalloc
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -79,25 +80,26 @@ def _fresh_clients() -> None:
 
 def _range_checksum_server(corrupt: bool) -> Any:
     """moto's S3 app (the session server's objects) behind a server that, as Ceph RGW before its 2025 fix and
-    ``rclone serve s3`` do, sends a checksum with every partial range that does not match it; ``corrupt`` also flips
-    the first byte of each such range."""
+    ``rclone serve s3`` do, sends the whole object's checksum with every range, which a range of part of it does not
+    match; ``corrupt`` also flips the first byte of each such range."""
     from moto.moto_server.werkzeug_app import DomainDispatcherApplication, create_backend_app
     from werkzeug.serving import make_server
 
     app = DomainDispatcherApplication(create_backend_app)
 
     def misbehaving(environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
-        partial = environ.get("HTTP_RANGE") not in (None, "bytes=0-")
-        if not partial:
-            return app(environ, start_response)
+        partial = []  # a 206 of part of the object (a range covering it whole, such as the marker's, is not)
 
         def start(status: str, headers: list[tuple[str, str]], *args: Any) -> Any:
-            if status.startswith("206"):
+            sent = {key.lower(): value for key, value in headers}
+            found = re.fullmatch(r"bytes (\d+)-(\d+)/(\d+)", sent.get("content-range", ""))
+            if status.startswith("206") and found and (int(found[1]), int(found[2]) + 1) != (0, int(found[3])):
+                partial.append(True)
                 headers = [*headers, ("x-amz-checksum-crc32", "AAAAAA==")]
             return start_response(status, headers, *args)
 
         body = b"".join(app(environ, start))
-        if corrupt and body:
+        if corrupt and partial and body:
             body = bytes([body[0] ^ 0xFF]) + body[1:]
         return [body]
 
@@ -730,20 +732,77 @@ def test_the_cli_logs_its_own_lines_not_botos(published: str, tmp_path: Path):
     assert "Found endpoint" not in proc.stderr
 
 
+#: URLs with no user-info (and over HTTP no query): each is staged where it was before user-info and queries were cut
+#: from names; fsspec reads ``?`` and ``#`` as part of the path but for http(s)
+_PLAIN_URLS = (
+    "s3://bucket/imagenet.lmdb",
+    "gs://b/x/y.lmdb/",
+    "https://host:8443/data/db.lmdb",
+    "http://[::1]:9000/db.lmdb",
+    "file:///d/db",
+    "file:///data/run#1/db.lmdb",
+    "file:///data/run#2/db.lmdb",
+    "file:///data/run?x=1/db.lmdb",
+    "file:///data/it's@home/db.lmdb",
+    "s3://bucket/exp?a/db.lmdb",
+    "s3://bucket/exp?b/db.lmdb",
+    "az://container/runs#3/db.lmdb",
+)
+
+
 def test_a_plain_urls_cache_folder_keeps_its_name_and_secrets_never_make_one(tmp_path: Path):
-    """Plain URLs are staged where they always were; user-info and a query (a signature) are no part of the name."""
-    for url in ("s3://bucket/imagenet.lmdb", "gs://b/x/y.lmdb/", "https://host:8443/data/db.lmdb", "file:///d/db"):
+    """Plain URLs, ``?`` and ``#`` in a file:// or s3:// path included, are staged where they always were, each in a
+    folder of its own; user-info and an HTTP query (a signature) are no part of the name."""
+    for url in _PLAIN_URLS:
         clean = url.rstrip("/")
         digest = hashlib.sha256(json.dumps(["remote", clean]).encode()).hexdigest()[:10]
         name = clean.rsplit("/", 1)[-1].removesuffix(".lmdb")
-        assert remote.staged_path(url, tmp_path) == tmp_path / f"{name}-{digest}.lmdb"
+        assert remote.staged_path(url, tmp_path) == tmp_path / f"{name}-{digest}.lmdb", url
         assert remote.redact_url(url) == url
+    assert len({remote.staged_path(url, tmp_path) for url in _PLAIN_URLS}) == len(_PLAIN_URLS)
     signed = "https://reader:pa%40ss@host:8443/data/db.lmdb?X-Amz-Signature=abc&X-Amz-Credential=AKIA#frag"
     assert remote.redact_url(signed) == "https://host:8443/data/db.lmdb"
     assert remote.staged_path(signed, tmp_path) == remote.staged_path("https://host:8443/data/db.lmdb", tmp_path)
-    assert remote.redact_url("GET 'https://u:p@h/x?sig=1' failed, see s3://b/k?versionId=2.") == (
-        "GET 'https://h/x' failed, see s3://b/k"
+    assert remote.redact_text("GET 'https://u:p@h/x?sig=1' failed, see s3://u:p@b/k?versionId=2.") == (
+        "GET 'https://h/x' failed, see s3://b/k?versionId=2."
     )
+
+
+def test_two_file_urls_that_differ_after_a_hash_sign_are_staged_apart(database: Path, tmp_path: Path):
+    """``file://.../run#1/db.lmdb`` and ``.../run#2/db.lmdb`` (two folders to fsspec) stage into two copies: neither
+    replaces the other, and each is found as its own."""
+    urls = [(tmp_path / f"run#{k}" / "db.lmdb").as_uri().replace("%23", "#") for k in (1, 2)]
+    for url in urls:
+        remote.publish(database, url, progress=False)
+    cache = tmp_path / "cache"
+    first, second = (remote.stage(url, cache, progress=False) for url in urls)
+    assert (first.action, second.action) == ("staged", "staged")
+    assert first.path != second.path
+    assert [remote.find_staged(url, cache) for url in urls] == [first.path, second.path]
+    assert remote.stage(urls[0], cache, progress=False).action == "reused"
+    marker = json.loads((tmp_path / "run#1" / "db.lmdb" / remote.MARKER).read_text())
+    assert json.loads((first.path / remote.STAGED_RECORD).read_text())["marker"] == marker
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("https://user:pa'ss@host/db.lmdb", "https://host/db.lmdb"),
+        ('https://user:p"w@host/db.lmdb', "https://host/db.lmdb"),
+        ("s3://AKIAX:se'cret@bucket/db.lmdb", "s3://bucket/db.lmdb"),
+        ("https://u:p@[::1]:8080/db?sig=1", "https://[::1]:8080/db"),
+        ("https://u%40x:p%2F@host/db", "https://host/db"),
+        ("https://a@b:c@host:1/a@b/db.lmdb", "https://host:1/a@b/db.lmdb"),
+        ("https://host/it's/db.lmdb?X-Amz-Signature=SE'CRET", "https://host/it's/db.lmdb"),
+        ("file://me:pw@/data/run#1/db.lmdb", "file:///data/run#1/db.lmdb"),
+    ],
+)
+def test_user_info_with_quotes_or_brackets_is_cut_from_a_url_and_from_text(tmp_path: Path, url: str, shown: str):
+    """User-info is all of the authority up to its last ``@`` whatever it holds (a quote, a ``"``), host, port and IPv6
+    brackets stay; alone or in a line of text, the URL is shown without it, and names the folder it would."""
+    assert remote.redact_url(url) == shown
+    assert remote.staged_path(url, tmp_path) == remote.staged_path(shown, tmp_path)
+    assert remote.redact_text(f"GET '{url}' failed: 403 ({url}).") == f"GET '{shown}' failed: 403 ({shown})."
 
 
 def test_credentials_in_a_url_appear_in_no_error_log_progress_bar_record_or_name(
@@ -1068,18 +1127,25 @@ du -sb "$2"
 """
 
 
-def test_staging_onto_a_disk_too_small_says_what_it_needs_in_one_line(published: str, tmp_path: Path):
-    """A cache on a 64 KiB disk: `stage` fetches nothing and says, in one `error:` line, how much it needs and how
-    much is free (no traceback)."""
+def _on_a_small_disk(script: str, size: str, folder: Path, url: str) -> subprocess.CompletedProcess[str]:
+    """Run the shell ``script`` with the arguments SIZE FOLDER PYTHON URL in a private mount namespace (``unshare
+    -rm``); skips the test where none can be made, or where the script could not mount its disk (exit 97)."""
     unshare = shutil.which("unshare")
     if unshare is None or subprocess.run([unshare, "-rm", "true"], capture_output=True).returncode != 0:
         pytest.skip("needs unprivileged user and mount namespaces (`unshare -rm`) to mount a small disk")
-    cache = tmp_path / "cache"
-    cache.mkdir()
-    cmd = [unshare, "-rm", "sh", "-c", _SMALL_DISK, "sh", "64k", str(cache), sys.executable, published]
+    folder.mkdir()
+    cmd = [unshare, "-rm", "sh", "-c", script, "sh", size, str(folder), sys.executable, url]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     if proc.returncode == 97:
         pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
+    return proc
+
+
+def test_staging_onto_a_disk_too_small_says_what_it_needs_in_one_line(published: str, tmp_path: Path):
+    """A cache on a 64 KiB disk: `stage` fetches nothing and says, in one `error:` line, how much it needs and how
+    much is free (no traceback)."""
+    cache = tmp_path / "cache"
+    proc = _on_a_small_disk(_SMALL_DISK, "64k", cache, published)
     assert "Traceback" not in proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(lines) == 1, proc.stderr
@@ -1090,6 +1156,152 @@ def test_staging_onto_a_disk_too_small_says_what_it_needs_in_one_line(published:
     ), lines[0]
     assert "exit 2" in proc.stdout
     assert int(proc.stdout.split("\n")[1].split()[0]) < 8192  # the lock and progress.json: no data was written
+
+
+def _chown_tree(root: Path, uid: int) -> None:
+    for folder, _, names in os.walk(root):
+        for name in [folder, *(os.path.join(folder, n) for n in names)]:
+            os.chown(name, uid, uid)
+
+
+_PLANTS = [
+    "a link as the copy",
+    "another user's copy",
+    "a link as the copy moved aside",
+    "another user's copy moved aside",
+]
+
+
+@pytest.mark.parametrize("plant", _PLANTS)
+def test_a_staged_copy_planted_in_a_shared_cache_is_refused_never_read(
+    published: str, database: Path, tmp_path: Path, plant: str
+):
+    """A copy of the current publication, 4 bytes altered, planted where staging keeps its copy (or the copy a
+    publish moved aside, ``.NAME.old``) as a symbolic link or another user's folder: refused in one line before it is
+    read, restored, removed or followed; once it is gone, staging fetches the publication."""
+    if "user" in plant and os.geteuid() != 0:
+        pytest.skip("making another user's folder needs root")
+    copy = remote.stage(published, tmp_path / "elsewhere", progress=False).path
+    with open(copy / "data.mdb", "r+b") as fh:
+        fh.seek(30000)
+        fh.write(b"EVIL")
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    target = remote.staged_path(published, cache)
+    planted = cache / f".{target.name}.old" if plant.endswith("moved aside") else target
+    if "link" in plant:
+        planted.symlink_to(copy, target_is_directory=True)
+    else:
+        shutil.copytree(copy, planted)
+        _chown_tree(planted, 4242)
+    before = _tree(tmp_path, ())
+    del before[str(cache)]  # its lock file comes and goes
+    refused = r"is (a symbolic link|owned by another user \(uid 4242\)): a copy this user did not stage"
+    with pytest.raises(DestinationError, match=refused) as info:
+        remote.stage(published, cache, progress=False)
+    assert "nothing was read, restored or removed through it" in _one_line(info.value)
+    assert str(planted) in str(info.value)
+    if planted == target:
+        with pytest.raises(DestinationError, match=refused):
+            remote.find_staged(published, cache)
+    assert {name: found for name, found in _tree(tmp_path, ()).items() if name != str(cache)} == before
+    if planted.is_symlink():
+        planted.unlink()
+    else:
+        shutil.rmtree(planted)
+    staged = remote.stage(published, cache, progress=False)
+    assert staged.action == "staged"
+    assert (staged.path / "data.mdb").read_bytes() == (database / "data.mdb").read_bytes()
+
+
+def test_a_staged_copy_is_reused_beside_another_users_lock_file_never_written(published: str, tmp_path: Path):
+    """Another user's lock file beside this user's staged copy (in a shared cache): the copy of the current
+    publication is reused without the lock; a new publication is one line naming the lock file and its owner. The
+    lock file is never written."""
+    import fsspec
+
+    if os.geteuid() != 0:
+        pytest.skip("making another user's file needs root")
+    first = remote.stage(published, tmp_path, progress=False)
+    lock = lock_path(first.path)
+    lock.write_text('{"pid": 1, "host": "their-node"}')
+    os.chown(lock, 4242, 4242)
+    assert remote.stage(published, tmp_path, progress=False).action == "reused"
+    assert remote.find_staged(published, tmp_path) == first.path
+    fs, path = fsspec.core.url_to_fs(published)
+    marker = {**json.loads(_marker(published)), "id": "a-new-publication"}  # to be staged: not without the lock
+    fs.pipe_file(f"{path}/{remote.MARKER}", json.dumps(marker).encode())
+    with pytest.raises(DestinationError, match=r"its lock file '.*' belongs to another user \(uid 4242\)") as info:
+        remote.stage(published, tmp_path, progress=False)
+    assert str(lock) in _one_line(info.value)
+    assert lock.read_text() == '{"pid": 1, "host": "their-node"}'
+    assert os.stat(lock).st_uid == 4242
+
+
+# Stages URL into a cache on a tmpfs of SIZE in a private mount namespace, range 16384 of data.mdb altered on its first
+# read (so data.mdb is fetched again after its SHA-256 did not match); prints what staging did (exit 97: no mount)
+_REFETCH_ON_A_SMALL_DISK = """
+mount -t tmpfs -o "size=$1" tmpfs "$2" || exit 97
+"$3" - "$4" "$2" <<'END'
+import sys
+from lightning_fastdata.store import remote
+remote.RANGE_SIZE, real, seen = 16384, remote._read_range, []
+def altered_once(fs, path, start, end):
+    data = real(fs, path, start, end)
+    if path.endswith("data.mdb") and start == 16384 and not seen:
+        seen.append(start)
+        data = bytes([data[0] ^ 1]) + data[1:]
+    return data
+remote._read_range = altered_once
+try:
+    print("action", remote.stage(sys.argv[1], sys.argv[2], progress=False, check=False).action)
+except Exception as err:
+    print(type(err).__name__, err)
+END
+"""
+
+
+def test_fetching_a_file_again_counts_the_space_it_already_holds(database: Path, tmp_path: Path):
+    """A cache on a 200 KiB disk holding the 132 KiB data.mdb whose SHA-256 did not match: fetching it again overwrites
+    its blocks, so it needs no more space, and staging publishes the publication's bytes."""
+    url = (tmp_path / "site" / "db.lmdb").as_uri()
+    remote.publish(database, url, progress=False)
+    proc = _on_a_small_disk(_REFETCH_ON_A_SMALL_DISK, "200k", tmp_path / "cache", url)
+    assert proc.stdout.strip() == "action staged", proc.stdout + proc.stderr
+    assert "does not match the SHA-256" in proc.stderr
+
+
+def test_a_file_whose_sha256_did_not_match_is_fetched_again_by_the_next_run_too(
+    published: str, database: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """A staging stopped after data.mdb did not match its SHA-256, before fetching it again (the disk was full), has
+    already dropped its ranges from progress.json: the next run fetches them all, not trusting the damaged copy."""
+    monkeypatch.setattr(remote, "RANGE_SIZE", 16384)
+    real, check = remote._read_range, remote._check_free_space
+    checks: list[int] = []
+
+    def altered(fs: Any, path: str, start: int, end: int) -> bytes:
+        data = real(fs, path, start, end)
+        return bytes([data[0] ^ 1]) + data[1:] if path.endswith("data.mdb") and start == 16384 else data
+
+    def full_the_second_time(work: Path, shown: str, needed: int) -> None:
+        checks.append(needed)
+        if len(checks) == 2:
+            raise DestinationError("the disk filled up meanwhile")
+        check(work, shown, needed)
+
+    monkeypatch.setattr(remote, "_read_range", altered)
+    monkeypatch.setattr(remote, "_check_free_space", full_the_second_time)
+    with pytest.raises(DestinationError, match="filled up"):
+        remote.stage(published, tmp_path, progress=False)
+    work = remote.partial_path(remote.staged_path(published, tmp_path))
+    assert json.loads((work / remote.PROGRESS_FILE).read_text())["done"].get("data.mdb", []) == []
+    fetched: list[int] = []
+    monkeypatch.setattr(remote, "_read_range", lambda *a: fetched.append(a[2]) or real(*a))
+    staged = remote.stage(published, tmp_path, progress=False)
+    assert staged.action == "staged"
+    assert (staged.path / "data.mdb").read_bytes() == (database / "data.mdb").read_bytes()
+    assert sorted(fetched) == list(range(0, (database / "data.mdb").stat().st_size, 16384))
 
 
 def test_a_staged_copy_that_no_longer_opens_is_staged_again_once_and_said(
@@ -1179,3 +1391,209 @@ def test_a_range_counts_as_done_only_once_its_bytes_are_on_disk(
     assert ("record", remote.STAGED_RECORD) in [e[:2] for e in events[last_write:publish]]
     assert ("sync folder", str(work)) in events[last_write:publish]
     assert ("sync folder", str(tmp_path)) in events[publish:]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A server that ignores ranges, or answers them out of turn: what is hashed is what is published
+# ---------------------------------------------------------------------------------------------------------------
+
+#: what a scripted server sends for a GET of ``(file, range start or None, range end or None)``: (status, body)
+_Answer = Callable[[Path, "int | None", "int | None"], tuple[int, bytes]]
+
+
+class _ScriptedHandler(http.server.BaseHTTPRequestHandler):
+    """Serves the files under ``site`` as ``answer`` says; a 206 is sent with its Content-Range."""
+
+    site: Path
+    answer: _Answer
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+    def do_HEAD(self) -> None:
+        path = self.site / self.path.lstrip("/")
+        self.send_response(200 if path.is_file() else 404)
+        self.send_header("Content-Length", str(path.stat().st_size if path.is_file() else 0))
+        self.end_headers()
+
+    def do_GET(self) -> None:
+        path = self.site / self.path.lstrip("/")
+        if not path.is_file():
+            self.send_response(404)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        asked = re.fullmatch(r"bytes=(\d+)-(\d+)", self.headers.get("Range", ""))
+        start, end = (int(asked[1]), int(asked[2]) + 1) if asked else (None, None)
+        status, body = self.answer(path, start, end)
+        self.send_response(status)
+        if status == 206:
+            self.send_header("Content-Range", f"bytes {start}-{start + len(body) - 1}/{path.stat().st_size}")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        view = memoryview(body)  # sent in slices: the server allocates nothing per reply
+        with contextlib.suppress(ConnectionError):  # a client that stopped reading
+            for at in range(0, len(view), 2**16):
+                self.wfile.write(view[at : at + 2**16])
+
+
+def _honest(path: Path, start: int | None, end: int | None) -> tuple[int, bytes]:
+    data = path.read_bytes()
+    return (200, data) if start is None else (206, data[start:end])
+
+
+@pytest.fixture
+def scripted_site(tmp_path: Path, database: Path) -> Iterator[tuple[Path, str, Callable[[_Answer], None]]]:
+    """The session database published under a folder served over HTTP as a test scripts it: ``(the database's
+    published folder, its URL, a way to set the answer)``; honest until set."""
+    site = tmp_path / "site"
+    remote.publish(database, (site / "db.lmdb").as_uri(), progress=False)
+    handler = type("Handler", (_ScriptedHandler,), {"site": site, "answer": staticmethod(_honest)})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
+
+    def script(answer: _Answer) -> None:
+        handler.answer = staticmethod(answer)
+
+    yield site / "db.lmdb", f"http://127.0.0.1:{server.server_address[1]}/db.lmdb", script
+    server.shutdown()
+    server.server_close()
+
+
+def _when_hashed(monkeypatch: pytest.MonkeyPatch, size: int, offset: int) -> threading.Event:
+    """An event set once staging has hashed a file of ``size`` bytes up to ``offset``."""
+    hashed, real = threading.Event(), remote._FileHash.advance
+
+    def advance(self: Any, done: set[int]) -> None:
+        real(self, done)
+        if self.size == size and self.offset >= offset:
+            hashed.set()
+
+    monkeypatch.setattr(remote._FileHash, "advance", advance)
+    return hashed
+
+
+@pytest.mark.parametrize("late", ["a whole file altered after range 0 was hashed", "ranges after the whole file"])
+def test_what_a_server_ignoring_ranges_sends_late_is_never_published(
+    scripted_site: tuple[Path, str, Callable[[_Answer], None]],
+    database: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    late: str,
+):
+    """A server that answers range 0 honestly, then sends the whole file with range 0 altered once range 0 is
+    hashed; or that sends the whole file for one range and answers the ranges in flight, altered, once it is all
+    hashed: each range is written once, from the first reply that brings it, so the copy is the publication's."""
+    pytest.importorskip("aiohttp")
+    published, url, script = scripted_site
+    monkeypatch.setattr(remote, "RANGE_SIZE", 8192)
+    monkeypatch.setattr(remote, "READ_THREADS", 4)
+    good = (published / "data.mdb").read_bytes()
+    if late.startswith("a whole file"):
+        hashed = _when_hashed(monkeypatch, len(good), 8192)
+        altered = bytes(b ^ 0xFF for b in good[:8192]) + good[8192:]
+    else:
+        hashed = _when_hashed(monkeypatch, len(good), len(good))
+        altered = bytes(b ^ 0xFF for b in good)
+
+    def answer(path: Path, start: int | None, end: int | None) -> tuple[int, bytes]:
+        if path.name != "data.mdb" or start is None:
+            return _honest(path, start, end)
+        if late.startswith("a whole file"):
+            if start == 0:
+                return 206, good[:end]
+            hashed.wait(10)
+            return 200, altered
+        if start == 8192:
+            return 200, good
+        hashed.wait(10)
+        return 206, altered[start:end]
+
+    script(answer)
+    staged = remote.stage(url, tmp_path / "cache", progress=False, check=False)
+    assert staged.action == "staged"
+    assert hashed.is_set()
+    assert hashlib.sha256((staged.path / "data.mdb").read_bytes()).hexdigest() == hashlib.sha256(good).hexdigest()
+    assert (staged.path / "data.mdb").read_bytes() == (database / "data.mdb").read_bytes()
+
+
+@contextlib.contextmanager
+def _peak_memory() -> Iterator[list[int]]:
+    """The most bytes Python allocated at once while the block ran, beyond what it held before (tracemalloc)."""
+    peak: list[int] = []
+    tracemalloc.start()
+    try:
+        yield peak
+    finally:
+        peak.append(tracemalloc.get_traced_memory()[1])
+        tracemalloc.stop()
+
+
+@pytest.mark.parametrize("reply", ["the whole file for every range", "a range longer than asked"])
+def test_a_server_ignoring_ranges_costs_a_few_ranges_of_memory_not_the_file(
+    scripted_site: tuple[Path, str, Callable[[_Answer], None]],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    reply: str,
+):
+    """A 32 MiB file sent whole for every ranged read of 256 KiB is staged one range at a time, with no read issued
+    after the first whole reply and the others closed unread; a reply longer than its range is refused unread. Python
+    holds under a quarter of the file at once (tracemalloc: a range per read, and what aiohttp buffers of each reply),
+    where reading each reply whole held the file several times over."""
+    pytest.importorskip("aiohttp")
+    published, url, script = scripted_site
+    remote.stage(url, tmp_path / "warm", progress=False)  # imports and the HTTP session: allocated before the count
+    monkeypatch.setattr(remote, "RANGE_SIZE", 2**18)
+    monkeypatch.setattr(remote, "READ_THREADS", 4)
+    data = random.Random(9).randbytes(2**25)
+    (published / "data.mdb").write_bytes(data)
+    marker = {"files": {"data.mdb": {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}}, "id": "big"}
+    (published / remote.MARKER).write_text(json.dumps(marker))
+    longer = data + b"!"  # a 206 for any range: longer than the range, and than the file
+    reads: list[int | None] = []
+
+    def answer(path: Path, start: int | None, end: int | None) -> tuple[int, bytes]:
+        if path.name != "data.mdb":
+            return _honest(path, start, end)
+        reads.append(start)
+        return (200, data) if reply.startswith("the whole") else (206, longer)
+
+    script(answer)
+    with _peak_memory() as peak:
+        if reply.startswith("the whole"):
+            staged = remote.stage(url, tmp_path / "cache", progress=False, check=False)
+        else:
+            with pytest.raises(
+                RemoteStorageError, match=r"bytes \d+-\d+ of data.mdb with more than 262144 bytes: noth"
+            ):
+                remote.stage(url, tmp_path / "cache", progress=False, check=False)
+    assert peak[0] < len(data) // 4, peak
+    if reply.startswith("the whole"):
+        assert (staged.path / "data.mdb").read_bytes() == data
+        assert len(reads) <= remote.read_threads(), reads
+
+
+def test_a_marker_larger_than_1_mib_is_refused_unread(
+    scripted_site: tuple[Path, str, Callable[[_Answer], None]], tmp_path: Path
+):
+    """A server sending 32 MiB for published.json (whatever the range asked) is refused in one line, having read
+    1 MiB: Python holds under 8 MiB at once (tracemalloc)."""
+    pytest.importorskip("aiohttp")
+    _, url, script = scripted_site
+    remote.stage(url, tmp_path / "warm", progress=False)  # imports and the HTTP session: allocated before the count
+    huge = b" " * 2**25
+    script(lambda path, start, end: (200, huge) if path.name == remote.MARKER else _honest(path, start, end))
+    with _peak_memory() as peak, pytest.raises(RemoteStorageError, match=r"larger than 1048576 bytes") as info:
+        remote.stage(url, tmp_path / "cache", progress=False)
+    assert "nothing was fetched" in _one_line(info.value)
+    assert peak[0] < 2**23, peak
+
+
+def test_a_marker_nested_too_deep_is_refused_in_one_line(tmp_path: Path):
+    """A published.json of 100,000 nested arrays is refused as not a marker, in one line, not a RecursionError."""
+    site = tmp_path / "site" / "db.lmdb"
+    site.mkdir(parents=True)
+    (site / remote.MARKER).write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(RemoteStorageError, match=r"is not a marker written by .* \(JSON nested too deep\)") as info:
+        remote.stage(site.as_uri(), tmp_path / "cache", progress=False)
+    assert "nothing was fetched" in _one_line(info.value)

@@ -14,8 +14,9 @@ refuse one that names any file but the published ones, fetch every file in paral
 working copy ``.NAME.partial`` (the ranges done, synced to disk, are kept in ``progress.json`` there, so an
 interrupted staging resumes), hash each file as its ranges complete and compare it with the marker's SHA-256, rename
 the working copy into place, and open it. The staged copy keeps the marker it was staged from in ``staged.json``. A
-bucket's data is never trusted: nothing is written outside the working copy, nor through a link planted in it, and
-a URL's user-info and query are shown nowhere (:func:`redact_url`).
+bucket's data is never trusted: nothing is written outside the working copy, nor through a link planted in it, each
+range is written once (what is hashed is what is published), a server cannot make staging hold more than a range per
+read (over HTTP), and a URL's user-info (and an http(s) query) is shown nowhere (:func:`redact_url`).
 
 Credentials and endpoints come from fsspec and its backend alone (``AWS_*`` variables, profiles and instance roles
 for s3fs, ``FSSPEC_<PROTOCOL>_<OPTION>`` variables such as ``FSSPEC_S3_ENDPOINT_URL``); this module holds none.
@@ -31,6 +32,7 @@ import logging
 import os
 import re
 import shutil
+import stat
 import tempfile
 import threading
 import time
@@ -81,10 +83,18 @@ READ_THREADS: int | None = None
 #: ``progress.json``; a staging killed meanwhile fetches those seconds' ranges again (0: a record after each range)
 SYNC_SECONDS = 1.0
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+#: the most bytes a marker may hold (it lists two files in a few hundred): a larger one is refused, unread
+MARKER_LIMIT = 2**20
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
-#: a URL in a line of text: its scheme, user-info (``user:password@``), the rest, and a query or fragment (a signature)
-_URL = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?:[^/?#\s'\"]*@)?(?P<rest>[^?#\s'\"]*)(?:[?#][^\s'\"]*)?")
+#: the schemes whose query and fragment are not part of the path: HTTP's, where a query holds a signature or a token.
+#: fsspec keeps ``?`` and ``#`` in the path for every other scheme (``file:///data/run#1``, ``s3://bucket/exp?a``)
+_QUERY_SCHEMES = ("http", "https")
+#: a URL in a line of text: its scheme, user-info (everything from ``//`` to the last ``@`` before the first ``/``),
+#: its path, and a query or fragment, up to the next blank
+_URL = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*)://(?:[^/\s]*@)?(?P<path>[^?#\s]*)(?P<query>[?#]\S*)?")
+#: what ends a query in a line of text but belongs to the text: closing quotes and brackets, punctuation
+_QUERY_END = re.compile(r"[\'\")\]>},.;:]*$")
 #: the largest file a marker may list (1 EiB): beyond it a size is not a database's, and beyond what ``ftruncate`` takes
 _MAX_SIZE = 2**60
 _SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
@@ -116,13 +126,37 @@ def is_url(path: str | os.PathLike[str] | None) -> bool:
 
 
 def redact_url(url: str) -> str:
-    """``url`` as it may be shown, logged, recorded or used as a name: without user-info and query.
+    """``url`` as it may be shown, logged, recorded or used as a name: without user-info, and over HTTP without query.
 
-    ``https://user:password@host/db.lmdb?signature=...`` becomes ``https://host/db.lmdb``; a plain URL is returned
-    as it is. Applied to a line of text (an error from a backend), it does the same to every URL in it. The full URL
-    is still the one used to read.
+    ``https://user:pa'ss@[::1]:8443/db.lmdb?signature=...#x`` becomes ``https://[::1]:8443/db.lmdb``. The user-info is
+    all of the authority (what follows ``//``, up to the first ``/``) to its last ``@``. A query and a fragment are cut
+    only from ``http(s)://`` URLs: fsspec reads ``?`` and ``#`` as part of the path for every other scheme
+    (``file:///data/run#1/db.lmdb`` is a folder ``run#1``), so they stay. A plain URL, and a local path, are returned as
+    they are. The full URL is still the one used to read; :func:`redact_text` does the same to a line of text.
     """
-    return _URL.sub(r"\g<scheme>\g<rest>", url)
+    found = _SCHEME.match(url)
+    if found is None:
+        return url
+    rest = url[found.end() :]
+    if found[1].lower() in _QUERY_SCHEMES:
+        rest = re.split(r"[?#]", rest, maxsplit=1)[0]
+    authority, slash, path = rest.partition("/")
+    return f"{url[: found.end()]}{authority.rpartition('@')[2]}{slash}{path}"
+
+
+def redact_text(text: str) -> str:
+    """``text`` (an error from a backend) with every URL in it redacted as :func:`redact_url` does.
+
+    A URL in text ends at the next blank; the closing quotes, brackets and punctuation after a query cut from it stay.
+    """
+
+    def redact(found: re.Match[str]) -> str:
+        query = found["query"] or ""
+        if found["scheme"].lower() in _QUERY_SCHEMES:
+            query = _QUERY_END.search(query)[0]  # type: ignore[index]
+        return f"{found['scheme']}://{found['path']}{query}"
+
+    return _URL.sub(redact, text)
 
 
 def check_local(path: str | os.PathLike[str] | None, argument: str, why: str) -> None:
@@ -164,7 +198,7 @@ def filesystem(url: str, argument: str = "data_dir") -> tuple[AbstractFileSystem
         ) from None
     except ValueError as err:
         raise RemoteStorageError(
-            f"`{argument}` {shown!r}: fsspec cannot open {scheme}:// URLs ({redact_url(str(err))}). Pass an s3://,"
+            f"`{argument}` {shown!r}: fsspec cannot open {scheme}:// URLs ({redact_text(str(err))}). Pass an s3://,"
             " gs://, az://, https:// or file:// URL, or a local path."
         ) from None
     return fs, path.rstrip("/")
@@ -173,8 +207,9 @@ def filesystem(url: str, argument: str = "data_dir") -> tuple[AbstractFileSystem
 def staged_path(url: str, root: Path) -> Path:
     """Where ``url`` is staged under the cache folder ``root``: ``<name>-<digest of the URL>.lmdb``.
 
-    Of the URL without user-info and query (:func:`redact_url`): no secret becomes part of a name, and a URL signed
-    again (a new query) is still the same copy.
+    Of the URL without user-info, and over HTTP without query (:func:`redact_url`): no secret becomes part of a name,
+    and a URL signed again (a new query) is still the same copy; two paths that differ only after a ``?`` or ``#``
+    (``file:///data/run#1/db.lmdb``, ``.../run#2/db.lmdb``) are two copies. A plain URL's name is the one it always had.
     """
     clean = redact_url(url).rstrip("/")
     name = clean.rsplit("/", 1)[-1].removesuffix(".lmdb") or "database"
@@ -190,11 +225,12 @@ def staged_path(url: str, root: Path) -> Path:
 def _remote_error(err: BaseException, url: str, doing: str) -> RemoteStorageError:
     """The one-line error for ``err``, raised by fsspec while ``doing`` (``"reading"``...) ``url``.
 
-    The URL, and any URL in the backend's message, is shown without user-info and query (:func:`redact_url`).
+    The URL, and any URL in the backend's message, is shown without user-info and an http(s) query (:func:`redact_url`,
+    :func:`redact_text`).
     """
     scheme, url = _scheme(url), redact_url(url)
     names = {cls.__name__ for cls in type(err).__mro__}
-    detail = redact_url(str(err).strip().splitlines()[0]) if str(err).strip() else type(err).__name__
+    detail = redact_text(str(err).strip().splitlines()[0]) if str(err).strip() else type(err).__name__
     where = _CREDENTIALS.get(scheme, "the credentials your fsspec backend reads")
     if names & {"NoCredentialsError", "PartialCredentialsError", "DefaultCredentialsError"}:
         return RemoteStorageError(f"no credentials found for {url!r} while {doing} it ({detail}). Set {where}.")
@@ -261,7 +297,7 @@ class StagedDatabase:
 def _read_json(path: Path) -> dict[str, Any] | None:
     try:
         value = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, ValueError):
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
         return None
     return value if isinstance(value, dict) else None
 
@@ -280,19 +316,30 @@ def _write_json(path: Path, value: dict[str, Any]) -> None:
 
 
 def _read_marker(fs: AbstractFileSystem, path: str, shown: str) -> dict[str, Any]:
-    """The marker of the database at ``shown``: one request, and checked (:func:`_check_marker`) before any write."""
+    """The marker of the database at ``shown``: one request, and checked (:func:`_check_marker`) before any write.
+
+    One ranged GET of :data:`MARKER_LIMIT` bytes and one more (a whole-object read makes s3fs ask for the size first, a
+    second request); over HTTP no more is read whatever the server sends. A larger marker is refused.
+    """
     with _remote(shown, "reading"):
         try:
-            # `start=0`: one ranged GET; a whole-object read makes s3fs ask for the size first (a second request)
-            raw = fs.cat_file(f"{path}/{MARKER}", start=0)
+            if _reads_http(fs):
+                with _HttpReply(fs, f"{path}/{MARKER}", 0, MARKER_LIMIT + 1) as reply:
+                    raw: bytes | None = bytes(reply.read(MARKER_LIMIT + 1))
+            else:
+                raw = fs.cat_file(f"{path}/{MARKER}", start=0, end=MARKER_LIMIT + 1)
         except FileNotFoundError:
             raw = None
     if raw is None:
         raise _missing_marker(fs, path, shown)
+    if len(raw) > MARKER_LIMIT:
+        raise _not_a_marker(shown, f"larger than {MARKER_LIMIT} bytes, where a marker lists two files in a few hundred")
     try:
         marker = json.loads(raw.decode())
     except (UnicodeDecodeError, ValueError):
         marker = None
+    except RecursionError:  # arrays or objects nested deeper than the interpreter's stack
+        raise _not_a_marker(shown, "JSON nested too deep") from None
     _check_marker(marker, shown)
     return marker  # type: ignore[no-any-return]
 
@@ -319,10 +366,15 @@ def _check_marker(marker: Any, shown: str) -> None:
             )
     why = _marker_problem(files)
     if why is not None:
-        raise RemoteStorageError(
-            f"{shown}/{MARKER} is not a marker written by lightning_fastdata, or it is damaged ({why}); nothing was"
-            f" fetched. Publish the database again with `lightning-fastdata convert SRC {shown}`."
-        )
+        raise _not_a_marker(shown, why)
+
+
+def _not_a_marker(shown: str, why: str) -> RemoteStorageError:
+    """The error for a marker that lightning_fastdata did not write, or that is damaged (``why``)."""
+    return RemoteStorageError(
+        f"{shown}/{MARKER} is not a marker written by lightning_fastdata, or it is damaged ({why}); nothing was"
+        f" fetched. Publish the database again with `lightning-fastdata convert SRC {shown}`."
+    )
 
 
 def _marker_problem(files: Any) -> str | None:
@@ -360,6 +412,30 @@ def _is_staged(target: Path, marker: dict[str, Any] | None = None) -> bool:
         return False
 
 
+def _check_own_copy(path: Path) -> None:
+    """Refuse the staged copy ``path`` (or ``.NAME.old``, moved aside) unless it is missing or a folder of this user's.
+
+    Another user's copy in a shared cache could hold any bytes under a marker it copied; a link is never followed.
+
+    Raises:
+        DestinationError: ``path`` is a symbolic link (never followed), not a folder, or another user's; nothing was
+            read, restored or removed through it.
+
+    """
+    from lightning_fastdata.store.writer import _foreign
+
+    try:
+        found = os.lstat(path)
+    except FileNotFoundError:
+        return
+    what = _foreign(found, directory=True)
+    if what is not None:
+        raise DestinationError(
+            f"the staged copy {str(path)!r} is {what}: a copy this user did not stage could hold any bytes, so nothing"
+            " was read, restored or removed through it. Remove it (its owner can), or pass a `cache_dir` of your own."
+        )
+
+
 def _why_restaged(old: dict[str, Any], new: dict[str, Any], shown: str) -> str:
     """Why a staged copy of ``old`` is replaced by the publication ``new``."""
     before, after = old.get("files", {}).get(DATA_FILE, {}), new["files"][DATA_FILE]
@@ -392,7 +468,7 @@ def stage(
     What a bucket says is checked before it is used: the marker may name only the files a publication holds, every
     staged file has the SHA-256 the marker lists (a file that does not is fetched again once, then refused), and the
     copy is opened before it is returned; a copy staged earlier that no longer opens is thrown away and staged again,
-    once, with a warning. Errors and logs show ``url`` without its user-info and query (:func:`redact_url`).
+    once, with a warning. Errors and logs show ``url`` without its user-info and an http(s) query (:func:`redact_url`).
 
     Args:
         url: an fsspec URL of a database published by ``lightning-fastdata convert SRC URL``.
@@ -408,9 +484,10 @@ def stage(
         RemoteStorageError: a missing backend, bucket, object or marker, missing credentials, a network failure, a
             marker naming a file a publication never holds, a file that does not match its marker twice, or a
             publication that matches its marker but does not open. Nothing is published in the cache then.
-        DestinationError: ``root`` is read-only (:class:`~lightning_fastdata.errors.ReadOnlyDestinationError`) or has
-            no file locks, and holds no staged copy of this publication; its disk has less free space than is left to
-            fetch; or it holds a symbolic link, or another user's file, where staging writes.
+        DestinationError: ``root`` is read-only (:class:`~lightning_fastdata.errors.ReadOnlyDestinationError`), has
+            no file locks, or holds another user's lock file, and holds no staged copy of this publication; its disk
+            has less free space than is left to fetch; or it holds a symbolic link, or another user's file or staged
+            copy, where staging writes or keeps its copy.
         DatasetFormatError: the copy in a read-only ``root`` does not open (it cannot be staged again there).
 
     """
@@ -428,7 +505,10 @@ def stage(
     with contextlib.suppress(OSError):
         target.parent.mkdir(parents=True, exist_ok=True)
     with _target_lock(target) as unlockable:
-        _recover_interrupted_publish(target)
+        for copy in (target, target.parent / f".{target.name}.old"):
+            _check_own_copy(copy)
+        if unlockable is None:  # without the lock, another process may be replacing the copy: nothing is moved
+            _recover_interrupted_publish(target)
         marker = _read_marker(fs, path, shown)
         if _is_staged(target, marker):
             damage = _cannot_open(target) if check else None
@@ -471,6 +551,7 @@ def find_staged(url: str, root: str | os.PathLike[str]) -> Path | None:
     if not target.parent.is_dir():
         return None
     with _target_lock(target):
+        _check_own_copy(target)
         return target if _is_staged(target) else None
 
 
@@ -518,6 +599,7 @@ def _fetch_all(
             MARKER,
         )
         state["done"] = {name: starts for name, starts in state["done"].items() if name not in bad}
+        _write_json(work / PROGRESS_FILE, state)  # a run stopped before they are fetched again fetches them too
         bad = _fetch_files(fs, path, shown, marker, work, state, progress)
     if bad:
         shutil.rmtree(work, ignore_errors=True)
@@ -603,7 +685,7 @@ def _fetch_files(
     done = {name: _done_ranges(state, name, want["size"]) for name, want in files.items()}
     total = sum(want["size"] for want in files.values())
     resumed = sum(min(RANGE_SIZE, files[name]["size"] - start) for name, starts in done.items() for start in starts)
-    _check_free_space(work, shown, total - resumed)  # before anything is allocated
+    _check_free_space(work, shown, total - _on_disk(work, files, done))  # before anything is allocated
     if resumed:
         log.info("%s: resuming a staging interrupted with %d of %d bytes fetched", shown, resumed, total)
     fds: dict[str, int] = {}
@@ -622,25 +704,56 @@ def _fetch_files(
         ]
         lock = threading.Lock()
         reader = _RangeReader(fs, shown)
+        # the ranges written, or being written, from one reply: each range is written once, from the first reply that
+        # brings it, so the bytes hashed (the ranges done, read back) are the bytes published
+        claimed = {name: set(starts) for name, starts in done.items()}
+
+        def settle(name: str, start: int, data: bytes | bytearray | memoryview) -> int:
+            """Write ``data`` as the range ``start`` of ``name`` unless another reply claimed it; the bytes written."""
+            with lock:
+                if start in claimed[name]:
+                    return 0  # written, or being written, from another reply: these bytes are dropped
+                claimed[name].add(start)
+            _pwrite_all(fds[name], data, start)
+            with lock:
+                done[name].add(start)
+            return len(data)
+
+        whole: set[str] = set()  # the files a server sent whole, for a ranged read: no more reads are issued for them
 
         def fetch(name: str, start: int, end: int) -> int:
             with lock:
-                if start in done[name]:  # fetched with the whole file by a server that ignores ranges
+                if start in claimed[name] or name in whole:  # written, or coming, from a whole file the server sent
                     return 0
-            data = reader.read(f"{path}/{name}", start, end)
-            size = files[name]["size"]
-            if len(data) == size and end - start != size:  # a server that ignores ranges sent the whole file
-                os.pwrite(fds[name], data, 0)
-                with lock:
-                    new = size - sum(min(RANGE_SIZE, size - s) for s in done[name])
-                    done[name] = set(range(0, size, RANGE_SIZE))
-                return new
+            with reader.open(f"{path}/{name}", start, end, files[name]["size"]) as reply:
+                if reply.whole:
+                    return take_whole(name, reply)
+                data = reply.read(end - start + 1)  # one byte more than asked tells a longer reply, unread
             if len(data) != end - start:
-                raise OSError(f"a read of bytes {start}-{end} of {name} returned {len(data)} bytes")
-            os.pwrite(fds[name], data, start)
+                got = f"more than {end - start}" if len(data) > end - start else len(data)
+                raise _BadReply(f"answered a read of bytes {start}-{end} of {name} with {got} bytes")
+            return settle(name, start, data)
+
+        def take_whole(name: str, reply: _Reply) -> int:
+            """Write from ``reply``, the whole file ``name``, the ranges nobody claimed, holding one range at a time."""
             with lock:
-                done[name].add(start)
-            return end - start
+                if name in whole:
+                    return 0  # another reply brings the whole file: this one is closed unread
+                whole.add(name)
+            size, new = files[name]["size"], 0
+            for start in range(0, size, RANGE_SIZE):
+                with lock:
+                    if len(claimed[name]) * RANGE_SIZE >= size:  # every range is written, or being written
+                        return new
+                data = reply.read(min(RANGE_SIZE, size - start))
+                if len(data) < min(RANGE_SIZE, size - start):
+                    raise _BadReply(
+                        f"sent {name} whole for a ranged read, but it ends at byte {start + len(data)} of {size}"
+                    )
+                new += settle(name, start, data)
+            if reply.read(1):
+                raise _BadReply(f"sent {name} whole for a ranged read, but it is longer than its {size} bytes")
+            return new
 
         def advance() -> None:
             with lock:
@@ -686,6 +799,12 @@ def _fetch_files(
                     future.cancel()
                 with contextlib.suppress(OSError):  # a full disk may refuse progress.json too: the error says why
                     persist()
+                if isinstance(err, _BadReply):
+                    raise RemoteStorageError(
+                        f"the server of {shown!r} {err}: nothing of that reply was written. Check the server (a ranged"
+                        " read must be answered with those bytes, or with the whole file), then run again: staging"
+                        " resumes where it stopped."
+                    ) from err
                 if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
                     raise _disk_full(err, work, shown) from err
                 if isinstance(err, Exception):
@@ -698,6 +817,35 @@ def _fetch_files(
         for fd in fds.values():
             os.close(fd)
         os.close(folder)
+
+
+def _pwrite_all(fd: int, data: bytes | bytearray | memoryview, offset: int) -> None:
+    """Write all of ``data`` at ``offset`` of ``fd`` (``os.pwrite`` may write less)."""
+    view = memoryview(data)
+    while view:
+        written = os.pwrite(fd, view, offset)
+        if not written:
+            raise OSError(errno.ENOSPC, f"nothing was written at byte {offset}")
+        view, offset = view[written:], offset + written
+
+
+def _on_disk(work: Path, files: dict[str, Any], done: dict[str, set[int]]) -> int:
+    """The bytes of ``files`` that the working copy ``work`` already holds on its disk, which fetching does not need.
+
+    Per file, its ranges ``done``, or the blocks it holds (capped at its size) where that is more: a file fetched
+    again after its SHA-256 did not match holds all its blocks with no range done, and fetching it again overwrites
+    them in place.
+    """
+    held = 0
+    for name, want in files.items():
+        resumed = sum(min(RANGE_SIZE, want["size"] - start) for start in done[name])
+        try:
+            found = os.lstat(work / name)
+        except OSError:
+            found = None
+        blocks = min(found.st_blocks * 512, want["size"]) if found is not None and stat.S_ISREG(found.st_mode) else 0
+        held += max(resumed, blocks)
+    return held
 
 
 def _done_ranges(state: dict[str, Any], name: str, size: int) -> set[int]:
@@ -757,8 +905,19 @@ class _RangeReader:
         self.fs, self.shown = fs, shown
         self._lock = threading.Lock()
 
+    def open(self, path: str, start: int, end: int, size: int) -> _Reply:
+        """The reply to a ranged read of bytes ``start:end`` of ``path``, a file of ``size`` bytes (one GET).
+
+        Over HTTP the reply is read from the connection as it is used (:class:`_HttpReply`); other backends read it
+        whole (``cat_file``), and a reply of ``size`` bytes for a shorter range is then the whole file.
+        """
+        if _reads_http(self.fs):
+            return _HttpReply(self.fs, path, start, end)
+        data = self.read(path, start, end)
+        return _Reply(data, whole=len(data) == size and end - start != size)
+
     def read(self, path: str, start: int, end: int) -> bytes:
-        """Bytes ``start:end`` of ``path`` (one ranged GET)."""
+        """Bytes ``start:end`` of ``path`` (one ranged GET), read whole."""
         fs = self.fs
         try:
             return _read_range(fs, path, start, end)
@@ -773,10 +932,101 @@ class _RangeReader:
                         " servers send the whole object's checksum with every range. Staging goes on without"
                         " botocore's response checks; each file's SHA-256 is checked against the marker, as always.",
                         self.shown,
-                        redact_url(str(err)),
+                        redact_text(str(err)),
                     )
                     self.fs = _without_response_checksums(fs)
             return _read_range(self.fs, path, start, end)
+
+
+class _BadReply(OSError):
+    """A reply that is not what was asked: a range of another length or start, or a whole file of another size."""
+
+
+class _Reply:
+    """The reply to a ranged read, read as it is used; ``whole``: the server ignored the range and sends the whole file.
+
+    This one holds a reply read whole (``cat_file``); :class:`_HttpReply` reads one from the connection.
+    """
+
+    def __init__(self, data: bytes, whole: bool) -> None:
+        self.whole, self._data, self._at = whole, memoryview(data), 0
+
+    def read(self, n: int) -> bytes | bytearray | memoryview:
+        """The next ``n`` bytes of the reply, fewer only where it ends."""
+        chunk = self._data[self._at : self._at + n]
+        self._at += len(chunk)
+        return chunk
+
+    def close(self) -> None:
+        """Let go of the reply, read or not."""
+        self._data = memoryview(b"")
+
+    def __enter__(self) -> _Reply:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _HttpReply(_Reply):
+    """A reply of fsspec's HTTP file system, read from its connection as it is used (aiohttp, on fsspec's loop).
+
+    What is held is what is asked for: a reply longer than asked, or the whole file a server that ignores ranges
+    sends, is never read whole into memory, and a reply closed unread closes its connection. A reply other than 206
+    is the whole file (from byte 0); a 206 must start where asked.
+    """
+
+    def __init__(self, fs: Any, url: str, start: int, end: int) -> None:
+        from fsspec.asyn import sync
+
+        self._fs, self._sync = fs, sync
+        self._response = sync(fs.loop, self._get, url, start, end)
+        self.whole = self._response.status != 206
+        found = re.match(r"bytes (\d+)-", self._response.headers.get("Content-Range", ""))
+        if not self.whole and found is not None and int(found[1]) != start:
+            self.close()
+            raise _BadReply(f"answered a read from byte {start} of {url.rsplit('/', 1)[-1]} with bytes from {found[1]}")
+
+    async def _get(self, url: str, start: int, end: int) -> Any:
+        session = await self._fs.set_session()
+        options = dict(self._fs.kwargs)
+        options["headers"] = {**options.get("headers", {}), "Range": f"bytes={start}-{end - 1}"}
+        response = await session.get(self._fs.encode_url(url), **options)
+        try:
+            self._fs._raise_not_found_for_status(response, url)
+        except BaseException:
+            response.close()
+            raise
+        return response
+
+    async def _read(self, n: int) -> bytearray:
+        data, got = bytearray(n), 0  # filled in place: ``n`` bytes held, and one chunk of 64 KiB
+        with memoryview(data) as view:
+            while got < n and (chunk := await self._response.content.read(min(n - got, 2**16))):
+                view[got : got + len(chunk)] = chunk
+                got += len(chunk)
+        del data[got:]
+        return data
+
+    def read(self, n: int) -> bytearray:
+        """The next ``n`` bytes of the reply, fewer only where it ends."""
+        return self._sync(self._fs.loop, self._read, n)  # type: ignore[no-any-return]
+
+    async def _close(self) -> None:
+        if self._response.content.at_eof():
+            self._response.release()  # read to its end: the connection serves the next read
+        else:
+            self._response.close()  # the rest is never read
+
+    def close(self) -> None:
+        """Let go of the reply; one not read to its end closes its connection."""
+        self._sync(self._fs.loop, self._close)
+
+
+def _reads_http(fs: AbstractFileSystem) -> bool:
+    """Whether ``fs`` is fsspec's HTTP file system, whose replies :class:`_HttpReply` reads as they are used."""
+    protocols = (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
+    return "http" in protocols and hasattr(fs, "set_session")
 
 
 def _without_response_checksums(fs: AbstractFileSystem) -> AbstractFileSystem:

@@ -136,14 +136,16 @@ def _has_meta_record(dst: Path) -> bool:
 def _target_lock(dst: Path, wait: bool = True) -> Iterator[OSError | None]:
     """Hold the conversion lock of ``dst`` while the block runs; yields the error when it cannot be written or locked.
 
-    A folder that is read-only, or on a file system without file locks, yields that error instead of a lock: then
-    only a complete, up-to-date database may be used (:func:`_unwritable_error` says why nothing else is).
+    A folder that is read-only, or on a file system without file locks, yields that error instead of a lock, and so
+    does a lock file that is another user's regular file (:class:`_ForeignLock`: this process never writes to it):
+    then only a complete, up-to-date database may be used (:func:`_unwritable_error` says why nothing else is).
     The lock file holds this converter's pid and host (readers name it: "is being converted by process N") and is
     removed at the end while still held: a waiter that then gets the lock sees that its file is gone and locks the new
     one, so no zero-byte lock file stays beside each database.
 
     Raises:
         BlockingIOError: ``wait`` is false and another process holds the lock.
+        DestinationError: the lock file is a symbolic link or not a regular file.
 
     """
     if fcntl is None:  # pragma: no cover - Windows
@@ -157,6 +159,12 @@ def _target_lock(dst: Path, wait: bool = True) -> Iterator[OSError | None]:
             if err.errno not in _READ_ONLY:
                 raise
             yield err  # a read-only folder: no conversion can happen here, but a complete database can be used
+            return
+        except DestinationError:
+            foreign = _ForeignLock.of(path)
+            if foreign is None:  # a link or not a regular file: refused
+                raise
+            yield foreign  # another user's lock: as in a read-only folder, a complete database can be used
             return
         try:
             try:
@@ -202,6 +210,28 @@ def _target_lock(dst: Path, wait: bool = True) -> Iterator[OSError | None]:
         fh.close()
 
 
+class _ForeignLock(PermissionError):
+    """The lock file of a target is another user's regular file: this process never writes to it, so it cannot lock.
+
+    ``uid`` is its owner's.
+    """
+
+    uid: int
+
+    @classmethod
+    def of(cls, path: Path) -> _ForeignLock | None:
+        """The error for the lock file ``path`` when it is another user's regular file, else ``None``."""
+        try:
+            found = os.lstat(path)
+        except OSError:
+            return None
+        if not stat.S_ISREG(found.st_mode) or not hasattr(os, "geteuid") or found.st_uid == os.geteuid():
+            return None
+        error = cls(errno.EACCES, f"the lock file is owned by another user (uid {found.st_uid})", str(path))
+        error.uid = found.st_uid
+        return error
+
+
 def _open_own(path: Path, flags: int, folder: int | None = None) -> int:
     """``os.open`` of ``path``, created if missing, only as a regular file of this user's, never through a link.
 
@@ -232,18 +262,28 @@ def _open_own(path: Path, flags: int, folder: int | None = None) -> int:
 
 def _not_own(path: Path, found: os.stat_result, directory: bool = False) -> DestinationError | None:
     """Why ``path`` (``found``: its ``lstat``) is not a regular file (``directory``: a folder) of this user's."""
-    if stat.S_ISLNK(found.st_mode):
-        what = "a symbolic link"
-    elif not (stat.S_ISDIR if directory else stat.S_ISREG)(found.st_mode):
-        what = "not a folder" if directory else "not a regular file"
-    elif hasattr(os, "geteuid") and found.st_uid != os.geteuid():
-        what = f"owned by another user (uid {found.st_uid})"
-    else:
+    what = _foreign(found, directory)
+    if what is None:
         return None
     return DestinationError(
         f"{str(path)!r} is {what}, where this package writes its own {'folder' if directory else 'file'}; nothing"
         f" was written through it. Remove it, and check who else can write to {str(path.parent)!r}."
     )
+
+
+def _foreign(found: os.stat_result, directory: bool = False) -> str | None:
+    """What ``found`` (an ``lstat``) is, where a regular file (``directory``: a folder) of this user's should be.
+
+    ``None`` when it is one; else ``"a symbolic link"``, ``"not a folder"``, ``"not a regular file"`` or ``"owned by
+    another user (uid N)"``.
+    """
+    if stat.S_ISLNK(found.st_mode):
+        return "a symbolic link"
+    if not (stat.S_ISDIR if directory else stat.S_ISREG)(found.st_mode):
+        return "not a folder" if directory else "not a regular file"
+    if hasattr(os, "geteuid") and found.st_uid != os.geteuid():
+        return f"owned by another user (uid {found.st_uid})"
+    return None
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -289,8 +329,10 @@ def _make_parent(dst: Path) -> None:
         raise
 
 
-def _read_only_error(dst: Path, err: OSError | None = None, outdated: bool = False) -> ReadOnlyDestinationError:
-    """The error for a conversion into a folder this process cannot write to."""
+def _read_only_error(dst: Path, err: OSError | None = None, outdated: bool = False) -> DestinationError:
+    """The error for a conversion into a folder this process cannot write to (or whose lock file is another user's)."""
+    if isinstance(err, _ForeignLock):
+        return _foreign_lock_error(dst, err, outdated)
     reason = f" ({err.strerror})" if err is not None and err.strerror else ""
     what = (
         "holds a database that is out of date (its source or the conversion settings changed), and"
@@ -315,8 +357,30 @@ def _read_only_error(dst: Path, err: OSError | None = None, outdated: bool = Fal
     return error
 
 
+def _foreign_lock_error(dst: Path, err: _ForeignLock, outdated: bool) -> DestinationError:
+    """The error for a target whose lock file is another user's: it names the file, its owner and whether it is held."""
+    import pwd
+
+    try:
+        owner = f"{pwd.getpwuid(err.uid).pw_name}, uid {err.uid}"
+    except KeyError:
+        owner = f"uid {err.uid}"
+    holder = converter_of(dst)
+    held = (
+        f"held now by {describe_converter(holder)}: wait for it to finish, then run again"
+        if holder is not None
+        else "held by no process (left by a run that was stopped): its owner may remove it"
+    )
+    what = "holds a database that is out of date, but" if outdated else "cannot be written:"
+    return DestinationError(
+        f"{str(dst)!r} {what} its lock file {err.filename!r} belongs to another user ({owner}): this package never"
+        f" writes to another user's file, so it cannot take the lock. That file is {held}. A complete, up-to-date"
+        f" database at {str(dst)!r} is read without the lock; to write one, use a folder of your own."
+    )
+
+
 def _unwritable_error(dst: Path, err: OSError, outdated: bool = False) -> DestinationError:
-    """The error for a conversion into a folder that is read-only, or on a file system without file locks."""
+    """The error for a conversion where no lock can be taken: a read-only folder, no file locks, another user's lock."""
     if err.errno not in _NO_LOCKS:
         return _read_only_error(dst, err, outdated)
     return DestinationError(
@@ -329,11 +393,25 @@ def _unwritable_error(dst: Path, err: OSError, outdated: bool = False) -> Destin
 
 
 def _recover_interrupted_publish(dst: Path) -> None:
-    """Put back the previous database if a conversion died between moving it aside and moving the new one in."""
+    """Put back the previous database if a conversion died between moving it aside and moving the new one in.
+
+    Raises:
+        DestinationError: the database moved aside (``.DST.old``) is a symbolic link, not a folder, or another user's:
+            it is neither followed nor moved.
+
+    """
     old = dst.parent / f".{dst.name}.old"
-    if old.is_dir() and not dst.exists():
-        log.warning("restoring %s from %s, left by a conversion interrupted while it replaced it", dst, old)
-        os.replace(old, dst)
+    try:
+        found = os.lstat(old)
+    except FileNotFoundError:
+        return
+    if os.path.lexists(dst):
+        return  # nothing to put back: the next publish removes it
+    refused = _not_own(old, found, directory=True)
+    if refused is not None:
+        raise refused
+    log.warning("restoring %s from %s, left by a conversion interrupted while it replaced it", dst, old)
+    os.replace(old, dst)
 
 
 def stale_conversions(folder: str | os.PathLike[str]) -> list[Path]:
