@@ -11,6 +11,7 @@ import zlib
 from pathlib import Path
 from typing import Any
 
+import cv2
 import hostile
 import lmdb
 import numpy as np
@@ -430,6 +431,68 @@ def test_png_records_decode(database_copy, output):
     assert np.array_equal(array, pixels)
 
 
+def _png(image: Image.Image, **params: Any) -> bytes:
+    out = io.BytesIO()
+    image.save(out, format="PNG", **params)
+    return out.getvalue()
+
+
+def _png_kinds() -> dict[str, bytes]:
+    """Small PNGs of every kind of 8-bit (or less) PNG, 37 x 53 random pixels each."""
+    rng = np.random.default_rng(0)
+    rgb = Image.fromarray(rng.integers(0, 256, (37, 53, 3), dtype=np.uint8))
+    rgba = Image.fromarray(rng.integers(0, 256, (37, 53, 4), dtype=np.uint8))
+    grey = Image.fromarray(rng.integers(0, 256, (37, 53), dtype=np.uint8))
+    rotated = Image.Exif()
+    rotated[0x0112] = 6  # EXIF orientation: rotate 90 degrees
+    return {
+        "RGB": _png(rgb),
+        "RGBA": _png(rgba),
+        "L": _png(grey),
+        "LA": _png(rgba.convert("LA")),
+        "P": _png(rgb.quantize(200)),
+        "P with transparency": _png(rgb.quantize(100), transparency=bytes(range(100))),
+        "1": _png(grey.convert("1")),
+        "L of 4 bits": _png(grey, bits=4),
+        "RGB with a transparent colour": _png(rgb, transparency=(1, 2, 3)),
+        "RGB with an EXIF rotation": _png(rgb, exif=rotated),
+    }
+
+
+@pytest.mark.filterwarnings("ignore:Palette images with Transparency")
+@pytest.mark.parametrize("kind", list(_png_kinds()))
+def test_png_records_decode_to_pils_rgb_pixels(tmp_path: Path, kind: str) -> None:
+    """A PNG of any 8-bit kind decodes as a tensor (OpenCV) to exactly PIL's ``convert("RGB")``: alpha and
+    transparency dropped, palettes, greyscale and 1- and 4-bit samples expanded, an EXIF rotation not applied."""
+    png = _png_kinds()[kind]
+    db = hostile.write_database(tmp_path / "db", [hostile.record(ENCODING_PNG, 0, 37, 53, png)], ["a"])
+    expected = np.asarray(Image.open(io.BytesIO(png)).convert("RGB"))
+    tensor, _ = LmdbImageDataset(db)[0]
+    pil, _ = LmdbImageDataset(db, output="pil")[0]
+    assert np.array_equal(tensor.permute(1, 2, 0).numpy(), expected)
+    assert np.array_equal(np.asarray(pil), expected)
+
+
+def test_16_bit_png_records_decode_to_their_high_byte(tmp_path: Path) -> None:
+    """A 16-bit PNG decodes as a tensor to each sample's high byte, greyscale and RGB alike (PIL's own reading of a
+    16-bit RGB PNG); as a PIL image it keeps PIL's pixels, whose ``convert("RGB")`` clips a greyscale one at 255."""
+    rng = np.random.default_rng(0)
+    grey, rgb = rng.integers(0, 65536, (37, 53), dtype=np.uint16), rng.integers(0, 65536, (37, 53, 3), dtype=np.uint16)
+    ok, rgb_png = cv2.imencode(".png", np.ascontiguousarray(rgb[..., ::-1]))  # OpenCV writes BGR
+    assert ok
+    records = [
+        hostile.record(ENCODING_PNG, 0, 37, 53, _png(Image.fromarray(grey))),
+        hostile.record(ENCODING_PNG, 0, 37, 53, rgb_png.tobytes()),
+    ]
+    db = hostile.write_database(tmp_path / "db", records, ["a"])
+    tensors, pil = LmdbImageDataset(db), LmdbImageDataset(db, output="pil")
+    high = (grey >> 8).astype(np.uint8)
+    assert np.array_equal(tensors[0][0].permute(1, 2, 0).numpy(), np.stack([high] * 3, axis=-1))
+    assert np.array_equal(tensors[1][0].permute(1, 2, 0).numpy(), (rgb >> 8).astype(np.uint8))
+    assert np.array_equal(np.asarray(pil[0][0]), np.stack([np.minimum(grey, 255).astype(np.uint8)] * 3, axis=-1))
+    assert np.array_equal(np.asarray(pil[1][0]), (rgb >> 8).astype(np.uint8))
+
+
 @pytest.mark.parametrize("labels", [None, b"\x00\x00\x00"])
 def test_damaged_label_array_raises(database_copy, labels):
     """A missing or wrong-length label array makes ``targets`` raise ``CorruptRecordError``."""
@@ -506,6 +569,7 @@ def _no_decode(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(reader.simplejpeg, "decode_jpeg", into_the_records_size)
     monkeypatch.setattr(ImageFile.ImageFile, "load", decoded)
+    monkeypatch.setattr(reader, "_read_png", decoded)
 
 
 @pytest.mark.parametrize("output", ["tensor", "pil"])

@@ -35,7 +35,6 @@ import functools
 import math
 import mmap
 import os
-import tempfile
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -46,6 +45,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from lightning_fastdata._files import anonymous_file
 from lightning_fastdata.pipeline import device as stage  # the module: its copy is what the tests patch
 from lightning_fastdata.pipeline.streams import side_stream
 
@@ -113,7 +113,7 @@ class SlotMemory:
             self.bytes = np.empty(nbytes, dtype=np.uint8)
             return
         try:
-            fd = _anonymous_file()
+            fd = anonymous_file("lightning_fastdata-slots")
         except OSError as err:  # no descriptor left (EMFILE)
             raise _reserving_failed(err, nbytes) from None
         self._attach(fd, reserve=True)
@@ -183,16 +183,6 @@ def _attach_shared(layout: SlotLayout, count: int, fd: Any) -> SlotMemory:
 def _reserving_failed(err: OSError, nbytes: int) -> OSError:
     """The error of shared slots that could not be made: what was asked for, and why."""
     return OSError(err.errno, f"reserving {nbytes / 2**20:.0f} MiB of shared memory failed: {err.strerror}")
-
-
-def _anonymous_file() -> int:
-    """A descriptor of a file in memory that no path names: a ``memfd`` (Linux), else an unlinked temporary file."""
-    if hasattr(os, "memfd_create"):
-        return os.memfd_create("lightning_fastdata-slots", os.MFD_CLOEXEC)
-    where = "/dev/shm" if os.path.isdir("/dev/shm") else None
-    fd, path = tempfile.mkstemp(prefix="lightning_fastdata-slots-", dir=where)
-    os.unlink(path)
-    return fd
 
 
 class SlotBatch(tuple):

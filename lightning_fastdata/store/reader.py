@@ -22,6 +22,8 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset, default_collate
 
+from lightning_fastdata._cv import cv2
+from lightning_fastdata._files import anonymous_file
 from lightning_fastdata.errors import CorruptRecordError, SampleError
 from lightning_fastdata.store.format import (
     DATA_FILE,
@@ -46,6 +48,8 @@ DEFAULT_MAX_PIXELS = 3 * 2**24
 #: the only format PIL may read a record of each encoding as (none of its other, rarer, decoders)
 _PIL_FORMATS = {ENCODING_JPEG: "JPEG", ENCODING_PNG: "PNG"}
 _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+#: where a process opens its own descriptors by name (Linux; ``/dev/fd`` on other Unixes)
+_FD_DIR = "/proc/self/fd" if os.path.isdir("/proc/self/fd") else "/dev/fd"
 
 
 def _png_size(data: bytearray | memoryview) -> tuple[int, int]:
@@ -54,6 +58,25 @@ def _png_size(data: bytearray | memoryview) -> tuple[int, int]:
         raise ValueError("not a PNG (no PNG signature and IHDR chunk)")
     width, height = struct.unpack_from(">II", data, 16)
     return height, width
+
+
+def _read_png(data: bytearray | memoryview) -> np.ndarray | None:
+    """A PNG decoded by OpenCV (libpng) into a new ``uint8`` RGB HWC array, 3 bytes a pixel; ``None`` if it fails.
+
+    Transparency is dropped, palettes, greyscale and depths under 8 bits are expanded, and 16-bit samples keep their
+    high byte, all row by row as libpng decodes; EXIF orientation is not applied (as PIL). OpenCV reads the PNG from
+    a file in memory: given an output, ``cv2.imread`` decodes straight into NumPy's memory, where ``cv2.imdecode``
+    decodes into its own and copies that (6 bytes a pixel at the peak).
+    """
+    fd = anonymous_file("lightning_fastdata-png")
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.lseek(fd, 0, os.SEEK_SET)  # opening /dev/fd/N shares this offset on some systems
+        return cv2.imread(f"{_FD_DIR}/{fd}", None, cv2.IMREAD_COLOR_RGB | cv2.IMREAD_IGNORE_ORIENTATION)
+    finally:
+        os.close(fd)
 
 
 def collate_labels(labels: list[Any]) -> Any:
@@ -275,8 +298,9 @@ class LmdbImageDataset(Dataset):
         """Decode a record into a ``uint8`` RGB HWC NumPy array (the batch path's form; no tensor, no copy).
 
         JPEGs decode with libjpeg-turbo (``simplejpeg``; the GIL is released), into ``buffer`` when given (at least
-        ``height * width * 3`` bytes); ``fast`` uses its fast DCT and upsampling (see ``fast_decode``). Raw records are
-        a view of ``data``.
+        ``height * width * 3`` bytes); ``fast`` uses its fast DCT and upsampling (see ``fast_decode``). PNGs decode
+        with OpenCV (libpng) straight to 8-bit RGB, into a new array (:func:`_read_png`: 16-bit samples keep their
+        high byte, where PIL's conversion of a 16-bit greyscale image clips them). Raw records are a view of ``data``.
 
         A JPEG decodes into exactly the ``height * width * 3`` bytes its record header declares (checked against
         ``max_pixels`` when the record was read): libjpeg-turbo reads the JPEG's own frame header first and refuses a
@@ -291,7 +315,7 @@ class LmdbImageDataset(Dataset):
         if header.encoding == ENCODING_RAW:
             return self._raw_image(index, header, data)
         if header.encoding != ENCODING_JPEG:
-            return np.array(self._pil_image(index, header, data))  # writable, as decoded JPEGs are
+            return self._png_image(index, header, data)
         nbytes = header.height * header.width * 3
         out = np.empty(nbytes, dtype=np.uint8) if buffer is None else buffer[:nbytes]
         try:
@@ -301,6 +325,18 @@ class LmdbImageDataset(Dataset):
             raise CorruptRecordError(f"{self._where(index)}: the image does not decode: {err}") from err
         if image.shape[:2] != (header.height, header.width):
             self._check_frame(index, header, data)
+            raise CorruptRecordError(
+                f"{self._where(index)}: decoded size {image.shape[:2]} differs from the stored"
+                f" {(header.height, header.width)}"
+            )
+        return image
+
+    def _png_image(self, index: int, header: RecordHeader, data: bytearray | memoryview) -> np.ndarray:
+        self._check_frame(index, header, data)
+        image = _read_png(data)
+        if image is None:
+            raise CorruptRecordError(f"{self._where(index)}: the image does not decode (libpng refused the PNG)")
+        if image.shape != (header.height, header.width, 3):  # the frame header agreed: never, but never trusted
             raise CorruptRecordError(
                 f"{self._where(index)}: decoded size {image.shape[:2]} differs from the stored"
                 f" {(header.height, header.width)}"
