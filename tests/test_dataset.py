@@ -640,6 +640,40 @@ def test_a_frame_header_that_disagrees_with_the_record_is_refused_before_decodin
                 dataset[index]
 
 
+@pytest.mark.parametrize(
+    ("encoding", "image", "output", "what", "cost"),
+    [
+        (ENCODING_JPEG, hostile.cmyk_jpeg(48, 64), "tensor", "CMYK JPEG", 7),
+        (ENCODING_JPEG, hostile.cmyk_jpeg(48, 64), "pil", "CMYK JPEG read as a PIL image", 8),
+        (ENCODING_PNG, hostile.flat_png(48, 64, "RGBA"), "pil", "RGBA PNG read as a PIL image", 8),
+        (ENCODING_PNG, hostile.flat_png(48, 64, "L16"), "pil", "I;16 PNG read as a PIL image", 6),
+    ],
+)
+def test_a_decode_over_its_memory_budget_is_refused_before_it_is_decoded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, encoding: int, image: bytes, output: str, what: str, cost: int
+) -> None:
+    """An image within ``max_pixels`` whose decode takes more than 5 bytes a pixel of it (a CMYK JPEG: 7 through
+    libjpeg-turbo, 8 through PIL; an RGBA or 16-bit PNG through PIL: 8, 6) is refused before it is decoded, naming
+    the record, its kind, its size and the limit; with ``max_pixels`` raised to what its decode takes, it reads.
+    (6144 x 8192 PNGs grew a reader by 482 MiB as tensors, 386 MiB as PIL images; CMYK JPEGs by 341 and 390 MiB.)"""
+    db = hostile.write_database(tmp_path / "db", [hostile.record(encoding, 0, 48, 64, image)], ["a"])
+    enough = -(-48 * 64 * cost // 5)  # 5 bytes a pixel of `max_pixels`: a greyscale JPEG read as a PIL image
+    with monkeypatch.context() as patched:
+        _no_decode(patched)
+        with pytest.raises(CorruptRecordError) as info:
+            LmdbImageDataset(db, output=output, max_pixels=enough - 1)[0]  # type: ignore[arg-type]
+    message = str(info.value)
+    assert message.startswith(
+        f"split 'train' index 0 of {str(db)!r}: the image is a 48x64 {what} (3,072 pixels), whose decode takes {cost}"
+        f" bytes a pixel"
+    )
+    assert f"`max_pixels` ({enough - 1:,})" in message
+    assert "raise `max_pixels`" in message
+    assert "\n" not in message
+    image_read, _ = LmdbImageDataset(db, output=output, max_pixels=enough)[0]  # type: ignore[arg-type]
+    assert np.asarray(image_read).shape in ((48, 64, 3), (3, 48, 64))
+
+
 def test_a_record_is_read_only_as_its_encoding(tmp_path: Path) -> None:
     """A PNG record holding another format (here a JPEG, or a GIF) is refused: PIL opens it as a PNG only."""
     gif = io.BytesIO()

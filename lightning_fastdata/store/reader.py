@@ -45,11 +45,22 @@ Output = Literal["tensor", "pil", "encoded"]
 #: photos (8688 x 5792); a database you did not make cannot ask a reader for more memory than this per image
 #: (decompression bombs): 144 MiB decoded as RGB, 240 MiB as a greyscale JPEG that PIL converts to RGB.
 DEFAULT_MAX_PIXELS = 3 * 2**24
+#: the most memory one image's decode may take, in bytes a pixel of `max_pixels` (240 MiB at the default): what a
+#: greyscale image of `max_pixels` takes as a PIL image (1 byte a pixel decoded, then 4 for PIL's RGB). An image whose
+#: decode takes more a pixel (a CMYK JPEG; an RGBA, 16-bit or CMYK image read as a PIL image) is refused above the
+#: pixels that fit, before it is decoded.
+DECODE_BUDGET = 5
+#: bytes a pixel that libjpeg-turbo (simplejpeg) takes for a CMYK or YCCK JPEG decoded to RGB: the CMYK image, then RGB
+_CMYK_COST = 7
 #: the only format PIL may read a record of each encoding as (none of its other, rarer, decoders)
 _PIL_FORMATS = {ENCODING_JPEG: "JPEG", ENCODING_PNG: "PNG"}
 _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 #: where a process opens its own descriptors by name (Linux; ``/dev/fd`` on other Unixes)
 _FD_DIR = "/proc/self/fd" if os.path.isdir("/proc/self/fd") else "/dev/fd"
+_RAISE_HINT = (
+    "If you trust this database, raise `max_pixels` (LmdbImageDataset or FastImageDataModule, `--data.max_pixels` on"
+    " the command line), or pass None for no limit."
+)
 
 
 def _png_size(data: bytearray | memoryview) -> tuple[int, int]:
@@ -77,6 +88,17 @@ def _read_png(data: bytearray | memoryview) -> np.ndarray | None:
         return cv2.imread(f"{_FD_DIR}/{fd}", None, cv2.IMREAD_COLOR_RGB | cv2.IMREAD_IGNORE_ORIENTATION)
     finally:
         os.close(fd)
+
+
+def _pil_cost(mode: str) -> int:
+    """Bytes a pixel that PIL takes to decode an image of ``mode`` and convert it to RGB.
+
+    PIL keeps an image of one 8-bit band in 1 byte a pixel, a 16-bit one (``I;16``) in 2, and every other mode
+    (RGB, RGBA, LA, CMYK, ...) in 4; a conversion to RGB makes a second image, of 4.
+    """
+    if mode == "RGB":
+        return 4
+    return (1 if mode in ("1", "L", "P") else 2 if mode.startswith("I;16") else 4) + 4
 
 
 def collate_labels(labels: list[Any]) -> Any:
@@ -113,7 +135,10 @@ class LmdbImageDataset(Dataset):
             Checked against the record header when a record is read and against the image's own frame header (JPEG
             SOF, PNG IHDR) before it is decoded; a larger image is a :class:`~lightning_fastdata.CorruptRecordError`
             naming it (skipped under ``on_bad_sample="skip"``), so a database you did not make cannot have a reader
-            decode a decompression bomb. Raise it for trusted databases of larger images; ``None``: no limit.
+            decode a decompression bomb. Nor may a decode take more than :data:`DECODE_BUDGET` (5) bytes a pixel of
+            it (240 MiB by default): a CMYK JPEG (7 bytes a pixel), or an RGBA, 16-bit or CMYK image read as a PIL
+            image (6 to 8), is refused above the pixels that fit. Raise it for trusted databases of larger images;
+            ``None``: no limit.
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
@@ -244,9 +269,22 @@ class LmdbImageDataset(Dataset):
         if self.max_pixels is not None and height * width > self.max_pixels:
             raise CorruptRecordError(
                 f"{self._where(index)}: the image is {height}x{width} ({height * width:,} pixels), over `max_pixels`"
-                f" ({self.max_pixels:,}). If you trust this database, raise `max_pixels` (LmdbImageDataset or"
-                " FastImageDataModule, `--data.max_pixels` on the command line), or pass None for no limit."
+                f" ({self.max_pixels:,}). {_RAISE_HINT}"
             )
+
+    def _check_cost(self, index: int, what: str, height: int, width: int, cost: int) -> None:
+        """Refuse an image whose decode takes more than ``DECODE_BUDGET`` bytes a pixel of ``max_pixels``, undecoded.
+
+        ``cost``: the bytes a pixel of the image that its decode takes; ``what``: its kind and how it is decoded.
+        """
+        if self.max_pixels is None or height * width * cost <= DECODE_BUDGET * self.max_pixels:
+            return
+        raise CorruptRecordError(
+            f"{self._where(index)}: the image is a {height}x{width} {what} ({height * width:,} pixels), whose decode"
+            f" takes {cost} bytes a pixel ({height * width * cost / 2**20:.0f} MiB), over the"
+            f" {DECODE_BUDGET * self.max_pixels / 2**20:.0f} MiB that `max_pixels` ({self.max_pixels:,}) allows an"
+            f" image ({DECODE_BUDGET} bytes a pixel). {_RAISE_HINT}"
+        )
 
     def _check_frame(self, index: int, header: RecordHeader, data: bytearray | memoryview) -> None:
         """Check a JPEG or PNG record's own frame header (SOF, IHDR) before anything decodes it; no pixels are touched.
@@ -301,6 +339,7 @@ class LmdbImageDataset(Dataset):
         ``height * width * 3`` bytes); ``fast`` uses its fast DCT and upsampling (see ``fast_decode``). PNGs decode
         with OpenCV (libpng) straight to 8-bit RGB, into a new array (:func:`_read_png`: 16-bit samples keep their
         high byte, where PIL's conversion of a 16-bit greyscale image clips them). Raw records are a view of ``data``.
+        Each takes 3 bytes a pixel, but for a CMYK JPEG (7: refused over :data:`DECODE_BUDGET`).
 
         A JPEG decodes into exactly the ``height * width * 3`` bytes its record header declares (checked against
         ``max_pixels`` when the record was read): libjpeg-turbo reads the JPEG's own frame header first and refuses a
@@ -308,14 +347,17 @@ class LmdbImageDataset(Dataset):
         frame header per image; :meth:`_check_frame` only explains a failure.
 
         Raises:
-            CorruptRecordError: the bytes do not decode to the stored size, or their frame header is over
-                ``max_pixels``; the message names the split and index.
+            CorruptRecordError: the bytes do not decode to the stored size, their frame header is over
+                ``max_pixels``, or their decode would take more than :data:`DECODE_BUDGET`; the message names the split
+                and index.
 
         """
         if header.encoding == ENCODING_RAW:
             return self._raw_image(index, header, data)
         if header.encoding != ENCODING_JPEG:
             return self._png_image(index, header, data)
+        if self.max_pixels is not None and header.height * header.width * _CMYK_COST > DECODE_BUDGET * self.max_pixels:
+            self._check_jpeg_cost(index, header, data)  # only so large a JPEG can be over budget, if it is CMYK
         nbytes = header.height * header.width * 3
         out = np.empty(nbytes, dtype=np.uint8) if buffer is None else buffer[:nbytes]
         try:
@@ -330,6 +372,15 @@ class LmdbImageDataset(Dataset):
                 f" {(header.height, header.width)}"
             )
         return image
+
+    def _check_jpeg_cost(self, index: int, header: RecordHeader, data: bytearray | memoryview) -> None:
+        """Refuse a CMYK (or YCCK) JPEG that libjpeg-turbo would take more than the decode budget to decode to RGB."""
+        try:
+            colorspace = simplejpeg.decode_jpeg_header(data)[2]
+        except ValueError:
+            return  # the decode says what is wrong
+        if colorspace in ("CMYK", "YCCK"):
+            self._check_cost(index, f"{colorspace} JPEG", header.height, header.width, _CMYK_COST)
 
     def _png_image(self, index: int, header: RecordHeader, data: bytearray | memoryview) -> np.ndarray:
         self._check_frame(index, header, data)
@@ -347,12 +398,19 @@ class LmdbImageDataset(Dataset):
         if header.encoding == ENCODING_RAW:
             return Image.fromarray(self._raw_image(index, header, data))
         self._check_frame(index, header, data)
+        failures = (OSError, SyntaxError, ValueError, Image.DecompressionBombError)
         try:
             image = Image.open(io.BytesIO(data), formats=[_PIL_FORMATS[header.encoding]])
+        except failures as err:
+            raise CorruptRecordError(f"{self._where(index)}: the image does not decode: {err}") from err
+        # its mode is known once its header is read, before its pixels are: what decoding and converting it takes
+        what = f"{image.mode} {_PIL_FORMATS[header.encoding]} read as a PIL image"
+        self._check_cost(index, what, header.height, header.width, _pil_cost(image.mode))
+        try:
             image.load()
             if image.mode != "RGB":  # an RGB image is not copied again (PIL holds 4 bytes a pixel)
                 image = image.convert("RGB")
-        except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
+        except failures as err:
             raise CorruptRecordError(f"{self._where(index)}: the image does not decode: {err}") from err
         if (image.height, image.width) != (header.height, header.width):
             raise CorruptRecordError(
