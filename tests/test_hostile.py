@@ -190,6 +190,8 @@ def _meta_cases() -> list[tuple[str, dict[str, Any]]]:
         ("sources not JSON", {"sources": b"[not json"}),
         ("sources one short", {"sources": b'["0.jpg", "1.jpg", "2.jpg"]'}),
         ("sources an object", {"sources": b'{"length": 10000000000}'}),
+        ("metadata nested 200,000 deep", {"extra": {META_KEY: b"[" * 200_000}}),
+        ("sources nested 200,000 deep", {"sources": b"[" * 200_000}),
     ]
 
 
