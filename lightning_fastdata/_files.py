@@ -17,3 +17,12 @@ def anonymous_file(name: str) -> int:
     fd, path = tempfile.mkstemp(prefix=f"{name}-", dir=where)
     os.unlink(path)
     return fd
+
+
+#: where a process opens its own descriptors by name (Linux; ``/dev/fd`` on other Unixes)
+_FD_DIR = "/proc/self/fd" if os.path.isdir("/proc/self/fd") else "/dev/fd"
+
+
+def path_of(fd: int) -> str:
+    """A path that opens the file of this process's descriptor ``fd`` again (for an API that takes only a path)."""
+    return f"{_FD_DIR}/{fd}"

@@ -45,7 +45,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lightning_fastdata._files import anonymous_file
+from lightning_fastdata._files import anonymous_file, path_of
 from lightning_fastdata.pipeline import device as stage  # the module: its copy is what the tests patch
 from lightning_fastdata.pipeline.streams import side_stream
 
@@ -226,8 +226,9 @@ class FreshBatch(tuple):
 
     In the worker it is the batch itself. Sent to the training process it goes as the memfd's file descriptor, as
     the slots' memory goes to a spawned worker, and arrives as a plain ``(images, labels)`` tuple of tensors over the
-    same pages: nothing copied, nothing named in ``/dev/shm``, and the memory freed with the last tensor that uses it.
-    ``labels``: those of another kind than class indices, else ``None`` (the class indices are in the memory).
+    same pages (:func:`_received`): nothing copied, nothing named in ``/dev/shm``, no descriptor kept, and the memory
+    freed with the last tensor that uses it. ``labels``: those of another kind than class indices, else ``None`` (the
+    class indices are in the memory).
     """
 
     _sent: tuple[SlotMemory, int, Any]
@@ -238,7 +239,26 @@ class FreshBatch(tuple):
         return batch
 
     def __reduce__(self) -> Any:
-        return _fresh_tensors, self._sent
+        memory, count, labels = self._sent
+        return _received, (memory.layout, reduction.DupFd(memory._fd), count, labels)
+
+
+def _received(layout: SlotLayout, fd: Any, count: int, labels: Any) -> tuple[Tensor, Any]:
+    """The training process's side of :class:`FreshBatch`: its memfd mapped by torch, the descriptor closed.
+
+    A ``mmap.mmap`` (a :class:`SlotMemory`) keeps a descriptor of its own for as long as it lives: one for each batch
+    the loop keeps, until a loop keeping hundreds runs out of them (``ulimit -n``), whatever torch's sharing strategy.
+    torch's ``MapAllocator`` closes its descriptor once the file is mapped: the batch holds its pages, and nothing else.
+    """
+    fd = fd.detach()
+    try:
+        storage = torch.UntypedStorage.from_file(path_of(fd), shared=True, nbytes=layout.slot_bytes)
+    finally:
+        os.close(fd)
+    memory = SlotMemory.__new__(SlotMemory)  # a one-slot memory over torch's mapping: no descriptor, no mmap
+    memory.layout, memory.count, memory.shared, memory._fd, memory._map = layout, 1, True, None, None
+    memory.bytes = torch.empty(0, dtype=torch.uint8).set_(storage).numpy()
+    return _fresh_tensors(memory, count, labels)
 
 
 def _fresh_tensors(memory: SlotMemory, count: int, labels: Any) -> tuple[Tensor, Any]:

@@ -23,7 +23,7 @@ from PIL import Image
 from torch.utils.data import Dataset, default_collate
 
 from lightning_fastdata._cv import cv2
-from lightning_fastdata._files import anonymous_file
+from lightning_fastdata._files import anonymous_file, path_of
 from lightning_fastdata.errors import CorruptRecordError, SampleError
 from lightning_fastdata.store.format import (
     DATA_FILE,
@@ -55,8 +55,6 @@ _CMYK_COST = 7
 #: the only format PIL may read a record of each encoding as (none of its other, rarer, decoders)
 _PIL_FORMATS = {ENCODING_JPEG: "JPEG", ENCODING_PNG: "PNG"}
 _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-#: where a process opens its own descriptors by name (Linux; ``/dev/fd`` on other Unixes)
-_FD_DIR = "/proc/self/fd" if os.path.isdir("/proc/self/fd") else "/dev/fd"
 _RAISE_HINT = (
     "If you trust this database, raise `max_pixels` (LmdbImageDataset or FastImageDataModule, `--data.max_pixels` on"
     " the command line), or pass None for no limit."
@@ -85,7 +83,7 @@ def _read_png(data: bytearray | memoryview) -> np.ndarray | None:
         while view:
             view = view[os.write(fd, view) :]
         os.lseek(fd, 0, os.SEEK_SET)  # opening /dev/fd/N shares this offset on some systems
-        return cv2.imread(f"{_FD_DIR}/{fd}", None, cv2.IMREAD_COLOR_RGB | cv2.IMREAD_IGNORE_ORIENTATION)
+        return cv2.imread(path_of(fd), None, cv2.IMREAD_COLOR_RGB | cv2.IMREAD_IGNORE_ORIENTATION)
     finally:
         os.close(fd)
 
