@@ -460,10 +460,16 @@ def _png_kinds() -> dict[str, bytes]:
 
 
 @pytest.mark.filterwarnings("ignore:Palette images with Transparency")
+@pytest.mark.parametrize("through_a_file", [False, True])
 @pytest.mark.parametrize("kind", list(_png_kinds()))
-def test_png_records_decode_to_pils_rgb_pixels(tmp_path: Path, kind: str) -> None:
+def test_png_records_decode_to_pils_rgb_pixels(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str, through_a_file: bool
+) -> None:
     """A PNG of any 8-bit kind decodes as a tensor (OpenCV) to exactly PIL's ``convert("RGB")``: alpha and
-    transparency dropped, palettes, greyscale and 1- and 4-bit samples expanded, an EXIF rotation not applied."""
+    transparency dropped, palettes, greyscale and 1- and 4-bit samples expanded, an EXIF rotation not applied;
+    from its bytes (a small PNG) and through a file in memory (a large one) alike."""
+    if through_a_file:
+        monkeypatch.setattr(reader, "_PNG_COPIED_PIXELS", 0)
     png = _png_kinds()[kind]
     db = hostile.write_database(tmp_path / "db", [hostile.record(ENCODING_PNG, 0, 37, 53, png)], ["a"])
     expected = np.asarray(Image.open(io.BytesIO(png)).convert("RGB"))
@@ -491,6 +497,23 @@ def test_16_bit_png_records_decode_to_their_high_byte(tmp_path: Path) -> None:
     assert np.array_equal(tensors[1][0].permute(1, 2, 0).numpy(), (rgb >> 8).astype(np.uint8))
     assert np.array_equal(np.asarray(pil[0][0]), np.stack([np.minimum(grey, 255).astype(np.uint8)] * 3, axis=-1))
     assert np.array_equal(np.asarray(pil[1][0]), (rgb >> 8).astype(np.uint8))
+
+
+def test_a_damaged_png_is_a_clear_error_from_its_bytes_and_through_a_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A PNG whose pixel data is cut short, or whose IDAT is damaged, is one ``CorruptRecordError`` naming the record
+    either way OpenCV reads it (``cv2.imread`` given an output says nothing else of a failure but ``None``)."""
+    png = _png_kinds()["RGB"]
+    idat = png.index(b"IDAT")
+    damaged = png[: idat + 20] + bytes(64) + png[idat + 84 :]  # deflate data overwritten; the CRC no longer matches
+    records = [hostile.record(ENCODING_PNG, 0, 37, 53, bad) for bad in (png[: len(png) // 2], damaged)]
+    db = hostile.write_database(tmp_path / "db", records, ["a"])
+    for copied_pixels in (1 << 20, 0):
+        monkeypatch.setattr(reader, "_PNG_COPIED_PIXELS", copied_pixels)
+        for index in range(2):
+            with pytest.raises(CorruptRecordError, match=f"index {index} of .*: the image does not decode"):
+                LmdbImageDataset(db)[index]
 
 
 @pytest.mark.parametrize("labels", [None, b"\x00\x00\x00"])
