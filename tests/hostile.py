@@ -41,17 +41,30 @@ def gray_jpeg(height: int, width: int) -> bytes:
     Its Huffman tables hold one code each (DC difference 0, end of block), so every block is two zero bits: a
     16,000 x 16,000 image is 1 MB, and decodes to 768 MB of RGB.
     """
-    bits = 2 * math.ceil(height / 8) * math.ceil(width / 8)
+    return _flat_jpeg(height, width, 1)
+
+
+def cmyk_jpeg(height: int, width: int) -> bytes:
+    """A valid baseline CMYK JPEG of any size, built as :func:`gray_jpeg` with four components (no Adobe marker, so
+    decoders take them as CMYK): 8 bits per 8x8 pixels, decoded to 4 bytes a pixel before any conversion to RGB."""
+    return _flat_jpeg(height, width, 4)
+
+
+def _flat_jpeg(height: int, width: int, components: int) -> bytes:
+    bits = 2 * components * math.ceil(height / 8) * math.ceil(width / 8)
     scan = bytes(bits // 8) + (bytes([0xFF >> (bits % 8)]) if bits % 8 else b"")  # padded with one bits
     one_code = bytes([1] + [0] * 15)  # a single code, of length 1
+    ids = range(1, components + 1)
     return b"".join(
         [
             b"\xff\xd8",
             _segment(0xDB, b"\x00" + bytes([1] * 64)),
-            _segment(0xC0, struct.pack(">BHHB", 8, height, width, 1) + b"\x01\x11\x00"),
+            _segment(
+                0xC0, struct.pack(">BHHB", 8, height, width, components) + b"".join(bytes([i, 0x11, 0]) for i in ids)
+            ),
             _segment(0xC4, b"\x00" + one_code + b"\x00"),  # DC table 0
             _segment(0xC4, b"\x10" + one_code + b"\x00"),  # AC table 0: end of block
-            _segment(0xDA, b"\x01\x01\x00\x00\x3f\x00"),
+            _segment(0xDA, bytes([components]) + b"".join(bytes([i, 0]) for i in ids) + b"\x00\x3f\x00"),
             scan,
             b"\xff\xd9",
         ]
@@ -73,6 +86,30 @@ def png(height: int, width: int, seed: int = 0) -> bytes:
     out = io.BytesIO()
     Image.fromarray(pixels(height, width, seed)).save(out, format="PNG")
     return out.getvalue()
+
+
+def flat_png(height: int, width: int, mode: str = "RGB") -> bytes:
+    """A valid PNG of any size, all zeros, written chunk by chunk: ``mode`` ``"RGB"``, ``"RGBA"`` or ``"L16"`` (16-bit
+    greyscale). A 6144 x 8192 image is a few hundred KB."""
+    colour_type, depth, channels = {"RGB": (2, 8, 3), "RGBA": (6, 8, 4), "L16": (0, 16, 1)}[mode]
+    rows, zip_ = (
+        bytes(1 + width * channels * depth // 8) * 256,
+        zlib.compressobj(1),
+    )  # filter byte 0 starts each row; level 1 inflates 3x faster than 9
+    data = [zip_.compress(rows) for _ in range(height // 256)]
+    data += [zip_.compress(rows[: (height % 256) * (len(rows) // 256)]), zip_.flush()]
+    return b"".join(
+        [
+            b"\x89PNG\r\n\x1a\n",
+            _chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, depth, colour_type, 0, 0, 0)),
+            _chunk(b"IDAT", b"".join(data)),
+            _chunk(b"IEND", b""),
+        ]
+    )
+
+
+def _chunk(kind: bytes, body: bytes) -> bytes:
+    return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
 
 
 def claiming(image: bytes, height: int, width: int) -> bytes:

@@ -1167,6 +1167,14 @@ def test_list_file_source(tmp_path, kind):
     assert read_sources(tmp_path / "db", "train") == ["images/x/0.jpg", "images/x/1.jpg"]
 
 
+def test_a_json_list_file_nested_too_deeply_is_a_clear_error(tmp_path):
+    """A JSON list file nested 200,000 deep (``json.loads`` raises ``RecursionError``) is a ``SourceLayoutError``."""
+    src = tmp_path / "list.json"
+    src.write_text("[" * 200_000)
+    with pytest.raises(SourceLayoutError, match="is not valid JSON: its arrays and objects nest too deeply to parse"):
+        _run(src, tmp_path / "db")
+
+
 def test_list_file_numeric_labels_and_missing_columns(tmp_path):
     """Integer labels keep their value as the class index; a list without ``label`` is a clear error."""
     _tree(tmp_path / "images", {"x": 2})

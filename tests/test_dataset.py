@@ -11,6 +11,7 @@ import zlib
 from pathlib import Path
 from typing import Any
 
+import cv2
 import hostile
 import lmdb
 import numpy as np
@@ -430,6 +431,91 @@ def test_png_records_decode(database_copy, output):
     assert np.array_equal(array, pixels)
 
 
+def _png(image: Image.Image, **params: Any) -> bytes:
+    out = io.BytesIO()
+    image.save(out, format="PNG", **params)
+    return out.getvalue()
+
+
+def _png_kinds() -> dict[str, bytes]:
+    """Small PNGs of every kind of 8-bit (or less) PNG, 37 x 53 random pixels each."""
+    rng = np.random.default_rng(0)
+    rgb = Image.fromarray(rng.integers(0, 256, (37, 53, 3), dtype=np.uint8))
+    rgba = Image.fromarray(rng.integers(0, 256, (37, 53, 4), dtype=np.uint8))
+    grey = Image.fromarray(rng.integers(0, 256, (37, 53), dtype=np.uint8))
+    rotated = Image.Exif()
+    rotated[0x0112] = 6  # EXIF orientation: rotate 90 degrees
+    return {
+        "RGB": _png(rgb),
+        "RGBA": _png(rgba),
+        "L": _png(grey),
+        "LA": _png(rgba.convert("LA")),
+        "P": _png(rgb.quantize(200)),
+        "P with transparency": _png(rgb.quantize(100), transparency=bytes(range(100))),
+        "1": _png(grey.convert("1")),
+        "L of 4 bits": _png(grey, bits=4),
+        "RGB with a transparent colour": _png(rgb, transparency=(1, 2, 3)),
+        "RGB with an EXIF rotation": _png(rgb, exif=rotated),
+    }
+
+
+@pytest.mark.filterwarnings("ignore:Palette images with Transparency")
+@pytest.mark.parametrize("through_a_file", [False, True])
+@pytest.mark.parametrize("kind", list(_png_kinds()))
+def test_png_records_decode_to_pils_rgb_pixels(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str, through_a_file: bool
+) -> None:
+    """A PNG of any 8-bit kind decodes as a tensor (OpenCV) to exactly PIL's ``convert("RGB")``: alpha and
+    transparency dropped, palettes, greyscale and 1- and 4-bit samples expanded, an EXIF rotation not applied;
+    from its bytes (a small PNG) and through a file in memory (a large one) alike."""
+    if through_a_file:
+        monkeypatch.setattr(reader, "_PNG_COPIED_PIXELS", 0)
+    png = _png_kinds()[kind]
+    db = hostile.write_database(tmp_path / "db", [hostile.record(ENCODING_PNG, 0, 37, 53, png)], ["a"])
+    expected = np.asarray(Image.open(io.BytesIO(png)).convert("RGB"))
+    tensor, _ = LmdbImageDataset(db)[0]
+    pil, _ = LmdbImageDataset(db, output="pil")[0]
+    assert np.array_equal(tensor.permute(1, 2, 0).numpy(), expected)
+    assert np.array_equal(np.asarray(pil), expected)
+
+
+def test_16_bit_png_records_decode_to_their_high_byte(tmp_path: Path) -> None:
+    """A 16-bit PNG decodes as a tensor to each sample's high byte, greyscale and RGB alike (PIL's own reading of a
+    16-bit RGB PNG); as a PIL image it keeps PIL's pixels, whose ``convert("RGB")`` clips a greyscale one at 255."""
+    rng = np.random.default_rng(0)
+    grey, rgb = rng.integers(0, 65536, (37, 53), dtype=np.uint16), rng.integers(0, 65536, (37, 53, 3), dtype=np.uint16)
+    ok, rgb_png = cv2.imencode(".png", np.ascontiguousarray(rgb[..., ::-1]))  # OpenCV writes BGR
+    assert ok
+    records = [
+        hostile.record(ENCODING_PNG, 0, 37, 53, _png(Image.fromarray(grey))),
+        hostile.record(ENCODING_PNG, 0, 37, 53, rgb_png.tobytes()),
+    ]
+    db = hostile.write_database(tmp_path / "db", records, ["a"])
+    tensors, pil = LmdbImageDataset(db), LmdbImageDataset(db, output="pil")
+    high = (grey >> 8).astype(np.uint8)
+    assert np.array_equal(tensors[0][0].permute(1, 2, 0).numpy(), np.stack([high] * 3, axis=-1))
+    assert np.array_equal(tensors[1][0].permute(1, 2, 0).numpy(), (rgb >> 8).astype(np.uint8))
+    assert np.array_equal(np.asarray(pil[0][0]), np.stack([np.minimum(grey, 255).astype(np.uint8)] * 3, axis=-1))
+    assert np.array_equal(np.asarray(pil[1][0]), (rgb >> 8).astype(np.uint8))
+
+
+def test_a_damaged_png_is_a_clear_error_from_its_bytes_and_through_a_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A PNG whose pixel data is cut short, or whose IDAT is damaged, is one ``CorruptRecordError`` naming the record
+    either way OpenCV reads it (``cv2.imread`` given an output says nothing else of a failure but ``None``)."""
+    png = _png_kinds()["RGB"]
+    idat = png.index(b"IDAT")
+    damaged = png[: idat + 20] + bytes(64) + png[idat + 84 :]  # deflate data overwritten; the CRC no longer matches
+    records = [hostile.record(ENCODING_PNG, 0, 37, 53, bad) for bad in (png[: len(png) // 2], damaged)]
+    db = hostile.write_database(tmp_path / "db", records, ["a"])
+    for copied_pixels in (1 << 20, 0):
+        monkeypatch.setattr(reader, "_PNG_COPIED_PIXELS", copied_pixels)
+        for index in range(2):
+            with pytest.raises(CorruptRecordError, match=f"index {index} of .*: the image does not decode"):
+                LmdbImageDataset(db)[index]
+
+
 @pytest.mark.parametrize("labels", [None, b"\x00\x00\x00"])
 def test_damaged_label_array_raises(database_copy, labels):
     """A missing or wrong-length label array makes ``targets`` raise ``CorruptRecordError``."""
@@ -506,6 +592,7 @@ def _no_decode(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(reader.simplejpeg, "decode_jpeg", into_the_records_size)
     monkeypatch.setattr(ImageFile.ImageFile, "load", decoded)
+    monkeypatch.setattr(reader, "_read_png", decoded)
 
 
 @pytest.mark.parametrize("output", ["tensor", "pil"])
@@ -574,6 +661,40 @@ def test_a_frame_header_that_disagrees_with_the_record_is_refused_before_decodin
                 match=re.escape(f"the {kind} frame header's size (4000, 4000) differs from the stored (48, 64)"),
             ):
                 dataset[index]
+
+
+@pytest.mark.parametrize(
+    ("encoding", "image", "output", "what", "cost"),
+    [
+        (ENCODING_JPEG, hostile.cmyk_jpeg(48, 64), "tensor", "CMYK JPEG", 7),
+        (ENCODING_JPEG, hostile.cmyk_jpeg(48, 64), "pil", "CMYK JPEG read as a PIL image", 8),
+        (ENCODING_PNG, hostile.flat_png(48, 64, "RGBA"), "pil", "RGBA PNG read as a PIL image", 8),
+        (ENCODING_PNG, hostile.flat_png(48, 64, "L16"), "pil", "I;16 PNG read as a PIL image", 6),
+    ],
+)
+def test_a_decode_over_its_memory_budget_is_refused_before_it_is_decoded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, encoding: int, image: bytes, output: str, what: str, cost: int
+) -> None:
+    """An image within ``max_pixels`` whose decode takes more than 5 bytes a pixel of it (a CMYK JPEG: 7 through
+    libjpeg-turbo, 8 through PIL; an RGBA or 16-bit PNG through PIL: 8, 6) is refused before it is decoded, naming
+    the record, its kind, its size and the limit; with ``max_pixels`` raised to what its decode takes, it reads.
+    (6144 x 8192 PNGs grew a reader by 482 MiB as tensors, 386 MiB as PIL images; CMYK JPEGs by 341 and 390 MiB.)"""
+    db = hostile.write_database(tmp_path / "db", [hostile.record(encoding, 0, 48, 64, image)], ["a"])
+    enough = -(-48 * 64 * cost // 5)  # 5 bytes a pixel of `max_pixels`: a greyscale JPEG read as a PIL image
+    with monkeypatch.context() as patched:
+        _no_decode(patched)
+        with pytest.raises(CorruptRecordError) as info:
+            LmdbImageDataset(db, output=output, max_pixels=enough - 1)[0]  # type: ignore[arg-type]
+    message = str(info.value)
+    assert message.startswith(
+        f"split 'train' index 0 of {str(db)!r}: the image is a 48x64 {what} (3,072 pixels), whose decode takes {cost}"
+        f" bytes a pixel"
+    )
+    assert f"`max_pixels` ({enough - 1:,})" in message
+    assert "raise `max_pixels`" in message
+    assert "\n" not in message
+    image_read, _ = LmdbImageDataset(db, output=output, max_pixels=enough)[0]  # type: ignore[arg-type]
+    assert np.asarray(image_read).shape in ((48, 64, 3), (3, 48, 64))
 
 
 def test_a_record_is_read_only_as_its_encoding(tmp_path: Path) -> None:

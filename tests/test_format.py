@@ -17,6 +17,7 @@ import lmdb
 import pytest
 
 from lightning_fastdata.errors import CorruptRecordError, DatasetFormatError, FastDataError
+from lightning_fastdata.store import cache
 from lightning_fastdata.store import format as store_format
 from lightning_fastdata.store.format import (
     ENCODING_JPEG,
@@ -30,6 +31,7 @@ from lightning_fastdata.store.format import (
     open_readonly,
     pack_record,
     read_meta,
+    read_sources,
     record_key,
     unpack_record,
 )
@@ -187,13 +189,30 @@ def test_load_meta_none_means_not_our_database():
     assert "lightning-fastdata convert" in str(info.value)
 
 
-@pytest.mark.parametrize("raw", [b"{not json", b"\xff\xfe\x00", b""])
+@pytest.mark.parametrize("raw", [b"{not json", b"\xff\xfe\x00", b"", b"[" * 200_000])
 def test_load_meta_bad_json(raw):
-    """Undecodable metadata is reported as damaged, naming the path and the fix."""
+    """Undecodable metadata (nested too deeply too: a RecursionError) is reported as damaged, naming the path and
+    the fix."""
     with pytest.raises(DatasetFormatError, match="not valid JSON") as info:
         load_meta(raw, "/data/db")
     assert "/data/db" in str(info.value)
     assert "lightning-fastdata convert" in str(info.value)
+
+
+def test_json_nested_too_deeply_in_a_database_is_one_clear_error_or_ignored(tmp_path):
+    """JSON nested 200,000 deep, which ``json.loads`` raises as a ``RecursionError``: as a database's sources, a
+    ``DatasetFormatError`` naming them; as the ``verified.json`` or ``convert_report.json`` beside it, ignored (the
+    database is walked again, its metadata read from the database)."""
+    deep = b"[" * 200_000
+    db = hostile.write_database(tmp_path / "db", [hostile.record(ENCODING_JPEG, 0, 8, 8, hostile.jpeg(8, 8))], ["a"])
+    (db / store_format.VERIFIED_FILE).write_bytes(deep)
+    (db / store_format.REPORT_FILE).write_bytes(deep)
+    assert read_meta(db)["complete"] is True
+    assert cache.conversion_meta(db)["complete"] is True
+    assert store_format.parse_json((db / store_format.VERIFIED_FILE).read_text())["database"] == str(db)  # rewritten
+    hostile.write_database(tmp_path / "deep", [None], ["a"], sources=deep)
+    with pytest.raises(DatasetFormatError, match=r"are damaged: its arrays and objects nest too deeply to parse$"):
+        read_sources(tmp_path / "deep")
 
 
 @pytest.mark.parametrize("raw", [b"[1, 2]", b'"text"', b"3"])

@@ -6,6 +6,7 @@ import errno
 import gc
 import os
 import pickle
+import re
 import subprocess
 import sys
 import textwrap
@@ -169,6 +170,57 @@ def test_a_reservation_that_cannot_be_mapped_keeps_no_descriptor_and_names_the_s
     assert all("reserving 32 MiB of shared memory failed: Cannot allocate memory" in line for line in raised), out
     memfds_before, open_before, memfds_after, open_after = map(int, out.split("DESCRIPTORS")[1].split())
     assert (memfds_after, open_after) == (memfds_before, open_before) == (0, open_before), out
+
+
+#: 160 batches of one sample on two worker processes (start method argv[2]), all kept, under a limit of 64 open
+#: descriptors and torch's "file_system" sharing strategy: nearly every batch misses a slot and is built in a memfd
+_KEEP_UNDER_A_DESCRIPTOR_LIMIT = textwrap.dedent(
+    """
+    import os, resource, sys
+    import torch
+    from lightning_fastdata import LmdbImageDataset
+    from lightning_fastdata.pipeline import create_loader
+    from lightning_fastdata.transforms import CenterCropResize
+
+    if __name__ == "__main__":
+        torch.multiprocessing.set_sharing_strategy("file_system")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+        dataset = LmdbImageDataset(sys.argv[1], transform=CenterCropResize(8))
+        indices = [i % len(dataset) for i in range(160)]
+        loader = create_loader(dataset, 1, sampler=indices, engine="processes", workers=2, output="uint8")
+        loader.multiprocessing_context = sys.argv[2]
+        kept = list(loader)
+        print("KEPT", len(kept), "MISSES", loader.slot_misses, "OPEN", len(os.listdir("/proc/self/fd")), flush=True)
+        fresh = create_loader(dataset, 1, sampler=indices, engine="threads", workers=0, output="uint8")
+        same = [torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(kept, fresh, strict=True)]
+        print("SAME", sum(same), flush=True)
+    """
+)
+
+
+@pytest.mark.parametrize(
+    "context",
+    ["fork", pytest.param("spawn", marks=pytest.mark.slow), pytest.param("forkserver", marks=pytest.mark.slow)],
+)
+def test_kept_batches_built_in_fresh_memory_hold_no_descriptor(tmp_path: Path, database: Path, context: str) -> None:
+    """A loop may keep more batches built in fresh memory (memfds from the workers) than it may open descriptors: each
+    is mapped and its descriptor closed, whatever torch's sharing strategy (each one's ``mmap`` held a descriptor:
+    "Too many open files" part-way), and each holds the samples of a fresh read."""
+    script = tmp_path / "keep.py"
+    script.write_text(_KEEP_UNDER_A_DESCRIPTOR_LIMIT)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = subprocess.run(
+        [sys.executable, str(script), str(database), context], capture_output=True, text=True, env=env, timeout=300
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    found = re.search(r"KEPT (\d+) MISSES (\d+) OPEN (\d+)", out)
+    assert found is not None, out
+    kept, misses, still_open = map(int, found.groups())
+    assert kept == 160, out
+    assert misses > 64, out  # more batches built in memfds than the descriptors the process may open
+    assert still_open < 32, out
+    assert "SAME 160" in out, out
 
 
 def _reference(reader: BatchReader, batch: KeyedIndices) -> tuple[torch.Tensor, torch.Tensor]:

@@ -35,7 +35,6 @@ import functools
 import math
 import mmap
 import os
-import tempfile
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -46,6 +45,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from lightning_fastdata._files import anonymous_file, path_of
 from lightning_fastdata.pipeline import device as stage  # the module: its copy is what the tests patch
 from lightning_fastdata.pipeline.streams import side_stream
 
@@ -113,7 +113,7 @@ class SlotMemory:
             self.bytes = np.empty(nbytes, dtype=np.uint8)
             return
         try:
-            fd = _anonymous_file()
+            fd = anonymous_file("lightning_fastdata-slots")
         except OSError as err:  # no descriptor left (EMFILE)
             raise _reserving_failed(err, nbytes) from None
         self._attach(fd, reserve=True)
@@ -185,16 +185,6 @@ def _reserving_failed(err: OSError, nbytes: int) -> OSError:
     return OSError(err.errno, f"reserving {nbytes / 2**20:.0f} MiB of shared memory failed: {err.strerror}")
 
 
-def _anonymous_file() -> int:
-    """A descriptor of a file in memory that no path names: a ``memfd`` (Linux), else an unlinked temporary file."""
-    if hasattr(os, "memfd_create"):
-        return os.memfd_create("lightning_fastdata-slots", os.MFD_CLOEXEC)
-    where = "/dev/shm" if os.path.isdir("/dev/shm") else None
-    fd, path = tempfile.mkstemp(prefix="lightning_fastdata-slots-", dir=where)
-    os.unlink(path)
-    return fd
-
-
 class SlotBatch(tuple):
     """What a producer returns for a batch it built in a slot: ``(slot, count, labels)``.
 
@@ -236,8 +226,9 @@ class FreshBatch(tuple):
 
     In the worker it is the batch itself. Sent to the training process it goes as the memfd's file descriptor, as
     the slots' memory goes to a spawned worker, and arrives as a plain ``(images, labels)`` tuple of tensors over the
-    same pages: nothing copied, nothing named in ``/dev/shm``, and the memory freed with the last tensor that uses it.
-    ``labels``: those of another kind than class indices, else ``None`` (the class indices are in the memory).
+    same pages (:func:`_received`): nothing copied, nothing named in ``/dev/shm``, no descriptor kept, and the memory
+    freed with the last tensor that uses it. ``labels``: those of another kind than class indices, else ``None`` (the
+    class indices are in the memory).
     """
 
     _sent: tuple[SlotMemory, int, Any]
@@ -248,7 +239,26 @@ class FreshBatch(tuple):
         return batch
 
     def __reduce__(self) -> Any:
-        return _fresh_tensors, self._sent
+        memory, count, labels = self._sent
+        return _received, (memory.layout, reduction.DupFd(memory._fd), count, labels)
+
+
+def _received(layout: SlotLayout, fd: Any, count: int, labels: Any) -> tuple[Tensor, Any]:
+    """The training process's side of :class:`FreshBatch`: its memfd mapped by torch, the descriptor closed.
+
+    A ``mmap.mmap`` (a :class:`SlotMemory`) keeps a descriptor of its own for as long as it lives: one for each batch
+    the loop keeps, until a loop keeping hundreds runs out of them (``ulimit -n``), whatever torch's sharing strategy.
+    torch's ``MapAllocator`` closes its descriptor once the file is mapped: the batch holds its pages, and nothing else.
+    """
+    fd = fd.detach()
+    try:
+        storage = torch.UntypedStorage.from_file(path_of(fd), shared=True, nbytes=layout.slot_bytes)
+    finally:
+        os.close(fd)
+    memory = SlotMemory.__new__(SlotMemory)  # a one-slot memory over torch's mapping: no descriptor, no mmap
+    memory.layout, memory.count, memory.shared, memory._fd, memory._map = layout, 1, True, None, None
+    memory.bytes = torch.empty(0, dtype=torch.uint8).set_(storage).numpy()
+    return _fresh_tensors(memory, count, labels)
 
 
 def _fresh_tensors(memory: SlotMemory, count: int, labels: Any) -> tuple[Tensor, Any]:

@@ -205,7 +205,7 @@ def conversion_meta(database: Path) -> dict[str, Any] | None:
     if not (database / _format.DATA_FILE).is_file():
         return None
     with contextlib.suppress(OSError, UnicodeDecodeError, ValueError):
-        meta = json.loads((database / _format.REPORT_FILE).read_text()).get("meta")
+        meta = _format.parse_json((database / _format.REPORT_FILE).read_text()).get("meta")
         if isinstance(meta, dict) and meta.get("complete") is True:
             return meta
     try:
@@ -258,7 +258,7 @@ def _staged_from(database: Path) -> str | None:
     from lightning_fastdata.store.remote import redact_url
 
     with contextlib.suppress(OSError, UnicodeDecodeError, ValueError, AttributeError):
-        url = json.loads((database / STAGED_RECORD).read_text()).get("url")
+        url = _format.parse_json((database / STAGED_RECORD).read_text()).get("url")
         return redact_url(url) if isinstance(url, str) else None
     return None
 

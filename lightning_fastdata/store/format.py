@@ -139,6 +139,20 @@ def unpack_record(record: bytes | memoryview, verify: bool = True) -> tuple[Reco
     return RecordHeader(encoding, label, height, width), payload
 
 
+def parse_json(text: str | bytes) -> Any:
+    """``json.loads`` for JSON from elsewhere (a database's metadata and sources, a marker or list file).
+
+    Raises:
+        ValueError: the text is not JSON (``json.JSONDecodeError``), not UTF-8 (``UnicodeDecodeError``), or nests its
+            arrays and objects too deeply to parse, which ``json.loads`` raises as a ``RecursionError``.
+
+    """
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("its arrays and objects nest too deeply to parse") from None
+
+
 def dump_meta(meta: dict[str, Any]) -> bytes:
     """Serialize the dataset metadata (JSON, never pickle)."""
     return json.dumps(meta, sort_keys=True).encode()
@@ -159,8 +173,8 @@ def load_meta(raw: bytes | None, path: str | os.PathLike[str]) -> dict[str, Any]
             " Create one with `lightning-fastdata convert SRC DST`."
         )
     try:
-        meta = json.loads(bytes(raw).decode())
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        meta = parse_json(bytes(raw).decode())
+    except ValueError as err:
         raise DatasetFormatError(
             f"the metadata of {os.fspath(path)!r} is not valid JSON ({err}); the database is damaged."
             " Convert the source again with `lightning-fastdata convert`."
@@ -281,8 +295,8 @@ def converter_of(dst: Path) -> dict[str, Any] | None:
             fcntl.flock(fh, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
             try:
-                info = json.loads(fh.read(4096).decode() or "{}")
-            except (UnicodeDecodeError, ValueError):
+                info = parse_json(fh.read(4096).decode() or "{}")
+            except ValueError:
                 info = {}
             return info if isinstance(info, dict) else {}
         except OSError:
@@ -542,8 +556,8 @@ def _writable(folder: Path) -> bool:
 
 def _read_marker(marker: Path) -> dict[str, Any] | None:
     try:
-        record = json.loads(marker.read_text())
-    except (OSError, UnicodeDecodeError, ValueError):
+        record = parse_json(marker.read_text())
+    except (OSError, ValueError):
         return None
     return record.get(DATA_FILE) if isinstance(record, dict) else None
 
@@ -697,8 +711,8 @@ def read_sources(path: str | os.PathLike[str], split: str = "train") -> list[str
     if raw is None:
         return None
     try:
-        sources = json.loads(bytes(raw).decode())
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        sources = parse_json(bytes(raw).decode())
+    except ValueError as err:
         raise DatasetFormatError(f"the sources of split {split!r} of {os.fspath(path)!r} are damaged: {err}") from err
     if not isinstance(sources, list) or len(sources) != int(splits[split]["length"]):
         raise DatasetFormatError(f"the sources of split {split!r} of {os.fspath(path)!r} are damaged.")

@@ -22,6 +22,8 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset, default_collate
 
+from lightning_fastdata._cv import cv2
+from lightning_fastdata._files import anonymous_file, path_of
 from lightning_fastdata.errors import CorruptRecordError, SampleError
 from lightning_fastdata.store.format import (
     DATA_FILE,
@@ -43,9 +45,23 @@ Output = Literal["tensor", "pil", "encoded"]
 #: photos (8688 x 5792); a database you did not make cannot ask a reader for more memory than this per image
 #: (decompression bombs): 144 MiB decoded as RGB, 240 MiB as a greyscale JPEG that PIL converts to RGB.
 DEFAULT_MAX_PIXELS = 3 * 2**24
+#: the most memory one image's decode may take, in bytes a pixel of `max_pixels` (240 MiB at the default): what a
+#: greyscale image of `max_pixels` takes as a PIL image (1 byte a pixel decoded, then 4 for PIL's RGB). An image whose
+#: decode takes more a pixel (a CMYK JPEG; an RGBA, 16-bit or CMYK image read as a PIL image) is refused above the
+#: pixels that fit, before it is decoded.
+DECODE_BUDGET = 5
+#: bytes a pixel that libjpeg-turbo (simplejpeg) takes for a CMYK or YCCK JPEG decoded to RGB: the CMYK image, then RGB
+_CMYK_COST = 7
 #: the only format PIL may read a record of each encoding as (none of its other, rarer, decoders)
 _PIL_FORMATS = {ENCODING_JPEG: "JPEG", ENCODING_PNG: "PNG"}
 _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+#: a PNG of at most this many pixels decodes from its bytes, with OpenCV's copy (6 bytes a pixel: 6 MiB at most); a
+#: larger one through a file in memory, straight into NumPy's (3 bytes a pixel), which costs ~0.1 ms more (the file)
+_PNG_COPIED_PIXELS = 1 << 20
+_RAISE_HINT = (
+    "If you trust this database, raise `max_pixels` (LmdbImageDataset or FastImageDataModule, `--data.max_pixels` on"
+    " the command line), or pass None for no limit."
+)
 
 
 def _png_size(data: bytearray | memoryview) -> tuple[int, int]:
@@ -54,6 +70,40 @@ def _png_size(data: bytearray | memoryview) -> tuple[int, int]:
         raise ValueError("not a PNG (no PNG signature and IHDR chunk)")
     width, height = struct.unpack_from(">II", data, 16)
     return height, width
+
+
+def _read_png(data: bytearray | memoryview, pixels: int) -> np.ndarray | None:
+    """A PNG of ``pixels`` pixels decoded by OpenCV (libpng) into a new ``uint8`` RGB HWC array; ``None`` if it fails.
+
+    Transparency is dropped, palettes, greyscale and depths under 8 bits are expanded, and 16-bit samples keep their
+    high byte, all row by row as libpng decodes; EXIF orientation is not applied (as PIL). ``cv2.imdecode`` decodes
+    into OpenCV's memory and copies that into NumPy's (6 bytes a pixel at the peak): a PNG of more than
+    :data:`_PNG_COPIED_PIXELS` goes to ``cv2.imread`` as a file in memory instead, which, given an output, decodes
+    straight into NumPy's memory (3 bytes a pixel).
+    """
+    flags = cv2.IMREAD_COLOR_RGB | cv2.IMREAD_IGNORE_ORIENTATION
+    if pixels <= _PNG_COPIED_PIXELS:
+        return cv2.imdecode(np.frombuffer(data, dtype=np.uint8), flags)
+    fd = anonymous_file("lightning_fastdata-png")
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.lseek(fd, 0, os.SEEK_SET)  # opening /dev/fd/N shares this offset on some systems
+        return cv2.imread(path_of(fd), None, flags)
+    finally:
+        os.close(fd)
+
+
+def _pil_cost(mode: str) -> int:
+    """Bytes a pixel that PIL takes to decode an image of ``mode`` and convert it to RGB.
+
+    PIL keeps an image of one 8-bit band in 1 byte a pixel, a 16-bit one (``I;16``) in 2, and every other mode
+    (RGB, RGBA, LA, CMYK, ...) in 4; a conversion to RGB makes a second image, of 4.
+    """
+    if mode == "RGB":
+        return 4
+    return (1 if mode in ("1", "L", "P") else 2 if mode.startswith("I;16") else 4) + 4
 
 
 def collate_labels(labels: list[Any]) -> Any:
@@ -90,7 +140,10 @@ class LmdbImageDataset(Dataset):
             Checked against the record header when a record is read and against the image's own frame header (JPEG
             SOF, PNG IHDR) before it is decoded; a larger image is a :class:`~lightning_fastdata.CorruptRecordError`
             naming it (skipped under ``on_bad_sample="skip"``), so a database you did not make cannot have a reader
-            decode a decompression bomb. Raise it for trusted databases of larger images; ``None``: no limit.
+            decode a decompression bomb. Nor may a decode take more than :data:`DECODE_BUDGET` (5) bytes a pixel of
+            it (240 MiB by default): a CMYK JPEG (7 bytes a pixel), or an RGBA, 16-bit or CMYK image read as a PIL
+            image (6 to 8), is refused above the pixels that fit. Raise it for trusted databases of larger images;
+            ``None``: no limit.
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
@@ -221,9 +274,22 @@ class LmdbImageDataset(Dataset):
         if self.max_pixels is not None and height * width > self.max_pixels:
             raise CorruptRecordError(
                 f"{self._where(index)}: the image is {height}x{width} ({height * width:,} pixels), over `max_pixels`"
-                f" ({self.max_pixels:,}). If you trust this database, raise `max_pixels` (LmdbImageDataset or"
-                " FastImageDataModule, `--data.max_pixels` on the command line), or pass None for no limit."
+                f" ({self.max_pixels:,}). {_RAISE_HINT}"
             )
+
+    def _check_cost(self, index: int, what: str, height: int, width: int, cost: int) -> None:
+        """Refuse an image whose decode takes more than ``DECODE_BUDGET`` bytes a pixel of ``max_pixels``, undecoded.
+
+        ``cost``: the bytes a pixel of the image that its decode takes; ``what``: its kind and how it is decoded.
+        """
+        if self.max_pixels is None or height * width * cost <= DECODE_BUDGET * self.max_pixels:
+            return
+        raise CorruptRecordError(
+            f"{self._where(index)}: the image is a {height}x{width} {what} ({height * width:,} pixels), whose decode"
+            f" takes {cost} bytes a pixel ({height * width * cost / 2**20:.0f} MiB), over the"
+            f" {DECODE_BUDGET * self.max_pixels / 2**20:.0f} MiB that `max_pixels` ({self.max_pixels:,}) allows an"
+            f" image ({DECODE_BUDGET} bytes a pixel). {_RAISE_HINT}"
+        )
 
     def _check_frame(self, index: int, header: RecordHeader, data: bytearray | memoryview) -> None:
         """Check a JPEG or PNG record's own frame header (SOF, IHDR) before anything decodes it; no pixels are touched.
@@ -275,8 +341,10 @@ class LmdbImageDataset(Dataset):
         """Decode a record into a ``uint8`` RGB HWC NumPy array (the batch path's form; no tensor, no copy).
 
         JPEGs decode with libjpeg-turbo (``simplejpeg``; the GIL is released), into ``buffer`` when given (at least
-        ``height * width * 3`` bytes); ``fast`` uses its fast DCT and upsampling (see ``fast_decode``). Raw records are
-        a view of ``data``.
+        ``height * width * 3`` bytes); ``fast`` uses its fast DCT and upsampling (see ``fast_decode``). PNGs decode
+        with OpenCV (libpng) straight to 8-bit RGB, into a new array (:func:`_read_png`: 16-bit samples keep their
+        high byte, where PIL's conversion of a 16-bit greyscale image clips them). Raw records are a view of ``data``.
+        Each takes 3 bytes a pixel, but for a CMYK JPEG (7: refused over :data:`DECODE_BUDGET`).
 
         A JPEG decodes into exactly the ``height * width * 3`` bytes its record header declares (checked against
         ``max_pixels`` when the record was read): libjpeg-turbo reads the JPEG's own frame header first and refuses a
@@ -284,14 +352,17 @@ class LmdbImageDataset(Dataset):
         frame header per image; :meth:`_check_frame` only explains a failure.
 
         Raises:
-            CorruptRecordError: the bytes do not decode to the stored size, or their frame header is over
-                ``max_pixels``; the message names the split and index.
+            CorruptRecordError: the bytes do not decode to the stored size, their frame header is over
+                ``max_pixels``, or their decode would take more than :data:`DECODE_BUDGET`; the message names the split
+                and index.
 
         """
         if header.encoding == ENCODING_RAW:
             return self._raw_image(index, header, data)
         if header.encoding != ENCODING_JPEG:
-            return np.array(self._pil_image(index, header, data))  # writable, as decoded JPEGs are
+            return self._png_image(index, header, data)
+        if self.max_pixels is not None and header.height * header.width * _CMYK_COST > DECODE_BUDGET * self.max_pixels:
+            self._check_jpeg_cost(index, header, data)  # only so large a JPEG can be over budget, if it is CMYK
         nbytes = header.height * header.width * 3
         out = np.empty(nbytes, dtype=np.uint8) if buffer is None else buffer[:nbytes]
         try:
@@ -307,16 +378,44 @@ class LmdbImageDataset(Dataset):
             )
         return image
 
+    def _check_jpeg_cost(self, index: int, header: RecordHeader, data: bytearray | memoryview) -> None:
+        """Refuse a CMYK (or YCCK) JPEG that libjpeg-turbo would take more than the decode budget to decode to RGB."""
+        try:
+            colorspace = simplejpeg.decode_jpeg_header(data)[2]
+        except ValueError:
+            return  # the decode says what is wrong
+        if colorspace in ("CMYK", "YCCK"):
+            self._check_cost(index, f"{colorspace} JPEG", header.height, header.width, _CMYK_COST)
+
+    def _png_image(self, index: int, header: RecordHeader, data: bytearray | memoryview) -> np.ndarray:
+        self._check_frame(index, header, data)
+        image = _read_png(data, header.height * header.width)
+        if image is None:
+            raise CorruptRecordError(f"{self._where(index)}: the image does not decode (libpng refused the PNG)")
+        if image.shape != (header.height, header.width, 3):  # the frame header agreed: never, but never trusted
+            raise CorruptRecordError(
+                f"{self._where(index)}: decoded size {image.shape[:2]} differs from the stored"
+                f" {(header.height, header.width)}"
+            )
+        return image
+
     def _pil_image(self, index: int, header: RecordHeader, data: bytearray | memoryview) -> Image.Image:
         if header.encoding == ENCODING_RAW:
             return Image.fromarray(self._raw_image(index, header, data))
         self._check_frame(index, header, data)
+        failures = (OSError, SyntaxError, ValueError, Image.DecompressionBombError)
         try:
             image = Image.open(io.BytesIO(data), formats=[_PIL_FORMATS[header.encoding]])
+        except failures as err:
+            raise CorruptRecordError(f"{self._where(index)}: the image does not decode: {err}") from err
+        # its mode is known once its header is read, before its pixels are: what decoding and converting it takes
+        what = f"{image.mode} {_PIL_FORMATS[header.encoding]} read as a PIL image"
+        self._check_cost(index, what, header.height, header.width, _pil_cost(image.mode))
+        try:
             image.load()
             if image.mode != "RGB":  # an RGB image is not copied again (PIL holds 4 bytes a pixel)
                 image = image.convert("RGB")
-        except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
+        except failures as err:
             raise CorruptRecordError(f"{self._where(index)}: the image does not decode: {err}") from err
         if (image.height, image.width) != (header.height, header.width):
             raise CorruptRecordError(

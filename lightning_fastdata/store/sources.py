@@ -12,7 +12,6 @@ import csv
 import difflib
 import hashlib
 import io
-import json
 import os
 import warnings
 from collections import Counter
@@ -24,6 +23,7 @@ from typing import Any, TypeAlias
 from PIL import Image
 
 from lightning_fastdata.errors import SampleError, SourceLayoutError
+from lightning_fastdata.store.format import parse_json
 from lightning_fastdata.store.summary import SkippedFile
 
 #: File extensions read as images (matched case-insensitively), as torchvision's ``ImageFolder``.
@@ -383,8 +383,8 @@ def _read_list(src: Path) -> list[dict[str, Any]]:
         raise SourceLayoutError(f"`src` {str(src)!r} cannot be read as a UTF-8 list file: {err}") from None
     if src.suffix.lower() == ".json":
         try:
-            rows = json.loads(text)
-        except json.JSONDecodeError as err:
+            rows = parse_json(text)
+        except ValueError as err:
             raise SourceLayoutError(f"`src` {str(src)!r} is not valid JSON: {err}.\n{_LAYOUT_HELP}") from None
         if not isinstance(rows, list) or not all(isinstance(row, dict) for row in rows):
             raise SourceLayoutError(f"`src` {str(src)!r} must hold a JSON list of objects.\n{_LAYOUT_HELP}")

@@ -47,6 +47,7 @@ from lightning_fastdata.store.format import (
     lock_path,
     open_readonly,
     pack_record,
+    parse_json,
     partial_path,
     read_meta,
     read_transaction,
@@ -447,7 +448,7 @@ def _is_ours(path: Path, target: Path) -> bool:
         if (target / DATA_FILE).is_file() or partial_path(target).is_dir():
             return True
         with contextlib.suppress(OSError, UnicodeDecodeError, ValueError):
-            record = json.loads(path.read_text() or "null")
+            record = parse_json(path.read_text() or "null")
             return isinstance(record, dict) and "pid" in record and "host" in record
         return False
     return path.is_dir() and ((path / DATA_FILE).is_file() or _staging(path) or not any(path.iterdir()))
