@@ -57,6 +57,7 @@ from lightning_fastdata.store.format import (
     PROGRESS_FILE,
     REPORT_FILE,
     STAGED_RECORD,
+    parse_json,
     partial_path,
     read_meta,
 )
@@ -296,8 +297,8 @@ class StagedDatabase:
 
 def _read_json(path: Path) -> dict[str, Any] | None:
     try:
-        value = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+        value = parse_json(path.read_text())
+    except (OSError, ValueError):
         return None
     return value if isinstance(value, dict) else None
 
@@ -335,11 +336,9 @@ def _read_marker(fs: AbstractFileSystem, path: str, shown: str) -> dict[str, Any
     if len(raw) > MARKER_LIMIT:
         raise _not_a_marker(shown, f"larger than {MARKER_LIMIT} bytes, where a marker lists two files in a few hundred")
     try:
-        marker = json.loads(raw.decode())
-    except (UnicodeDecodeError, ValueError):
-        marker = None
-    except RecursionError:  # arrays or objects nested deeper than the interpreter's stack
-        raise _not_a_marker(shown, "JSON nested too deep") from None
+        marker = parse_json(raw)
+    except ValueError as err:  # not JSON, not UTF-8, or nested too deeply to parse
+        raise _not_a_marker(shown, str(err).splitlines()[0]) from None
     _check_marker(marker, shown)
     return marker  # type: ignore[no-any-return]
 
