@@ -31,7 +31,7 @@ from torch.utils.data import default_collate
 from lightning_fastdata.errors import FastDataError, SourceLayoutError
 from lightning_fastdata.store import format as _format
 from lightning_fastdata.store.reader import LmdbImageDataset
-from lightning_fastdata.store.summary import SkippedFile
+from lightning_fastdata.store.summary import SkippedFile, image_error_reason
 from lightning_fastdata.transforms import IMAGENET_MEAN, IMAGENET_STD, RandomResizedCropFlip, crop_resize_into
 
 log = logging.getLogger(__name__)
@@ -274,7 +274,8 @@ def profile_folder(
         try:  # as ImageFolder's loader, whose errors would end the profile
             return Image.open(io.BytesIO(data)).convert("RGB"), label
         except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
-            raise _BadFile(dataset.samples[index][0], f"not a readable image: {type(err).__name__}: {err}") from None
+            reason = image_error_reason(err, f"not a readable image: {type(err).__name__}: {err}")
+            raise _BadFile(dataset.samples[index][0], reason) from None
 
     stages = [("read", read), ("decode", decode), ("transforms", lambda pair: (augment(pair[0]), pair[1]))]
     skipped: list[SkippedFile] = []
