@@ -144,6 +144,31 @@ def test_conclusion_of_a_database_read_does_not_advise_converting():
     assert "--short-side" not in _hand_made("database", "decode").conclusion()
 
 
+def test_profile_with_db_advises_on_that_database(tmp_path):
+    """``profile FOLDER --db DB``: a folder's decode and read advice name DB, and advise converting again (into DB)
+    only when DB's stored short side is too small for the crops, never `convert --short-side 256` elsewhere."""
+    src = make_image_folder(
+        tmp_path / "photos", num_classes=2, train_per_class=3, val_per_class=0, min_size=40, max_size=56
+    )
+    db = tmp_path / "photos.lmdb"
+    convert(src, db, num_workers=0, progress=False)  # short side 256, as training at 224 needs
+    folder_profile, _ = profile(src, database=db, samples=6, batch_size=4, device="cpu")
+    folder_profile.stages = _hand_made("folder", "decode").stages
+    assert folder_profile.conclusion().endswith(
+        f"decoding full-size files dominates; the database {db} stores a short side of 256 px already: train from it"
+        " (its profile follows)"
+    )
+    folder_profile.stages = _hand_made("folder", "read").stages
+    assert folder_profile.conclusion().endswith(f", or train from the database {db}")
+    convert(src, db, short_side=64, num_workers=0, progress=False)  # too small: 224 px crops need 256
+    folder_profile, _ = profile(src, database=db, samples=6, batch_size=4, device="cpu")
+    folder_profile.stages = _hand_made("folder", "decode").stages
+    assert folder_profile.conclusion().endswith(
+        f"the database {db} stores a short side of 64 px, less than the 256 px that 224 px crops need (they would"
+        f" be upsampled): convert again with `lightning-fastdata convert {src} {db} --short-side 256 --force`"
+    )
+
+
 def test_format_table_has_a_row_per_stage_and_a_total():
     """The table: a heading with name, path and samples, one row per stage with its share, and the total."""
     p = PipelineProfile("folder", "/data", {"read": 1.0, "decode": 3.0}, samples=7)
