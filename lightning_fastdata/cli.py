@@ -581,6 +581,13 @@ def _rejected_value(message: str) -> str | None:
         names = [name for name in dir(sys.modules[missing[1]]) if name[:1].isupper()]
         close = difflib.get_close_matches(missing[2], names, n=1, cutoff=0.6)
         hint = f"; did you mean `{missing[1]}.{close[0]}`?" if close else ""
+    unknown = re.fullmatch(r"No module named '([\w.]+)'", reason)
+    if unknown is not None:  # a module of the user's, not installed: imported from the working directory
+        top = unknown[1].split(".")[0]
+        hint = (
+            f"; `{top}` is imported from the working directory or PYTHONPATH: run from the folder that holds `{top}/`"
+            " (for examples/configs/*.yaml, the repository root), or add that folder to PYTHONPATH"
+        )
     return f"`{key}.class_path` {class_path!r}: {reason}{hint}"
 
 
