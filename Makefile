@@ -3,6 +3,8 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# when make started, before it creates .venv: the demo's closing line says how long creating .venv took
+MAKE_STARTED := $(shell date +%s)
 
 .PHONY: demo test test-fast test-gpu lint unit venv clean
 
@@ -17,7 +19,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/python examples/demo.py
+	MAKE_DEMO_STARTED=$(MAKE_STARTED) $(BIN)/python examples/demo.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check lightning_fastdata tests examples benchmarks

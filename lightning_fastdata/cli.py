@@ -410,11 +410,12 @@ def _cache(args: argparse.Namespace) -> int:
         print("\n".join(done) if done else "nothing to prune")
         return 0
     conversions = cache.list_conversions(args.cache_dir)
+    elsewhere = cache.converted_elsewhere(args.cache_dir)  # `convert SRC DST`'s: listed, never removed from here
     if args.json:
-        print(json.dumps([c.to_dict() for c in conversions], indent=1))
+        print(json.dumps([c.to_dict() for c in conversions + elsewhere], indent=1))
         return 0
     root = cache.cache_root(args.cache_dir)
-    if not conversions:
+    if not conversions and not elsewhere:
         print(f"no conversions in {root}")
         return 0
     now = time.time()
@@ -426,6 +427,12 @@ def _cache(args: argparse.Namespace) -> int:
         print(f"    source {source}  {settings}")
     total = sum(c.size for c in conversions)
     print(f"{len(conversions)} conversion(s), {human_bytes(total)} in {root}")
+    if elsewhere:
+        print("\nmade by `lightning-fastdata convert SRC DST` outside the cache folder (not removed by `cache`):")
+        for c in elsewhere:
+            settings = " ".join(f"{k}={v}" for k, v in c.settings.items())
+            print(f"{c.path}  {human_bytes(c.size)}  last used {(now - c.last_used) / 86400:.1f} days ago")
+            print(f"    source {c.source}  {settings}")
     return 0
 
 
@@ -574,6 +581,13 @@ def _rejected_value(message: str) -> str | None:
         names = [name for name in dir(sys.modules[missing[1]]) if name[:1].isupper()]
         close = difflib.get_close_matches(missing[2], names, n=1, cutoff=0.6)
         hint = f"; did you mean `{missing[1]}.{close[0]}`?" if close else ""
+    unknown = re.fullmatch(r"No module named '([\w.]+)'", reason)
+    if unknown is not None:  # a module of the user's, not installed: imported from the working directory
+        top = unknown[1].split(".")[0]
+        hint = (
+            f"; `{top}` is imported from the working directory or PYTHONPATH: run from the folder that holds `{top}/`"
+            " (for examples/configs/*.yaml, the repository root), or add that folder to PYTHONPATH"
+        )
     return f"`{key}.class_path` {class_path!r}: {reason}{hint}"
 
 

@@ -488,6 +488,8 @@ class FastImageDataModule(LightningDataModule):
         note = cache.other_settings_note(source, target, settings)  # why a new conversion, when the cache has others
         if note is not None:
             rank_zero_info(note)
+        if (note := cache.elsewhere_note(source, target, settings)) is not None:  # `convert SRC DST` made it already
+            rank_zero_info(note)
         try:
             summary = convert(source, target, **settings)
         except ReadOnlyDestinationError as err:

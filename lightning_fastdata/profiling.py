@@ -16,6 +16,7 @@ from __future__ import annotations
 import io
 import itertools
 import logging
+import math
 import os
 import random
 import time
@@ -31,7 +32,7 @@ from torch.utils.data import default_collate
 from lightning_fastdata.errors import FastDataError, SourceLayoutError
 from lightning_fastdata.store import format as _format
 from lightning_fastdata.store.reader import LmdbImageDataset
-from lightning_fastdata.store.summary import SkippedFile
+from lightning_fastdata.store.summary import SkippedFile, image_error_reason
 from lightning_fastdata.transforms import IMAGENET_MEAN, IMAGENET_STD, RandomResizedCropFlip, crop_resize_into
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,10 @@ class PipelineProfile:
     batch_path_ms: float | None = None
     #: files met while sampling that cannot be read as images (a folder's), left out of the timings
     skipped: list[SkippedFile] = field(default_factory=list)
+    #: a folder's: its database, profiled beside it (``--db``, or the DataModule's conversion in the cache), and what
+    #: that database changes (:func:`conversion_advice`); ``None``: there is none, and the advice is to convert
+    database: str | None = None
+    converted: str | None = None
 
     @property
     def total_ms(self) -> float:
@@ -72,11 +77,19 @@ class PipelineProfile:
         gpu = torch.cuda.is_available()
         advice = {
             "read": "storage is the bottleneck: put the data on a local SSD or in the page cache"
-            + ("" if database else ", or convert it to one LMDB file (`lightning-fastdata convert`)"),
+            + (
+                ""
+                if database
+                else f", or train from the database {self.database}"
+                if self.database is not None
+                else ", or convert it to one LMDB file (`lightning-fastdata convert`)"
+            ),
             "decode": (
                 "decode dominates: `--encoding raw` removes it (10x the disk)"
                 + (", or `decode='device'` moves it to the GPU" if gpu else "")
                 if database
+                else f"decoding full-size files dominates; {self.converted}"
+                if self.converted is not None
                 else "decoding full-size files dominates: convert with `lightning-fastdata convert --short-side 256`"
                 " to decode ~3x fewer pixels"
             ),
@@ -274,7 +287,8 @@ def profile_folder(
         try:  # as ImageFolder's loader, whose errors would end the profile
             return Image.open(io.BytesIO(data)).convert("RGB"), label
         except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
-            raise _BadFile(dataset.samples[index][0], f"not a readable image: {type(err).__name__}: {err}") from None
+            reason = image_error_reason(err, f"not a readable image: {type(err).__name__}: {err}")
+            raise _BadFile(dataset.samples[index][0], reason) from None
 
     stages = [("read", read), ("decode", decode), ("transforms", lambda pair: (augment(pair[0]), pair[1]))]
     skipped: list[SkippedFile] = []
@@ -360,6 +374,33 @@ def profile_database(
     return PipelineProfile("database", str(path), stages, len(indices), batch_path_ms=fused_ms)
 
 
+def conversion_advice(folder: str, database: str, image_size: int, given: bool) -> str:
+    """What the conversion ``database`` of ``folder`` changes for training at ``image_size``, as advice.
+
+    Converting again is advised only when its stored short side is smaller than the crops need (or it keeps original
+    sizes): into the same database when the user named it (``given``, ``--db``), else through the DataModule's
+    ``short_side``. ``str(database)`` is named either way, never a new conversion elsewhere.
+    """
+    from lightning_fastdata.datamodule import FastImageDataModule
+
+    stored = _format.read_meta(database).get("encoding", {}).get("short_side")
+    datamodule = FastImageDataModule(folder, image_size=image_size)
+    needed, right = math.ceil(image_size / datamodule.crop_fraction), datamodule.store_short_side()
+    again = (
+        f"`lightning-fastdata convert {folder} {database} --short-side {right} --force`"
+        if given
+        else f"`FastImageDataModule({folder!r}, short_side={right})` (a new conversion in the cache)"
+    )
+    if stored is None:
+        return f"the database {database} keeps the original sizes too; {again} stores a short side of {right} px"
+    if not isinstance(stored, int) or stored < needed:
+        return (
+            f"the database {database} stores a short side of {stored} px, less than the {needed} px that"
+            f" {image_size} px crops need (they would be upsampled): convert again with {again}"
+        )
+    return f"the database {database} stores a short side of {stored} px already: train from it (its profile follows)"
+
+
 def profile(
     data: str | os.PathLike[str],
     database: str | os.PathLike[str] | None = None,
@@ -404,11 +445,14 @@ def profile(
                 f"`database` {str(database)!r} is not a database made by `lightning-fastdata convert`."
             )
         profiles = [profile_folder(path, samples, batch_size, image_size, device=device)]
+        given = database is not None
         if database is None:
             from lightning_fastdata.datamodule import FastImageDataModule
 
             database = FastImageDataModule(str(path)).database_path
         if (Path(database) / _format.DATA_FILE).is_file():
+            profiles[0].database = str(database)
+            profiles[0].converted = conversion_advice(str(path), str(database), image_size, given)
             profiles.append(profile_database(database, samples, batch_size, image_size, device=device))
         return profiles
     finally:

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from lightning_fastdata import FastImageDataModule, convert, datamodule, read_meta
+from lightning_fastdata import FastImageDataModule, convert, datamodule, make_image_folder, read_meta
 from lightning_fastdata.cli import main
 from lightning_fastdata.errors import DestinationError, InvalidArgumentError
 from lightning_fastdata.store import cache as cache_module
@@ -275,6 +275,74 @@ def test_new_settings_say_which_setting_differs_from_the_conversions_kept(
     infos.clear()
     _datamodule(split_folder, tmp_path, 48)  # up to date: nothing to explain
     assert not any("again" in line for line in infos)
+
+
+def _photos_and_their_database(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Path, Path]:
+    """A generated folder ``photos``, ``convert photos photos.lmdb`` (short side 48), and a private default cache."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("LIGHTNING_FASTDATA_CACHE", str(cache))
+    photos = make_image_folder(
+        tmp_path / "photos", num_classes=2, train_per_class=3, val_per_class=0, min_size=40, max_size=56
+    )
+    assert main(["convert", str(photos), str(tmp_path / "photos.lmdb"), "--short-side", "48", "--quiet"]) == 0
+    return photos, tmp_path / "photos.lmdb", cache
+
+
+def test_a_datamodule_names_the_database_convert_made_of_its_source(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, infos: list[str]
+):
+    """After ``convert photos photos.lmdb``, a DataModule given ``photos`` with the same settings says, before it
+    converts into the cache, that ``photos.lmdb`` exists and may be passed as ``data_dir``; other settings do not."""
+    photos, database, cache = _photos_and_their_database(tmp_path, monkeypatch)
+    _datamodule(photos, cache, 96)
+    assert not any(str(database) in line for line in infos)
+    dm = _datamodule(photos, cache, 48)
+    (note,) = [line for line in infos if str(database) in line]
+    assert note.startswith(f"converting {str(photos)!r} into the cache ({dm.database_path.name}), but")
+    assert "Pass it as `data_dir`" in note
+    infos.clear()
+    shutil.rmtree(dm.database_path)
+    shutil.rmtree(database)  # gone: nothing to point at
+    _datamodule(photos, cache, 48)
+    assert not any(str(database) in line for line in infos)
+
+
+def test_cache_list_shows_databases_convert_wrote_elsewhere_and_never_removes_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+):
+    """``cache list`` lists ``convert SRC DST``'s database, marked as outside the cache folder; ``cache remove`` and
+    ``cache prune`` leave it alone."""
+    photos, database, _ = _photos_and_their_database(tmp_path, monkeypatch)
+    capsys.readouterr()
+    assert main(["cache", "list"]) == 0
+    out = capsys.readouterr().out
+    assert "outside the cache folder" in out
+    assert f"{database}  " in out
+    assert f"    source {photos}  short_side=48 quality=90" in out
+    assert main(["cache", "list", "--json"]) == 0
+    [listed] = json.loads(capsys.readouterr().out)
+    assert (listed["path"], listed["source"]) == (str(database), str(photos))
+    assert listed["state"] == "complete, outside the cache folder"
+    assert main(["cache", "remove", str(database)]) == 2
+    assert main(["cache", "prune", "--max-size", "0"]) == 0
+    assert (database / "data.mdb").is_file()
+
+
+@pytest.mark.parametrize(
+    "damage", [b"{not json", b"[" * 100_000, b'["a", "b"]', b'{"/x": "y", "/z": [1, {}]}', b"\xff\xfe"]
+)
+def test_a_damaged_registry_never_stops_a_conversion(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], damage: bytes
+):
+    """A registry of conversions elsewhere that is not JSON, nests too deeply or holds the wrong shapes is read as
+    empty: ``convert`` writes it anew and ``cache list`` works."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / cache_module.ELSEWHERE_FILE).write_bytes(damage)
+    _, database, _ = _photos_and_their_database(tmp_path, monkeypatch)
+    assert (database / "data.mdb").is_file()
+    assert main(["cache", "list"]) == 0
+    assert f"{database}  " in capsys.readouterr().out
 
 
 def test_a_changed_source_says_what_changed(split_folder_copy: Path, tmp_path: Path, infos: list[str]):

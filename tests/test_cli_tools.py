@@ -105,6 +105,26 @@ def test_bench_names_a_damaged_file_and_profile_skips_it(tmp_path, capsys):
     assert [item["path"] for item in folder["skipped"]] == [str(bad)]
 
 
+def test_a_truncated_jpeg_has_one_reason_in_convert_profile_and_bench(tmp_path, capsys):
+    """A JPEG cut in half is skipped by ``convert`` (libjpeg-turbo's downscale meets it) and ``profile`` (Pillow's
+    decode), and stops ``bench``, all with the same reason."""
+    root = make_image_folder(
+        tmp_path / "src", num_classes=2, train_per_class=3, val_per_class=0, min_size=120, max_size=160
+    )
+    bad = root / "class_0" / "00001.jpg"
+    bad.write_bytes(bad.read_bytes()[: bad.stat().st_size // 2])  # past its header: the decoders meet the cut
+    reason = "the image file is truncated: it ends before its image data does"
+    db = tmp_path / "db.lmdb"
+    assert main(["convert", str(root), str(db), "--short-side", "32", "--workers", "0", "--quiet"]) == 0
+    capsys.readouterr()
+    report = json.loads((db / "convert_report.json").read_text())
+    assert report["skipped"] == [{"path": str(bad), "reason": reason}]
+    assert main(["profile", str(root), "--db", str(db), "--samples", "6", "--batch-size", "4"]) == 0
+    assert f"  skipped {bad}: {reason}\n" in capsys.readouterr().out
+    assert main(["bench", str(root), "--seconds", "0.1", "--max-workers", "1", "--batch-sizes", "6"]) == 2
+    assert capsys.readouterr().err.startswith(f"error: {str(bad)!r} cannot be read as an image ({reason})")
+
+
 def test_profile_of_a_database_whose_source_holds_bad_files(tmp_path, capsys):
     """``profile DB`` of a conversion whose source folder holds an empty JPEG profiles both, listing the file."""
     root = make_image_folder(

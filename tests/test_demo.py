@@ -127,3 +127,14 @@ def test_side_by_side_with_a_gpu_and_the_data_free_run(demo: Any) -> None:
     assert next(line for line in lines if "GPU utilization" in line).split()[-3:] == ["17%", "33%", "95%"]
     assert "speed-up: 2.25x the samples/s of ImageFolder" in table
     assert "of the data-free rate (12300 samples/s): ImageFolder 21%, FastImageDataModule 48%" in table
+
+
+def test_demo_closing_line_says_what_it_timed(demo: Any) -> None:
+    """The closing line counts from the demo's process start; under ``make demo`` it adds the time .venv took."""
+    assert demo.closing_line(1100.0, 1000.0) == (
+        "the demo took 100 s from its process's start (creating .venv, if `make` did, not included)"
+    )
+    assert demo.closing_line(1100.0, 1000.0, 1000.0 - 90) == (
+        "make demo took 190 s: 90 s creating .venv, then 100 s the demo"
+    )
+    assert demo.closing_line(1100.0, 1000.0, 1000.0 - 0.4) == "make demo took 100 s (.venv was ready)"

@@ -224,6 +224,25 @@ def test_a_misspelled_argument_is_one_line_naming_the_nearest_key(tmp_path: Path
         assert line.startswith(f"error: {expected}"), line
 
 
+def test_an_example_config_run_outside_the_repository_says_where_to_run_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    """An example config's ``examples.*`` class, run from another folder: one line saying to run from the repository
+    root (or to put it on PYTHONPATH), exit 2."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["lightning-fastdata"])
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if Path(p or ".").resolve() != ROOT])
+    for name in [name for name in sys.modules if name == "examples" or name.startswith("examples.")]:
+        monkeypatch.delitem(sys.modules, name)
+    assert main(["fit", "--config", str(ROOT / "examples" / "configs" / "cpu.yaml")]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert line.startswith(
+        "error: `model.class_path` 'examples.classifier.ImageClassifier': No module named 'examples'; `examples` is"
+        " imported from the working directory or PYTHONPATH: run from the folder that holds `examples/` (for"
+        " examples/configs/*.yaml, the repository root), or add that folder to PYTHONPATH"
+    ), line
+
+
 @pytest.mark.usefixtures("in_repo")
 def test_a_missing_data_dir_is_one_line(tmp_path: Path, capsys) -> None:
     """No ``data_dir`` in the config, or one that does not exist: one ``error:`` line naming it, exit 2."""

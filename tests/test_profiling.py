@@ -10,6 +10,7 @@ from lightning_fastdata import FastImageDataModule, LmdbImageDataset, convert, m
 from lightning_fastdata.errors import SourceLayoutError
 from lightning_fastdata.pipeline.kernel import BatchReader
 from lightning_fastdata.profiling import PipelineProfile, profile, profile_database, profile_folder
+from lightning_fastdata.store.summary import TRUNCATED
 
 FOLDER_STAGES = ["read", "decode", "transforms", "collate"]
 DATABASE_STAGES = ["read", "decode", "transforms", "normalize"]  # training on the CPU: no copy to a device
@@ -143,6 +144,31 @@ def test_conclusion_of_a_database_read_does_not_advise_converting():
     assert "--short-side" not in _hand_made("database", "decode").conclusion()
 
 
+def test_profile_with_db_advises_on_that_database(tmp_path):
+    """``profile FOLDER --db DB``: a folder's decode and read advice name DB, and advise converting again (into DB)
+    only when DB's stored short side is too small for the crops, never `convert --short-side 256` elsewhere."""
+    src = make_image_folder(
+        tmp_path / "photos", num_classes=2, train_per_class=3, val_per_class=0, min_size=40, max_size=56
+    )
+    db = tmp_path / "photos.lmdb"
+    convert(src, db, num_workers=0, progress=False)  # short side 256, as training at 224 needs
+    folder_profile, _ = profile(src, database=db, samples=6, batch_size=4, device="cpu")
+    folder_profile.stages = _hand_made("folder", "decode").stages
+    assert folder_profile.conclusion().endswith(
+        f"decoding full-size files dominates; the database {db} stores a short side of 256 px already: train from it"
+        " (its profile follows)"
+    )
+    folder_profile.stages = _hand_made("folder", "read").stages
+    assert folder_profile.conclusion().endswith(f", or train from the database {db}")
+    convert(src, db, short_side=64, num_workers=0, progress=False)  # too small: 224 px crops need 256
+    folder_profile, _ = profile(src, database=db, samples=6, batch_size=4, device="cpu")
+    folder_profile.stages = _hand_made("folder", "decode").stages
+    assert folder_profile.conclusion().endswith(
+        f"the database {db} stores a short side of 64 px, less than the 256 px that 224 px crops need (they would"
+        f" be upsampled): convert again with `lightning-fastdata convert {src} {db} --short-side 256 --force`"
+    )
+
+
 def test_format_table_has_a_row_per_stage_and_a_total():
     """The table: a heading with name, path and samples, one row per stage with its share, and the total."""
     p = PipelineProfile("folder", "/data", {"read": 1.0, "decode": 3.0}, samples=7)
@@ -259,7 +285,7 @@ def test_profile_folder_skips_and_lists_bad_files(tmp_path):
     _check_profile(p, "folder", src, FOLDER_STAGES, 8)  # the 8 good files, though 2 of 10 are bad
     reasons = {Path(item.path): item.reason for item in p.skipped}
     assert reasons[empty] == "empty file (0 bytes)"
-    assert reasons[corrupt].startswith("not a readable image: ")
+    assert reasons[corrupt] == TRUNCATED  # a JPEG marker then 72 bytes: Pillow reads past its end, as convert says
     table = p.format_table()
     assert "skipped 2 file(s) that cannot be read as images (not timed):" in table
     assert f"  skipped {empty}: empty file (0 bytes)" in table

@@ -458,6 +458,114 @@ def prune_cache(
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# Conversions written elsewhere (`convert SRC DST`): a registry, so that the cache can point at them
+# ---------------------------------------------------------------------------------------------------------------
+
+#: the registry of conversions to an explicit destination, in the cache folder: ``{"SOURCE": ["DST", ...]}``
+ELSEWHERE_FILE = "elsewhere.json"
+#: destinations kept per source, the most recent last
+_MAX_ELSEWHERE = 20
+
+
+def _read_elsewhere(root: Path) -> dict[str, list[str]]:
+    """The registry in ``root``, keeping only entries of the right shapes; empty if it is missing or damaged."""
+    try:
+        data = _format.parse_json((root / ELSEWHERE_FILE).read_bytes())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(data, dict):
+        return {}
+    return {
+        source: [d for d in destinations if isinstance(d, str)]
+        for source, destinations in data.items()
+        if isinstance(source, str) and isinstance(destinations, list)
+    }
+
+
+def record_elsewhere(source: Path, database: Path, cache_dir: str | os.PathLike[str] | None = None) -> None:
+    """Note in the cache folder's registry that ``source`` was converted into ``database``, outside the cache.
+
+    Nothing for a database in the cache folder, and nothing but a debug log when the registry cannot be written: it
+    only serves :func:`elsewhere_note` and ``cache list``, never a conversion. Written whole (a reader never sees half
+    of it); two conversions finishing at once may keep only one of their entries.
+    """
+    root = cache_root(cache_dir)
+    source, database = Path(source).absolute(), Path(database).absolute()
+    if database.parent == root:
+        return
+    try:
+        registry = _read_elsewhere(root)
+        kept = [d for d in registry.get(str(source), []) if d != str(database) and Path(d).exists()]
+        registry[str(source)] = [*kept, str(database)][-_MAX_ELSEWHERE:]
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = root / f".{ELSEWHERE_FILE}.{os.getpid()}.tmp"
+        tmp.write_text(json.dumps(registry, indent=1))
+        os.replace(tmp, root / ELSEWHERE_FILE)
+    except OSError as err:
+        log.debug("cannot record the conversion of %s into %s in %s: %s", source, database, root, err)
+
+
+def converted_elsewhere(cache_dir: str | os.PathLike[str] | None = None) -> list[CachedConversion]:
+    """The complete conversions the registry of the cache folder names outside it, newest first.
+
+    Each is a database whose metadata still names the source it was recorded under; moved, removed or replaced ones
+    are left out. Their ``key`` is their path: ``cache remove`` and ``cache prune`` never take them.
+    """
+    root = cache_root(cache_dir)
+    found = []
+    for source, destinations in _read_elsewhere(root).items():
+        for destination in dict.fromkeys(destinations):
+            path = Path(destination)
+            meta = conversion_meta(path) if path.is_absolute() and path.parent != root else None
+            recorded = meta.get("source") if meta is not None else None
+            if not isinstance(recorded, dict) or recorded.get("path") != source:
+                continue
+            encoding = meta.get("encoding") if isinstance(meta.get("encoding"), dict) else {}
+            found.append(
+                CachedConversion(
+                    path=path,
+                    key=str(path),
+                    source=source,
+                    settings={name: encoding[name] for name in SETTINGS if name in encoding},
+                    size=_disk_size(path),
+                    last_used=_last_use(path),
+                    state="complete, outside the cache folder",
+                    in_use=False,
+                )
+            )
+    return sorted(found, key=lambda c: -c.last_used)
+
+
+def elsewhere_note(
+    source: Path, target: Path, settings: Mapping[str, Any], cache_dir: str | os.PathLike[str] | None = None
+) -> str | None:
+    """Before converting ``source`` into the cache slot ``target``: the databases ``convert SRC DST`` made of it.
+
+    The complete ones of the same settings, still there, and the advice to pass one as ``data_dir``. ``None`` when
+    ``target`` exists (it is reused or brought up to date) or there is no such database. Whether one is up to date
+    with ``source`` is not checked here (that takes a scan of the source): a conversion of it says so.
+    """
+    if target.exists():
+        return None
+    roots = dict.fromkeys([target.parent, cache_root(cache_dir)])
+    wanted = {**settings, "keep_original": False}
+    same = [
+        str(c.path)
+        for root in roots
+        for c in converted_elsewhere(root)
+        if c.source == str(source) and all(c.settings.get(name) == value for name, value in wanted.items())
+    ]
+    if not same:
+        return None
+    names = ", ".join(repr(path) for path in dict.fromkeys(same))
+    return (
+        f"converting {str(source)!r} into the cache ({target.name}), but `lightning-fastdata convert` already made a"
+        f" database of it with the same settings: {names}. Pass it as `data_dir` to train from it instead (a"
+        " database is read as it is: rerun that `convert` after the source changes)."
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Why a DataModule converts again
 # ---------------------------------------------------------------------------------------------------------------
 

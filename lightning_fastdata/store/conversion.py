@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 from lightning_fastdata.errors import SourceLayoutError
 from lightning_fastdata.store import remote
-from lightning_fastdata.store.cache import converted_path
+from lightning_fastdata.store.cache import converted_path, record_elsewhere
 from lightning_fastdata.store.encode import Encoding, check_options
 from lightning_fastdata.store.format import default_cache_dir
 from lightning_fastdata.store.hf import DatasetRows, dataset_classes
@@ -161,7 +161,10 @@ def convert(  # noqa: D417 - the shared options are documented in _OPTIONS_DOC
             " Choose a `dst` outside it, e.g. `data/images.lmdb` beside the image folder."
         )
     plan = scan_list(src_path) if is_list else scan_folder(src_path)
-    return write_database(plan, dst_path, None, opts, num_workers, strict, force, progress, initial_map_size)
+    summary = write_database(plan, dst_path, None, opts, num_workers, strict, force, progress, initial_map_size)
+    if dst_path != converted_path(src_path, dst_path.parent, opts.short_side, quality, encoding):  # not a cache slot
+        record_elsewhere(src_path, dst_path)  # so that a DataModule given SRC can point at it, and `cache list` show it
+    return summary
 
 
 @_shared_options

@@ -23,6 +23,7 @@ from PIL import Image, UnidentifiedImageError
 
 from lightning_fastdata._cv import cv2
 from lightning_fastdata.store.format import ENCODING_JPEG, ENCODING_RAW, MAX_SIDE
+from lightning_fastdata.store.summary import image_error_reason
 
 if TYPE_CHECKING:
     from lightning_fastdata.store.sources import Task
@@ -112,7 +113,7 @@ def _encode_image(source: Any, opts: EncodeOptions) -> tuple[int, int, int, byte
                 " (or set it to None) before converting"
             ) from None
         except (OSError, SyntaxError, ValueError) as err:
-            raise _Skip(f"unreadable image header: {err}") from None
+            raise _Skip(image_error_reason(err, f"unreadable image header: {err}")) from None
     else:
         raise _Skip(f"expected a PIL image or encoded image bytes, got {type(source).__name__}")
     try:
@@ -149,7 +150,7 @@ def _encode_image(source: Any, opts: EncodeOptions) -> tuple[int, int, int, byte
     except _Skip:
         raise
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
-        raise _Skip(f"corrupt or truncated image: {err}") from None
+        raise _Skip(image_error_reason(err, f"corrupt or truncated image: {err}")) from None
 
 
 def _downscale_jpeg(raw: bytes, target: tuple[int, int], quality: int) -> tuple[int, int, int, bytes]:
@@ -174,7 +175,7 @@ def _downscale_jpeg(raw: bytes, target: tuple[int, int], quality: int) -> tuple[
         resized = cv2.resize(image, target, interpolation=cv2.INTER_LINEAR)
         payload = simplejpeg.encode_jpeg(resized, quality=quality, colorspace="RGB", colorsubsampling="420")
     except (ValueError, cv2.error) as err:
-        raise _Skip(f"corrupt or truncated image: {err}") from None
+        raise _Skip(image_error_reason(err, f"corrupt or truncated image: {err}")) from None
     return ENCODING_JPEG, target[1], target[0], payload
 
 

@@ -24,7 +24,7 @@ from PIL import Image
 
 from lightning_fastdata.errors import SampleError, SourceLayoutError
 from lightning_fastdata.store.format import parse_json
-from lightning_fastdata.store.summary import SkippedFile
+from lightning_fastdata.store.summary import SkippedFile, image_error_reason
 
 #: File extensions read as images (matched case-insensitively), as torchvision's ``ImageFolder``.
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
@@ -292,8 +292,9 @@ def open_image_file(path: str, data: bytes | None = None) -> Image.Image:
                 data = fh.read()
         return Image.open(io.BytesIO(data)).convert("RGB")
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
+        reason = image_error_reason(err, f"{type(err).__name__}: {err}")
         raise SampleError(
-            f"{path!r} cannot be read as an image ({type(err).__name__}: {err}). Fix or remove it, or convert the"
+            f"{path!r} cannot be read as an image ({reason}). Fix or remove it, or convert the"
             " folder with `lightning-fastdata convert` (it skips and lists bad files) and use the database."
         ) from None
 

@@ -10,6 +10,16 @@ from typing import Any
 
 from lightning_fastdata.store.format import REPORT_FILE
 
+#: why a file that ends before its image data does is skipped, in one wording whichever command and decoder met it
+#: (libjpeg-turbo says "Premature end of JPEG file", Pillow "image file is truncated (N bytes not processed)")
+TRUNCATED = "the image file is truncated: it ends before its image data does"
+
+
+def image_error_reason(err: BaseException, otherwise: str) -> str:
+    """:data:`TRUNCATED` when ``err`` (a decoder's error) says the file is cut short, else ``otherwise``."""
+    text = str(err).lower()
+    return TRUNCATED if "truncated" in text or "premature end" in text else otherwise
+
 
 @dataclass(frozen=True)
 class SkippedFile:
