@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import hashlib
-import logging
 import math
-import os
-import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -14,28 +10,23 @@ from typing import Any, Literal
 import numpy as np
 import torch
 from lightning.fabric.utilities.data import AttributeDict
-from lightning.fabric.utilities.warnings import PossibleUserWarning
-from lightning.pytorch import LightningDataModule, LightningModule
+from lightning.pytorch import LightningDataModule
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
-from lightning_fastdata import cpus
-from lightning_fastdata.errors import (
-    InvalidArgumentError,
-    MissingSplitError,
-    ReadOnlyDestinationError,
-    RemoteStorageError,
-    SourceLayoutError,
-)
+from lightning_fastdata import resolve
+from lightning_fastdata.errors import InvalidArgumentError, MissingSplitError
+from lightning_fastdata.hparams import HPARAMS_PREFIX as HPARAMS_PREFIX
+from lightning_fastdata.hparams import clashes, for_loggers, say_clashes
 from lightning_fastdata.pipeline import DeviceStage, FastLoader, create_loader
-from lightning_fastdata.pipeline.kernel import Output, fuses
+from lightning_fastdata.pipeline.device import batch_dtype, loader_output, trainer_device, trains_on_cuda, uses_prefetch
+from lightning_fastdata.pipeline.kernel import Output
 from lightning_fastdata.skipping import SkipCounter
 from lightning_fastdata.store import cache, remote
 from lightning_fastdata.store import format as _format
-from lightning_fastdata.store.conversion import convert
 from lightning_fastdata.store.reader import DEFAULT_MAX_PIXELS, LmdbImageDataset
-from lightning_fastdata.store.sources import canonical_split, folder_classes
+from lightning_fastdata.store.sources import folder_classes
 from lightning_fastdata.transforms import (
     IMAGENET_MEAN,
     IMAGENET_STD,
@@ -43,64 +34,9 @@ from lightning_fastdata.transforms import (
     Normalizer,
     RandomResizedCropFlip,
 )
-from lightning_fastdata.tuning import LoaderConfig, TuneCache, quick_tune
-
-#: ``engine="auto"`` picks worker processes for CUDA training from this many workers on (see ``resolved_engine``)
-AUTO_PROCESSES_MIN_WORKERS = 4
-
-#: the prefix under which loggers get a saved argument that the model also saved, with another value
-HPARAMS_PREFIX = "datamodule/"
-
-log = logging.getLogger(__name__)
-
-_PRECISION_DTYPES = {"16-true": torch.float16, "bf16-true": torch.bfloat16, "64-true": torch.float64}
-
-
-def _quiet_lightning_worker_check() -> None:
-    """Silence Lightning's "does not have many workers" for this DataModule's loaders, when they build on threads.
-
-    Lightning reads ``DataLoader.num_workers``, which is 0 when batches are built on loader threads, and advises more
-    worker processes to a loader that already uses its whole budget. Only that warning, only for the named loaders of
-    a Trainer fed by a DataModule (which are all this DataModule's).
-    """
-    warnings.filterwarnings(
-        "ignore",
-        message=r"The '(train|val|test|predict)_dataloader' does not have many workers",
-        category=PossibleUserWarning,
-    )
-
-
-def _lightning_differs(a: Any, b: Any) -> bool:
-    """Whether Lightning's hyperparameter merge (``_log_hyperparams``) takes ``a`` and ``b`` for different values."""
-    if type(a) is not type(b) or (isinstance(a, torch.Tensor) and a is not b):
-        return True
-    try:
-        return bool(a != b)
-    except Exception:  # an ambiguous comparison (arrays): take them for different, the safe side for the merge
-        return True
-
-
-def _same_value(a: Any, b: Any) -> bool:
-    """Whether ``a`` and ``b`` are one setting in substance: ``(0.5, 0.5)`` and ``[0.5, 0.5]``, ``1`` and ``1.0``."""
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(_same_value(x, y) for x, y in zip(a, b, strict=True))
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return (
-            isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and bool(a.eq(b).all())
-        )
-    try:
-        return bool(a == b)
-    except Exception:
-        return False
-
-
-def _describe(obj: Any) -> str:
-    """A stable description of a transform for cache keys: its repr, unless that is the default one (an address)."""
-    text = repr(obj)
-    if " at 0x" not in text:
-        return text
-    state = sorted((k, _describe(v)) for k, v in getattr(obj, "__dict__", {}).items())
-    return f"{type(obj).__module__}.{type(obj).__qualname__}({state})"
+from lightning_fastdata.tuning import LoaderConfig
+from lightning_fastdata.workers import AUTO_PROCESSES_MIN_WORKERS as AUTO_PROCESSES_MIN_WORKERS
+from lightning_fastdata.workers import WorkerChoice, budget_for, quiet_lightning_worker_check
 
 
 class _IndexView(Dataset):
@@ -305,12 +241,10 @@ class FastImageDataModule(LightningDataModule):
         self.test_dataset: Dataset | None = None
         self.predict_dataset: Dataset | None = None
         self._splits: list[str] | None = None
-        self._warned_workers = False
-        self._chosen_engine: str | None = None
+        #: the worker count and engine chosen (``num_workers="tune"``'s pick among them), and what was said about them
+        self._workers = WorkerChoice()
         self._warned_decode = False
         self._warned_hparams: set[tuple[str, str, str]] = set()
-        self._said_generators = False
-        self._tuned: int | None = None
         self._staged: remote.StagedDatabase | None = None
         #: whether this DataModule's loaders run the device stage themselves, on the side stream
         self._stage_in_loader = False
@@ -324,17 +258,12 @@ class FastImageDataModule(LightningDataModule):
     @property
     def is_database(self) -> bool:
         """Whether ``data_dir`` already is a converted database (then nothing is converted), here or at a URL."""
-        return self.is_remote or (Path(self.data_dir).expanduser() / _format.DATA_FILE).is_file()
+        return self.is_remote or resolve.is_database(self.data_dir)
 
     @property
     def is_remote(self) -> bool:
         """Whether ``data_dir`` is a URL, whose database is staged into ``cache_dir`` (:attr:`staging`)."""
         return remote.is_url(self.data_dir)
-
-    @property
-    def _shown_dir(self) -> str:
-        """``data_dir`` as errors and logs show it: a URL without its user-info and query (a secret)."""
-        return remote.redact_url(str(self.data_dir))
 
     @property
     def staging(self) -> remote.StagedDatabase | None:
@@ -349,46 +278,19 @@ class FastImageDataModule(LightningDataModule):
     @property
     def database_path(self) -> Path:
         """The database that is read: ``data_dir`` itself, or its conversion under ``cache_dir``."""
-        if self.is_remote:
-            return remote.staged_path(self.data_dir, self.cache_root)
-        source = Path(self.data_dir).expanduser().absolute()
-        if self.is_database:
-            return source
-        return cache.converted_path(source, self.cache_root, self.store_short_side(), self.quality, self.encoding)
+        return resolve.database_path(
+            self.data_dir, self.cache_root, self.store_short_side(), self.quality, self.encoding
+        )
 
     def store_short_side(self) -> int | None:
         """The short side a conversion stores (``None``: original sizes): ``short_side``, or one fit for the crops."""
-        if self.short_side is None:
-            return max(256, math.ceil(self.image_size / self.crop_fraction))
-        return self.short_side or None
-
-    def _check_store_size(self, stored: int | None) -> None:
-        """Warn when the stored images are too small for ``image_size``: every crop would be upsampled."""
-        needed = math.ceil(self.image_size / self.crop_fraction)
-        if stored is None or stored >= needed:
-            return
-        if self.is_database:  # its images are what they are: only a new conversion changes them
-            fix = (
-                f"Convert the source again with `lightning-fastdata convert SRC {self._shown_dir} --short-side {needed}"
-                " --force` (or 0 to keep original sizes), or pass the source folder as `data_dir`."
-            )
-        else:
-            fix = (
-                f"Pass `short_side={needed}` (or leave it at None, which follows `image_size`; 0 keeps original sizes)."
-            )
-        rank_zero_warn(
-            f"The database stores images with a short side of at most {stored} px, but `image_size={self.image_size}`"
-            f" with `crop_fraction={self.crop_fraction}` needs {needed} px: every crop is upsampled. {fix}"
-        )
+        return resolve.store_short_side(self.short_side, self.image_size, self.crop_fraction)
 
     @property
     def classes(self) -> list[str]:
         """Class names: from the database, or before conversion from the folder names (nothing is read)."""
-        if self.is_remote and self._staged is None and remote.find_staged(self.data_dir, self.cache_root) is None:
-            raise RemoteStorageError(
-                f"`data_dir` {self._shown_dir!r} is not staged yet: its classes are read from the staged copy. Call"
-                " `prepare_data()` first (the Trainer does, before `setup`)."
-            )
+        if self.is_remote and self._staged is None:
+            resolve.check_staged(self.data_dir, self.cache_root)
         if self.is_database or (self.database_path / _format.DATA_FILE).is_file():
             return list(_format.read_meta(self.database_path)["classes"])
         return folder_classes(Path(self.data_dir).expanduser())
@@ -419,44 +321,14 @@ class FastImageDataModule(LightningDataModule):
         as ``datamodule/<name>`` instead, beside the model's, and :meth:`setup` says so (:meth:`hparams_clashes`).
         The same value under both names (``image_size=224`` in both) is logged once, as before.
         """
-        hparams = super().hparams_initial
-        clashes = self.hparams_clashes()
-        if not clashes:
-            return hparams
-        return AttributeDict({(f"{HPARAMS_PREFIX}{k}" if k in clashes else k): v for k, v in hparams.items()})
+        return for_loggers(super().hparams_initial, self.hparams_clashes())
 
     def hparams_clashes(self) -> dict[str, tuple[Any, Any]]:
         """The saved arguments Lightning would refuse to merge with the Trainer's model's: ``{name: (model's, ours)}``.
 
         Empty without a Trainer, a model, or hyperparameters the model logs.
         """
-        module = getattr(self.trainer, "lightning_module", None)
-        # `_log_hyperparams` is `save_hyperparameters(logger=...)`: no public accessor, and Lightning reads it too
-        if not isinstance(module, LightningModule) or not getattr(module, "_log_hyperparams", False):
-            return {}
-        theirs, ours = module.hparams_initial, super().hparams_initial
-        return {
-            key: (theirs[key], ours[key])
-            for key in sorted(theirs.keys() & ours.keys())
-            if key != "_class_path" and _lightning_differs(theirs[key], ours[key])
-        }
-
-    def _say_hparams_clashes(self) -> None:
-        """Warn once per clash that the model and this DataModule saved one name with different values."""
-        trainer = self.trainer
-        if trainer is None or not getattr(trainer, "loggers", None):  # nothing is merged without a logger
-            return
-        # one setting as two types ((0.5,) and [0.5]) is renamed too, since Lightning's merge compares types, quietly
-        clashes = {key: values for key, values in self.hparams_clashes().items() if not _same_value(*values)}
-        for key, (theirs, ours) in clashes.items():
-            if (key, repr(theirs), repr(ours)) in self._warned_hparams:
-                continue
-            self._warned_hparams.add((key, repr(theirs), repr(ours)))
-            rank_zero_warn(
-                f"The model saved `{key}={theirs!r}` and FastImageDataModule `{key}={ours!r}` (which its loaders use):"
-                f" loggers get the DataModule's as `{HPARAMS_PREFIX}{key}`. Pass the same value to both if they"
-                " should agree."
-            )
+        return clashes(self.trainer, super().hparams_initial)
 
     # ------------------------------------------------------------------------------------------------------------
     # Lightning hooks
@@ -466,87 +338,14 @@ class FastImageDataModule(LightningDataModule):
     def prepare_data(self) -> None:
         """Convert ``data_dir`` once, or stage it from its URL (one process per node; an up-to-date copy is reused)."""
         if self.is_remote:
-            self._stage_remote()
+            self._staged = resolve.stage(self.data_dir, self.cache_dir, self.cache_root)
         if self.is_database:
             _format.read_meta(self.database_path)  # fail early with a clear message if it is not usable
-            if self.num_workers == "tune":
-                self._tune_num_workers()
-            return
-        source = Path(self.data_dir).expanduser().absolute()
-        if not source.exists():
-            raise SourceLayoutError(
-                f"`data_dir` {str(source)!r} does not exist. Pass an ImageFolder root (root/<class>/*.jpg), a root of"
-                " train/ val/ test/ trees, a path,label list file, or a database made by `lightning-fastdata convert`."
-            )
-        target = self.database_path
-        if target == source or target.is_relative_to(source):
-            raise InvalidArgumentError(
-                f"`cache_dir` {self.cache_dir!r} must not be inside `data_dir` {self.data_dir!r}."
-            )
-        settings = {"short_side": self.store_short_side(), "quality": self.quality, "encoding": self.encoding}
-        previous = cache.conversion_meta(target)
-        note = cache.other_settings_note(source, target, settings)  # why a new conversion, when the cache has others
-        if note is not None:
-            rank_zero_info(note)
-        if (note := cache.elsewhere_note(source, target, settings)) is not None:  # `convert SRC DST` made it already
-            rank_zero_info(note)
-        try:
-            summary = convert(source, target, **settings)
-        except ReadOnlyDestinationError as err:
-            raise self._read_only_cache_error(err) from err
-        if previous is not None and not summary.up_to_date:
-            rank_zero_info(cache.source_change_note(target, previous, summary.splits))
-        if summary.up_to_date:  # the common case on every later run: nothing for the user's log
-            log.debug(summary.format())
         else:
-            rank_zero_info(summary.format())
+            settings = {"short_side": self.store_short_side(), "quality": self.quality, "encoding": self.encoding}
+            resolve.convert_source(self.data_dir, self.cache_dir, self.cache_root, self.database_path, settings)
         if self.num_workers == "tune":  # measured here, on one process per node, so the ranks read the cache
-            self._tune_num_workers()
-
-    def _stage_remote(self) -> None:
-        """Copy the database at the URL ``data_dir`` into ``cache_dir`` once per node, or reuse the copy there."""
-        try:
-            self._staged = remote.stage(self.data_dir, self.cache_root)
-        except ReadOnlyDestinationError as err:
-            raise self._read_only_cache_error(err) from err
-        if self._staged.action != "reused":
-            done = self._staged.reason or f"staged {self._shown_dir}"
-            rank_zero_info(f"FastImageDataModule: {done}; reading {self._staged.path}")
-
-    def _read_only_cache_error(self, err: ReadOnlyDestinationError) -> ReadOnlyDestinationError:
-        """The error naming the setting that chose the cache folder, and the folder that is read-only.
-
-        The setting: ``cache_dir`` or ``$LIGHTNING_FASTDATA_CACHE``. The folder: the cache folder, or, when it does not
-        exist yet, the parent it cannot be made in.
-        """
-        if self.cache_dir:
-            setting = f"`cache_dir` {self.cache_dir!r}"
-        elif os.environ.get("LIGHTNING_FASTDATA_CACHE"):
-            setting = f"`LIGHTNING_FASTDATA_CACHE` {os.environ['LIGHTNING_FASTDATA_CACHE']!r}"
-        else:
-            setting = f"the default cache folder {str(self.cache_root)!r}"
-        reason = f" ({err.reason})" if err.reason else ""
-        folder = Path(err.folder) if err.folder else self.cache_root
-        if folder == self.cache_root:
-            where = f"{setting} is read-only"
-        elif folder in self.cache_root.parents:  # not there yet: the folder it would be made in is the read-only one
-            where = f"{setting} does not exist and cannot be made in {str(folder)!r}, which is read-only"
-        else:
-            where = f"{setting} cannot be written: {str(folder)!r} is read-only"
-        if self.is_remote:  # a copy of a URL: no database to pass instead, only another cache
-            error = ReadOnlyDestinationError(
-                f"{where}, so `data_dir` {self._shown_dir!r} cannot be staged into it{reason}. Pass `cache_dir=` a"
-                " writable folder on this node's local disk (`--data.cache_dir` on the command line) or set"
-                " LIGHTNING_FASTDATA_CACHE to one."
-            )
-        else:
-            error = ReadOnlyDestinationError(
-                f"{where}, so `data_dir` {self.data_dir!r} cannot be converted into it{reason}. Pass `cache_dir=` a"
-                " writable folder (`--data.cache_dir` on the command line) or set LIGHTNING_FASTDATA_CACHE to one, or"
-                " convert once where it is writable (`lightning-fastdata convert`) and pass the database as `data_dir`."
-            )
-        error.folder, error.reason = str(folder), err.reason
-        return error
+            self._workers.tuned_workers(self)
 
     @override
     def setup(self, stage: str) -> None:
@@ -555,7 +354,8 @@ class FastImageDataModule(LightningDataModule):
         Splits are found by their canonical names (``train``, ``val``, ``test``; databases written before split
         names were canonical may say ``valid``, ``validation``, ``testing``...). Only ``fit`` needs ``train``.
         """
-        self._say_hparams_clashes()  # before Lightning merges the hyperparameters, which it does after `setup`
+        # before Lightning merges the hyperparameters, which it does after `setup`
+        say_clashes(self.trainer, self.hparams_clashes, self._warned_hparams)
         if self._splits is None and self.train_dataset is None:
             self._open_splits()
         if stage == "fit" and self.train_dataset is None:
@@ -564,54 +364,19 @@ class FastImageDataModule(LightningDataModule):
                 " `train/<class>/` (or `training/`) under `data_dir`, or run validate/test/predict only."
             )
         if stage == "fit":
-            self._say_shared_generators()
-
-    def _say_shared_generators(self) -> None:
-        """Say once that loader threads cannot key a training transform's draws from :mod:`random` or NumPy's.
-
-        A transform or dataset of one's own is read sample by sample, within the sample's key
-        (:mod:`lightning_fastdata.keyed_random`): its torch draws are keyed on every engine, its draws from Python's
-        and NumPy's process-wide generators only in worker processes and on the training thread.
-        """
-        if self._said_generators or self.train_dataset is None or fuses(self.train_dataset):
-            return
-        workers = self._tuned
-        if workers is None:
-            workers = self.worker_budget() if self.num_workers in ("auto", "tune") else int(self.num_workers)
-        if workers == 0 or self.resolved_engine(workers) != "threads":
-            return
-        self._said_generators = True
-        rank_zero_info(
-            f"FastImageDataModule: the training transform (or dataset) is your own, read on {workers} loader threads:"
-            " its torch random draws (torchvision transforms) are keyed per sample, the same in every run and after a"
-            " resume, but draws from Python's `random` or NumPy's global generator are not (the threads share them)."
-            " Draw from `lightning_fastdata.keyed_random.sample_rng()` instead, or pass `engine='processes'`, which"
-            " keys those too."
-        )
+            self._workers.say_shared_generators(self)
 
     def _open_splits(self) -> None:
         if self.is_remote and self._staged is None:  # a rank other than the node's first: wait for its staging
-            found = remote.find_staged(self.data_dir, self.cache_root)
-            if found is None:  # prepare_data did not run on this node (or ran elsewhere): stage it here
-                self._stage_remote()
-            else:
-                self._staged = remote.StagedDatabase(found, "found")
+            self._staged = resolve.find_or_stage(self.data_dir, self.cache_dir, self.cache_root)
         cache.record_use(self.database_path, self.cache_root)  # its last use, and that this process reads it
         meta = _format.read_meta(self.database_path)
-        if self.is_database and self.short_side is not None:
-            rank_zero_warn(
-                f"`short_side={self.short_side}` is ignored: `data_dir` {self._shown_dir!r} is a database, whose images"
-                f" were stored at a short side of {meta.get('encoding', {}).get('short_side') or 'their original size'}"
-                " (`short_side` applies when a DataModule converts a folder)."
-            )
-        self._check_store_size(meta.get("encoding", {}).get("short_side"))
+        resolve.check_store(meta, self.short_side, self.image_size, self.crop_fraction, self.is_database, self.data_dir)
         splits = meta["splits"]
         self._splits = sorted(splits)
         if self.predict_split is not None:
             self.resolved_predict_split(self._splits)  # a misspelled split fails now, not after the whole fit
-        by_role: dict[str, str] = {}
-        for name in sorted(splits, key=lambda n: (n != canonical_split(n), n)):  # an exact "val" beats "valid"
-            by_role.setdefault(canonical_split(name) or name, name)
+        by_role = resolve.split_roles(splits)
         val_split, test_split = by_role.get("val"), by_role.get("test")
         if "train" in by_role:
             train = self.build_dataset(by_role["train"], self.train_transform())
@@ -635,18 +400,7 @@ class FastImageDataModule(LightningDataModule):
     def resolved_predict_split(self, splits: Sequence[str] | None = None) -> str:
         """The split ``predict_dataloader`` reads: ``predict_split``, else ``test``, else ``val``, else ``train``."""
         names = list(_format.read_meta(self.database_path)["splits"]) if splits is None else list(splits)
-        if self.predict_split is not None:
-            if self.predict_split not in names:
-                raise MissingSplitError(
-                    f"`predict_split` {self.predict_split!r} is not in {str(self.database_path)!r}; it holds"
-                    f" {sorted(names)}."
-                )
-            return self.predict_split
-        for role in ("test", "val", "train"):
-            match = next((n for n in sorted(names) if canonical_split(n) == role), None)
-            if match is not None:
-                return match
-        return sorted(names)[0]
+        return resolve.predict_split(names, self.predict_split, self.database_path)
 
     def predict_sources(self) -> list[str]:
         """Where each sample of :meth:`predict_dataloader` came from, in its order (on one device).
@@ -696,115 +450,25 @@ class FastImageDataModule(LightningDataModule):
     # Loaders
     # ------------------------------------------------------------------------------------------------------------
 
-    def _processes_per_node(self) -> int:
-        trainer = self.trainer
-        return 1 if trainer is None else cpus.processes_per_node(trainer.world_size, trainer.num_nodes)
-
     def worker_budget(self) -> int:
         """Workers per process that the usable CPUs allow: usable CPUs // training processes sharing them.
 
         The processes sharing them are the training processes on this node, or only this one when a launcher pinned
         each rank to its own CPUs (see :func:`~lightning_fastdata.cpus.pinned_to_own_cpus`).
         """
-        trainer = self.trainer
-        return (
-            cpus.worker_budget(1, 1) if trainer is None else cpus.worker_budget(trainer.world_size, trainer.num_nodes)
-        )
+        return budget_for(self.trainer)
 
     def resolved_num_workers(self) -> int:
         """The worker count the loaders use (``"auto"`` resolved; a value above the budget warns once)."""
-        budget = self.worker_budget()
-        if self.num_workers == "auto":
-            return budget
-        if self.num_workers == "tune":
-            return self._tune_num_workers()
-        if self.num_workers > budget and not self._warned_workers:
-            self._warned_workers = True
-            sharing = cpus.cpu_sharing_processes(self._processes_per_node())
-            rank_zero_warn(
-                f"`num_workers={self.num_workers}` is above this process's budget of {budget}:"
-                f" {cpus.usable_cpu_count()} usable CPUs shared by {sharing} training process(es)."
-                " Workers beyond the budget compete for cores and usually slow loading; use `num_workers='auto'`."
-            )
-        return int(self.num_workers)
+        return self._workers.num_workers(self)
 
     def resolved_engine(self, workers: int | None = None) -> Literal["threads", "processes"]:
         """The engine the loaders use: ``engine``, or for ``"auto"`` the choice for ``workers``, logged once.
 
-        ``workers`` defaults to the budget, or to ``num_workers`` when it is a number.
-
-        ``"auto"`` follows what issue 18 measured on an H100 node with 16 cores: worker processes fed resnet18 at 8,901
-        samples/s against the threads' 5,853, and resnet50 on 4 cores at 3,426 against 3,225, while the threads'
-        kernel launches queued behind the loader threads (step p90 71 ms against a p50 of 23 ms). Below 4 workers,
-        and for CPU training, threads: no worker start-up, no shared memory for batch slots, and on a CPU worker
-        processes only match them (``benchmarks/bench_engines.py``, 2 CPUs).
+        ``workers`` defaults to the budget, or to ``num_workers`` when it is a number. What ``"auto"`` follows:
+        :meth:`lightning_fastdata.workers.WorkerChoice.engine`.
         """
-        if workers is None:
-            workers = self.worker_budget() if self.num_workers in ("auto", "tune") else int(self.num_workers)
-        choice = self._engine_for(workers)
-        if self.engine == "auto" and choice != self._chosen_engine:
-            self._chosen_engine = choice
-            why = (
-                f"CUDA training with {workers} workers"
-                if choice == "processes"
-                else "training on the CPU"
-                if self._output() == "float"
-                else "reading encoded bytes for decode='device'"
-                if self._output() == "encoded"
-                else f"{workers} worker(s), fewer than {AUTO_PROCESSES_MIN_WORKERS}"
-            )
-            rank_zero_info(f"FastImageDataModule: engine='auto' chose {choice!r} ({why}).")
-        return choice
-
-    def _engine_for(self, workers: int) -> Literal["threads", "processes"]:
-        """The engine for ``workers`` workers: ``engine``, or ``"auto"``'s choice (see :meth:`resolved_engine`)."""
-        if self.engine != "auto":
-            return self.engine  # type: ignore[return-value]
-        return "processes" if self._output() == "uint8" and workers >= AUTO_PROCESSES_MIN_WORKERS else "threads"
-
-    def _tune_key(self) -> str:
-        meta = _format.read_meta(self.database_path)
-        transform = self.train_transform()
-        parts = {
-            "database": str(self.database_path),
-            "created": meta.get("created"),
-            "source": meta.get("source", {}).get("fingerprint"),
-            "transform": _describe(transform),
-            "batch_size": self.batch_size,
-            "usable_cpus": cpus.usable_cpu_count(),
-            "processes_per_node": self._processes_per_node(),
-            "decode": self.decode,
-            "output": self._output(),
-            "engine": self.engine,  # the setting: "auto" times each count on the engine it picks for that count
-        }
-        return hashlib.sha256(repr(sorted(parts.items())).encode()).hexdigest()[:16]
-
-    def _tune_num_workers(self) -> int:
-        """``num_workers="tune"``: the cached pick for this configuration, or a bounded sweep that makes one."""
-        if self._tuned is not None:
-            return self._tuned
-        cache = TuneCache(self.cache_root / "tune.json")
-        key = self._tune_key()
-        entry = cache.get(key)
-        if entry is not None and isinstance(entry.get("num_workers"), int):
-            self._tuned = int(entry["num_workers"])
-            return self._tuned
-        pin_memory = self._on_cuda() if self.pin_memory is None else self.pin_memory
-        # each count on the engine it would train on: `_loader` resolves the engine from the tuned count the same way
-        result = quick_tune(
-            self.tuning_loader, self.batch_size, self.worker_budget(), engine=self._engine_for, pin_memory=pin_memory
-        )
-        self._tuned = result.pick.config.num_workers
-        rank_zero_info(f"num_workers='tune' measured the training loader:\n{result.format_table()}")
-        try:
-            cache.put(key, {"num_workers": self._tuned, **result.to_dict()})
-        except OSError as err:
-            rank_zero_warn(
-                f"num_workers='tune' picked num_workers={self._tuned} for this run, but could not cache the pick in"
-                f" {str(cache.path)!r} ({err.strerror or err}), so the next run measures again. Pass `cache_dir=` a"
-                " writable folder (or set LIGHTNING_FASTDATA_CACHE) to keep it."
-            )
-        return self._tuned
+        return self._workers.engine(self, workers)
 
     def tuning_loader(self, config: LoaderConfig) -> DataLoader:
         """The training loader as ``fit`` builds it, with ``config``'s workers, engine, batch size and pinning.
@@ -818,21 +482,14 @@ class FastImageDataModule(LightningDataModule):
         return self._loader(self.train_dataset, shuffle=True, drop_last=self.drop_last, train=True, config=config)
 
     def _on_cuda(self) -> bool:
-        trainer = self.trainer
-        if trainer is None:
-            return torch.cuda.is_available()
-        return trainer.strategy.root_device.type == "cuda"
+        return trains_on_cuda(self.trainer)
 
     def _device(self) -> torch.device:
-        trainer = self.trainer
-        if trainer is None:
-            return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-        return trainer.strategy.root_device
+        return trainer_device(self.trainer)
 
     def uses_prefetch(self) -> bool:
         """Whether loaders copy batches ahead on a side CUDA stream (``prefetch_to_device``, resolved)."""
-        on_cuda = self._device().type == "cuda"
-        return on_cuda if self.prefetch_to_device is None else (self.prefetch_to_device and on_cuda)
+        return uses_prefetch(self.prefetch_to_device, self._device())
 
     def uses_device_decode(self) -> bool:
         """Whether JPEGs are decoded on the GPU (``decode="device"`` on CUDA); warns once when CUDA is missing."""
@@ -850,9 +507,7 @@ class FastImageDataModule(LightningDataModule):
 
     def _output(self) -> Output:
         """What the loaders read: encoded for device decode, uint8 for CUDA, normalized float on a CPU."""
-        if self.uses_device_decode():
-            return "encoded"
-        return "uint8" if self._device().type == "cuda" else "float"
+        return loader_output(self.uses_device_decode(), self._device())
 
     def _loader(
         self, dataset: Dataset, shuffle: bool, drop_last: bool, train: bool = False, config: LoaderConfig | None = None
@@ -869,7 +524,7 @@ class FastImageDataModule(LightningDataModule):
             engine, workers, batch_size = config.engine, config.num_workers, config.batch_size
             prefetch_factor, pin_memory = config.prefetch_factor, config.pin_memory
         if engine == "threads" and workers > 0:
-            _quiet_lightning_worker_check()
+            quiet_lightning_worker_check()
         trainer = self.trainer
         # A DistributedSampler seeded with `seed` in every case: Lightning leaves a DistributedSampler in place and
         # calls its `set_epoch` each epoch, so shuffling changes by epoch, is reproducible from `seed`, and shards
@@ -984,10 +639,7 @@ class FastImageDataModule(LightningDataModule):
 
     def batch_dtype(self) -> torch.dtype:
         """The dtype images are converted to: float32, or the Trainer's true-precision dtype."""
-        trainer = self.trainer
-        if trainer is None:
-            return torch.float32
-        return _PRECISION_DTYPES.get(str(trainer.precision), torch.float32)
+        return batch_dtype(self.trainer)
 
     def _device_stage(self) -> DeviceStage:
         """The on-device transform of this DataModule's batches, for the Trainer's device and precision."""

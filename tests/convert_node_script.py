@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from lightning_fastdata import FastImageDataModule, datamodule
+from lightning_fastdata import FastImageDataModule, resolve
 from lightning_fastdata.store import writer
 
 
@@ -43,13 +43,13 @@ def main(data_dir: str, cache_dir: str, out_dir: str, name: str, hold: bool) -> 
     if hold:
         writer._write = _hold_then(writer._write, out, name)
     summaries = []
-    convert = datamodule.convert
+    convert = resolve.convert
 
     def recording_convert(*args: Any, **kwargs: Any) -> Any:
         summaries.append(convert(*args, **kwargs))
         return summaries[-1]
 
-    datamodule.convert = recording_convert
+    resolve.convert = recording_convert
     dm = FastImageDataModule(data_dir, cache_dir=cache_dir, image_size=16, short_side=32, num_workers=0)
     dm.prepare_data()
     dm.setup("fit")

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from lightning_fastdata import FastImageDataModule, convert, datamodule, make_image_folder, read_meta
+from lightning_fastdata import FastImageDataModule, convert, make_image_folder, read_meta, resolve
 from lightning_fastdata.cli import main
 from lightning_fastdata.errors import DestinationError, InvalidArgumentError
 from lightning_fastdata.store import cache as cache_module
@@ -253,9 +253,9 @@ def test_parse_rejects_what_is_not_a_size_or_an_age():
 
 @pytest.fixture
 def infos(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The DataModule's ``rank_zero_info`` lines."""
+    """The DataModule's ``rank_zero_info`` lines about its conversions (:mod:`lightning_fastdata.resolve` logs them)."""
     lines: list[str] = []
-    monkeypatch.setattr(datamodule, "rank_zero_info", lambda message, *a, **k: lines.append(str(message)))
+    monkeypatch.setattr(resolve, "rank_zero_info", lambda message, *a, **k: lines.append(str(message)))
     return lines
 
 

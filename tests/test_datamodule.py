@@ -296,11 +296,11 @@ def test_engine_auto_picks_processes_for_cuda_training_with_enough_workers(
 ) -> None:
     """``engine="auto"`` (the default): worker processes for uint8 CUDA batches from 4 workers on, else threads; each
     choice is logged once, and an explicit engine is kept."""
-    from lightning_fastdata import cpus, datamodule
+    from lightning_fastdata import cpus, workers
 
     infos: list[str] = []
     monkeypatch.setattr(
-        datamodule,
+        workers,
         "rank_zero_info",
         lambda message, *a, **k: infos.append(str(message)) if "engine=" in message else None,
     )
@@ -650,7 +650,7 @@ def test_setup_says_once_when_loader_threads_cannot_key_random_and_numpy(
     """A transform of one's own on loader threads: setup says, once, that Python's and NumPy's global draws are not
     keyed there and names the engine that keys them; nothing is said where they are keyed or nothing is one's own."""
     infos: list[str] = []
-    monkeypatch.setattr("lightning_fastdata.datamodule.rank_zero_info", lambda message, *a, **k: infos.append(message))
+    monkeypatch.setattr("lightning_fastdata.workers.rank_zero_info", lambda message, *a, **k: infos.append(message))
     dm = cls(str(database), image_size=16, batch_size=4, num_workers=workers, engine=engine)
     dm.trainer = fake_trainer("cpu")
     dm.setup("fit")
@@ -901,12 +901,13 @@ import contextlib, io, json, os, sys, traceback, warnings
 
 src, cache, empty, root = sys.argv[1:5]
 sys.path.append(root)  # for `examples.*` in the config; the package itself as installed
-from lightning_fastdata import FastImageDataModule, datamodule
+from lightning_fastdata import FastImageDataModule, datamodule, resolve, workers
 from lightning_fastdata.cli import main
 
 results = {}
 infos = []
-datamodule.rank_zero_info = lambda message, *args, **kwargs: infos.append(str(message))
+for module in (datamodule, resolve, workers):  # the DataModule's and the modules it logs through
+    module.rank_zero_info = lambda message, *args, **kwargs: infos.append(str(message))
 
 
 def step(name, fn):
@@ -1025,10 +1026,10 @@ def test_a_later_run_logs_no_command_line_flag(
     split_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``trainer.test``/``predict`` run ``prepare_data`` again: an up-to-date database logs nothing at info level."""
-    from lightning_fastdata import datamodule
+    from lightning_fastdata import resolve
 
     infos: list[str] = []
-    monkeypatch.setattr(datamodule, "rank_zero_info", lambda message, *a, **k: infos.append(str(message)))
+    monkeypatch.setattr(resolve, "rank_zero_info", lambda message, *a, **k: infos.append(str(message)))
     FastImageDataModule(str(split_root), cache_dir=str(tmp_path), image_size=16).prepare_data()
     assert len(infos) == 1
     assert infos[0].startswith("wrote 24 images")

@@ -23,6 +23,7 @@ from lightning_fastdata.tuning import (
     plot_sweep,
     sweep,
 )
+from lightning_fastdata.workers import tune_key
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -457,21 +458,21 @@ def test_datamodule_tune_picks_the_cheapest_count_within_5_percent_and_caches_it
 
     cache_file = tmp_path / "cache" / "tune.json"
     assert dm.cache_root / "tune.json" == cache_file
-    entry = json.loads(cache_file.read_text())[dm._tune_key()]
+    entry = json.loads(cache_file.read_text())[tune_key(dm)]
     assert entry["num_workers"] == tuned
     assert [p["num_workers"] for p in entry["measurements"]] == [0, 1, 2, 3]
 
     def no_sweep(*args, **kwargs):
         raise AssertionError("the cached pick should have been used")
 
-    monkeypatch.setattr("lightning_fastdata.datamodule.quick_tune", no_sweep)
+    monkeypatch.setattr("lightning_fastdata.workers.quick_tune", no_sweep)
     again = FastImageDataModule(str(src), **settings)
     again.prepare_data()
     assert again.resolved_num_workers() == tuned
-    assert again._tune_key() == dm._tune_key()
+    assert tune_key(again) == tune_key(dm)
 
     other = FastImageDataModule(str(src), **{**settings, "batch_size": 16})
-    assert other._tune_key() != dm._tune_key()
+    assert tune_key(other) != tune_key(dm)
     with pytest.raises(AssertionError, match="cached pick"):
         other.resolved_num_workers()
 
@@ -516,7 +517,7 @@ def test_datamodule_tune_stays_within_the_budget(tmp_path, monkeypatch):
     dm = FastImageDataModule(str(src), cache_dir=str(tmp_path / "cache"), num_workers="tune", batch_size=4)
     dm.prepare_data()
     assert dm.resolved_num_workers() <= 1
-    entry = TuneCache(tmp_path / "cache" / "tune.json").get(dm._tune_key())
+    entry = TuneCache(tmp_path / "cache" / "tune.json").get(tune_key(dm))
     assert entry is not None
     assert [p["num_workers"] for p in entry["measurements"]] == [0, 1]
 
@@ -538,7 +539,7 @@ def test_sweep_rejects_empty_batch_sizes_and_negative_workers():
 
 def test_tune_key_is_stable_for_transforms_without_a_repr():
     """A transform with the default ``repr`` (a memory address) still gives the same cache key every time."""
-    from lightning_fastdata.datamodule import _describe
+    from lightning_fastdata.workers import _describe
 
     class Jitter:
         def __init__(self, strength):

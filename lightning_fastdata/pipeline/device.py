@@ -21,7 +21,7 @@ model's dtype, still-encoded JPEGs (``decode="device"``) decoded by nvJPEG first
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -30,6 +30,8 @@ from lightning_fastdata.errors import CorruptRecordError
 from lightning_fastdata.pipeline.device_decode import EncodedImages, encoded_batch_to_images
 from lightning_fastdata.pipeline.streams import side_stream
 from lightning_fastdata.transforms import Normalizer
+
+_PRECISION_DTYPES = {"16-true": torch.float16, "bf16-true": torch.bfloat16, "64-true": torch.float64}
 
 
 class DeviceStage:
@@ -95,6 +97,48 @@ class DeviceStage:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(dtype={self.dtype}, channels_last={self.channels_last}, device={self.device})"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# What the Trainer trains on: the DataModule's choices of device, dtype, look-ahead and what its loaders read
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def batch_dtype(trainer: Any) -> torch.dtype:
+    """The dtype images are converted to: float32, or the Trainer's true-precision dtype."""
+    if trainer is None:
+        return torch.float32
+    return _PRECISION_DTYPES.get(str(trainer.precision), torch.float32)
+
+
+def trainer_device(trainer: Any) -> torch.device:
+    """The device the Trainer trains on; without a Trainer, CUDA when it is available, else the CPU."""
+    if trainer is None:
+        return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    return trainer.strategy.root_device
+
+
+def trains_on_cuda(trainer: Any) -> bool:
+    """Whether the Trainer trains on CUDA; without a Trainer, whether CUDA is available."""
+    if trainer is None:
+        return torch.cuda.is_available()
+    return trainer.strategy.root_device.type == "cuda"
+
+
+def uses_prefetch(prefetch_to_device: bool | None, device: torch.device) -> bool:
+    """Whether loaders copy batches ahead on a side CUDA stream (``prefetch_to_device``, resolved for ``device``)."""
+    on_cuda = device.type == "cuda"
+    return on_cuda if prefetch_to_device is None else (prefetch_to_device and on_cuda)
+
+
+def loader_output(device_decode: bool, device: torch.device) -> Literal["uint8", "float", "encoded"]:
+    """What the loaders read: encoded for device decode, uint8 for CUDA, normalized float on a CPU.
+
+    One of :data:`~lightning_fastdata.pipeline.kernel.Output`.
+    """
+    if device_decode:
+        return "encoded"
+    return "uint8" if device.type == "cuda" else "float"
 
 
 def _apply(batch: Any, fn: Callable[[Tensor], Any]) -> Any:
