@@ -20,7 +20,7 @@ from lightning_fastdata.store import remote
 from lightning_fastdata.store.cache import converted_path, record_elsewhere
 from lightning_fastdata.store.encode import Encoding, check_options
 from lightning_fastdata.store.format import default_cache_dir
-from lightning_fastdata.store.hf import DatasetRows, dataset_classes
+from lightning_fastdata.store.hf import DatasetRows, dataset_classes, dataset_targets
 from lightning_fastdata.store.sources import (
     LIST_EXTENSIONS,
     ConversionPlan,
@@ -30,6 +30,7 @@ from lightning_fastdata.store.sources import (
     warn_split_typos,
 )
 from lightning_fastdata.store.summary import ConversionSummary, SkippedFile
+from lightning_fastdata.store.targets import TargetKind
 from lightning_fastdata.store.writer import INITIAL_MAP_SIZE, write_database
 
 __all__ = ["ConversionSummary", "SkippedFile", "convert", "convert_dataset"]
@@ -184,8 +185,9 @@ def convert_dataset(  # noqa: D417 - the shared options are documented in _OPTIO
     initial_map_size: int = INITIAL_MAP_SIZE,
     image_column: str | None = None,
     label_column: str | None = None,
+    targets: TargetKind | None = None,
 ) -> ConversionSummary:
-    """Convert any indexed dataset of ``(PIL image or encoded image bytes, int label)`` into a database.
+    """Convert any indexed dataset of ``(PIL image or encoded image bytes, target)`` into a database.
 
     Also takes a Hugging Face ``datasets.Dataset`` (or a ``DatasetDict`` of splits) with an image and a label column:
     rows are read by column, class names come from a ``ClassLabel`` label feature, and an ``Image(decode=False)``
@@ -202,6 +204,10 @@ def convert_dataset(  # noqa: D417 - the shared options are documented in _OPTIO
             fingerprint and options does nothing. Without it, every call converts.
         image_column: for rows that are mappings: the image column; default ``"image"`` or ``"img"``.
         label_column: for rows that are mappings: the label column; default ``"label"`` or ``"labels"``.
+        targets: what each target is (:mod:`~lightning_fastdata.store.targets`): ``"class"`` (an int), ``"multilabel"``
+            (a list of class indices or names), ``"float"`` (a float, or a list or array of K floats), ``"none"`` (no
+            target is read). Default: inferred from the first sample where that is unambiguous (an int: ``class``;
+            floats: ``float``; a list of names: ``multilabel``), else refused with an error naming this argument.
 
     Returns:
         A :class:`ConversionSummary`.
@@ -217,7 +223,7 @@ def convert_dataset(  # noqa: D417 - the shared options are documented in _OPTIO
         return _publish(
             lambda local: convert_dataset(
                 dataset, local, classes, short_side, quality, keep_original, encoding, num_workers, strict,
-                fingerprint, True, progress, initial_map_size, image_column, label_column,
+                fingerprint, True, progress, initial_map_size, image_column, label_column, targets,
             ),
             os.fspath(dst),
             progress,
@@ -236,8 +242,10 @@ def convert_dataset(  # noqa: D417 - the shared options are documented in _OPTIO
     first = next(iter(given.values()))
     if classes is None:
         classes = dataset_classes(first, label_column)
+    spec = dataset_targets(targets, first, datasets[next(iter(datasets))], label_column)
     tasks = {split: [(split, i, -1) for i in range(len(ds))] for split, ds in datasets.items()}
     plan = ConversionPlan(
+        targets=spec,
         classes=list(classes) if classes is not None else None,
         tasks=tasks,  # type: ignore[arg-type]
         fingerprint=fingerprint,

@@ -24,6 +24,7 @@ from PIL import Image, UnidentifiedImageError
 from lightning_fastdata._cv import cv2
 from lightning_fastdata.store.format import ENCODING_JPEG, ENCODING_RAW, MAX_SIDE
 from lightning_fastdata.store.summary import image_error_reason
+from lightning_fastdata.store.targets import TargetSpec, check_target
 
 if TYPE_CHECKING:
     from lightning_fastdata.store.sources import Task
@@ -187,7 +188,7 @@ def _downscale_jpeg(raw: bytes, target: tuple[int, int], quality: int) -> tuple[
 class EncodeResult(NamedTuple):
     """What encoding one task gave: a record's fields and payload, or (``payload is None``) why it was skipped."""
 
-    label: int
+    label: Any
     bytes_in: int
     encoding: int
     height: int
@@ -200,21 +201,27 @@ class EncodeResult(NamedTuple):
 _STATE: dict[str, Any] = {}
 
 
-def _init_worker(datasets: Mapping[str, Any] | None, opts: EncodeOptions, max_image_pixels: int | None) -> None:
+def _init_worker(
+    datasets: Mapping[str, Any] | None,
+    opts: EncodeOptions,
+    max_image_pixels: int | None,
+    targets: tuple[TargetSpec, dict[str, int] | None] | None = None,
+) -> None:
     # Ctrl-C reaches the whole process group: the main process handles it (and stops the pool); a worker would only
     # print its own KeyboardInterrupt traceback
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     Image.MAX_IMAGE_PIXELS = max_image_pixels  # the caller's limit, also under spawn
     _STATE["datasets"] = datasets
     _STATE["opts"] = opts
+    _STATE["targets"] = targets
     with contextlib.suppress(Exception):  # one thread per worker: the pool already uses every core
         import torch
 
         torch.set_num_threads(1)
 
 
-def _load_task(task: Task) -> tuple[Any, int, int]:
-    """Read the task's input: ``(source, label, bytes_in)``."""
+def _load_task(task: Task) -> tuple[Any, Any, int]:
+    """Read the task's input: ``(source, target, bytes_in)``; a dataset's target checked against the kind."""
     split, item, label = task
     if isinstance(item, str):
         try:
@@ -227,10 +234,13 @@ def _load_task(task: Task) -> tuple[Any, int, int]:
         source, label = _STATE["datasets"][split][item]
     except Exception as err:  # a user's dataset may raise anything; the sample is skipped and reported
         raise _Skip(f"dataset raised {type(err).__name__}: {err}") from None
-    if isinstance(label, bool) or not isinstance(label, (int, np.integer)) or int(label) < 0:
-        raise _Skip(f"label must be a non-negative int, got {label!r}")
+    spec, class_to_idx = _STATE.get("targets") or (TargetSpec(), None)
+    try:
+        target = check_target(spec, label, class_to_idx)
+    except ValueError as err:
+        raise _Skip(f"{spec.kind} target: {err}") from None
     size = len(source) if isinstance(source, (bytes, bytearray, memoryview)) else 0
-    return source, int(label), size
+    return source, target, size
 
 
 def _work(task: Task) -> EncodeResult:
@@ -246,7 +256,11 @@ def _work(task: Task) -> EncodeResult:
 
 @contextlib.contextmanager
 def encode_all(
-    tasks: list[Task], datasets: Mapping[str, Any] | None, opts: EncodeOptions, workers: int
+    tasks: list[Task],
+    datasets: Mapping[str, Any] | None,
+    opts: EncodeOptions,
+    workers: int,
+    targets: tuple[TargetSpec, dict[str, int] | None] | None = None,
 ) -> Iterator[Iterator[EncodeResult]]:
     """The :class:`EncodeResult` of each task in order, from a process pool (``workers > 0``) or this process.
 
@@ -256,6 +270,7 @@ def encode_all(
         # not `_init_worker`: its one-thread cap is for pool workers and must not stick to the caller's process
         _STATE["datasets"] = datasets
         _STATE["opts"] = opts
+        _STATE["targets"] = targets
         try:
             yield map(_work, tasks)
         finally:
@@ -263,6 +278,6 @@ def encode_all(
         return
     chunksize = max(1, min(32, len(tasks) // (workers * 8)))
     with multiprocessing.get_context().Pool(
-        workers, initializer=_init_worker, initargs=(datasets, opts, Image.MAX_IMAGE_PIXELS)
+        workers, initializer=_init_worker, initargs=(datasets, opts, Image.MAX_IMAGE_PIXELS, targets)
     ) as pool:
         yield pool.imap(_work, tasks, chunksize=chunksize)

@@ -4,7 +4,9 @@ A database is an LMDB environment directory (``data.mdb`` + ``lock.mdb``) holdin
 
 * one record per image under the key ``b"<split>/<index:010d>"``: a fixed 20-byte little-endian header followed
   by the encoded image bytes (see :data:`HEADER`);
-* the labels of each split as a packed ``int32`` array under ``b"__labels__/<split>"``;
+* the labels of each split as a packed ``int32`` array under ``b"__labels__/<split>"``, or, for the other target
+  kinds, typed arrays under ``b"__targets__/<split>..."`` (:mod:`~lightning_fastdata.store.targets`: the kind is
+  ``meta["targets"]``);
 * where each record came from, as a UTF-8 JSON list of strings under ``b"__sources__/<split>"`` (the path relative to
   the source folder, the path as listed, or the index in a dataset), in record order;
 * the dataset metadata as UTF-8 JSON under ``b"__meta__"``, written in the last transaction with
@@ -38,6 +40,7 @@ from typing import Any
 import lmdb
 
 from lightning_fastdata.errors import CorruptRecordError, DatasetFormatError
+from lightning_fastdata.store.targets import TargetSpec
 
 try:  # advisory locks between converters, and readers asking whether one is at work (POSIX only)
     import fcntl
@@ -213,6 +216,8 @@ def _check_shapes(meta: dict[str, Any], path: str | os.PathLike[str]) -> None:
                 problem = f"split {name!r} does not count its records per class"
             if problem:
                 break
+    if not problem:
+        TargetSpec.from_meta(meta, os.fspath(path))  # a target kind of a shape the writer writes
     if problem:
         raise DatasetFormatError(
             f"the metadata of {os.fspath(path)!r} is damaged: {problem}. Convert the source again with"
@@ -611,6 +616,8 @@ with env.begin(buffers=True) as txn:
         sys.exit(3)  # not ours, incomplete, unreadable or impossible metadata: read_meta says which, clearly
     for name, length in lengths.items():
         txn.get(f"__labels__/{name}".encode())
+        for part in ("", "/offsets", "/indices"):  # the arrays of the other target kinds (store/targets.py)
+            txn.get(f"__targets__/{name}{part}".encode())
         txn.get(f"__sources__/{name}".encode())
         for i in range(length):
             txn.get(f"{name}/{i:010d}".encode())  # a view: walks the pages, reads no record bytes

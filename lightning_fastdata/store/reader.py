@@ -10,7 +10,7 @@ import functools
 import io
 import os
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Literal
@@ -38,6 +38,7 @@ from lightning_fastdata.store.format import (
     record_key,
     unpack_record,
 )
+from lightning_fastdata.store.targets import NO_LABEL, SplitTargets, TargetSpec
 
 Output = Literal["tensor", "pil", "encoded"]
 
@@ -117,7 +118,10 @@ class LmdbImageDataset(Dataset):
     """Images and labels of one split of a database made by ``lightning-fastdata convert``.
 
     A drop-in for torchvision's ``ImageFolder``: it has ``classes``, ``class_to_idx`` and ``targets`` and returns
-    ``(image, label)``. Nothing is loaded in ``__init__`` beyond the metadata; the LMDB environment opens lazily in
+    ``(image, target)``. The target is what the database stores (:attr:`target_spec`, see
+    :mod:`~lightning_fastdata.store.targets`): a class index (``int``), a multi-hot ``float32`` tensor ``[C]``
+    (``multilabel``), a ``float32`` tensor ``[K]`` (``float``; a 0-d one when K = 1), or ``-1`` (``none``).
+    Nothing is loaded in ``__init__`` beyond the metadata; the LMDB environment opens lazily in
     the process that reads (a DataLoader worker, under fork or spawn) and is never pickled. Memory does not grow
     with the number of samples: keys are computed from the index.
 
@@ -126,7 +130,7 @@ class LmdbImageDataset(Dataset):
         split: which split to read (``"train"``, ``"val"``, ...).
         transform: applied to the image (a ``uint8`` CHW tensor, or a PIL image with ``output="pil"``: classic PIL
             transforms such as ``Compose([RandomResizedCrop(224), ToTensor(), Normalize(...)])`` need ``"pil"``).
-        target_transform: applied to the label.
+        target_transform: applied to the target.
         output: ``"tensor"`` decodes (libjpeg-turbo through ``simplejpeg``) to a ``uint8`` RGB tensor of shape
             ``(3, H, W)`` (a view of HWC memory);
             ``"pil"`` gives an RGB PIL image for PIL transforms; ``"encoded"`` gives the stored bytes as a 1-D
@@ -189,12 +193,19 @@ class LmdbImageDataset(Dataset):
         self.classes: list[str] = list(meta["classes"])
         self.class_to_idx = {name: i for i, name in enumerate(self.classes)}
         self.class_counts: list[int] = list(splits[split]["class_counts"])
+        #: what each sample's target is (:mod:`~lightning_fastdata.store.targets`)
+        self.target_spec = TargetSpec.from_meta(meta, self.path)
+        crc = splits[split].get("targets_crc32")
+        self._targets = SplitTargets(
+            self.target_spec, split, int(splits[split]["length"]), crc if type(crc) is int else None, self.path
+        )
         self.splits: list[str] = sorted(splits)
         self.encoding: dict[str, Any] = dict(meta.get("encoding", {}))
         self._length = int(splits[split]["length"])
         self._env: lmdb.Environment | None = None
         self._pid: int | None = None
         self._file_size = 0
+        self._identity: tuple[int, ...] = ()
 
     def __len__(self) -> int:
         return self._length
@@ -203,7 +214,9 @@ class LmdbImageDataset(Dataset):
         """The LMDB environment of this process, opened on first use (and again after a fork)."""
         if self._env is None or self._pid != os.getpid():
             self._env = open_readonly(self.path)
-            self._file_size = os.path.getsize(os.path.join(self.path, DATA_FILE))
+            st = os.stat(os.path.join(self.path, DATA_FILE))
+            self._file_size = st.st_size
+            self._identity = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
             self._pid = os.getpid()
         return self._env
 
@@ -262,7 +275,7 @@ class LmdbImageDataset(Dataset):
                 f"{self._where(index)}: {err}. The database is damaged: convert the source again with"
                 " `lightning-fastdata convert --force`."
             ) from err
-        if not 0 <= header.label < len(self.classes):
+        if self.target_spec.kind == "class" and not 0 <= header.label < len(self.classes):
             raise CorruptRecordError(
                 f"{self._where(index)}: label {header.label} is outside the {len(self.classes)} classes"
             )
@@ -433,10 +446,60 @@ class LmdbImageDataset(Dataset):
             )
         return np.frombuffer(data, dtype=np.uint8).reshape(header.height, header.width, 3)
 
+    @property
+    def target_kind(self) -> str:
+        """``"class"``, ``"multilabel"``, ``"float"`` or ``"none"``: what :attr:`target_spec` says."""
+        return self.target_spec.kind
+
+    @property
+    def num_classes(self) -> int:
+        """Classes of a ``class`` or ``multilabel`` database (``C``), else 0."""
+        return self.target_spec.num_classes
+
+    def targets_of(self, records: Sequence[int] | np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """The targets of samples ``records`` as one array ``[n, *target_spec.shape]`` of ``target_spec.dtype``.
+
+        Read from the split's typed arrays in one read transaction (a few bytes a sample; the arrays are checked once
+        per process); into ``out`` when given. ``class`` targets come from the label array, ``none`` are ``-1``.
+
+        Raises:
+            CorruptRecordError: the target arrays are missing or damaged.
+
+        """
+        spec = self.target_spec
+        records = np.asarray(records, dtype=np.int64)
+        if records.size and (records.min() < 0 or records.max() >= self._length):
+            raise IndexError(f"a record index is out of range for split {self.split!r} of length {self._length}")
+        if out is None:
+            out = np.empty((len(records), *spec.shape), dtype=spec.dtype)
+        if spec.kind == "class":
+            out[...] = np.asarray(self.targets, dtype=np.int64)[records]
+            return out
+        if spec.kind == "none":
+            out[...] = NO_LABEL
+            return out
+        try:
+            with read_transaction(self._environment(), buffers=True) as txn:
+                self._targets.gather(txn, self._identity, records, out)
+        except lmdb.Error as err:
+            raise CorruptRecordError(
+                f"reading the targets of split {self.split!r} of {self.path!r} failed: {err}"
+            ) from err
+        return out
+
+    def target(self, index: int, header: RecordHeader) -> Any:
+        """Sample ``index``'s target as ``__getitem__`` gives it (before ``target_transform``)."""
+        kind = self.target_spec.kind
+        if kind == "class":
+            return header.label
+        if kind == "none":
+            return NO_LABEL
+        return torch.from_numpy(self.targets_of([index % self._length]))[0]
+
     def __getitem__(self, index: int) -> tuple[Any, Any]:
         header, data = self.read_record(index)
         image = self.decode(index, header, data)
-        label: Any = header.label
+        label: Any = self.target(index, header)
         if self.transform is not None:
             try:
                 image = self.transform(image)
@@ -455,8 +518,20 @@ class LmdbImageDataset(Dataset):
         return image, label
 
     @property
-    def targets(self) -> list[int]:
-        """The label of every sample, read from the database on each access (not kept in memory)."""
+    def targets(self) -> list[Any]:
+        """The target of every sample, read from the database on each access (not kept in memory).
+
+        Class indices (``class``), lists of class indices (``multilabel``), values (``float``: a list of K, or one
+        when K = 1) or ``-1`` (``none``).
+        """
+        kind = self.target_spec.kind
+        if kind == "none":
+            return [NO_LABEL] * self._length
+        if kind == "multilabel":
+            every = self.targets_of(np.arange(self._length))
+            return [np.flatnonzero(row).tolist() for row in every]
+        if kind == "float":
+            return self.targets_of(np.arange(self._length)).tolist()
         try:
             with read_transaction(self._environment()) as txn:
                 raw = txn.get(labels_key(self.split))

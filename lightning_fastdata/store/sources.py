@@ -25,6 +25,7 @@ from PIL import Image
 from lightning_fastdata.errors import SampleError, SourceLayoutError
 from lightning_fastdata.store.format import parse_json
 from lightning_fastdata.store.summary import SkippedFile, image_error_reason
+from lightning_fastdata.store.targets import TargetSpec
 
 #: File extensions read as images (matched case-insensitively), as torchvision's ``ImageFolder``.
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
@@ -56,8 +57,10 @@ or a root holding one such tree per split (train/training, val/valid/validation/
     SRC/val/<class>/<image>.jpg
 or a list file SRC.csv (header `path,label`, optional `split`) or SRC.json ([{"path": ..., "label": ...}, ...])."""
 
-#: One input to encode: ``(split, path or dataset index, label)`` (label ``-1``: the dataset gives it).
-Task: TypeAlias = tuple[str, str | int, int]
+#: One input to encode: ``(split, path or dataset index, target)``: a class index, a tuple of class indices
+#: (``multilabel``), a tuple of floats (``float``) or ``None`` (``none``), as :func:`~.targets.check_target` returns
+#: them; ``-1`` for a dataset's input: the dataset gives it.
+Task: TypeAlias = tuple[str, str | int, Any]
 
 
 @dataclass
@@ -75,6 +78,8 @@ class ConversionPlan:
     names: dict[str, list[str]] = field(default_factory=dict)
     #: the size of the source files (0 for datasets): estimates the space a conversion needs
     source_bytes: int = 0
+    #: the target kind (:mod:`~lightning_fastdata.store.targets`); ``num_classes`` follows ``classes`` when written
+    targets: TargetSpec = field(default_factory=TargetSpec)
     skipped: list[SkippedFile] = field(default_factory=list)
     ignored: list[SkippedFile] = field(default_factory=list)
 

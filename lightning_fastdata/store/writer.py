@@ -11,6 +11,7 @@ module; both follow :mod:`~lightning_fastdata.store.format`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import json
 import logging
@@ -25,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 import lmdb
-import numpy as np
 from tqdm.auto import tqdm
 
 from lightning_fastdata.__about__ import __version__
@@ -56,6 +56,7 @@ from lightning_fastdata.store.format import (
 )
 from lightning_fastdata.store.sources import ConversionPlan
 from lightning_fastdata.store.summary import ConversionSummary, SkippedFile, human_bytes
+from lightning_fastdata.store.targets import MAX_DIM, TargetColumn
 
 log = logging.getLogger(__name__)
 
@@ -685,11 +686,17 @@ def _write(
     all_names = [name for split in plan.tasks for name in plan.names.get(split, [])]
     if len(all_names) != len(all_tasks):
         all_names = [f"{task[0]}[{task[1]}]" for task in all_tasks]
-    labels: dict[str, list[int]] = {split: [] for split in plan.tasks}
+    spec = plan.targets
+    if spec.kind in ("class", "multilabel") and plan.classes is not None:
+        spec = dataclasses.replace(spec, num_classes=len(plan.classes))
+    elif spec.kind == "multilabel":  # indices of a dataset without class names: checked against the largest kind
+        spec = dataclasses.replace(spec, num_classes=MAX_DIM)
+    columns = {split: TargetColumn(spec) for split in plan.tasks}
     sources: dict[str, list[str]] = {split: [] for split in plan.tasks}
+    class_to_idx = {name: i for i, name in enumerate(plan.classes)} if plan.classes is not None else None
     bar = tqdm(total=len(all_tasks), unit="img", desc=f"convert {Path(plan.source).name}", disable=not progress)
     # The pool starts before the LMDB environment opens: a forked child must never inherit an open environment.
-    with bar, encode_all(all_tasks, datasets, opts, workers) as results:
+    with bar, encode_all(all_tasks, datasets, opts, workers, (spec, class_to_idx)) as results:
         writer = _LmdbWriter(tmp, initial_map_size)
         try:
             writer.put(META_KEY, dump_meta(meta))  # complete=False until the very end
@@ -702,33 +709,43 @@ def _write(
                     summary.skipped.append(SkippedFile(str(shown), str(result.reason)))
                     bar.set_postfix(skipped=len(summary.skipped), refresh=False)
                 else:
-                    record = pack_record(result.encoding, result.label, result.height, result.width, result.payload)
-                    writer.put(record_key(split, len(labels[split])), record)
-                    labels[split].append(result.label)
+                    column = columns[split]
+                    label = column.add(result.label)
+                    record = pack_record(result.encoding, label, result.height, result.width, result.payload)
+                    writer.put(record_key(split, len(column) - 1), record)
                     sources[split].append(name)
                     summary.written += 1  # live, with bytes_out: a full disk's message estimates the space needed
                     summary.bytes_out += len(record)
                 bar.update()
             classes = plan.classes
-            if classes is None:
-                top = max((max(ls) for ls in labels.values() if ls), default=-1)
-                classes = [str(i) for i in range(top + 1)]
-            elif any(ls and max(ls) >= len(classes) for ls in labels.values()):
-                raise ConversionError(f"a label is >= the number of classes ({len(classes)}); pass the full `classes`.")
-            for split, split_labels in labels.items():
-                writer.put(labels_key(split), np.asarray(split_labels, dtype="<i4").tobytes())
-                writer.put(sources_key(split), json.dumps(sources[split]).encode())
+            if spec.kind in ("class", "multilabel"):
+                top = max((column.top() for column in columns.values()), default=-1)
+                if classes is None:
+                    classes = [str(i) for i in range(top + 1)]
+                elif top >= len(classes):
+                    raise ConversionError(
+                        f"a label is >= the number of classes ({len(classes)}); pass the full `classes`."
+                    )
+                spec = dataclasses.replace(spec, num_classes=len(classes))
+            else:
+                classes = []
             meta["classes"] = classes
-            meta["splits"] = {
-                split: {"length": len(ls), "class_counts": np.bincount(ls, minlength=len(classes)).tolist()}
-                for split, ls in labels.items()
-            }
+            meta["targets"] = spec.to_meta()
+            meta["splits"] = {}
+            for split, column in columns.items():
+                column.spec = spec
+                if spec.kind == "class":
+                    writer.put(labels_key(split), column.labels().tobytes())
+                for key, value in column.arrays(split).items():
+                    writer.put(key, value)
+                writer.put(sources_key(split), json.dumps(sources[split]).encode())
+                meta["splits"][split] = {"length": len(column), **column.split_meta(split)}
             meta["complete"] = True
             writer.put(META_KEY, dump_meta(meta))
         except BaseException:
             writer.env.close()  # drop pending writes: the partial directory is deleted by the caller
             raise
         writer.close()
-    summary.splits = {split: len(ls) for split, ls in labels.items()}
+    summary.splits = {split: len(column) for split, column in columns.items()}
     summary.written = sum(summary.splits.values())
     return meta
