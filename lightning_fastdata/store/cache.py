@@ -58,9 +58,24 @@ def cache_root(cache_dir: str | os.PathLike[str] | None = None) -> Path:
     return (Path(cache_dir).expanduser() if cache_dir else default_cache_dir()).absolute()
 
 
-def converted_path(source: Path, root: Path, short_side: int | None, quality: int, encoding: str) -> Path:
-    """The database under ``root`` that the source ``source`` (an absolute path) converts into with these settings."""
-    key = json.dumps([str(source), short_side, quality, encoding])
+def converted_path(
+    source: Path,
+    root: Path,
+    short_side: int | None,
+    quality: int,
+    encoding: str,
+    targets: str | None = None,
+    label_separator: str = "|",
+) -> Path:
+    """The database under ``root`` that the source ``source`` (an absolute path) converts into with these settings.
+
+    ``targets`` (and, for ``multilabel``, ``label_separator``) are part of the key when they change what is stored:
+    a kind other than classes (``None``, inferred, stores classes or refuses) never shares a slot with another.
+    """
+    settings: list[Any] = [str(source), short_side, quality, encoding]
+    if targets not in (None, "class"):
+        settings.append(targets if targets != "multilabel" else [targets, label_separator])
+    key = json.dumps(settings)
     digest = hashlib.sha256(key.encode()).hexdigest()[:10]
     return root / f"{source.name}-{digest}.lmdb"
 
