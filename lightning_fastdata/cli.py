@@ -444,7 +444,7 @@ def _cache(args: argparse.Namespace) -> int:
         status = c.state + (", in use" if c.in_use else "")
         print(f"{c.key}  {human_bytes(c.size)}  last used {(now - c.last_used) / 86400:.1f} days ago  {status}")
         source = f"{c.staged_from} (staged; converted from {c.source or '?'})" if c.staged_from else c.source or "?"
-        print(f"    source {source}  {settings}")
+        print(f"    source {source}  {settings}  targets {c.targets or '?'}")
     total = sum(c.size for c in conversions)
     print(f"{len(conversions)} conversion(s), {human_bytes(total)} in {root}")
     return 0
