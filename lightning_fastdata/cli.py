@@ -48,11 +48,15 @@ def _add_convert(sub: argparse._SubParsersAction) -> None:
         description=(
             "Convert SRC, an ImageFolder tree (SRC/<class>/<image>), a root of split trees (SRC/train/<class>/...,"
             " SRC/val/<class>/..., SRC/test/<class>/...; also training, valid, validation, dev, testing, any case) or"
-            " a list file (CSV with a path,label[,split] header, or JSON), into the database DST, in parallel."
+            " a list file (CSV or TSV with a path,label[,split] header, or JSON), into the database DST, in parallel."
+            " A list file's labels are classes unless --targets says otherwise; labels that could be read as another"
+            " kind (numbers that are not integers, lists, names joined by the --label-sep) are refused until it does."
             " Unchanged sources are not converted twice."
         ),
     )
-    p.add_argument("src", nargs="?", help="the image folder, or a .csv/.json list of path,label[,split] rows, to read")
+    p.add_argument(
+        "src", nargs="?", help="the image folder, or a .csv/.tsv/.json list of path,label[,split] rows, to read"
+    )
     p.add_argument(
         "dst",
         nargs="?",
@@ -79,6 +83,21 @@ def _add_convert(sub: argparse._SubParsersAction) -> None:
         choices=("jpeg", "raw"),
         default="jpeg",
         help="jpeg (default, compact) or raw uint8 pixels (about 10x larger, nothing to decode when reading)",
+    )
+    p.add_argument(
+        "--targets",
+        choices=("class", "multilabel", "float", "none"),
+        default=None,
+        help="what a list file's labels are: class (each distinct label a class), multilabel (class names joined by"
+        " --label-sep, or a JSON list; multi-hot targets), float (numbers: the label column, or every column but path"
+        " and split, e.g. path,x,y; regression), none (no targets). Default: classes, refusing ambiguous labels."
+        " A folder gives class or none",
+    )
+    p.add_argument(
+        "--label-sep",
+        default="|",
+        metavar="S",
+        help="what separates the class names of a multilabel label (default |: cat|outdoor)",
     )
     p.add_argument("--workers", type=int, default=None, metavar="N", help="worker processes (default: the usable CPUs)")
     p.add_argument("--strict", action="store_true", help="fail, writing nothing, if any file has to be skipped")
@@ -265,6 +284,8 @@ def _convert(args: argparse.Namespace) -> int:
         strict=args.strict,
         force=args.force,
         progress=not args.quiet,
+        targets=args.targets,
+        label_separator=args.label_sep,
     )
     print(summary.format() + (" Use --force to rebuild." if summary.up_to_date else ""))
     return 0
@@ -424,7 +445,7 @@ def _cache(args: argparse.Namespace) -> int:
         status = c.state + (", in use" if c.in_use else "")
         print(f"{c.key}  {human_bytes(c.size)}  last used {(now - c.last_used) / 86400:.1f} days ago  {status}")
         source = f"{c.staged_from} (staged; converted from {c.source or '?'})" if c.staged_from else c.source or "?"
-        print(f"    source {source}  {settings}")
+        print(f"    source {source}  {settings}  targets {c.targets or '?'}")
     total = sum(c.size for c in conversions)
     print(f"{len(conversions)} conversion(s), {human_bytes(total)} in {root}")
     if elsewhere:

@@ -409,3 +409,30 @@ def test_last_use_is_recorded_once_per_setup_not_per_sample(split_folder: Path, 
     before = use_path(dm.database_path).stat().st_mtime_ns
     assert sum(len(labels) for _, labels in dm.train_dataloader()) > 0
     assert use_path(dm.database_path).stat().st_mtime_ns == before
+
+
+def test_cache_list_shows_each_conversions_target_kind(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """``cache list`` (table and JSON) says what each conversion's targets are: classes, multi-label, values."""
+    from lightning_fastdata import make_image_folder
+
+    src = make_image_folder(tmp_path / "src", num_classes=2, train_per_class=2, val_per_class=0, min_size=20,
+                            max_size=30, num_workers=1)  # fmt: skip
+    images = sorted(p.relative_to(tmp_path).as_posix() for p in src.rglob("*.jpg"))
+    cache = tmp_path / "cache"
+    (tmp_path / "ml.csv").write_text("path,label\n" + "".join(f"{p},a|b\n" for p in images))
+    (tmp_path / "xy.csv").write_text("path,x,y\n" + "".join(f"{p},0.5,1\n" for p in images))
+    for source, kind in ((src, None), (tmp_path / "ml.csv", "multilabel"), (tmp_path / "xy.csv", "float")):
+        target = converted_path(source, cache, 64, 90, "jpeg", kind)
+        convert(source, target, short_side=64, num_workers=0, progress=False, targets=kind)
+    assert main(["cache", "list", "--cache-dir", str(cache)]) == 0
+    out = capsys.readouterr().out
+    assert "encoding=jpeg keep_original=False  targets class (2 classes)" in out
+    assert "targets multilabel (2 classes)" in out
+    assert "targets float (2 values: x, y)" in out
+    assert main(["cache", "list", "--cache-dir", str(cache), "--json"]) == 0
+    listed = {Path(c["source"]).name: c["targets"] for c in json.loads(capsys.readouterr().out)}
+    assert listed == {
+        "src": "class (2 classes)",
+        "ml.csv": "multilabel (2 classes)",
+        "xy.csv": "float (2 values: x, y)",
+    }

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import ast
+import json
 import logging
 import os
 import re
@@ -531,3 +532,81 @@ def test_a_cache_dir_under_a_read_only_file_system_names_the_read_only_folder(sp
         f" `data_dir` {str(split_folder)!r} cannot be converted into it (Read-only file system). Pass `cache_dir=`"
     )
     assert sorted(parent.iterdir()) == []
+
+
+def _lightning_fastdata(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """The real ``lightning-fastdata`` command (its entry point, ``lightning_fastdata.cli:main``) in a new process."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    command = [sys.executable, "-m", "lightning_fastdata.cli", *args]
+    return subprocess.run(command, capture_output=True, text=True, env=env, cwd=cwd, timeout=300)
+
+
+def _list_images(folder: Path, count: int) -> list[str]:
+    """Write ``count`` small generated JPEGs into ``folder``; their names."""
+    make_image_folder(folder / "src", num_classes=1, train_per_class=count, val_per_class=0, min_size=20, max_size=30,
+                      num_workers=1)  # fmt: skip
+    return sorted(p.relative_to(folder).as_posix() for p in (folder / "src").rglob("*.jpg"))
+
+
+@pytest.mark.parametrize(
+    ("labels", "kind"),
+    [
+        (["0.374", "1.25", "0.5"], "float"),
+        (['"[cat, dog]"', "[cat]", "[dog]"], "multilabel"),
+        (["a|b", "b", "a"], "multilabel"),
+    ],
+)
+def test_convert_refuses_labels_of_another_kind_in_one_line_naming_targets(tmp_path, labels, kind):
+    """Float labels, list labels and separated labels: exit 2, one line naming ``--targets``, nothing written."""
+    names = _list_images(tmp_path, 3)
+    (tmp_path / "list.csv").write_text(
+        "path,label\n" + "".join(f"{n},{v}\n" for n, v in zip(names, labels, strict=True))
+    )
+    proc = _lightning_fastdata("convert", "list.csv", "db", "--quiet", "--workers", "0", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    assert len(proc.stderr.strip().splitlines()) == 1
+    assert proc.stderr.startswith("error: `src` ")
+    assert f"`--targets {kind}`" in proc.stderr
+    assert not (tmp_path / "db").exists()
+
+
+def test_convert_targets_multilabel_of_separated_labels(tmp_path):
+    """``convert list.csv db --targets multilabel``: ``a|b`` labels are each sample's classes, named in the summary."""
+    names = _list_images(tmp_path, 3)
+    (tmp_path / "list.csv").write_text(f"path,label\n{names[0]},cat|dog\n{names[1]},dog\n{names[2]},\n")
+    proc = _lightning_fastdata("convert", "list.csv", "db", "--quiet", "--workers", "0", "--targets", "multilabel",
+                               cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "  targets   multilabel (2 classes)\n  samples naming each class: dog 2, cat 1\n" in proc.stdout
+    ds = LmdbImageDataset(tmp_path / "db")
+    assert (ds.classes, ds.targets) == (["cat", "dog"], [[0, 1], [1], []])
+    proc = _lightning_fastdata("convert", "list.csv", "db", "--quiet", "--workers", "0", "--targets", "multilabel",
+                               "--label-sep", ";", cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "up to date" not in proc.stdout  # another separator reads other classes: converted again
+    assert LmdbImageDataset(tmp_path / "db").classes == ["cat|dog", "dog"]
+
+
+def test_convert_targets_float_of_value_columns(tmp_path):
+    """``convert list.tsv db --targets float`` with ``path x y`` columns: values named x and y, their min/mean/max in
+    the summary; a row whose value is not a number is skipped and listed."""
+    names = _list_images(tmp_path, 3)
+    (tmp_path / "list.tsv").write_text(f"path\tx\ty\n{names[0]}\t1\t-2\n{names[1]}\t3\t4.5\n{names[2]}\t?\t0\n")
+    args = ("convert", "list.tsv", "db", "--quiet", "--workers", "0")
+    refused = _lightning_fastdata(*args, cwd=tmp_path)
+    assert refused.returncode == 2
+    assert "`--targets float`" in refused.stderr
+    proc = _lightning_fastdata(*args, "--targets", "float", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert (
+        "  targets   float (2 values: x, y)\n  x: min 1  mean 2  max 3\n  y: min -2  mean 1.25  max 4.5\n"
+        in proc.stdout
+    )
+    assert "row 3: float target: '?' is not a number" in proc.stdout
+    report = json.loads((tmp_path / "db" / "convert_report.json").read_text())
+    assert report["targets"]["kind"] == "float"
+    assert report["target_stats"]["y"] == {"min": -2.0, "mean": 1.25, "max": 4.5}
+    assert LmdbImageDataset(tmp_path / "db").targets == [[1.0, -2.0], [3.0, 4.5]]
+    again = _lightning_fastdata(*args, "--targets", "float", cwd=tmp_path)
+    assert "is up to date (2 images)" in again.stdout

@@ -40,6 +40,7 @@ from lightning_fastdata.store.format import (
     target_of_partial,
 )
 from lightning_fastdata.store.summary import human_bytes
+from lightning_fastdata.store.targets import TargetSpec
 from lightning_fastdata.store.writer import _read_only_error, _target_lock, clean_stale_conversions, stale_conversions
 
 try:  # shared locks held by readers, an exclusive one taken by a removal (POSIX only)
@@ -58,9 +59,24 @@ def cache_root(cache_dir: str | os.PathLike[str] | None = None) -> Path:
     return (Path(cache_dir).expanduser() if cache_dir else default_cache_dir()).absolute()
 
 
-def converted_path(source: Path, root: Path, short_side: int | None, quality: int, encoding: str) -> Path:
-    """The database under ``root`` that the source ``source`` (an absolute path) converts into with these settings."""
-    key = json.dumps([str(source), short_side, quality, encoding])
+def converted_path(
+    source: Path,
+    root: Path,
+    short_side: int | None,
+    quality: int,
+    encoding: str,
+    targets: str | None = None,
+    label_separator: str = "|",
+) -> Path:
+    """The database under ``root`` that the source ``source`` (an absolute path) converts into with these settings.
+
+    ``targets`` (and, for ``multilabel``, ``label_separator``) are part of the key when they change what is stored:
+    a kind other than classes (``None``, inferred, stores classes or refuses) never shares a slot with another.
+    """
+    settings: list[Any] = [str(source), short_side, quality, encoding]
+    if targets not in (None, "class"):
+        settings.append(targets if targets != "multilabel" else [targets, label_separator])
+    key = json.dumps(settings)
     digest = hashlib.sha256(key.encode()).hexdigest()[:10]
     return root / f"{source.name}-{digest}.lmdb"
 
@@ -169,6 +185,9 @@ class CachedConversion:
     in_use: bool
     #: the URL a staged copy of a database in a bucket came from (``None``: converted here)
     staged_from: str | None = None
+    #: what each sample's target is, as :meth:`~lightning_fastdata.store.targets.TargetSpec.describe` says it
+    #: (``"class (10 classes)"``, ``"float (2 values: x, y)"``); ``None``: unknown, the metadata cannot be read
+    targets: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (``cache list --json``)."""
@@ -182,6 +201,7 @@ class CachedConversion:
             "state": self.state,
             "in_use": self.in_use,
             "staged_from": self.staged_from,
+            "targets": self.targets,
         }
 
 
@@ -246,7 +266,18 @@ def _entry(database: Path, key: str, partial: bool) -> CachedConversion:
         state=state,
         in_use=not partial and in_use(database),
         staged_from=None if partial else _staged_from(database),
+        targets=_targets_of(meta, database),
     )
+
+
+def _targets_of(meta: dict[str, Any] | None, database: Path) -> str | None:
+    """What the targets of the conversion with metadata ``meta`` are, in words; ``None`` if unknown or damaged."""
+    if meta is None:
+        return None
+    try:
+        return TargetSpec.from_meta(meta, database).describe()
+    except (DatasetFormatError, AttributeError, TypeError):
+        return None
 
 
 def _staged_from(database: Path) -> str | None:

@@ -25,12 +25,13 @@ from lightning_fastdata.store.sources import (
     LIST_EXTENSIONS,
     ConversionPlan,
     canonical_split,
+    check_targets_option,
     scan_folder,
     scan_list,
     warn_split_typos,
 )
 from lightning_fastdata.store.summary import ConversionSummary, SkippedFile
-from lightning_fastdata.store.targets import TargetKind
+from lightning_fastdata.store.targets import LABEL_SEPARATOR, TargetKind
 from lightning_fastdata.store.writer import INITIAL_MAP_SIZE, write_database
 
 __all__ = ["ConversionSummary", "SkippedFile", "convert", "convert_dataset"]
@@ -83,6 +84,8 @@ def convert(  # noqa: D417 - the shared options are documented in _OPTIONS_DOC
     force: bool = False,
     progress: bool = True,
     initial_map_size: int = INITIAL_MAP_SIZE,
+    targets: TargetKind | None = None,
+    label_separator: str = LABEL_SEPARATOR,
 ) -> ConversionSummary:
     """Convert an ImageFolder tree, a root of split trees, or a ``path,label`` list file into an LMDB image database.
 
@@ -99,9 +102,10 @@ def convert(  # noqa: D417 - the shared options are documented in _OPTIONS_DOC
 
     Args:
         src: an ImageFolder root (``src/<class>/<image>``), a root of split trees (``src/train/<class>/<image>``),
-            or a list file: ``.csv`` with a header holding ``path`` and ``label`` (and optionally ``split``), or
-            ``.json``, a list of such objects. Listed paths are relative to the list file's folder; labels are class
-            names, or class indices when all are non-negative integers. ``~`` is expanded.
+            or a list file: ``.csv`` (or tab-separated ``.tsv``) with a header holding ``path`` and ``label`` (and
+            optionally ``split``), or ``.json``, a list of such objects. Listed paths are relative to the list file's
+            folder; labels are class names, or class indices when all are non-negative integers (see ``targets``
+            for other kinds). ``~`` is expanded.
         dst: the database directory to create or replace. Only a lightning_fastdata database converted from the same
             ``src`` is replaced; one converted from another source needs ``force``. Or an fsspec URL
             (``s3://bucket/name.lmdb``; needs ``pip install 'lightning-fastdata[remote]'``): the database is converted
@@ -109,13 +113,24 @@ def convert(  # noqa: D417 - the shared options are documented in _OPTIONS_DOC
             (:func:`_publish`); running again converts and uploads nothing. With ``keep_original`` or ``force`` it is
             converted into a temporary folder instead, removed after the upload.
         {options}
+        targets: what a list file's labels are (:mod:`~lightning_fastdata.store.targets`): ``"class"`` (each
+            distinct label a class), ``"multilabel"`` (class names separated by ``label_separator``, a JSON list, or
+            ``[a, b]`` text; an empty label names no class), ``"float"`` (the numbers of the ``label`` column, or of
+            every column but ``path`` and ``split``: ``path,x,y``; rows whose values do not parse or are not finite
+            are skipped and listed) or ``"none"`` (no target; no ``label`` column needed). Default: classes, unless
+            the labels could be read otherwise (numbers that are not all integers, lists, labels holding the
+            separator): that is refused with an error naming this option. A folder gives only ``"class"`` or
+            ``"none"``.
+        label_separator: what separates the class names of a ``multilabel`` label (``cat|outdoor``).
 
     Returns:
         A :class:`ConversionSummary`; skipped and ignored files are also listed in ``dst/convert_report.json``.
 
     Raises:
         SourceLayoutError: ``src`` is missing, empty, or not laid out as an image folder or a list file (including a
-            single class folder whose images lie in two or more sub-folders: classes nested one level too deep).
+            single class folder whose images lie in two or more sub-folders: classes nested one level too deep), or
+            its labels are ambiguous without ``targets``
+            (:class:`~lightning_fastdata.store.targets.AmbiguousTargetsError`).
         DestinationError: ``dst`` holds other data, or (without ``force``) a database of another source, or a file
             stands where one of its parent folders must go.
         ReadOnlyDestinationError: the folder of ``dst`` is read-only and ``dst`` is not an up-to-date database.
@@ -136,11 +151,12 @@ def convert(  # noqa: D417 - the shared options are documented in _OPTIONS_DOC
         opts = check_options(short_side, quality, keep_original, encoding)
         # the slot a DataModule converts SRC into (it never keeps originals); a rebuild on demand stays apart from it
         source = Path(src).expanduser().absolute()
-        slot = converted_path(source, default_cache_dir(), opts.short_side, quality, encoding)
+        check_targets_option(targets, label_separator)
+        slot = converted_path(source, default_cache_dir(), opts.short_side, quality, encoding, targets, label_separator)
         return _publish(
             lambda local: convert(
                 src, local, short_side, quality, keep_original, encoding, num_workers, strict, force, progress,
-                initial_map_size,
+                initial_map_size, targets, label_separator,
             ),
             os.fspath(dst),
             progress,
@@ -161,9 +177,11 @@ def convert(  # noqa: D417 - the shared options are documented in _OPTIONS_DOC
             f"`src` {str(src)!r} is inside `dst` {str(dst)!r}: converting would replace the folder holding the source."
             " Choose a `dst` outside it, e.g. `data/images.lmdb` beside the image folder."
         )
-    plan = scan_list(src_path) if is_list else scan_folder(src_path)
+    check_targets_option(targets, label_separator)
+    plan = scan_list(src_path, targets, label_separator) if is_list else scan_folder(src_path, targets)
     summary = write_database(plan, dst_path, None, opts, num_workers, strict, force, progress, initial_map_size)
-    if dst_path != converted_path(src_path, dst_path.parent, opts.short_side, quality, encoding):  # not a cache slot
+    slot = converted_path(src_path, dst_path.parent, opts.short_side, quality, encoding, targets, label_separator)
+    if dst_path != slot:  # not a cache slot
         record_elsewhere(src_path, dst_path)  # so that a DataModule given SRC can point at it, and `cache list` show it
     return summary
 

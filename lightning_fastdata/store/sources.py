@@ -25,7 +25,15 @@ from PIL import Image
 from lightning_fastdata.errors import SampleError, SourceLayoutError
 from lightning_fastdata.store.format import parse_json
 from lightning_fastdata.store.summary import SkippedFile, image_error_reason
-from lightning_fastdata.store.targets import TargetSpec
+from lightning_fastdata.store.targets import (
+    KINDS,
+    LABEL_SEPARATOR,
+    MAX_DIM,
+    TargetSpec,
+    check_target,
+    infer_list_kind,
+    split_label,
+)
 
 #: File extensions read as images (matched case-insensitively), as torchvision's ``ImageFolder``.
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
@@ -42,8 +50,9 @@ SPLIT_ALIASES = {
     "testing": "test",
 }
 
-#: Files accepted as a list source: ``path,label`` rows (CSV with a header) or a JSON list of objects.
-LIST_EXTENSIONS = (".csv", ".json")
+#: Files accepted as a list source: ``path,label`` rows (CSV or tab-separated TSV, with a header) or a JSON list of
+#: objects.
+LIST_EXTENSIONS = (".csv", ".tsv", ".json")
 
 #: how far a list file's numeric labels (class indices) may exceed its rows: a class name is made for every index up to
 #: the largest, so a label of 3000000000 would otherwise ask for 3 billion of them (the subset of a larger label set
@@ -55,7 +64,9 @@ _LAYOUT_HELP = """Expected an ImageFolder tree:
 or a root holding one such tree per split (train/training, val/valid/validation/dev, test/testing, any case):
     SRC/train/<class>/<image>.jpg
     SRC/val/<class>/<image>.jpg
-or a list file SRC.csv (header `path,label`, optional `split`) or SRC.json ([{"path": ..., "label": ...}, ...])."""
+or a list file SRC.csv or SRC.tsv (header `path,label`, optional `split`) or SRC.json ([{"path": ..., "label": ...},
+...]). With `--targets float` the values may be columns of their own (`path,x,y`); with `--targets none` only `path`
+is needed; with `--targets multilabel` a label holds class names separated by `|` (`--label-sep`) or a JSON list."""
 
 #: One input to encode: ``(split, path or dataset index, target)``: a class index, a tuple of class indices
 #: (``multilabel``), a tuple of floats (``float``) or ``None`` (``none``), as :func:`~.targets.check_target` returns
@@ -323,7 +334,7 @@ class _Scan:
         self.digest = hashlib.sha256()
         self.bytes = 0
 
-    def add(self, split: str, path: str, label: int, name: str) -> None:
+    def add(self, split: str, path: str, label: Any, name: str) -> None:
         self.tasks.setdefault(split, [])
         self.names.setdefault(split, [])
         try:
@@ -357,8 +368,22 @@ class _Scan:
         )
 
 
-def scan_folder(src: Path) -> ConversionPlan:
-    """A plan from an ImageFolder tree or a root of split trees; non-image files and empty classes are ignored."""
+def scan_folder(src: Path, targets: str | None = None) -> ConversionPlan:
+    """A plan from an ImageFolder tree or a root of split trees; non-image files and empty classes are ignored.
+
+    ``targets``: ``None`` or ``"class"`` stores each image's class folder, ``"none"`` no target at all.
+
+    Raises:
+        SourceLayoutError: ``src`` is not laid out as image folders, or ``targets`` is a kind folders cannot give.
+
+    """
+    check_targets_option(targets, LABEL_SEPARATOR)
+    if targets not in (None, "class", "none"):
+        raise SourceLayoutError(
+            f"`targets` {targets!r} needs a list file: the folders of `src` {str(src)!r} give one class per image."
+            f" List the images and their targets in a CSV, TSV or JSON file and convert that, or pass `--targets class`"
+            " (or none)."
+        )
     split_roots, per_split = _split_folders(src)
     classes = _nonempty_classes(split_roots, per_split)
     scan = _Scan()
@@ -377,12 +402,20 @@ def scan_folder(src: Path) -> ConversionPlan:
                     reason = f"not an image file name (looked for {' '.join(IMG_EXTENSIONS)})"
                     scan.ignored.append(SkippedFile(path, reason))
                     continue
-                scan.add(split, path, class_to_idx[name], Path(os.path.relpath(path, src)).as_posix())
-    return scan.plan(src, classes)
+                label = None if targets == "none" else class_to_idx[name]
+                scan.add(split, path, label, Path(os.path.relpath(path, src)).as_posix())
+    if targets != "none":
+        return scan.plan(src, classes)
+    plan = scan.plan(src, [])
+    plan.targets = TargetSpec("none")
+    return plan
 
 
-def _read_list(src: Path) -> list[dict[str, Any]]:
-    """The rows of a CSV (with a header) or JSON (a list of objects) list file, keys lower-cased."""
+def _read_list(src: Path, columns: tuple[str, ...] = ("path", "label")) -> list[dict[str, Any]]:
+    """The rows of a CSV or TSV (with a header) or JSON (a list of objects) list file, keys lower-cased.
+
+    ``columns``: those the first row must have (``path`` alone where no label is read).
+    """
     try:
         text = src.read_text(encoding="utf-8-sig")
     except (OSError, UnicodeDecodeError) as err:
@@ -395,49 +428,204 @@ def _read_list(src: Path) -> list[dict[str, Any]]:
         if not isinstance(rows, list) or not all(isinstance(row, dict) for row in rows):
             raise SourceLayoutError(f"`src` {str(src)!r} must hold a JSON list of objects.\n{_LAYOUT_HELP}")
     else:
-        rows = list(csv.DictReader(io.StringIO(text)))
+        delimiter = "\t" if src.suffix.lower() == ".tsv" else ","
+        rows = list(csv.DictReader(io.StringIO(text), delimiter=delimiter))
     rows = [{str(k).strip().lower(): v for k, v in row.items() if k is not None} for row in rows]
     if not rows:
         raise SourceLayoutError(f"`src` {str(src)!r} lists no images.\n{_LAYOUT_HELP}")
-    missing = {"path", "label"} - set(rows[0])
+    missing = set(columns) - set(rows[0])
     if missing:
         raise SourceLayoutError(
             f"`src` {str(src)!r} has no {' or '.join(sorted(missing))} column; its columns are {sorted(rows[0])}."
-            f" Name the columns `path` and `label` (and optionally `split`).\n{_LAYOUT_HELP}"
+            " Name the columns `path` and `label` (and optionally `split`); with `--targets float` (`targets='float'`)"
+            " the columns other than `path` and `split` are read as values, with `--targets none` no `label` is"
+            f" needed.\n{_LAYOUT_HELP}"
         )
     return rows
 
 
-def scan_list(src: Path) -> ConversionPlan:
-    """A plan from a list of ``path,label[,split]`` rows; relative paths are relative to the list file's folder."""
-    rows = _read_list(src)
-    labels = [str(row.get("label", "")).strip() for row in rows]
-    # the classes of the rows that are kept: a row without a path or a label is skipped, and is no class `''`
-    named = [label for row, label in zip(rows, labels, strict=True) if label and str(row.get("path") or "").strip()]
+def check_targets_option(targets: str | None, label_separator: str) -> None:
+    """Refuse a ``targets`` that is not a kind, and a ``label_separator`` that is empty or spans lines.
+
+    Raises:
+        ValueError: either is not usable.
+
+    """
+    if targets is not None and targets not in KINDS:
+        raise ValueError(f"`targets` must be one of {', '.join(KINDS)} (or left out to infer it), got {targets!r}.")
+    if not isinstance(label_separator, str) or not label_separator.strip() or "\n" in label_separator:
+        raise ValueError(
+            f"`label_separator` must be a visible string such as '|' or ';', got {label_separator!r}."
+            " Pass the character that separates class names in a multi-label list file's `label` column."
+        )
+
+
+def _label_of(row: Mapping[str, Any]) -> Any:
+    """A row's ``label`` as the list file holds it: a JSON list as a list, anything else as stripped text."""
+    label = row.get("label")
+    if isinstance(label, (list, tuple)):
+        return list(label)
+    return "" if label is None else str(label).strip()
+
+
+def _has_path(row: Mapping[str, Any]) -> bool:
+    return bool(str(row.get("path") or "").strip())
+
+
+def _index_classes(src: Path, names: list[str], rows: int) -> tuple[list[str], dict[str, int]]:
+    """The classes of a list file's label names: their indices when all are ASCII digits, else the sorted names.
+
+    Raises:
+        SourceLayoutError: an index exceeds the rows by more than :data:`_SPARE_CLASS_INDICES`.
+
+    """
     # numeric labels keep their value as the class index (ASCII digits: `'²'.isdigit()` too, but int() refuses it)
-    if named and all(label.isascii() and label.isdigit() for label in named):
-        top = max(int(label) for label in named)
-        if top >= len(named) + _SPARE_CLASS_INDICES:  # checked before a class name is made for every index below it
+    if names and all(label.isascii() and label.isdigit() for label in names):
+        top = max(int(label) for label in names)
+        if top >= rows + _SPARE_CLASS_INDICES:  # checked before a class name is made for every index below it
             raise SourceLayoutError(
                 f"`src` {str(src)!r}: the label {top} read as a class index makes {top + 1:,} classes for"
-                f" {len(named):,} row(s); class indices may exceed the rows by {_SPARE_CLASS_INDICES:,} at most."
+                f" {rows:,} row(s); class indices may exceed the rows by {_SPARE_CLASS_INDICES:,} at most."
                 " Number the classes from 0, or label the rows with class names."
             )
-        classes = [str(i) for i in range(top + 1)]
-        index = {label: int(label) for label in named}
-    else:
-        classes = sorted(set(named))
-        index = {name: i for i, name in enumerate(classes)}
+        return [str(i) for i in range(top + 1)], {label: int(label) for label in names}
+    classes = sorted(set(names))
+    return classes, {name: i for i, name in enumerate(classes)}
+
+
+def _float_columns(src: Path, rows: list[dict[str, Any]]) -> tuple[str, ...]:
+    """The columns a ``float`` list file's values are in: ``label`` if present, else all but ``path`` and ``split``.
+
+    Raises:
+        SourceLayoutError: there is no such column.
+
+    """
+    if "label" in rows[0]:
+        return ("label",)
+    columns = tuple(key for key in rows[0] if key not in ("path", "split"))
+    if not columns:
+        raise SourceLayoutError(
+            f"`src` {str(src)!r} has no column of values for `--targets float`; its columns are {sorted(rows[0])}."
+            " Add a `label` column, or one column per value (`path,x,y`).\n" + _LAYOUT_HELP
+        )
+    return columns
+
+
+def _float_spec(src: Path, rows: list[dict[str, Any]], columns: tuple[str, ...]) -> TargetSpec:
+    """The ``float`` kind of a list file: one value per column, or as many as the first ``label`` list holds."""
+    if columns != ("label",):
+        if len(columns) > MAX_DIM:
+            raise SourceLayoutError(
+                f"`src` {str(src)!r} has {len(columns)} value columns; at most {MAX_DIM} are stored."
+            )
+        return TargetSpec("float", dim=len(columns), names=columns)
+    first = next((_label_of(row) for row in rows if _has_path(row)), "")
+    if isinstance(first, str) and first.startswith("[") and first.endswith("]"):
+        first = split_label(first, ",")
+    if not isinstance(first, list):
+        return TargetSpec("float", dim=1, names=("label",))
+    if not 1 <= len(first) <= MAX_DIM:
+        raise SourceLayoutError(
+            f"`src` {str(src)!r}: the first row's label holds {len(first)} values; 1 to {MAX_DIM} are stored."
+        )
+    return TargetSpec("float", dim=len(first))
+
+
+def _float_values(row: Mapping[str, Any], columns: tuple[str, ...]) -> Any:
+    """The values of a ``float`` row, to check: its columns' cells, or its ``label`` list (JSON or ``[a, b]`` text)."""
+    if columns != ("label",):
+        return [row.get(column) for column in columns]
+    label = _label_of(row)
+    if isinstance(label, str) and label.startswith("[") and label.endswith("]"):
+        return split_label(label, ",")
+    return label
+
+
+def scan_list(src: Path, targets: str | None = None, label_separator: str = LABEL_SEPARATOR) -> ConversionPlan:
+    """A plan from a list of ``path,label[,split]`` rows; relative paths are relative to the list file's folder.
+
+    Args:
+        src: the list file (``.csv``, ``.tsv`` or ``.json``).
+        targets: the kind of the labels (:mod:`~lightning_fastdata.store.targets`); ``None``: classes, unless the
+            labels could be read otherwise (numbers that are not integers, lists, names joined by
+            ``label_separator``), which is refused naming ``--targets``.
+        label_separator: what separates the class names of a ``multilabel`` label (``cat|outdoor``).
+
+    Raises:
+        SourceLayoutError: the file cannot be read, lacks a column, or its labels are ambiguous
+            (:class:`~lightning_fastdata.store.targets.AmbiguousTargetsError`).
+
+    """
+    check_targets_option(targets, label_separator)
+    rows = _read_list(src, ("path",) if targets in ("none", "float") else ("path", "label"))
+    labels = [_label_of(row) for row in rows]
+    if targets is None:
+        listed = [label for row, label in zip(rows, labels, strict=True) if _has_path(row)]
+        targets = infer_list_kind(listed, str(src), label_separator)
     scan = _Scan()
     scan.digest.update(src.read_bytes())
+    if targets == "multilabel":  # the separator decides the classes: another one reads another dataset
+        scan.digest.update(f"\0multilabel\0{label_separator}".encode())
+    spec, classes, values = _list_targets(src, rows, labels, targets, label_separator)
     split_names = [str(row.get("split") or "train").strip() for row in rows]
     counts = Counter(split_names)
     warn_split_typos({name: f"{n} row(s) with split" for name, n in counts.items()}, f"`src` {str(src)!r}")
-    for line, (row, label, split_name) in enumerate(zip(rows, labels, split_names, strict=True), start=2):
+    for line, (row, value, split_name) in enumerate(zip(rows, values, split_names, strict=True), start=2):
         listed = str(row.get("path") or "").strip()
         split = canonical_split(split_name) or split_name
-        if not listed or not label:
-            scan.skipped.append(SkippedFile(f"{src} row {line - 1}", "row without a path or a label"))
+        if not listed or isinstance(value, _Missing):
+            reason = value.reason if listed and isinstance(value, _Missing) else _NO_PATH_OR_LABEL
+            scan.skipped.append(SkippedFile(f"{src} row {line - 1}", reason))
             continue
-        scan.add(split, str(src.parent / Path(listed).expanduser()), index[label], listed)
-    return scan.plan(src, classes)
+        scan.add(split, str(src.parent / Path(listed).expanduser()), value, listed)
+    plan = scan.plan(src, classes)
+    plan.targets = spec
+    return plan
+
+
+_NO_PATH_OR_LABEL = "row without a path or a label"
+
+
+@dataclass(frozen=True)
+class _Missing:
+    """A row whose target cannot be stored, and why (it is skipped and listed)."""
+
+    reason: str
+
+
+def _list_targets(
+    src: Path, rows: list[dict[str, Any]], labels: list[Any], kind: str, separator: str
+) -> tuple[TargetSpec, list[str], list[Any]]:
+    """A list file's target kind, classes, and each row's target as a task holds it (or why it has none)."""
+    if kind == "none":
+        return TargetSpec("none"), [], [None] * len(rows)
+    if kind == "float":
+        columns = _float_columns(src, rows)
+        spec = _float_spec(src, rows, columns)
+        values: list[Any] = []
+        for row in rows:
+            try:
+                values.append(check_target(spec, _float_values(row, columns)))
+            except ValueError as err:
+                values.append(_Missing(f"float target: {err}"))
+        return spec, [], values
+    kept = [_has_path(row) for row in rows]
+    if kind == "multilabel":
+        names = [split_label(label, separator) for label in labels]
+        every = [name for keep, row_names in zip(kept, names, strict=True) if keep for name in row_names]
+        classes, index = _index_classes(src, every, sum(kept))
+        if len(classes) > MAX_DIM:
+            raise SourceLayoutError(
+                f"`src` {str(src)!r}: the labels name {len(classes):,} classes; a multi-label database holds at most"
+                f" {MAX_DIM:,}. Check `--label-sep` ({separator!r}), or number the classes from 0."
+            )
+        targets = [
+            tuple(sorted({index[name] for name in row_names})) if keep else None  # an empty label: no class
+            for keep, row_names in zip(kept, names, strict=True)
+        ]
+        return TargetSpec("multilabel"), classes, targets
+    texts = [str(label) for label in labels]  # `class`: a list is one class, named as Python writes it
+    # the classes of the rows that are kept: a row without a path or a label is skipped, and is no class `''`
+    named = [text for keep, text in zip(kept, texts, strict=True) if keep and text]
+    classes, index = _index_classes(src, named, len(named))
+    return TargetSpec("class"), classes, [index[text] if text else _Missing(_NO_PATH_OR_LABEL) for text in texts]

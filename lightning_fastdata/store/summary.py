@@ -9,6 +9,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from lightning_fastdata.store.format import REPORT_FILE
+from lightning_fastdata.store.targets import TargetSpec
+
+#: how many classes the summary of a multi-label conversion names, most named first
+TOP_CLASSES = 10
 
 #: why a file that ends before its image data does is skipped, in one wording whichever command and decoder met it
 #: (libjpeg-turbo says "Premature end of JPEG file", Pillow "image file is truncated (N bytes not processed)")
@@ -45,6 +49,34 @@ class ConversionSummary:
     up_to_date: bool = False
     #: for a conversion to a URL: whether the database was uploaded (``False``: the URL already held the same files)
     uploaded: bool | None = None
+    #: the target kind written (``None`` when nothing was written)
+    targets: TargetSpec | None = None
+    #: ``multilabel``: how many samples name each class, over all splits, by class name
+    class_counts: dict[str, int] = field(default_factory=dict)
+    #: ``float``: the ``min``, ``mean`` and ``max`` of each value over all splits, by the value's name (or index)
+    target_stats: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    def add_targets(self, spec: TargetSpec, classes: list[str], splits: dict[str, dict[str, Any]]) -> None:
+        """Note the kind written and, from each split's metadata, its class counts or value statistics."""
+        self.targets = spec
+        if spec.kind == "multilabel":
+            totals = [0] * len(classes)
+            for info in splits.values():
+                for i, count in enumerate(info.get("class_counts", [])):
+                    totals[i] += count
+            self.class_counts = dict(zip(classes, totals, strict=True))
+        if spec.kind == "float":
+            stats = [(info["length"], info["target_stats"]) for info in splits.values() if "target_stats" in info]
+            total = sum(length for length, _ in stats)
+            names = list(spec.names) if len(spec.names) == spec.dim else [str(i) for i in range(spec.dim)]
+            for k, name in enumerate(names):
+                if not total:
+                    break
+                self.target_stats[name] = {
+                    "min": min(s["min"][k] for _, s in stats),
+                    "mean": sum(length * s["mean"][k] for length, s in stats) / total,
+                    "max": max(s["max"][k] for _, s in stats),
+                }
 
     @property
     def images_per_sec(self) -> float:
@@ -76,12 +108,28 @@ class ConversionSummary:
             lines.append(f"  {self.destination} already held the same files: nothing uploaded")
         if self.ignored:
             lines.insert(2, f"  ignored   {len(self.ignored)} (not images: other files, empty class folders)")
+        lines[1:1] = self._target_lines()
         for kind, items in (("skipped", self.skipped), ("ignored", self.ignored)):
             for item in items[:max_skipped]:
                 lines.append(f"  {kind} {item.path}: {item.reason}")
             if len(items) > max_skipped:
                 lines.append(f"  ... and {len(items) - max_skipped} more, listed in {REPORT_FILE}")
         return "\n".join(lines)
+
+    def _target_lines(self) -> list[str]:
+        """The lines on targets: none for classes (as before kinds), the kind and its counts or statistics else."""
+        spec = self.targets
+        if spec is None or spec.kind == "class":
+            return []
+        lines = [f"  targets   {spec.describe()}"]
+        if spec.kind == "multilabel" and self.class_counts:
+            ranked = sorted(self.class_counts.items(), key=lambda item: (-item[1], item[0]))
+            shown = ", ".join(f"{name} {count}" for name, count in ranked[:TOP_CLASSES])
+            more = f", and {len(ranked) - TOP_CLASSES} more" if len(ranked) > TOP_CLASSES else ""
+            lines.append(f"  samples naming each class: {shown}{more}")
+        for name, stats in self.target_stats.items():
+            lines.append(f"  {name}: min {stats['min']:.4g}  mean {stats['mean']:.4g}  max {stats['max']:.4g}")
+        return lines
 
 
 def human_bytes(n: int) -> str:

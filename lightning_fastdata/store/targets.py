@@ -261,7 +261,7 @@ def check_target(spec: TargetSpec, value: Any, class_to_idx: dict[str, int] | No
             number = float(item)
         except ValueError:
             raise ValueError(f"{_short(item)} is not a number") from None
-        if not math.isfinite(number) or abs(number) > np.finfo(np.float32).max:
+        if not math.isfinite(number) or abs(number) > float(np.finfo(np.float32).max):
             raise ValueError(f"the value {_short(item)} is not a finite float32")
         values.append(number)
     if len(values) != spec.dim:

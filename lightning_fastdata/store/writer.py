@@ -599,6 +599,7 @@ def write_database(
             and plan.fingerprint is not None
             and old.get("source", {}).get("fingerprint") == plan.fingerprint
             and old.get("encoding") == encoding_meta
+            and old.get("targets", {"kind": "class"}) == plan.targets.to_meta()  # `--targets` stores another kind
         ):
             summary.up_to_date = True
             summary.written = sum(s["length"] for s in old["splits"].values())
@@ -740,6 +741,7 @@ def _write(
                     writer.put(key, value)
                 writer.put(sources_key(split), json.dumps(sources[split]).encode())
                 meta["splits"][split] = {"length": len(column), **column.split_meta(split)}
+            summary.add_targets(spec, classes, meta["splits"])
             meta["complete"] = True
             writer.put(META_KEY, dump_meta(meta))
         except BaseException:
