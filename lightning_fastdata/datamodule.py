@@ -27,6 +27,7 @@ from lightning_fastdata.store import cache, remote
 from lightning_fastdata.store import format as _format
 from lightning_fastdata.store.reader import DEFAULT_MAX_PIXELS, LmdbImageDataset
 from lightning_fastdata.store.sources import folder_classes
+from lightning_fastdata.store.targets import KINDS, LABEL_SEPARATOR
 from lightning_fastdata.transforms import (
     IMAGENET_MEAN,
     IMAGENET_STD,
@@ -74,7 +75,7 @@ class FastImageDataModule(LightningDataModule):
 
     Args:
         data_dir: an ImageFolder root with split trees (``train/``, ``val/``, ``test/`` or their aliases, any case), a
-            plain ImageFolder root, a ``path,label`` list file (``.csv``/``.json``), or a database made by
+            plain ImageFolder root, a ``path,label`` list file (``.csv``/``.tsv``/``.json``), or a database made by
             ``lightning-fastdata convert``. ``~`` is expanded. Or the fsspec URL of a database published by
             ``lightning-fastdata convert SRC URL`` (``s3://``, ``gs://``, ``az://``, ``https://``, ``file://``; needs
             ``pip install 'lightning-fastdata[remote]'``): ``prepare_data`` stages it once per node into ``cache_dir``
@@ -140,6 +141,11 @@ class FastImageDataModule(LightningDataModule):
             larger one is a bad sample naming its split and index (skipped under ``on_bad_sample="skip"``). It keeps
             a database you did not make from having the loader decode a decompression bomb; raise it for trusted
             databases of larger images (``None``: no limit).
+        targets: what a list file's labels are, when ``data_dir`` is one (``"class"``, ``"multilabel"``, ``"float"``,
+            ``"none"``; docs/datamodule.md#targets): passed to the conversion, as ``lightning-fastdata convert
+            --targets``. ``None``: inferred where unambiguous, else the conversion refuses naming this argument. For a
+            database, the kind it must hold (a mismatch is an error); a folder gives classes, or ``"none"``.
+        label_separator: what separates a list file's class names in one ``multilabel`` label (``cat|outdoor``).
 
     Example:
         >>> from lightning.pytorch import Trainer
@@ -177,6 +183,8 @@ class FastImageDataModule(LightningDataModule):
         predict_split: str | None = None,
         prepare_data_per_node: bool = True,
         max_pixels: int | None = DEFAULT_MAX_PIXELS,
+        targets: Literal["class", "multilabel", "float", "none"] | None = None,
+        label_separator: str = LABEL_SEPARATOR,
     ) -> None:
         super().__init__()
         if image_size < 1 or batch_size < 1:
@@ -195,6 +203,8 @@ class FastImageDataModule(LightningDataModule):
             raise InvalidArgumentError(f"`on_bad_sample` must be 'raise' or 'skip', got {on_bad_sample!r}.")
         if max_pixels is not None and max_pixels < 1:
             raise InvalidArgumentError(f"`max_pixels` must be >= 1 or None (no limit), got {max_pixels}.")
+        if targets is not None and targets not in KINDS:
+            raise InvalidArgumentError(f"`targets` must be one of {', '.join(KINDS)} or None, got {targets!r}.")
         if len(mean) != 3 or len(std) != 3 or min(std) <= 0:
             raise InvalidArgumentError(f"`mean` and `std` need 3 values each and `std` > 0, got {mean} and {std}.")
         remote.check_local(
@@ -235,6 +245,8 @@ class FastImageDataModule(LightningDataModule):
         self.predict_split = predict_split
         self.prepare_data_per_node = prepare_data_per_node
         self.max_pixels = max_pixels
+        self.targets = targets
+        self.label_separator = label_separator
         self._skip_counter = SkipCounter()
         self.train_dataset: Dataset | None = None
         self.val_dataset: Dataset | None = None
@@ -279,7 +291,13 @@ class FastImageDataModule(LightningDataModule):
     def database_path(self) -> Path:
         """The database that is read: ``data_dir`` itself, or its conversion under ``cache_dir``."""
         return resolve.database_path(
-            self.data_dir, self.cache_root, self.store_short_side(), self.quality, self.encoding
+            self.data_dir,
+            self.cache_root,
+            self.store_short_side(),
+            self.quality,
+            self.encoding,
+            self.targets,
+            self.label_separator,
         )
 
     def store_short_side(self) -> int | None:
@@ -343,7 +361,10 @@ class FastImageDataModule(LightningDataModule):
             _format.read_meta(self.database_path)  # fail early with a clear message if it is not usable
         else:
             settings = {"short_side": self.store_short_side(), "quality": self.quality, "encoding": self.encoding}
-            resolve.convert_source(self.data_dir, self.cache_dir, self.cache_root, self.database_path, settings)
+            resolve.convert_source(
+                self.data_dir, self.cache_dir, self.cache_root, self.database_path, settings, self.targets,
+                self.label_separator,
+            )  # fmt: skip
         if self.num_workers == "tune":  # measured here, on one process per node, so the ranks read the cache
             self._workers.tuned_workers(self)
 
@@ -371,6 +392,7 @@ class FastImageDataModule(LightningDataModule):
             self._staged = resolve.find_or_stage(self.data_dir, self.cache_dir, self.cache_root)
         cache.record_use(self.database_path, self.cache_root)  # its last use, and that this process reads it
         meta = _format.read_meta(self.database_path)
+        resolve.check_targets(meta, self.targets, self.database_path)
         resolve.check_store(meta, self.short_side, self.image_size, self.crop_fraction, self.is_database, self.data_dir)
         splits = meta["splits"]
         self._splits = sorted(splits)

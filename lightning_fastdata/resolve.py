@@ -32,6 +32,7 @@ from lightning_fastdata.store import cache, remote
 from lightning_fastdata.store import format as _format
 from lightning_fastdata.store.conversion import convert
 from lightning_fastdata.store.sources import canonical_split
+from lightning_fastdata.store.targets import LABEL_SEPARATOR, TargetSpec
 
 log = logging.getLogger(__name__)
 
@@ -53,17 +54,41 @@ def store_short_side(short_side: int | None, image_size: int, crop_fraction: flo
     return short_side or None
 
 
-def database_path(data_dir: str, root: Path, short_side: int | None, quality: int, encoding: str) -> Path:
+def database_path(
+    data_dir: str,
+    root: Path,
+    short_side: int | None,
+    quality: int,
+    encoding: str,
+    targets: str | None = None,
+    label_separator: str = LABEL_SEPARATOR,
+) -> Path:
     """The database that is read: ``data_dir`` itself, or its conversion under the cache folder ``root``.
 
-    ``short_side`` is the one the conversion stores (:func:`store_short_side`).
+    ``short_side`` is the one the conversion stores (:func:`store_short_side`); a target kind other than classes
+    converts into a database of its own (:func:`~lightning_fastdata.store.cache.converted_path`).
     """
     if remote.is_url(data_dir):
         return remote.staged_path(data_dir, root)
     source = Path(data_dir).expanduser().absolute()
     if is_database(data_dir):
         return source
-    return cache.converted_path(source, root, short_side, quality, encoding)
+    return cache.converted_path(source, root, short_side, quality, encoding, targets, label_separator)
+
+
+def check_targets(meta: Mapping[str, Any], targets: str | None, path: Path) -> None:
+    """Refuse a database whose target kind is not the ``targets`` asked for (``None``: any kind).
+
+    Raises:
+        InvalidArgumentError: the kinds differ; the message names both.
+
+    """
+    stored = TargetSpec.from_meta(dict(meta), path)
+    if targets is not None and stored.kind != targets:
+        raise InvalidArgumentError(
+            f"`targets={targets!r}`, but {str(path)!r} holds {stored.describe()} targets. Pass"
+            f" `targets={stored.kind!r}` (or leave it unset), or convert the source again with `--targets {targets}`."
+        )
 
 
 def check_staged(data_dir: str, root: Path) -> None:
@@ -184,7 +209,15 @@ def find_or_stage(data_dir: str, cache_dir: str | None, root: Path) -> remote.St
     return remote.StagedDatabase(found, "found")
 
 
-def convert_source(data_dir: str, cache_dir: str | None, root: Path, target: Path, settings: Mapping[str, Any]) -> None:
+def convert_source(
+    data_dir: str,
+    cache_dir: str | None,
+    root: Path,
+    target: Path,
+    settings: Mapping[str, Any],
+    targets: str | None = None,
+    label_separator: str = LABEL_SEPARATOR,
+) -> None:
     """Convert the source ``data_dir`` into ``target`` under the cache folder ``root``, once (an up-to-date one stays).
 
     Logs why it converts again when the cache holds other conversions of the source, or the source changed.
@@ -195,6 +228,8 @@ def convert_source(data_dir: str, cache_dir: str | None, root: Path, target: Pat
         root: the cache folder.
         target: the database it converts into (:func:`database_path`).
         settings: ``short_side``, ``quality`` and ``encoding``.
+        targets: the target kind of a list file's labels (``convert(targets=)``); ``None``: inferred.
+        label_separator: what separates a multi-label label's class names.
 
     """
     source = Path(data_dir).expanduser().absolute()
@@ -212,7 +247,7 @@ def convert_source(data_dir: str, cache_dir: str | None, root: Path, target: Pat
     if (note := cache.elsewhere_note(source, target, settings)) is not None:  # `convert SRC DST` made it already
         rank_zero_info(note)
     try:
-        summary = convert(source, target, **settings)
+        summary = convert(source, target, **settings, targets=targets, label_separator=label_separator)
     except ReadOnlyDestinationError as err:
         raise read_only_cache_error(err, data_dir, cache_dir, root) from err
     if previous is not None and not summary.up_to_date:

@@ -1036,3 +1036,55 @@ def test_a_later_run_logs_no_command_line_flag(
     FastImageDataModule(str(split_root), cache_dir=str(tmp_path), image_size=16).prepare_data()
     assert len(infos) == 1
     assert not any("--force" in message for message in infos)
+
+
+def _regression_list(root: Path, count: int = 12) -> tuple[Path, dict[str, float]]:
+    """``root/ages.csv``: ``path,label`` rows of generated images with float labels (``0.375``, ...), and them."""
+    folder = make_image_folder(root / "images", num_classes=1, train_per_class=count, val_per_class=0, min_size=40,
+                               max_size=56, num_workers=1)  # fmt: skip
+    images = sorted((folder / "train" / "class_0").glob("*.jpg")) or sorted(folder.rglob("*.jpg"))
+    values = [round(0.125 * i + 0.25, 3) for i in range(len(images))]
+    lines = ["path,label", *(f"{p.relative_to(root)},{v}" for p, v in zip(images, values, strict=True))]
+    (root / "ages.csv").write_text("\n".join(lines) + "\n")
+    return root / "ages.csv", {str(p.relative_to(root)): v for p, v in zip(images, values, strict=True)}
+
+
+def test_a_list_file_of_float_labels_trains_as_float_targets_only_when_asked(tmp_path: Path) -> None:
+    """``data_dir`` a CSV of float labels: refused without ``targets`` (naming it), ``targets="float"`` trains a real
+    Trainer on ``float32 [B]`` targets equal to the listed values; a database of another kind is refused."""
+    listing, values = _regression_list(tmp_path)
+    with pytest.raises(ValueError, match=r"targets='float'"):
+        FastImageDataModule(str(listing), cache_dir=str(tmp_path / "cache"), num_workers=0).prepare_data()
+    dm = FastImageDataModule(
+        str(listing), cache_dir=str(tmp_path / "cache"), image_size=16, batch_size=4, num_workers=0,
+        val_fraction=0.25, targets="float", return_index=True,
+    )  # fmt: skip
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    class Regressor(LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.head = torch.nn.Linear(3, 1)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            images, targets, index = batch
+            seen.append((targets, index))
+            return torch.nn.functional.mse_loss(self.head(images.mean((2, 3))).squeeze(1), targets)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    trainer = Trainer(
+        accelerator="cpu", max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, limit_val_batches=0,
+    )  # fmt: skip
+    trainer.fit(Regressor(), datamodule=dm)
+    assert dm.target_kind == "float"
+    assert len(seen) == 2  # 9 of 12 images train, in batches of 4 (drop_last)
+    sources = dm.sources("train")
+    for targets, index in seen:
+        assert targets.dtype == torch.float32
+        assert targets.shape == index.shape == (4,)
+        assert targets.tolist() == pytest.approx([values[sources[i]] for i in index.tolist()])
+    with pytest.raises(ValueError, match=r"holds float \(1 value\) targets"):
+        FastImageDataModule(str(dm.database_path), targets="multilabel", num_workers=0).setup("fit")
