@@ -16,55 +16,26 @@ import lmdb
 import numpy as np
 import pytest
 import torch
+from kinds import make_kind_database
 from lightning.pytorch import LightningModule, Trainer
-from PIL import Image
 from torch.utils.data import Subset
 
-from lightning_fastdata import FastImageDataModule, LmdbImageDataset, convert_dataset
+from lightning_fastdata import FastImageDataModule, LmdbImageDataset
 from lightning_fastdata.pipeline import create_loader
 from lightning_fastdata.store import format as store_format
 from lightning_fastdata.transforms import CenterCropResize, Normalizer
 
 #: training images of every database (no val split: the DataModule holds out `val_fraction` of them), and test ones
 TRAIN, TEST = 40, 6
-CLASSES = ["cat", "dog", "sky", "sea"]
 NORMALIZER = Normalizer((0.5, 0.5, 0.5), (0.25, 0.25, 0.25))
-
-
-def _target(kind: str, i: int) -> Any:
-    """Sample ``i``'s target in a database of ``kind``."""
-    if kind == "class":
-        return i % len(CLASSES)
-    if kind == "multilabel":
-        return CLASSES[i % 3 : i % 3 + i % 4]  # 0 to 3 classes, some samples with none
-    if kind == "float":
-        return np.array([i * 0.5, -float(i), i / 7], dtype=np.float32)
-    if kind == "float1":
-        return 0.25 * i
-    return None
-
-
-class _Named(list):
-    classes = CLASSES
 
 
 @pytest.fixture(scope="module")
 def kinds(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """A database of each kind (``float1``: one float a sample) of the same images: ``train`` and ``test`` splits."""
     root = tmp_path_factory.mktemp("kinds")
-    rng = np.random.default_rng(0)
-    images = [
-        Image.fromarray(rng.integers(0, 255, (int(rng.integers(24, 48)), int(rng.integers(24, 48)), 3), np.uint8))
-        for _ in range(TRAIN + TEST)
-    ]
-    out = {}
-    for kind in ("class", "multilabel", "float", "float1", "none"):
-        samples = [(image, _target(kind, i)) for i, image in enumerate(images)]
-        splits = {"train": _Named(samples[:TRAIN]), "test": _Named(samples[TRAIN:])}
-        targets = None if kind in ("class", "float", "float1") else kind
-        out[kind] = root / f"{kind}.lmdb"
-        convert_dataset(splits, out[kind], short_side=None, num_workers=0, progress=False, targets=targets)
-    return out
+    kinds = ("class", "multilabel", "float", "float1", "none")
+    return {kind: make_kind_database(root / f"{kind}.lmdb", kind, {"train": TRAIN, "test": TEST}) for kind in kinds}
 
 
 def _check(batch: Any, dataset: LmdbImageDataset) -> np.ndarray:
