@@ -19,7 +19,7 @@ def kind_target(kind: str, i: int, classes: int = len(CLASSES)) -> Any:
         return i % classes
     if kind == "multilabel":
         first = i % classes
-        return CLASSES[first : first + i % (classes + 1)]  # none to all of them
+        return CLASSES[:classes][first : first + i % (classes + 1)]  # none to all of them
     if kind == "float":
         return np.array([i * 0.5, -float(i), i / 7], dtype=np.float32)
     if kind == "float1":
