@@ -9,6 +9,9 @@ with the same number of workers or threads, each in its own process, interleaved
   ``engine="processes"``, to show the engine choice;
 * FFCV 1.0.2 (float32 and uint8, channels_last as FFCV gives them) and NVIDIA DALI (CPU-only, float32), when
   installed (``bash benchmarks/install_peers.sh``, then run this with ``.venv-peers/bin/python``);
+* target kinds: ``FastImageDataModule`` (uint8, threads) on three databases of the very same stored JPEGs, holding
+  classes, multi-label targets (2-3 of the 10 classes a sample) and float targets (4 values a sample): what reading
+  the targets of a kind other than ``class`` costs (the ``kind-*`` rows; the aim is at least 0.97x of ``class``);
 * limit B: ``simplejpeg`` (fast DCT and upsampling) + ``cv2.resize(INTER_AREA)`` of the crop, one core, times the
   usable cores (no engine at all); and the same with this package's crop kernel, which shrinks with a 3-tap prefilter
   and bilinear instead of ``INTER_AREA``: the ceiling our engine is measured against.
@@ -18,6 +21,7 @@ how many cores it takes to feed a GPU at a given rate. The timed epochs follow a
 compilation and pipeline building are left out for every loader).
 
     python benchmarks/bench_loader.py --images 3000 --rounds 3
+    python benchmarks/bench_loader.py --only kind-class kind-multilabel kind-float
 
 To measure a change of ours, run the rows of ours at another commit beside this checkout's, in the same rounds:
 
@@ -179,7 +183,7 @@ def run_imagefolder(args) -> dict[str, float]:
     return _timed_epoch(lambda epoch: loader, check, args.epochs)
 
 
-def run_fast(args, output: str, engine: str) -> dict[str, float]:
+def run_fast(args, output: str, engine: str, db: str | None = None) -> dict[str, float]:
     import torch
 
     from lightning_fastdata import FastImageDataModule
@@ -190,7 +194,7 @@ def run_fast(args, output: str, engine: str) -> dict[str, float]:
 
     # as a user gets it: the DataModule's training loader with its defaults (persistent workers, batch slots);
     # on a CPU it hands out normalized float32 batches, to a CUDA trainer uint8 ones in NHWC memory
-    dm = DataModule(args.db, batch_size=args.batch_size, num_workers=args.workers, engine=engine, val_fraction=0)
+    dm = DataModule(db or args.db, batch_size=args.batch_size, num_workers=args.workers, engine=engine, val_fraction=0)
     dm.setup("fit")
     loader = dm.train_dataloader()
 
@@ -338,6 +342,18 @@ RUNNERS = {
         'FastImageDataModule, uint8, `engine="processes"`',
         lambda a: run_fast(a, "uint8", "processes"),
     ),
+    "kind-class": (
+        "FastImageDataModule, uint8, class targets (`kind-*`: one database per kind, the same JPEGs)",
+        lambda a: run_fast(a, "uint8", "threads", _kind_db(a.db, "class")),
+    ),
+    "kind-multilabel": (
+        "FastImageDataModule, uint8, multi-label targets: float32 [B, 10] multi-hot",
+        lambda a: run_fast(a, "uint8", "threads", _kind_db(a.db, "multilabel")),
+    ),
+    "kind-float": (
+        "FastImageDataModule, uint8, float targets: float32 [B, 4]",
+        lambda a: run_fast(a, "uint8", "threads", _kind_db(a.db, "float")),
+    ),
     "ffcv-float": ("FFCV 1.0.2, normalized float32 (channels_last)", lambda a: run_ffcv(a, "float")),
     "ffcv-uint8": ("FFCV 1.0.2, uint8", lambda a: run_ffcv(a, "uint8")),
     "dali-float": ("NVIDIA DALI, CPU-only, normalized float32", run_dali),
@@ -359,6 +375,40 @@ RUNNERS = {
 # ---------------------------------------------------------------------------------------------------------------
 # The driver: data, conversions, interleaved rounds, table
 # ---------------------------------------------------------------------------------------------------------------
+
+
+def _kind_db(db: str, kind: str) -> str:
+    """Where the database of ``kind`` of the same stored JPEGs as ``db`` is (see :func:`_make_kind_dbs`)."""
+    return str(Path(db).with_name(f"{Path(db).stem}.{kind}.lmdb"))
+
+
+def _make_kind_dbs(db: Path, workers: int) -> None:
+    """The ``kind-*`` rows' databases: ``db``'s stored JPEG bytes as they are, with class, multi-label or float
+    targets (made again from ``db`` each run: it is converted again each run too)."""
+    import numpy as np
+
+    from lightning_fastdata import LmdbImageDataset, convert_dataset
+
+    source = LmdbImageDataset(db, output="encoded")
+    jpegs = [bytes(source[i][0].numpy()) for i in range(len(source))]
+    labels = source.targets
+
+    class Items(list):
+        classes = source.classes
+
+    for kind in ("class", "multilabel", "float"):
+        if kind == "class":
+            targets = labels
+        elif kind == "multilabel":
+            targets = [sorted({c, (c + 1 + i % 3) % 10, (c + 7) % 10} if i % 2 else {c, (c + 3) % 10}) for i, c in
+                       enumerate(labels)]  # fmt: skip
+        else:
+            targets = [np.array([c, i % 17, 0.5 * c, -i / 100], dtype=np.float32) for i, c in enumerate(labels)]
+        items = Items(zip(jpegs, targets, strict=True))
+        convert_dataset(
+            items, _kind_db(str(db), kind), short_side=None, keep_original=True, num_workers=workers, force=True,
+            progress=False, targets=kind,
+        )  # fmt: skip
 
 
 def _available(module: str) -> bool:
@@ -520,6 +570,8 @@ def main() -> None:
         "same JPEGs as plain files": (_dir_bytes(resized), None),
     }
     names = [n for n in RUNNERS if not args.only or n in args.only]
+    if any(n.startswith("kind-") for n in names):
+        _make_kind_dbs(db, args.workers)
     notes = []
     if not ffcv:
         names = [n for n in names if not n.startswith("ffcv")]
@@ -590,6 +642,8 @@ def main() -> None:
         f" {ratio('fast-uint8', 'limit-b-ours-parallel')}"
     )
     print(f"float32: FastImageDataModule / DALI = {ratio('fast-float', 'dali-float')}")
+    print(f"targets: multilabel / class = {ratio('kind-multilabel', 'kind-class')}")
+    print(f"targets: float / class = {ratio('kind-float', 'kind-class')}")
     for name in [n for n in names if n.endswith(BASELINE)]:
         print(f"{name.removesuffix(BASELINE)}: this checkout / baseline = {ratio(name.removesuffix(BASELINE), name)}")
     print()

@@ -26,8 +26,8 @@ from lightning_fastdata.skipping import SkipCounter
 from lightning_fastdata.store import cache, remote
 from lightning_fastdata.store import format as _format
 from lightning_fastdata.store.reader import DEFAULT_MAX_PIXELS, LmdbImageDataset
-from lightning_fastdata.store.sources import folder_classes
-from lightning_fastdata.store.targets import KINDS, LABEL_SEPARATOR
+from lightning_fastdata.store.sources import canonical_split, folder_classes
+from lightning_fastdata.store.targets import KINDS, LABEL_SEPARATOR, TargetSpec
 from lightning_fastdata.transforms import (
     IMAGENET_MEAN,
     IMAGENET_STD,
@@ -146,6 +146,9 @@ class FastImageDataModule(LightningDataModule):
             --targets``. ``None``: inferred where unambiguous, else the conversion refuses naming this argument. For a
             database, the kind it must hold (a mismatch is an error); a folder gives classes, or ``"none"``.
         label_separator: what separates a list file's class names in one ``multilabel`` label (``cat|outdoor``).
+        return_index: batches are ``(images, targets, index)``, ``index`` each sample's dataset index (``int64
+            [B]``) in the database split it was read from (a held-out validation sample's in ``train``), on every
+            split and engine; :meth:`sources` names the file of each.
 
     Example:
         >>> from lightning.pytorch import Trainer
@@ -185,6 +188,7 @@ class FastImageDataModule(LightningDataModule):
         max_pixels: int | None = DEFAULT_MAX_PIXELS,
         targets: Literal["class", "multilabel", "float", "none"] | None = None,
         label_separator: str = LABEL_SEPARATOR,
+        return_index: bool = False,
     ) -> None:
         super().__init__()
         if image_size < 1 or batch_size < 1:
@@ -247,6 +251,7 @@ class FastImageDataModule(LightningDataModule):
         self.max_pixels = max_pixels
         self.targets = targets
         self.label_separator = label_separator
+        self.return_index = return_index
         self._skip_counter = SkipCounter()
         self.train_dataset: Dataset | None = None
         self.val_dataset: Dataset | None = None
@@ -320,8 +325,9 @@ class FastImageDataModule(LightningDataModule):
 
     @property
     def num_classes(self) -> int:
-        """Number of classes."""
-        return len(self.classes)
+        """Classes of a ``class`` or ``multilabel`` database (``C``); 0 for ``float`` and ``none`` targets."""
+        classes = self.classes  # before conversion or staging: a folder's, or the error that says to stage first
+        return len(classes) if self.target_kind in ("class", "multilabel") else 0
 
     # ------------------------------------------------------------------------------------------------------------
     # Hyperparameters
@@ -437,14 +443,7 @@ class FastImageDataModule(LightningDataModule):
             ValueError: the database predates stored sources; convert it again (``--force``) to store them.
 
         """
-        split = self.resolved_predict_split()
-        sources = _format.read_sources(self.database_path, split)
-        if sources is None:
-            raise ValueError(
-                f"{str(self.database_path)!r} was converted before source paths were stored; convert it again"
-                " (`lightning-fastdata convert --force`) to map predictions back to files."
-            )
-        return sources
+        return self.sources(self.resolved_predict_split())
 
     # ------------------------------------------------------------------------------------------------------------
     # Extension points
@@ -575,13 +574,18 @@ class FastImageDataModule(LightningDataModule):
             device=self._device() if self.uses_prefetch() else None,
             device_stage=self._stage,
             limit_batches=limit if isinstance(limit, (int, float)) else 1.0,
+            return_index=self.return_index,
         )
         self._stage_in_loader = loader.prefetching
         return loader
 
     @override
     def train_dataloader(self) -> DataLoader:
-        """Shuffled, seeded training batches of ``(images, int64 labels)``.
+        """Shuffled, seeded batches of ``(images, targets)``; ``(images, targets, index)`` with ``return_index``.
+
+        The targets are of the database's kind (:attr:`target_kind`): class indices ``int64 [B]``; multi-hot
+        ``float32 [B, C]`` (``multilabel``); ``float32 [B, K]``, or ``[B]`` when K = 1 (``float``); ``int64 [B]`` of
+        ``-1`` (``none``). ``index``: each sample's dataset index, ``int64 [B]`` (:meth:`sources` names its file).
 
         For CPU training the images are normalized ``float32`` (the loader threads normalize them); for CUDA training
         they are ``uint8`` NCHW (``channels_last`` memory), and when prefetching to the device they arrive on the GPU
@@ -693,3 +697,53 @@ class FastImageDataModule(LightningDataModule):
         if self._stage_in_loader:
             return batch
         return (self._stage or self._device_stage())(batch)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Targets and where each sample came from
+    # ------------------------------------------------------------------------------------------------------------
+
+    @property
+    def target_spec(self) -> TargetSpec:
+        """What each sample's target is (:mod:`~lightning_fastdata.store.targets`), from the database.
+
+        Before conversion: classes (a folder's).
+        """
+        if self.is_database or (self.database_path / _format.DATA_FILE).is_file():
+            return TargetSpec.from_meta(_format.read_meta(self.database_path), self.database_path)
+        return TargetSpec("class", len(self.classes))
+
+    @property
+    def target_kind(self) -> str:
+        """``"class"``, ``"multilabel"``, ``"float"`` or ``"none"``: what batches hold (:meth:`train_dataloader`)."""
+        return self.target_spec.kind
+
+    @property
+    def target_dim(self) -> int:
+        """Values per sample of a ``float`` target (``K``), else 0."""
+        return self.target_spec.dim
+
+    def sources(self, split: str | None = None) -> list[str]:
+        """Where each index of ``split`` came from: ``sources(split)[index]`` names the file of a batch's ``index``.
+
+        ``split`` defaults to the training split, which the held-out validation samples are indices of too. Each
+        entry is the path relative to the converted folder, the path as listed in a list file, or the index in a
+        converted dataset.
+
+        Raises:
+            MissingSplitError: the database has no split ``split``.
+            ValueError: the database predates stored sources; convert it again (``--force``) to store them.
+
+        """
+        names = sorted(_format.read_meta(self.database_path)["splits"])
+        if split is None:
+            by_role = sorted(names, key=lambda n: (canonical_split(n) != "train", n != "train", n))
+            split = by_role[0]
+        if split not in names:
+            raise MissingSplitError(f"split {split!r} is not in {str(self.database_path)!r}; it holds {names}.")
+        sources = _format.read_sources(self.database_path, split)
+        if sources is None:
+            raise ValueError(
+                f"{str(self.database_path)!r} was converted before source paths were stored; convert it again"
+                " (`lightning-fastdata convert --force`) to map predictions back to files."
+            )
+        return sources

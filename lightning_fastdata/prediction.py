@@ -38,10 +38,12 @@ Format = Literal["csv", "jsonl"]
 
 #: file suffixes that name a format when ``format`` is left out
 _SUFFIXES: dict[str, Format] = {".csv": "csv", ".jsonl": "jsonl", ".ndjson": "jsonl"}
-#: the output's columns, in order; a column appears when some row has it
-_COLUMNS = ("index", "source", "label", "class", "output")
-#: a part file's row kinds: a class (``label``, ``class``) or a raw model output (``output``)
-_CLASS, _RAW = b"c", b"r"
+#: the output's columns, in order (a float DataModule's value names go before ``output``); a column appears when some
+#: row has it
+_COLUMNS = ("index", "source", "label", "class", "labels", "classes", "value", "output")
+#: a part file's row kinds: a class (``label``, ``class``), the classes of a multi-label sample (``labels``,
+#: ``classes``), a float target's values (``value``, or one column per name) or a raw model output (``output``)
+_CLASS, _MULTI, _VALUES, _RAW = b"c", b"m", b"v", b"r"
 
 
 class PredictionWriter(BasePredictionWriter):
@@ -54,6 +56,12 @@ class PredictionWriter(BasePredictionWriter):
     - a float tensor of shape ``(N, C)`` with ``C`` the DataModule's number of classes is read as logits (or
       probabilities): ``label`` is the arg-max and ``class`` its class name;
     - an integer tensor of shape ``(N,)`` is read as class indices: ``label`` and ``class``;
+    - for a DataModule of multi-label targets (``target_kind == "multilabel"``), a float tensor ``(N, C)`` is read as
+      logits instead: ``labels`` lists the indices of the classes whose sigmoid is above ``threshold`` and
+      ``classes`` their names (a JSON list; in a CSV file its JSON text);
+    - for a DataModule of ``float`` targets of K values, a float tensor ``(N, K)`` (or ``(N,)`` when K = 1) is read
+      as the values: one column per value under the DataModule's names for them when it knows them
+      (``target_spec.names``), else ``value`` (a number, or a list of K);
     - anything else is written as it is, per sample, in ``output`` (a JSON value: a tensor or array of first
       dimension ``N`` gives one row each, a mapping one object each, a list or tuple of length ``N`` one item each).
 
@@ -82,10 +90,11 @@ class PredictionWriter(BasePredictionWriter):
         output_path: the file to write (``.csv``, ``.jsonl``; ``~`` is expanded); its folder is created. An existing
             file is replaced when the run completes.
         format: ``"csv"`` or ``"jsonl"`` (JSON Lines); default: from the suffix of ``output_path``.
+        threshold: for multi-label targets, a class is predicted when the sigmoid of its logit is above this.
 
     Raises:
         InvalidArgumentError: ``format`` is not ``"csv"``, ``"jsonl"`` or ``None``, it is ``None`` and the suffix
-            names neither, or ``output_path`` is a folder (a ``ValueError``).
+            names neither, ``output_path`` is a folder, or ``threshold`` is not in [0, 1] (a ``ValueError``).
 
     Example::
 
@@ -102,7 +111,7 @@ class PredictionWriter(BasePredictionWriter):
 
     """
 
-    def __init__(self, output_path: str, format: Format | None = None) -> None:
+    def __init__(self, output_path: str, format: Format | None = None, threshold: float = 0.5) -> None:
         super().__init__("batch")
         path = Path(output_path).expanduser()
         if format is None:
@@ -116,6 +125,13 @@ class PredictionWriter(BasePredictionWriter):
             raise InvalidArgumentError(f"`format` must be 'csv', 'jsonl' or None (from the suffix), got {format!r}.")
         if path.is_dir():
             raise InvalidArgumentError(f"`output_path` {output_path!r} is a folder; name a file in it to write.")
+        if not 0 <= threshold <= 1:
+            raise InvalidArgumentError(f"`threshold` must be in [0, 1] (a sigmoid's output), got {threshold}.")
+        self.threshold = threshold
+        #: the DataModule's target kind and, for ``float`` targets, their count and the columns named for them
+        self._kind = "class"
+        self._dim = 0
+        self._names: list[str] | None = None
         self.output_path = path
         self.format: Format = format
         self._part: IO[bytes] | None = None
@@ -149,6 +165,13 @@ class PredictionWriter(BasePredictionWriter):
         self._sources = None
         with contextlib.suppress(AttributeError, OSError, TypeError, ValueError):
             self._classes = [str(name) for name in datamodule.classes]  # type: ignore[union-attr]
+        self._kind, self._dim, self._names = "class", 0, None
+        with contextlib.suppress(AttributeError, OSError, TypeError, ValueError):
+            spec = datamodule.target_spec  # type: ignore[union-attr]
+            self._kind, self._dim = str(spec.kind), int(spec.dim)
+            names = [str(name) for name in spec.names]
+            if len(names) == self._dim and len(set(names)) == len(names) and not set(names) & set(_COLUMNS):
+                self._names = names
         predict_sources = getattr(datamodule, "predict_sources", None)
         if callable(predict_sources) and trainer.global_rank == 0:  # only rank zero writes the file
             try:
@@ -186,7 +209,7 @@ class PredictionWriter(BasePredictionWriter):
                 "`PredictionWriter` cannot tell which samples a predict batch holds: Lightning tracks them only for a"
                 " torch `DataLoader` with a batch sampler (as `FastImageDataModule.predict_dataloader` returns)."
             )
-        kind, values = _per_sample(prediction, len(batch_indices), self._classes)
+        kind, values = _per_sample(prediction, len(batch_indices), self._classes, self._target())
         if self._part is None:  # `write_on_batch_end` called without `on_predict_start` (a custom loop)
             self.on_predict_start(trainer, pl_module)
         assert self._part is not None
@@ -195,6 +218,10 @@ class PredictionWriter(BasePredictionWriter):
             for index, value in zip(batch_indices, values, strict=True)
         ]
         self._part.write(b"".join(lines))
+
+    def _target(self) -> tuple[str, int, float]:
+        """The DataModule's target kind, its float values per sample, and the multi-label threshold."""
+        return self._kind, self._dim, self.threshold
 
     @override
     def on_predict_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -280,6 +307,9 @@ class PredictionWriter(BasePredictionWriter):
                     with contextlib.suppress(OSError):
                         fcntl.flock(out.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
                 columns = [c for c in _COLUMNS if self._has(c, kinds)]
+                if self._names is not None and _VALUES in kinds:  # the value names in place of `value`
+                    at = columns.index("value")
+                    columns[at : at + 1] = self._names
                 emit = self._csv_rows(out, columns) if self.format == "csv" else self._jsonl_rows(out)
                 for index in np.flatnonzero(part_of >= 0):
                     reader = readers[part_of[index]]
@@ -350,6 +380,12 @@ class PredictionWriter(BasePredictionWriter):
             return _CLASS in kinds
         if column == "class":
             return _CLASS in kinds and self._classes is not None
+        if column == "labels":
+            return _MULTI in kinds
+        if column == "classes":
+            return _MULTI in kinds and self._classes is not None
+        if column == "value":
+            return _VALUES in kinds
         return _RAW in kinds
 
     def _row(self, index: int, kind: bytes, value: Any) -> dict[str, Any]:
@@ -360,6 +396,16 @@ class PredictionWriter(BasePredictionWriter):
             row["label"] = value
             if self._classes is not None:
                 row["class"] = self._classes[value] if 0 <= value < len(self._classes) else None
+        elif kind == _MULTI:
+            row["labels"] = value
+            if self._classes is not None:
+                classes = self._classes
+                row["classes"] = [classes[i] if 0 <= i < len(classes) else None for i in value]
+        elif kind == _VALUES:
+            if self._names is None:
+                row["value"] = value
+            else:
+                row.update(zip(self._names, value if isinstance(value, list) else [value], strict=True))
         else:
             row["output"] = value
         return row
@@ -370,8 +416,9 @@ class PredictionWriter(BasePredictionWriter):
         writer.writeheader()
 
         def emit(row: dict[str, Any]) -> None:
-            if "output" in row:
-                row["output"] = json.dumps(row["output"], ensure_ascii=False)
+            for key in ("output", "labels", "classes", "value"):
+                if key in row and (key == "output" or isinstance(row[key], list)):
+                    row[key] = json.dumps(row[key], ensure_ascii=False)
             writer.writerow({k: "" if v is None else v for k, v in row.items()})
 
         return emit
@@ -404,13 +451,26 @@ def _split_to_cover(trainer: Trainer) -> tuple[int | None, tuple[int, int] | Non
     return samples, None
 
 
-def _per_sample(prediction: Any, n: int, classes: Sequence[str] | None) -> tuple[bytes, list[Any]]:
+def _per_sample(
+    prediction: Any, n: int, classes: Sequence[str] | None, target: tuple[str, int, float] = ("class", 0, 0.5)
+) -> tuple[bytes, list[Any]]:
     """``predict_step``'s output for a batch of ``n`` samples: its row kind, and one JSON value per sample.
+
+    ``target``: the DataModule's target kind, values per sample of a ``float`` target, and the multi-label threshold.
 
     Raises:
         InvalidArgumentError: the output cannot be split into ``n`` samples.
 
     """
+    kind, dim, threshold = target
+    floating = isinstance(prediction, torch.Tensor) and prediction.is_floating_point()
+    if floating and prediction.ndim and len(prediction) == n:
+        if kind == "multilabel" and prediction.ndim == 2 and classes and prediction.shape[1] == len(classes):
+            above = (prediction.detach().float().sigmoid() > threshold).cpu()
+            return _MULTI, [row.nonzero().flatten().tolist() for row in above]
+        if kind == "float" and dim >= 1 and prediction.shape[1:] in ((dim,), () if dim == 1 else (dim,)):
+            values = prediction.detach().float().cpu()
+            return _VALUES, [_jsonable(item) for item in (values.reshape(n) if dim == 1 else values).tolist()]
     if isinstance(prediction, torch.Tensor):
         if prediction.is_floating_point() and prediction.ndim == 2 and classes and prediction.shape[1] == len(classes):
             return _CLASS, prediction.argmax(dim=1).tolist()

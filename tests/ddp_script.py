@@ -1,15 +1,18 @@
 """Real two-process DDP on CPU, run as a script by ``test_ddp.py`` (Lightning's launcher re-executes it for rank 1).
 
-Usage: ``python ddp_script.py DATA_DIR OUT_DIR SEED EPOCHS``. Trains a tiny model on ``FastImageDataModule`` whose
-items carry their sample index, and writes ``OUT_DIR/rank<r>.json`` with the indices each rank saw, per epoch, the
-size of each training batch, and what the rank saw of its launch (Lightning's cluster environment, ranks, processes
-per node). Also runs under ``torchrun --nproc_per_node 2`` (then Lightning starts no processes of its own).
+Usage: ``python ddp_script.py DATA_DIR OUT_DIR SEED EPOCHS [KIND]``. Trains a tiny model on ``FastImageDataModule``
+whose items carry their sample index, and writes ``OUT_DIR/rank<r>.json`` with the indices each rank saw, per epoch,
+the size of each training batch, and what the rank saw of its launch (Lightning's cluster environment, ranks,
+processes per node). ``KIND`` ``multilabel``: a multi-label database read through
+``FastImageDataModule(return_index=True)``, each batch's multi-hot targets checked against the database's. Also runs
+under ``torchrun --nproc_per_node 2`` (then Lightning starts no processes of its own).
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +20,7 @@ from indexed import IndexedDataModule, RecordingModel
 from lightning.pytorch import Trainer
 from torch.nn import functional as F
 
-from lightning_fastdata import cpus
+from lightning_fastdata import FastImageDataModule, cpus
 
 
 class ValidatedModel(RecordingModel):
@@ -30,6 +33,9 @@ class ValidatedModel(RecordingModel):
 
     def training_step(self, batch: Any, batch_idx: int) -> Any:
         self.batch_sizes.append(len(batch[0]))
+        if batch[1].is_floating_point():  # multi-hot targets: the rows of the batch's own samples
+            dataset = self.trainer.datamodule.train_dataset.dataset
+            assert batch[1].tolist() == dataset.targets_of(batch[2].numpy()).tolist()
         return super().training_step(batch, batch_idx)
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
@@ -37,10 +43,9 @@ class ValidatedModel(RecordingModel):
         self.log("val_loss", F.cross_entropy(self.layer(images.mean(dim=(2, 3))), labels), sync_dist=True)
 
 
-def main(data_dir: str, out_dir: str, seed: int, epochs: int) -> None:
-    dm = IndexedDataModule(
-        data_dir, image_size=16, batch_size=4, num_workers=0, val_fraction=0.1, seed=seed, drop_last=False
-    )
+def main(data_dir: str, out_dir: str, seed: int, epochs: int, kind: str = "class") -> None:
+    module = IndexedDataModule if kind == "class" else partial(FastImageDataModule, return_index=True)
+    dm = module(data_dir, image_size=16, batch_size=4, num_workers=0, val_fraction=0.1, seed=seed, drop_last=False)
     model = ValidatedModel()
     trainer = Trainer(
         accelerator="cpu",
@@ -73,4 +78,4 @@ def main(data_dir: str, out_dir: str, seed: int, epochs: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), *sys.argv[5:6])

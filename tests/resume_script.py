@@ -1,6 +1,7 @@
 """Training runs for the exact mid-epoch resume tests, run as a script by ``test_resume.py``.
 
-Usage: ``python resume_script.py MODE DATA_DIR OUT_DIR SEED DEVICES WORKERS EVERY SLOW_AFTER CKPT [LIMIT [VAL]]``.
+Usage: ``python resume_script.py MODE DATA_DIR OUT_DIR SEED DEVICES WORKERS EVERY SLOW_AFTER CKPT [LIMIT [VAL
+[KIND]]]``.
 
 ``MODE`` is ``fit`` (train from scratch) or ``resume`` (``trainer.fit(..., ckpt_path=CKPT)``); ``fit-last`` and
 ``resume-last`` save with :class:`~lightning_fastdata.ResumeCheckpoint` (``every_n_train_steps=EVERY``) instead, into
@@ -14,7 +15,9 @@ training batch to ``OUT_DIR/rank<r>.jsonl`` (flushed at once): ``{"step", "epoch
 never) each step sleeps 0.2 s, so the harness can kill the run a few steps later. ``LIMIT`` is
 ``Trainer(limit_train_batches)`` (default ``1.0``). ``VAL`` ``1`` holds out a fifth of the images and validates at
 the end of every epoch, so ``ModelCheckpoint`` saves in ``on_validation_end`` instead of ``on_train_epoch_end``
-(default ``0``: no validation).
+(default ``0``: no validation). ``KIND`` ``multilabel`` reads a multi-label database of 2 classes through
+``FastImageDataModule(return_index=True)`` (the fused path, its targets and indices in the batch slots) instead of
+the index-carrying dataset; each record then also holds the batch's ``targets``.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import hashlib
 import json
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -32,7 +36,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.nn import functional as F
 
-from lightning_fastdata import ResumeCheckpoint
+from lightning_fastdata import FastImageDataModule, ResumeCheckpoint
 
 
 class RecordingModel(LightningModule):
@@ -46,11 +50,11 @@ class RecordingModel(LightningModule):
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         images, labels, _ = batch
-        return F.cross_entropy(self.layer(images.mean(dim=(2, 3))), labels)
+        return _loss(self.layer(images.mean(dim=(2, 3))), labels)
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         images, labels, _ = batch
-        F.cross_entropy(self.layer(images.mean(dim=(2, 3))), labels)
+        _loss(self.layer(images.mean(dim=(2, 3))), labels)
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self._file is None:
@@ -62,6 +66,8 @@ class RecordingModel(LightningModule):
             "indices": batch[2].tolist(),
             "pixels": hashlib.sha256(batch[0].contiguous().cpu().numpy().tobytes()).hexdigest(),
         }
+        if batch[1].is_floating_point():  # multi-hot targets
+            record["targets"] = batch[1].tolist()
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
 
@@ -72,6 +78,13 @@ class RecordingModel(LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy for class indices, binary cross-entropy for multi-hot targets."""
+    if targets.is_floating_point():
+        return F.binary_cross_entropy_with_logits(logits, targets)
+    return F.cross_entropy(logits, targets)
 
 
 class SlowDown(Callback):
@@ -97,11 +110,12 @@ def main(
     ckpt: str,
     limit: int | float = 1.0,
     val: bool = False,
+    kind: str = "class",
 ) -> None:
     if mode not in ("fit", "resume", "fit-last", "resume-last"):
         raise ValueError(f"MODE must be 'fit', 'resume', 'fit-last' or 'resume-last', got {mode!r}")
     torch.set_num_threads(1)
-    dm = IndexedDataModule(
+    dm = (IndexedDataModule if kind == "class" else partial(FastImageDataModule, return_index=True))(
         data_dir,
         image_size=16,
         batch_size=4,
@@ -141,6 +155,7 @@ if __name__ == "__main__":
     mode, data_dir, out_dir, seed, devices, workers, every, slow_after, ckpt = sys.argv[1:10]
     limit = sys.argv[10] if len(sys.argv) > 10 else "1.0"
     val = len(sys.argv) > 11 and sys.argv[11] == "1"
+    kind = sys.argv[12] if len(sys.argv) > 12 else "class"
     main(
         mode,
         data_dir,
@@ -153,4 +168,5 @@ if __name__ == "__main__":
         ckpt,
         float(limit) if "." in limit else int(limit),
         val,
+        kind,
     )

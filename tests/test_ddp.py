@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from fakes import fake_trainer
 from indexed import IndexedDataModule
+from kinds import make_kind_database
 from lightning.pytorch import Trainer
 
 from lightning_fastdata import FastImageDataModule, convert, cpus, make_image_folder
@@ -38,12 +39,12 @@ def ddp_database(make_database: Callable[..., Path]) -> Path:
     return make_database("ddp", num_classes=2, train_per_class=25, val_per_class=0, min_size=40, max_size=60)
 
 
-def _run(database: Path, out: Path, seed: int, epochs: int) -> list[dict[str, Any]]:
+def _run(database: Path, out: Path, seed: int, epochs: int, kind: str = "class") -> list[dict[str, Any]]:
     """Run the DDP script and return the records of rank 0 and rank 1."""
     out.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in _DIST_VARS}
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), str(database), str(out), str(seed), str(epochs)],
+        [sys.executable, str(SCRIPT), str(database), str(out), str(seed), str(epochs), kind],
         env=env,
         capture_output=True,
         text=True,
@@ -85,6 +86,20 @@ def test_ddp_shards_cover_the_training_set(two_epochs: list[dict[str, Any]]) -> 
         assert len(set(first)) == len(first)  # no sample twice within a rank
         assert len(set(second)) == len(second)
         assert len(set(first) & set(second)) == duplicates  # the padding is the only overlap
+
+
+@pytest.mark.slow
+def test_ddp_shards_of_a_multilabel_database_cover_it(tmp_path: Path) -> None:
+    """A multi-label database through ``return_index`` batches: the two ranks' indices cover the training set, and
+    each batch held its samples' own multi-hot targets (checked in the script)."""
+    db = make_kind_database(tmp_path / "ml.lmdb", "multilabel", {"train": NUM_IMAGES}, classes=2)
+    rank0, rank1 = _run(db, tmp_path / "out", seed=0, epochs=1, kind="multilabel")
+    train = rank0["train_indices"]
+    padded = math.ceil(len(train) / 2) * 2
+    seen = rank0["epochs"][0] + rank1["epochs"][0]
+    assert len(seen) == padded
+    assert set(seen) == set(train)
+    assert len(set(rank0["epochs"][0])) == padded // 2
 
 
 @pytest.mark.slow

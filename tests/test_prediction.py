@@ -10,8 +10,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
+from kinds import CLASSES, kind_target, make_kind_database
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.cli import LightningCLI
 from prediction_script import FailingModel, LabelModel, OneHotModel, RawModel
@@ -366,3 +368,62 @@ def test_a_killed_merges_leftover_is_removed_and_a_live_ones_kept(database: Path
         _predict(OneHotModel(), _dm(database), PredictionWriter(str(out)))
         assert out.is_file()
         assert _leftovers(tmp_path) == [live.name]
+
+
+@pytest.fixture(scope="module")
+def kind_databases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A multilabel and a float database, each with a ``test`` split of 5 images: the predict split."""
+    root = tmp_path_factory.mktemp("prediction_kinds")
+    return {kind: make_kind_database(root / kind, kind, {"train": 4, "test": 5}) for kind in ("multilabel", "float")}
+
+
+class _TargetsModel(LightningModule):
+    """Predicts each sample's own targets: multi-hot ones as logits (+4 / -4), float ones as they are."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(3, 1)
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        targets = batch[1]
+        return targets * 8 - 4 if self.trainer.datamodule.target_kind == "multilabel" else targets
+
+
+@pytest.mark.parametrize("fmt", ["csv", "jsonl"])
+def test_multilabel_logits_are_written_as_the_classes_above_the_threshold(
+    kind_databases: dict[str, Path], tmp_path: Path, fmt: str
+) -> None:
+    """A multilabel DataModule's (N, C) logits: the classes whose sigmoid is above ``threshold``, indices and names."""
+    out = tmp_path / f"predictions.{fmt}"
+    dm = _dm(kind_databases["multilabel"])
+    _predict(_TargetsModel(), dm, PredictionWriter(str(out), threshold=0.7))
+    rows = _csv(out) if fmt == "csv" else _jsonl(out)
+    assert list(rows[0]) == ["index", "source", "labels", "classes"]
+    expected = [kind_target("multilabel", 4 + i) for i in range(5)]
+    for i, row in enumerate(rows):
+        labels, classes = (json.loads(row[k]) if fmt == "csv" else row[k] for k in ("labels", "classes"))
+        assert classes == expected[i]
+        assert labels == [CLASSES.index(name) for name in expected[i]]
+    assert any(not row for row in expected)  # a sample of no class is an empty list
+
+
+def test_float_outputs_are_written_as_values(kind_databases: dict[str, Path], tmp_path: Path) -> None:
+    """A float DataModule's (N, K) output: each sample's K values in ``value``."""
+    out = tmp_path / "predictions.csv"
+    _predict(_TargetsModel(), _dm(kind_databases["float"]), PredictionWriter(str(out)))
+    rows = _csv(out)
+    assert list(rows[0]) == ["index", "source", "value"]
+    for i, row in enumerate(rows):
+        np.testing.assert_allclose(json.loads(row["value"]), kind_target("float", 4 + i), rtol=1e-6)
+
+
+def test_a_float_output_under_its_names_and_the_threshold_checked(tmp_path: Path) -> None:
+    """Named float values get a column each; one value a sample is a number; ``threshold`` must be in [0, 1]."""
+    writer = PredictionWriter(str(tmp_path / "p.jsonl"))
+    writer._kind, writer._dim, writer._names = "float", 2, ["x", "y"]
+    kind, values = _per_sample(torch.tensor([[1.0, 2.0], [3.0, 4.0]]), 2, None, writer._target())
+    assert writer._row(0, kind, values[1]) == {"index": 0, "x": 3.0, "y": 4.0}
+    assert _per_sample(torch.tensor([0.5, 1.5]), 2, None, ("float", 1, 0.5)) == (b"v", [0.5, 1.5])
+    assert _per_sample(torch.tensor([[0.0, 2.0, -1.0]]), 1, ["a", "b", "c"], ("multilabel", 0, 0.5)) == (b"m", [[1]])
+    with pytest.raises(InvalidArgumentError, match=r"`threshold` must be in \[0, 1\]"):
+        PredictionWriter(str(tmp_path / "p.csv"), threshold=1.5)

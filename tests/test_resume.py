@@ -18,9 +18,10 @@ from unittest.mock import Mock
 import pytest
 import torch
 from fakes import fake_trainer, patch_cuda_streams
+from kinds import make_kind_database
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
 
-from lightning_fastdata import FastImageDataModule
+from lightning_fastdata import FastImageDataModule, LmdbImageDataset
 from lightning_fastdata.pipeline import FastLoader
 from lightning_fastdata.pipeline.resume import ResumableSampler
 
@@ -387,6 +388,7 @@ def _start(
     out.mkdir(parents=True)
     args = [mode, str(database), str(out), str(SEED), str(devices), "2", str(every), str(slow_after)]
     args += [str(opts.get("ckpt", "-")), str(opts.get("limit", "1.0")), "1" if opts.get("val") else "0"]
+    args += [opts.get("kind", "class")]
     with open(out / "log.txt", "w") as log:
         return subprocess.Popen(
             [sys.executable, str(SCRIPT), *args],
@@ -437,9 +439,9 @@ def _train(database: Path, out: Path, mode: str, devices: int, every: int, **opt
     return [_records(out, rank) for rank in range(devices)]
 
 
-def _train_until_killed(database: Path, out: Path, devices: int, every: int, kill_after: int) -> None:
+def _train_until_killed(database: Path, out: Path, devices: int, every: int, kill_after: int, **opts: Any) -> None:
     """Train, slowing after step ``kill_after``; SIGKILL the run once that checkpoint exists and 2 more steps ran."""
-    proc = _start(database, out, "fit", devices, every, slow_after=kill_after)
+    proc = _start(database, out, "fit", devices, every, slow_after=kill_after, **opts)
     checkpoint = out / "ckpt" / f"step={kill_after}.ckpt"
     deadline = time.monotonic() + RUN_TIMEOUT
     try:
@@ -510,6 +512,22 @@ def test_killed_run_resumes_exactly(resume_database: Path, single_runs: dict[str
         assert (first["epoch"], first["batch_idx"]) == (1, 0)
     else:
         assert (first["epoch"], first["batch_idx"]) == (0, k)
+
+
+@pytest.mark.slow
+def test_a_killed_multilabel_run_resumes_exactly(tmp_path: Path) -> None:
+    """A multi-label database through ``return_index`` batches (targets and indices in the slots): killed after its
+    step-5 checkpoint and resumed, the same samples, pixels and multi-hot targets as the uninterrupted run."""
+    db = make_kind_database(tmp_path / "ml.lmdb", "multilabel", {"train": NUM_IMAGES}, classes=2)
+    full = _train(db, tmp_path / "a", "fit", devices=1, every=5, kind="multilabel")
+    assert len(full[0]) == 2 * NUM_IMAGES // 4
+    reference = LmdbImageDataset(db)
+    for record in full[0]:
+        assert record["targets"] == reference.targets_of(record["indices"]).tolist()
+    _train_until_killed(db, tmp_path / "b", devices=1, every=5, kill_after=5, kind="multilabel")
+    checkpoint = tmp_path / "b" / "ckpt" / "step=5.ckpt"
+    resumed = _train(db, tmp_path / "c", "resume", devices=1, every=5, ckpt=checkpoint, kind="multilabel")
+    _check_resumed(full, [_records(tmp_path / "b", 0)], resumed, 5)
 
 
 @pytest.mark.slow

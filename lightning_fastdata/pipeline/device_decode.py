@@ -148,8 +148,12 @@ def encoded_sample(
     payload: bytes | bytearray | memoryview,
     box: Box,
     flip: bool,
+    with_target: bool = True,
 ) -> tuple[tuple[Tensor, Box, bool, tuple[int, int, str]], Any]:
-    """One sample for device decode: ``(bytes or decoded pixels, box, flip, (height, width, where)), label``.
+    """One sample for device decode: ``(bytes or decoded pixels, box, flip, (height, width, where)), target``.
+
+    The target is the sample's of its database's kind (``dataset.target``, then its ``target_transform``); without
+    ``with_target``, the header's label, for a reader that reads the batch's targets at once.
 
     JPEG bytes are copied out of ``payload`` (which may be a view of the memory map) once their frame header is checked
     against the record's size and ``max_pixels`` (no image larger reaches the decoder); other encodings (raw pixels,
@@ -162,8 +166,11 @@ def encoded_sample(
         image = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
     else:
         image = torch.from_numpy(dataset.decode_hwc(index, header, data)).permute(2, 0, 1)
+    if not with_target:
+        return (image, box, flip, (header.height, header.width, dataset._where(index))), header.label
     target_transform = dataset.target_transform
-    label = target_transform(header.label) if target_transform is not None else header.label
+    label = dataset.target(index, header)
+    label = target_transform(label) if target_transform is not None else label
     return (image, box, flip, (header.height, header.width, dataset._where(index))), label
 
 

@@ -59,6 +59,7 @@ def create_loader(
     device: torch.device | str | None = None,
     device_stage: DeviceStage | None = None,
     limit_batches: int | float = 1.0,
+    return_index: bool = False,
 ) -> FastLoader:
     """The loader of one split: every choice of the batch path, made here.
 
@@ -92,6 +93,11 @@ def create_loader(
             CUDA: no look-ahead; Lightning copies them).
         device_stage: runs on the side stream after each copy: :class:`DeviceStage`.
         limit_batches: the Trainer's ``limit_train_batches``, for where a resumed epoch ends.
+        return_index: batches are ``(images, targets, index)``: ``index`` the samples' true dataset indices,
+            ``int64 [B]`` (for a subset of a database split, the index into that split), on every engine.
+
+    A batch's targets are of the database's kind: ``int64 [B]`` classes, multi-hot ``float32 [B, C]``, ``float32
+    [B, K]`` values (``[B]`` when K = 1), or ``int64 [B]`` of ``-1`` (no targets).
 
     Raises:
         ValueError: an unknown ``engine``, or a negative ``workers``.
@@ -110,6 +116,12 @@ def create_loader(
             channels_last=channels_last,
             skip_counter=skip_counter,
             pin_memory=pin_memory and engine == "threads",  # worker processes hand batches over in shared memory
+            return_index=return_index,
+        )
+    elif return_index and not getattr(reader, "return_index", False):
+        raise ValueError(
+            "`return_index=True` needs a BatchReader made with `return_index=True`, or a dataset to wrap in one"
+            " (`output` not None)."
         )
     if sampler is None:
         sampler_class = ResumableSampler if resumable else DistributedSampler

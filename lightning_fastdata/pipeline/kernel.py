@@ -11,8 +11,13 @@ loader that runs it (:class:`~lightning_fastdata.pipeline.factory.FastLoader`).
    of one preallocated ``uint8`` NHWC batch buffer (OpenCV). For CPU training each sample is also normalized to
    ``float32`` in the same thread. A user's own transform (or dataset) takes the per-sample path instead:
    ``dataset[i]``, then stacking.
-3. **Bad samples.** Under ``on_bad_sample="skip"`` a sample that fails with one of this package's errors is left
-   out of its batch and counted; otherwise the error propagates with the split and index.
+3. **Targets.** A batch's targets are of its database's kind (:mod:`~lightning_fastdata.store.targets`): class
+   indices from the record headers already read (``int64 [B]``), else the kept records' multi-hot ``float32 [B, C]``
+   or ``float32 [B, K]`` (``[B]`` when K = 1) rows, read once per batch (``LmdbImageDataset.targets_of``), or ``-1``.
+   With ``return_index`` a batch also holds each sample's dataset index, ``int64 [B]``: its record in the split
+   (through a subset, the index into the split it views).
+4. **Bad samples.** Under ``on_bad_sample="skip"`` a sample that fails with one of this package's errors is left
+   out of its batch and counted, with its target and index; otherwise the error propagates with the split and index.
 
 With ``decode="device"`` the batch holds the still-encoded JPEGs and their crop boxes instead, decoded by nvJPEG on
 the device.
@@ -89,6 +94,9 @@ class BatchReader(Dataset):
         channels_last: ``float`` batches in ``channels_last`` memory (uint8 batches always are).
         skip_counter: when given, samples that fail with a package error are left out of their batch and counted.
         pin_memory: allocate batches in page-locked memory (for ``non_blocking`` copies to a GPU).
+        return_index: batches are ``(images, targets, index)``, ``index`` the samples' true dataset indices
+            (``int64 [B]``): for a subset (``torch.utils.data.Subset``, the DataModule's held-out view) of an
+            :class:`~lightning_fastdata.LmdbImageDataset`, the index into the split it views.
 
     """
 
@@ -100,6 +108,7 @@ class BatchReader(Dataset):
         channels_last: bool = False,
         skip_counter: SkipCounter | None = None,
         pin_memory: bool = False,
+        return_index: bool = False,
     ) -> None:
         if output not in ("uint8", "float", "encoded"):
             raise ValueError(f"`output` must be 'uint8', 'float' or 'encoded', got {output!r}.")
@@ -111,6 +120,7 @@ class BatchReader(Dataset):
         self.channels_last = channels_last
         self.skip_counter = skip_counter
         self.pin_memory = pin_memory
+        self.return_index = return_index
         self.base, self.indices = _split_view(dataset)
         transform = getattr(self.base, "transform", None)
         self.fused = fuses(dataset)
@@ -145,10 +155,12 @@ class BatchReader(Dataset):
         if not self.fused or self.output == "encoded":
             return None
         assert self.transform is not None
-        size = self.transform.size
-        if self.output == "uint8":
-            return SlotLayout(batch_size, (size, size, 3), "uint8")
-        return SlotLayout(batch_size, (size, size, 3) if self.channels_last else (3, size, size), "float32")
+        assert isinstance(self.base, LmdbImageDataset)
+        size, spec = self.transform.size, self.base.target_spec
+        shape, dtype = ((size, size, 3), "uint8") if self.output == "uint8" else ((size, size, 3), "float32")
+        if self.output == "float" and not self.channels_last:
+            shape = (3, size, size)
+        return SlotLayout(batch_size, shape, dtype, spec.shape, spec.dtype, self.return_index)
 
     def __getitems__(self, indices: Sequence[int], slots: SlotMemory | None = None) -> Any:
         """A whole batch, what the engines call: built in the slot its indices carry, if they carry one.
@@ -158,7 +170,7 @@ class BatchReader(Dataset):
 
         Into a slot (:class:`KeyedIndices` with a ``slot``) of ``slots`` (default: :attr:`slots`, a worker process's),
         the batch is a :class:`~lightning_fastdata.pipeline.slots.SlotBatch`: the slot and the samples in it, all
-        that goes back from a worker process. Otherwise it is :meth:`read_batch`'s ``(images, labels)``.
+        that goes back from a worker process. Otherwise it is :meth:`read_batch`'s ``(images, targets[, index])``.
         """
         if indices and type(indices[0]) is KeyedIndices:  # a task of several batches (the process engine)
             return Batches(self.__getitems__(batch, slots) for batch in indices)
@@ -168,7 +180,7 @@ class BatchReader(Dataset):
         return SlotBatch(slot, *self._fill_slot(indices, getattr(indices, "key", None), slots, slot))
 
     def read_batch(self, indices: Sequence[int], seed: int | None = None) -> Any:
-        """The batch of samples ``indices``: ``(images, labels)``, bad samples left out under the skip policy.
+        """The batch of samples ``indices``: ``(images, targets[, index])``, bad samples left out under the skip policy.
 
         Random crops and flips are a function of each sample's key (:mod:`lightning_fastdata.keyed_random`): the
         loaders pass ``(seed, epoch)`` with the indices (:class:`KeyedIndices`), so a sample is augmented the same
@@ -186,8 +198,17 @@ class BatchReader(Dataset):
         if self.output == "encoded":
             return self._read_encoded(indices, key)
         if not self.fused:
+            if self.return_index:  # each sample with its dataset index, before collating
+                return default_collate(self._each(indices, lambda i: _appended(self._sample(i, key), self._index(i))))
             return default_collate(self._each(indices, lambda index: self._sample(index, key)))
         return self._read_fused(indices, key)
+
+    def _index(self, index: int) -> int:
+        """Sample ``index``'s true dataset index: through a subset (of any dataset), the index into what it views."""
+        if self.indices is not None:
+            return int(self.indices[index])
+        inner = getattr(self.dataset, "indices", None)
+        return int(inner[index]) if inner is not None and hasattr(self.dataset, "dataset") else int(index)
 
     def _sample(self, index: int, key: AugmentKey | None) -> Any:
         """One sample through the wrapped dataset, its transforms drawing from its key (the per-sample path).
@@ -208,7 +229,7 @@ class BatchReader(Dataset):
 
     # -- the fused path --------------------------------------------------------------------------------------------
 
-    def _read_fused(self, indices: Sequence[int], key: AugmentKey | None) -> tuple[Tensor, Any]:
+    def _read_fused(self, indices: Sequence[int], key: AugmentKey | None) -> tuple[Any, ...]:
         """The fused path into fresh memory (no slot): see :meth:`_fill`.
 
         In a worker process that memory is a memfd of its own, which goes to the training process as its file
@@ -221,22 +242,28 @@ class BatchReader(Dataset):
             memory = SlotMemory(layout, 1, shared=True)
             return FreshBatch(memory, *self._fill_slot(indices, key, memory, 0))
         images = self._new_batch(len(indices))
-        count, labels = self._fill(indices, key, images.numpy())
-        return self._as_nchw(images[:count]), self._pin_labels(collate_labels(labels))
+        count, labels, records = self._fill(indices, key, images.numpy())
+        targets = self._new_targets(count)
+        given = self._targets_into(labels, records, targets.numpy())
+        batch = (self._as_nchw(images[:count]), targets if given is None else self._pin_labels(given))
+        return (*batch, self._pin_labels(torch.tensor(records, dtype=torch.int64))) if self.return_index else batch
 
-    def _fill(self, indices: Sequence[int], key: AugmentKey | None, out: np.ndarray) -> tuple[int, list[Any]]:
+    def _fill(
+        self, indices: Sequence[int], key: AugmentKey | None, out: np.ndarray
+    ) -> tuple[int, list[int], list[int]]:
         """The fused path: read, crop boxes, then decode -> crop -> resize -> flip (-> normalize) into ``out``.
 
         Every record of the batch is read in one LMDB transaction and decoded straight from the memory map; the crop
         boxes and flips are drawn for the whole batch at once (vectorized); each image then lands in its place in
-        ``out`` (the batch's memory, in its stored shape), the kept ones first. Returns how many were kept, and their
-        labels.
+        ``out`` (the batch's memory, in its stored shape), the kept ones first. Returns how many were kept, their
+        header labels (the class of a ``class`` database) and their records in the base split, in the kept order.
         """
         base, transform = self.base, self.transform
         assert isinstance(base, LmdbImageDataset)
         assert transform is not None
         pairs = self._records(indices)
-        labels: list[Any] = []
+        labels: list[int] = []
+        records: list[int] = []
         with base.records() as read:  # payloads are views of the memory map until this block ends
             found = self._each(pairs, lambda pair: (pair, *read(pair[1])))
             boxes, flips = self._boxes(found, key)
@@ -245,24 +272,47 @@ class BatchReader(Dataset):
                 ((_, record), header, payload), box, flip = item
                 self._crop_into(record, header, payload, box, flip, out[len(labels)])
                 labels.append(header.label)
+                records.append(record)
 
             self._each(list(zip(found, boxes, flips, strict=True)), crop_into)
-        if base.target_transform is not None:
-            labels = [base.target_transform(label) for label in labels]
-        return len(labels), labels
+        return len(labels), labels, records
 
     def _fill_slot(
         self, indices: Sequence[int], key: AugmentKey | None, slots: SlotMemory, slot: int
     ) -> tuple[int, Any]:
-        """:meth:`_fill` slot ``slot`` of ``slots``: the samples in it, and their labels, ``None`` for class indices.
+        """:meth:`_fill` slot ``slot`` of ``slots``: the samples in it, and the targets that are not in it.
 
-        Class indices go into the slot too, so nothing but the count need leave a worker process.
+        The targets of every kind go into the slot (and the dataset indices, if its layout has them), so nothing but
+        the count need leave a worker process; only a ``target_transform``'s targets that are not class indices are
+        returned, else ``None``.
         """
-        count, labels = self._fill(indices, key, slots.images(slot, len(indices)))
-        if all(type(label) is int for label in labels):
-            slots.labels(slot, count)[:] = labels
-            return count, None
-        return count, collate_labels(labels)
+        count, labels, records = self._fill(indices, key, slots.images(slot, len(indices)))
+        if slots.layout.index:
+            slots.indices(slot, count)[:] = records
+        return count, self._targets_into(labels, records, slots.labels(slot, count))
+
+    def _targets_into(self, labels: list[int], records: list[int], out: np.ndarray) -> Any:
+        """The kept samples' targets into ``out`` (``[n, *target_spec.shape]``); ``None``, or those that do not fit.
+
+        Class indices are the header labels already read; the other kinds' are read once for the batch
+        (``targets_of``: a few bytes a sample). A ``target_transform`` runs per sample: class indices it returns go
+        into ``out``, anything else is collated and returned.
+        """
+        base = self.base
+        assert isinstance(base, LmdbImageDataset)
+        class_kind, transform = base.target_spec.kind == "class", base.target_transform
+        if transform is None:
+            if class_kind:
+                out[:] = labels
+            else:
+                base.targets_of(records, out=out)
+            return None
+        samples: list[Any] = labels if class_kind else list(torch.from_numpy(base.targets_of(records)))
+        samples = [transform(sample) for sample in samples]
+        if class_kind and all(type(sample) is int for sample in samples):
+            out[:] = samples
+            return None
+        return collate_labels(samples)
 
     def _boxes(self, found: list[tuple[Any, ...]], key: AugmentKey | None) -> tuple[list[Box], list[bool]]:
         """The crop boxes and flips of the records ``found`` (``((index, record), header, ...)``), from their keys."""
@@ -298,21 +348,30 @@ class BatchReader(Dataset):
 
     # -- one sample ------------------------------------------------------------------------------------------------
 
-    def _read_encoded(self, indices: Sequence[int], key: AugmentKey | None) -> tuple[Any, Any]:
-        """Still-encoded JPEGs with their crop boxes and flips (``decode="device"``): no pixels on the CPU."""
+    def _read_encoded(self, indices: Sequence[int], key: AugmentKey | None) -> tuple[Any, ...]:
+        """Still-encoded JPEGs with their crop boxes and flips (``decode="device"``): no pixels on the CPU.
+
+        Targets of a kind other than ``class`` are read once for the kept records, as on the fused path.
+        """
         base = self.base
         assert isinstance(base, LmdbImageDataset)
+        per_sample = base.target_spec.kind == "class" or base.target_transform is not None
 
         def sample(item: tuple[tuple[tuple[int, int], RecordHeader, memoryview], Box, bool]) -> Any:
             ((_, record), header, payload), box, flip = item
-            return encoded_sample(base, record, header, payload, box, flip)  # checks the frame, decodes non-JPEGs
+            # checks the frame, decodes non-JPEGs
+            return encoded_sample(base, record, header, payload, box, flip, with_target=per_sample), record
 
         with base.records() as read:
             found = self._each(self._records(indices), lambda pair: (pair, *read(pair[1])))
             boxes, flips = self._boxes(found, key)
-            samples = self._each(list(zip(found, boxes, flips, strict=True)), sample)
-        encoded, labels = collate_encoded(samples)
-        return encoded, self._pin_labels(labels)
+            kept = self._each(list(zip(found, boxes, flips, strict=True)), sample)
+        encoded, labels = collate_encoded([item for item, _ in kept])
+        records = [record for _, record in kept]
+        if not per_sample:
+            labels = torch.from_numpy(base.targets_of(records))
+        batch = (encoded, self._pin_labels(labels))
+        return (*batch, self._pin_labels(torch.tensor(records, dtype=torch.int64))) if self.return_index else batch
 
     def _each(self, items: Sequence[Any], read: Callable[[Any], Any]) -> list[Any]:
         """``read`` every item; under the skip policy a package error leaves that sample out."""
@@ -345,6 +404,15 @@ class BatchReader(Dataset):
         if self._pinned():  # torch's caching host allocator reuses pinned blocks safely
             return torch.empty(shape, dtype=dtype, pin_memory=True)
         return torch.from_numpy(np.empty(shape, dtype=layout.dtype))
+
+    def _new_targets(self, n: int) -> Tensor:
+        """Fresh memory for the targets of a batch of ``n`` built without a slot: page-locked as :meth:`_new_batch`."""
+        assert isinstance(self.base, LmdbImageDataset)
+        spec = self.base.target_spec
+        shape, dtype = (n, *spec.shape), torch.int64 if spec.dtype == "int64" else torch.float32
+        if self._pinned():
+            return torch.empty(shape, dtype=dtype, pin_memory=True)
+        return torch.from_numpy(np.empty(shape, dtype=spec.dtype))
 
     def _pin_labels(self, labels: Any) -> Any:
         """Labels in page-locked memory when batches are: their copy to the GPU is asynchronous too."""
@@ -388,6 +456,11 @@ class BatchReader(Dataset):
     def __repr__(self) -> str:
         path = "fused" if self.fused else "per-sample"
         return f"{type(self).__name__}({self.dataset!r}, output={self.output!r}, {path})"
+
+
+def _appended(sample: Any, index: int) -> tuple[Any, ...]:
+    """A per-sample path's sample with its dataset index last: ``(image, target)`` -> ``(image, target, index)``."""
+    return (*sample, index) if isinstance(sample, (tuple, list)) else (sample, index)
 
 
 class KeyedIndices(list):

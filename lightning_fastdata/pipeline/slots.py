@@ -1,7 +1,8 @@
 """Batch slots: batch buffers made once and reused, each owned by exactly one party at a time.
 
-A slot is the memory of one batch: its images (up to ``batch_size`` samples of one shape and dtype) and its labels
-(``int64``). A :class:`SlotPool` owns a fixed number of them, made when the loader starts, and passes each one on
+A slot is the memory of one batch: its images (up to ``batch_size`` samples of one shape and dtype), their targets (of
+the database's kind: ``int64`` classes, multi-hot or float ``float32`` rows) and, when asked for, their ``int64``
+dataset indices. A :class:`SlotPool` owns a fixed number of them, made when the loader starts, and passes each one on
 explicitly:
 
 1. **free -> filling.** :meth:`SlotPool.acquire` gives a free slot to whoever builds the next batch: a loader thread,
@@ -49,7 +50,7 @@ from lightning_fastdata._files import anonymous_file, path_of
 from lightning_fastdata.pipeline import device as stage  # the module: its copy is what the tests patch
 from lightning_fastdata.pipeline.streams import side_stream
 
-#: bytes between a slot's images and its labels, and between slots: cache-line (and page) aligned views
+#: bytes between a slot's images, its targets and its indices, and between slots: cache-line (and page) aligned views
 _ALIGN = 64
 
 #: slots beyond those of the batches in flight and just received: the one Lightning's fetcher holds ahead, the one in
@@ -59,15 +60,22 @@ SLOTS_HELD = 4
 
 @dataclass(frozen=True)
 class SlotLayout:
-    """What one slot holds: ``batch_size`` samples of ``sample_shape`` and ``dtype`` (as stored), and their labels.
+    """What one slot holds: ``batch_size`` samples of ``sample_shape`` and ``dtype``, their targets (and indices).
+
+    The samples are as stored; the dataset indices are there when ``index``.
 
     ``sample_shape`` is the memory order of one sample: ``(H, W, 3)`` for ``uint8`` and ``channels_last`` batches,
-    ``(3, H, W)`` for contiguous ``float32`` ones.
+    ``(3, H, W)`` for contiguous ``float32`` ones. ``target_shape`` and ``target_dtype`` are one sample's target in a
+    batch (:attr:`~lightning_fastdata.store.targets.TargetSpec.shape`, ``.dtype``): ``()`` ``int64`` for classes,
+    ``(C,)`` ``float32`` multi-hot, ``(K,)`` (or ``()``) ``float32`` values.
     """
 
     batch_size: int
     sample_shape: tuple[int, ...]
     dtype: str = "uint8"
+    target_shape: tuple[int, ...] = ()
+    target_dtype: str = "int64"
+    index: bool = False
 
     @property
     def image_bytes(self) -> int:
@@ -76,19 +84,33 @@ class SlotLayout:
 
     @property
     def labels_offset(self) -> int:
-        """Where the labels start in a slot."""
-        return -(-self.image_bytes // _ALIGN) * _ALIGN
+        """Where the targets start in a slot."""
+        return _aligned(self.image_bytes)
+
+    @property
+    def target_bytes(self) -> int:
+        """Bytes of one sample's target."""
+        return math.prod(self.target_shape) * np.dtype(self.target_dtype).itemsize
+
+    @property
+    def index_offset(self) -> int:
+        """Where the dataset indices start in a slot (``index``)."""
+        return _aligned(self.labels_offset + self.target_bytes * self.batch_size)
 
     @property
     def slot_bytes(self) -> int:
         """Bytes of one slot, rounded up to a page: slots never share a page."""
-        end = self.labels_offset + 8 * self.batch_size
+        end = self.index_offset + (8 * self.batch_size if self.index else 0)
         return -(-end // mmap.PAGESIZE) * mmap.PAGESIZE
 
     @property
     def channels_last(self) -> bool:
         """Whether samples are stored HWC (handed out as NCHW views of NHWC memory)."""
         return self.sample_shape[-1] == 3 and len(self.sample_shape) == 3
+
+
+def _aligned(offset: int) -> int:
+    return -(-offset // _ALIGN) * _ALIGN
 
 
 class SlotMemory:
@@ -150,10 +172,18 @@ class SlotMemory:
         return self.slot(slot)[:nbytes].view(layout.dtype).reshape(n, *layout.sample_shape)
 
     def labels(self, slot: int, n: int | None = None) -> np.ndarray:
-        """The ``int64`` labels of slot ``slot``'s first ``n`` samples."""
+        """The targets of slot ``slot``'s first ``n`` samples: ``[n, *target_shape]`` of ``target_dtype``."""
         layout = self.layout
         n = layout.batch_size if n is None else n
         start = layout.labels_offset
+        flat = self.slot(slot)[start : start + layout.target_bytes * n].view(layout.target_dtype)
+        return flat.reshape(n, *layout.target_shape)
+
+    def indices(self, slot: int, n: int | None = None) -> np.ndarray:
+        """The ``int64`` dataset indices of slot ``slot``'s first ``n`` samples (a layout with ``index``)."""
+        layout = self.layout
+        n = layout.batch_size if n is None else n
+        start = layout.index_offset
         return self.slot(slot)[start : start + 8 * n].view(np.int64)
 
     @property
@@ -190,7 +220,8 @@ class SlotBatch(tuple):
 
     All that crosses from a worker process to the training process: a few bytes, however large the batch. ``count``
     is the samples in the slot (fewer than the batch's indices when bad samples were skipped); ``labels`` are the
-    labels when they are not class indices (those are in the slot), else ``None``. A tuple, so it unpickles without
+    targets when they are not in the slot (a ``target_transform``'s), else ``None``: the targets of every kind, and
+    the dataset indices (a layout with ``index``), are in the slot. A tuple, so it unpickles without
     running Python code.
     """
 
@@ -214,7 +245,7 @@ class SlotBatch(tuple):
 
     @property
     def labels(self) -> Any:
-        """Labels of another kind than class indices, else ``None``."""
+        """Targets that are not in the slot (a ``target_transform``'s), else ``None``."""
         return self[2]
 
     def __repr__(self) -> str:
@@ -222,13 +253,13 @@ class SlotBatch(tuple):
 
 
 class FreshBatch(tuple):
-    """A batch a worker process built in a memfd of its own (no slot was free): ``(images, labels)`` over its memory.
+    """A batch a worker process built in a memfd of its own (no slot was free): ``(images, labels[, index])``.
 
     In the worker it is the batch itself. Sent to the training process it goes as the memfd's file descriptor, as
     the slots' memory goes to a spawned worker, and arrives as a plain ``(images, labels)`` tuple of tensors over the
     same pages (:func:`_received`): nothing copied, nothing named in ``/dev/shm``, no descriptor kept, and the memory
-    freed with the last tensor that uses it. ``labels``: those of another kind than class indices, else ``None`` (the
-    class indices are in the memory).
+    freed with the last tensor that uses it. ``labels``: targets that are not in the memory (a ``target_transform``'s),
+    else ``None`` (the targets are in the memory, and so are the dataset indices of a layout with ``index``).
     """
 
     _sent: tuple[SlotMemory, int, Any]
@@ -243,7 +274,7 @@ class FreshBatch(tuple):
         return _received, (memory.layout, reduction.DupFd(memory._fd), count, labels)
 
 
-def _received(layout: SlotLayout, fd: Any, count: int, labels: Any) -> tuple[Tensor, Any]:
+def _received(layout: SlotLayout, fd: Any, count: int, labels: Any) -> tuple[Tensor, ...]:
     """The training process's side of :class:`FreshBatch`: its memfd mapped by torch, the descriptor closed.
 
     A ``mmap.mmap`` (a :class:`SlotMemory`) keeps a descriptor of its own for as long as it lives: one for each batch
@@ -261,12 +292,18 @@ def _received(layout: SlotLayout, fd: Any, count: int, labels: Any) -> tuple[Ten
     return _fresh_tensors(memory, count, labels)
 
 
-def _fresh_tensors(memory: SlotMemory, count: int, labels: Any) -> tuple[Tensor, Any]:
-    """A one-slot memory's first ``count`` samples as ``(images, labels)``: NCHW images, the slot's labels if none."""
+def _fresh_tensors(memory: SlotMemory, count: int, labels: Any) -> tuple[Tensor, ...]:
+    """A one-slot memory's first ``count`` samples as ``(images, labels[, index])``: NCHW images.
+
+    The targets are the slot's if ``labels`` is ``None``; ``index``, the slot's dataset indices for a layout with it.
+    """
     images = torch.from_numpy(memory.images(0, count))
     if memory.layout.channels_last:
         images = images.permute(0, 3, 1, 2)
-    return images, torch.from_numpy(memory.labels(0, count)) if labels is None else labels
+    targets = torch.from_numpy(memory.labels(0, count)) if labels is None else labels
+    if memory.layout.index:
+        return images, targets, torch.from_numpy(memory.indices(0, count))
+    return images, targets
 
 
 class Batches(tuple):
@@ -308,6 +345,7 @@ class SlotPool:
         self._owners: list[weakref.ref | None] = [None] * memory.count
         self._on_release = [functools.partial(_freed, self._free, slot) for slot in range(memory.count)]
         self._labels = [memory.labels(slot) for slot in range(memory.count)]
+        self._indices = [memory.indices(slot) for slot in range(memory.count)] if layout.index else None
 
     @property
     def layout(self) -> SlotLayout:
@@ -368,11 +406,11 @@ class SlotPool:
         if slot is not None:
             self._free.append(slot)
 
-    def hand_out(self, slot: int, n: int, labels: Any = None) -> tuple[Tensor, Any]:
-        """Slot ``slot``'s first ``n`` samples as ``(images, labels)`` tensors that own the slot until they go.
+    def hand_out(self, slot: int, n: int, labels: Any = None) -> tuple[Tensor, ...]:
+        """Slot ``slot``'s first ``n`` samples as ``(images, labels[, index])`` tensors that own the slot until they go.
 
-        Images are NCHW (views of NHWC memory when stored so); the labels are a copy of the slot's (a few bytes), or
-        ``labels`` when given.
+        Images are NCHW (views of NHWC memory when stored so); the targets are a copy of the slot's (a few bytes a
+        sample), or ``labels`` when given; ``index``, with a layout that has it, a copy of the slot's dataset indices.
         """
         # this hand-out's own view: the tensor's storage below holds it, and nothing else does; when it goes, the
         # weak reference's callback frees the slot (the reference itself is kept here until the slot is reused)
@@ -383,6 +421,8 @@ class SlotPool:
             images = images.permute(0, 3, 1, 2)
         if labels is None:
             labels = torch.from_numpy(self._labels[slot][:n].copy())
+        if self._indices is not None:
+            return images, labels, torch.from_numpy(self._indices[slot][:n].copy())
         return images, labels
 
     def to_device(self, slot: int, n: int, device: torch.device, stream: Any, labels: Any = None) -> Any:
@@ -391,21 +431,23 @@ class SlotPool:
         Call it inside ``torch.cuda.stream(stream)``: the copies (``non_blocking``, from page-locked memory when
         :meth:`pin` succeeded) and the event that frees the slot are queued there.
         """
-        images, slot_labels = self._views[slot]
-        batch = stage._to_device((images[:n], slot_labels[:n] if labels is None else labels), device)
+        images, slot_labels, *index = self._views[slot]
+        host = (images[:n], slot_labels[:n] if labels is None else labels, *(i[:n] for i in index))
+        batch = stage._to_device(host, device)
         event = torch.cuda.Event()
         event.record(stream)
         self._copying.append((event, slot))
         return batch
 
     @functools.cached_property
-    def _views(self) -> list[tuple[Tensor, Tensor]]:
-        """Each slot's whole images (NCHW) and labels, as tensors made once: for copies, freed by their event."""
-        views = []
+    def _views(self) -> list[tuple[Tensor, ...]]:
+        """Each slot's whole images (NCHW), targets (and indices), as tensors made once: for copies, freed by events."""
+        views: list[tuple[Tensor, ...]] = []
         for slot in range(self.memory.count):
             images = torch.from_numpy(self.memory.images(slot))
             labels = torch.from_numpy(self.memory.labels(slot))
-            views.append((images.permute(0, 3, 1, 2) if self._channels_last else images, labels))
+            index = (torch.from_numpy(self.memory.indices(slot)),) if self.layout.index else ()
+            views.append((images.permute(0, 3, 1, 2) if self._channels_last else images, labels, *index))
         return views
 
     def pin(self) -> str | None:

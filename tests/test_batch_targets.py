@@ -1,0 +1,276 @@
+"""Targets of every kind, and each sample's dataset index, through the whole batch path: loaders and DataModule fits.
+
+A batch holds the targets its database's kind says (``store/targets.py``): class indices ``int64 [B]``, multi-hot
+``float32 [B, C]``, ``float32 [B, K]`` (``[B]`` when K = 1) or ``int64 [B]`` of ``-1``; with ``return_index`` also
+``index``, the true dataset index ``int64 [B]``. Each is checked against ``LmdbImageDataset.targets_of`` on the fused,
+per-sample and encoded paths, on both engines and the calling thread, in slots and in fresh memory.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import lmdb
+import numpy as np
+import pytest
+import torch
+from kinds import make_kind_database
+from lightning.pytorch import LightningModule, Trainer
+from torch.utils.data import Subset
+
+from lightning_fastdata import FastImageDataModule, LmdbImageDataset
+from lightning_fastdata.pipeline import create_loader
+from lightning_fastdata.store import format as store_format
+from lightning_fastdata.transforms import CenterCropResize, Normalizer
+
+#: training images of every database (no val split: the DataModule holds out `val_fraction` of them), and test ones
+TRAIN, TEST = 40, 6
+NORMALIZER = Normalizer((0.5, 0.5, 0.5), (0.25, 0.25, 0.25))
+
+
+@pytest.fixture(scope="module")
+def kinds(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A database of each kind (``float1``: one float a sample) of the same images: ``train`` and ``test`` splits."""
+    root = tmp_path_factory.mktemp("kinds")
+    kinds = ("class", "multilabel", "float", "float1", "none")
+    return {kind: make_kind_database(root / f"{kind}.lmdb", kind, {"train": TRAIN, "test": TEST}) for kind in kinds}
+
+
+def _check(batch: Any, dataset: LmdbImageDataset) -> np.ndarray:
+    """A batch ``(images, targets, index)`` holds the targets of its indices; returns the indices."""
+    images, targets, index = batch
+    assert index.dtype == torch.int64
+    assert index.shape == (len(images),)
+    want = dataset.targets_of(index.numpy())
+    assert targets.dtype == (torch.int64 if want.dtype == np.int64 else torch.float32)
+    assert tuple(targets.shape) == want.shape
+    np.testing.assert_array_equal(targets.numpy(), want)
+    return index.numpy()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# create_loader: every path and engine
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("output", ["uint8", "float", "encoded"])
+@pytest.mark.parametrize(("engine", "workers"), [("threads", 0), ("threads", 2), ("processes", 2)])
+def test_batches_hold_the_targets_of_every_kind_and_their_true_index(
+    kinds: dict[str, Path], engine: str, workers: int, output: str
+) -> None:
+    """Every kind, through a Subset: targets of the database's dtype and shape, and the index into the split."""
+    view = list(range(3, TRAIN, 2))
+    for kind, db in kinds.items():
+        dataset = LmdbImageDataset(db, transform=CenterCropResize(16))
+        loader = create_loader(
+            Subset(dataset, view), 4, engine=engine, workers=workers, output=output, normalizer=NORMALIZER,
+            return_index=True,
+        )  # fmt: skip
+        seen = np.concatenate([_check(batch, dataset) for batch in loader])
+        assert seen.tolist() == view, kind
+        shapes = {"class": (), "multilabel": (4,), "float": (3,), "float1": (), "none": ()}
+        assert dataset.targets_of([0]).shape[1:] == shapes[kind]
+        del loader
+
+
+@pytest.mark.parametrize("kind", ["multilabel", "float"])
+def test_the_per_sample_path_appends_the_index_to_each_sample(kinds: dict[str, Path], kind: str) -> None:
+    """A transform of one's own (per-sample path): the dataset's targets collated, and each sample's true index."""
+    dataset = LmdbImageDataset(kinds[kind], transform=lambda image: image[:, :8, :8].contiguous())
+    view = list(range(1, TRAIN, 3))
+    loader = create_loader(Subset(dataset, view), 4, workers=2, return_index=True)
+    assert not loader.dataset.fused
+    assert np.concatenate([_check(batch, dataset) for batch in loader]).tolist() == view
+    assert all(len(batch) == 2 for batch in create_loader(dataset, 4, workers=2))  # without: (images, targets)
+
+
+def test_batches_built_in_fresh_memory_hold_targets_and_index(kinds: dict[str, Path]) -> None:
+    """Worker processes whose slots are all kept by the loop build batches in fresh memory: targets and index too."""
+    dataset = LmdbImageDataset(kinds["multilabel"], transform=CenterCropResize(16))
+    loader = create_loader(dataset, 1, engine="processes", workers=2, return_index=True, persistent_workers=False)
+    kept = list(loader)
+    assert loader.slot_misses > 0
+    assert sorted(np.concatenate([_check(batch, dataset) for batch in kept]).tolist()) == list(range(TRAIN))
+    del kept, loader
+
+
+def _damage_record(db: Path, index: int) -> None:
+    """Flip one payload byte of record ``index`` of ``train`` in place: only its checksum tells."""
+    env = lmdb.open(str(db), map_size=1 << 26)
+    try:
+        with env.begin(write=True) as txn:
+            key = store_format.record_key("train", index)
+            value = bytearray(txn.get(key))
+            value[store_format.HEADER.size + 10] ^= 0xFF
+            txn.put(key, bytes(value))
+    finally:
+        env.close()
+
+
+@pytest.mark.parametrize("output", ["uint8", "encoded"])
+@pytest.mark.parametrize(("engine", "workers"), [("threads", 2), ("processes", 2)])
+def test_a_skipped_sample_takes_its_target_and_index_with_it(
+    kinds: dict[str, Path], tmp_path: Path, engine: str, workers: int, output: str
+) -> None:
+    """A damaged record of a multilabel database under the skip policy: the kept samples keep their own targets."""
+    db = tmp_path / "damaged.lmdb"
+    shutil.copytree(kinds["multilabel"], db)
+    _damage_record(db, 5)
+    dataset = LmdbImageDataset(db, transform=CenterCropResize(16))
+    dm = FastImageDataModule(str(db), on_bad_sample="skip")  # its skip counter, as the DataModule passes it
+    loader = create_loader(
+        dataset, 4, engine=engine, workers=workers, output=output, return_index=True, skip_counter=dm._skip_counter
+    )
+    batches = list(loader)
+    if output == "encoded":  # the checksum is checked as the record is read: the sample never reaches the device
+        assert all(len(batch[0]) == len(batch[1]) == len(batch[2]) for batch in batches)
+        batches = [(torch.zeros(len(b[2])), b[1], b[2]) for b in batches]
+    seen = np.concatenate([_check(batch, dataset) for batch in batches]).tolist()
+    assert seen == [i for i in range(TRAIN) if i != 5]
+    assert [len(batch[2]) for batch in batches][1] == 3  # the batch of 4..7 kept 3
+    assert dm.skipped_samples == 1
+    del loader
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# FastImageDataModule under a real Trainer
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class _CheckingModel(LightningModule):
+    """Checks every training and validation batch's targets against the database, and records the indices."""
+
+    def __init__(self, db: Path, classes: int) -> None:
+        super().__init__()
+        self.dataset = LmdbImageDataset(db)
+        self.layer = torch.nn.Linear(3, max(classes, 1))
+        self.seen: dict[str, list[int]] = {"train": [], "val": []}
+
+    def _step(self, batch: Any, stage: str) -> torch.Tensor:
+        images, targets, index = batch
+        self.seen[stage] += _check((images, targets.cpu(), index.cpu()), self.dataset).tolist()
+        out = self.layer(images.mean(dim=(2, 3)))
+        kind = self.dataset.target_kind
+        if kind == "multilabel":
+            return torch.nn.functional.binary_cross_entropy_with_logits(out, targets)
+        if kind == "float":
+            return torch.nn.functional.mse_loss(out.squeeze(-1) if targets.ndim == 1 else out, targets)
+        return torch.nn.functional.cross_entropy(out, targets)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self._step(batch, "train")
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self._step(batch, "val")
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return batch[2]
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def _trainer(**kwargs: Any) -> Trainer:
+    return Trainer(
+        **{
+            "accelerator": "cpu",
+            "logger": False,
+            "enable_checkpointing": False,
+            "enable_progress_bar": False,
+            "enable_model_summary": False,
+            "num_sanity_val_steps": 0,
+            **kwargs,
+        }
+    )
+
+
+@pytest.mark.parametrize(("engine", "workers"), [("threads", 2), ("processes", 2)])
+@pytest.mark.parametrize("kind", ["multilabel", "float"])
+def test_fit_batches_hold_the_targets_of_the_databases_kind(
+    kinds: dict[str, Path], kind: str, engine: str, workers: int
+) -> None:
+    """A fit on a multilabel or float database, on each engine: every batch's targets are its samples', typed."""
+    db = kinds[kind]
+    dm = FastImageDataModule(
+        str(db), image_size=16, batch_size=4, num_workers=workers, engine=engine, val_fraction=0.25, drop_last=False,
+        return_index=True,
+    )  # fmt: skip
+    assert dm.target_kind == kind
+    assert (dm.num_classes, dm.target_dim) == ((4, 0) if kind == "multilabel" else (0, 3))
+    model = _CheckingModel(db, 4 if kind == "multilabel" else 3)
+    _trainer(max_epochs=1).fit(model, datamodule=dm)
+    held_out = set(dm.val_dataset.indices.tolist())  # type: ignore[union-attr]
+    assert sorted(model.seen["train"]) == sorted(set(range(TRAIN)) - held_out)
+    assert sorted(model.seen["val"]) == sorted(held_out)  # indices into `train`, which the held-out view reads
+    assert dm.hparams["return_index"] is True
+
+
+def test_return_index_names_the_source_of_each_sample_on_every_split(database: Path, tmp_path: Path) -> None:
+    """``sources(split)[index]`` names each batch's file: train and val of a folder's database, and predict."""
+    dm = FastImageDataModule(str(database), image_size=16, batch_size=4, num_workers=2, return_index=True)
+    classes = dm.classes
+
+    class Named(_CheckingModel):
+        def _step(self, batch: Any, stage: str) -> torch.Tensor:
+            images, labels, index = batch
+            split = "train" if stage == "train" else "val"
+            sources = dm.sources(split)
+            for label, i in zip(labels.tolist(), index.tolist(), strict=True):
+                assert Path(sources[i]).parent.name == classes[label]
+            self.seen[stage] += index.tolist()
+            return torch.nn.functional.cross_entropy(self.layer(images.mean(dim=(2, 3))), labels)
+
+    model = Named(database, len(classes))
+    _trainer(max_epochs=1).fit(model, datamodule=dm)
+    assert sorted(model.seen["val"]) == list(range(len(dm.sources("val"))))
+    assert sorted(model.seen["train"])[: len(dm.sources("train"))] == sorted(set(model.seen["train"]))
+    predicted = torch.cat(_trainer().predict(model, datamodule=dm)).tolist()  # type: ignore[arg-type]
+    assert predicted == list(range(len(dm.predict_sources())))
+    assert dm.sources() == dm.sources("train")
+    with pytest.raises(ValueError, match="split 'nope' is not in"):
+        dm.sources("nope")
+
+
+def test_the_held_out_view_and_predict_split_index_their_database_splits(kinds: dict[str, Path]) -> None:
+    """A converted dataset's database: a held-out sample's index is its record in ``train``; predict's in ``test``."""
+    dm = FastImageDataModule(str(kinds["multilabel"]), image_size=16, batch_size=4, num_workers=0, return_index=True)
+    dm.setup("fit")
+    val = torch.cat([batch[2] for batch in dm.val_dataloader()]).tolist()
+    assert val == dm.val_dataset.indices.tolist()  # type: ignore[union-attr]
+    assert len(val) == round(TRAIN * 0.1)
+    assert [dm.sources("train")[i] for i in val] == [str(i) for i in val]
+    predict = [batch for batch in dm.predict_dataloader()]
+    assert torch.cat([b[2] for b in predict]).tolist() == list(range(TEST))
+    assert dm.predict_sources() == dm.sources("test")
+    test = LmdbImageDataset(kinds["multilabel"], "test")
+    assert torch.equal(torch.cat([b[1] for b in predict]), torch.from_numpy(test.targets_of(range(TEST))))
+
+
+def test_num_classes_and_target_kind_of_every_kind(kinds: dict[str, Path]) -> None:
+    """``num_classes`` counts the classes of class and multilabel databases, 0 otherwise; ``target_dim`` floats."""
+    found = {
+        kind: (dm.target_kind, dm.num_classes, dm.target_dim)
+        for kind, dm in ((kind, FastImageDataModule(str(db))) for kind, db in kinds.items())
+    }
+    assert found == {
+        "class": ("class", 4, 0),
+        "multilabel": ("multilabel", 4, 0),
+        "float": ("float", 0, 3),
+        "float1": ("float", 0, 1),
+        "none": ("none", 0, 0),
+    }
+
+
+@pytest.mark.parametrize(("engine", "workers"), [("threads", 0), ("processes", 2)])
+def test_without_return_index_a_batch_is_images_and_the_targets_of_its_kind(
+    kinds: dict[str, Path], engine: str, workers: int
+) -> None:
+    """The fused path without ``return_index``: ``(images, targets)``, multi-hot rows in their samples' order."""
+    dataset = LmdbImageDataset(kinds["multilabel"], transform=CenterCropResize(16))
+    batches = list(create_loader(dataset, 8, engine=engine, workers=workers))
+    assert {len(batch) for batch in batches} == {2}
+    targets = torch.cat([batch[1] for batch in batches])
+    assert targets.dtype == torch.float32
+    np.testing.assert_array_equal(targets.numpy(), dataset.targets_of(range(TRAIN)))
