@@ -1086,5 +1086,5 @@ def test_a_list_file_of_float_labels_trains_as_float_targets_only_when_asked(tmp
         assert targets.dtype == torch.float32
         assert targets.shape == index.shape == (4,)
         assert targets.tolist() == pytest.approx([values[sources[i]] for i in index.tolist()])
-    with pytest.raises(ValueError, match=r"holds float \(1 value\) targets"):
+    with pytest.raises(ValueError, match=r"holds float \(1 value: label\) targets"):
         FastImageDataModule(str(dm.database_path), targets="multilabel", num_workers=0).setup("fit")
