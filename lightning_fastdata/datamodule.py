@@ -554,8 +554,8 @@ class FastImageDataModule(LightningDataModule):
         names were canonical may say ``valid``, ``validation``, ``testing``...). Only ``fit`` needs ``train``.
         """
         self._say_hparams_clashes()  # before Lightning merges the hyperparameters, which it does after `setup`
-        if self._splits is None and self.train_dataset is None:
-            self._open_splits()
+        if self.train_dataset is None and (self._splits is None or stage == "fit"):
+            self._open_splits()  # again after `train_dataset = None`: the same splits and holdout (seeded), rebuilt
         if stage == "fit" and self.train_dataset is None:
             raise MissingSplitError(
                 f"{str(self.database_path)!r} has no `train` split; it holds {self._splits}. Put training images in"
