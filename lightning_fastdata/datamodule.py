@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import math
@@ -20,7 +21,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
-from lightning_fastdata import cpus
+from lightning_fastdata import cpus, resizing
 from lightning_fastdata.errors import (
     InvalidArgumentError,
     MissingSplitError,
@@ -147,7 +148,13 @@ class FastImageDataModule(LightningDataModule):
             goes: one database per source and conversion settings; default ``$LIGHTNING_FASTDATA_CACHE`` or
             ``~/.cache/lightning_fastdata``. Never inside ``data_dir``. It may be read-only once it holds an up-to-date
             conversion.
-        image_size: side length of the square training and validation crops.
+        image_size: side length of the square training and validation crops; :meth:`set_image_size` changes it
+            during a run (the saved hyperparameter stays the configured value).
+        image_size_schedule: progressive resizing or FixRes: ``{epoch: image_size}``, each size used from that
+            epoch on (``{0: 128, 10: 160, 15: 224}``); epochs before the first key train at ``image_size``. The
+            training loader applies it as each epoch starts, from its sampler's epoch (so a resumed run gets the
+            size of its epoch); validation uses the size of the epoch it follows. A folder is converted for the
+            largest size. See docs/datamodule.md.
         batch_size: samples per batch (per process under DDP). With ``drop_last=True`` a value above the process's
             share of the training split is clamped to it, with a warning (:meth:`clamp_batch_size`).
         num_workers: loader threads (or worker processes, see ``engine``) per training process; ``"auto"`` budgets
@@ -218,6 +225,7 @@ class FastImageDataModule(LightningDataModule):
         data_dir: str,
         cache_dir: str | None = None,
         image_size: int = 224,
+        image_size_schedule: dict[int, int] | None = None,
         batch_size: int = 64,
         num_workers: int | Literal["auto", "tune"] = "auto",
         engine: Literal["auto", "threads", "processes"] = "auto",
@@ -277,6 +285,8 @@ class FastImageDataModule(LightningDataModule):
         self.data_dir = data_dir
         self.cache_dir = cache_dir
         self.image_size = image_size
+        self.image_size_schedule = resizing.check_schedule(image_size_schedule)
+        self._sizes = (image_size, *(self.image_size_schedule or {}).values())  # configured: what is converted for
         self.batch_size = batch_size
         self.num_workers = num_workers
         self.engine = engine
@@ -359,12 +369,13 @@ class FastImageDataModule(LightningDataModule):
     def store_short_side(self) -> int | None:
         """The short side a conversion stores (``None``: original sizes): ``short_side``, or one fit for the crops."""
         if self.short_side is None:
-            return max(256, math.ceil(self.image_size / self.crop_fraction))
+            return max(256, math.ceil(max(self._sizes) / self.crop_fraction))
         return self.short_side or None
 
-    def _check_store_size(self, stored: int | None) -> None:
-        """Warn when the stored images are too small for ``image_size``: every crop would be upsampled."""
-        needed = math.ceil(self.image_size / self.crop_fraction)
+    def _check_store_size(self, stored: int | None, size: int | None = None) -> None:
+        """Warn when the stored images are too small for ``size`` (the largest configured): crops would be upsampled."""
+        size = max(self._sizes) if size is None else size
+        needed = math.ceil(size / self.crop_fraction)
         if stored is None or stored >= needed:
             return
         if self.is_database:  # its images are what they are: only a new conversion changes them
@@ -377,7 +388,7 @@ class FastImageDataModule(LightningDataModule):
                 f"Pass `short_side={needed}` (or leave it at None, which follows `image_size`; 0 keeps original sizes)."
             )
         rank_zero_warn(
-            f"The database stores images with a short side of at most {stored} px, but `image_size={self.image_size}`"
+            f"The database stores images with a short side of at most {stored} px, but `image_size={size}`"
             f" with `crop_fraction={self.crop_fraction}` needs {needed} px: every crop is upsampled. {fix}"
         )
 
@@ -852,6 +863,53 @@ class FastImageDataModule(LightningDataModule):
             return "encoded"
         return "uint8" if self._device().type == "cuda" else "float"
 
+    def set_image_size(self, size: int) -> None:
+        """Crop to ``size`` from now on: progressive resizing and FixRes (docs/datamodule.md).
+
+        The datasets already built stay, with their samples, order and ``val_fraction`` holdout; only their crop
+        transforms (:class:`~lightning_fastdata.transforms.RandomResizedCropFlip`,
+        :class:`~lightning_fastdata.transforms.CenterCropResize`) change size, and so do the crops of
+        ``decode="device"``. Loaders already built follow as their next epoch starts: batch slots of the new shape,
+        persistent worker processes restarted. Call it before ``fit``, or from a callback's ``on_train_epoch_start``
+        (before the epoch's first batch is drawn); with ``image_size_schedule`` the schedule sets the size again as
+        each training epoch starts. :attr:`image_size` changes; the saved hyperparameter stays the configured one.
+
+        Raises:
+            InvalidArgumentError: ``size`` is not an int >= 1.
+
+        """
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise InvalidArgumentError(f"`set_image_size` needs an int >= 1, got {size!r}.")
+        if size == self.image_size:
+            return
+        previous, self.image_size = self.image_size, size
+        built = {"train": self.train_dataset, "val": self.val_dataset, "test": self.test_dataset}
+        missed = resizing.resize([d for d in (*built.values(), self.predict_dataset) if d is not None], size)
+        if self._stage is not None:
+            self._stage.image_size = size
+        rank_zero_info(
+            f"FastImageDataModule: image_size {previous} -> {size}; the loaders follow as their next epoch starts"
+            " (new batch slots; persistent worker processes restart with the new crop size)."
+        )
+        for name, dataset in built.items():
+            if dataset is not None and any(dataset is d for d in missed):
+                rank_zero_warn(
+                    f"`set_image_size`: the {name} dataset's transform is not RandomResizedCropFlip or"
+                    " CenterCropResize, so its crops keep their size. Override `set_image_size` to resize it too."
+                )
+        if self._splits is not None:
+            self._check_store_size(_format.read_meta(self.database_path).get("encoding", {}).get("short_side"), size)
+
+    def _start_epoch(self, stage: DeviceStage, schedule: bool, epoch: int) -> int:
+        """A loader's epoch starts: the scheduled size (training), the current one for its device stage; returns it.
+
+        A loader whose persistent worker processes started at another size restarts them (``before_epoch``).
+        """
+        if schedule and self.image_size_schedule:
+            self.set_image_size(resizing.size_at(self.image_size_schedule, epoch, self._sizes[0]))
+        stage.image_size = self.image_size
+        return self.image_size
+
     def _loader(
         self, dataset: Dataset, shuffle: bool, drop_last: bool, train: bool = False, config: LoaderConfig | None = None
     ) -> FastLoader:
@@ -896,6 +954,7 @@ class FastImageDataModule(LightningDataModule):
             device=self._device() if self.uses_prefetch() else None,
             device_stage=self._stage,
             limit_batches=limit if isinstance(limit, (int, float)) else 1.0,
+            before_epoch=functools.partial(self._start_epoch, self._stage, train and config is None),
         )
         self._stage_in_loader = loader.prefetching
         return loader

@@ -387,6 +387,8 @@ def _start(
     out.mkdir(parents=True)
     args = [mode, str(database), str(out), str(SEED), str(devices), "2", str(every), str(slow_after)]
     args += [str(opts.get("ckpt", "-")), str(opts.get("limit", "1.0")), "1" if opts.get("val") else "0"]
+    if opts.get("schedule"):
+        args.append(json.dumps(opts["schedule"]))
     with open(out / "log.txt", "w") as log:
         return subprocess.Popen(
             [sys.executable, str(SCRIPT), *args],
@@ -437,9 +439,9 @@ def _train(database: Path, out: Path, mode: str, devices: int, every: int, **opt
     return [_records(out, rank) for rank in range(devices)]
 
 
-def _train_until_killed(database: Path, out: Path, devices: int, every: int, kill_after: int) -> None:
+def _train_until_killed(database: Path, out: Path, devices: int, every: int, kill_after: int, **opts: Any) -> None:
     """Train, slowing after step ``kill_after``; SIGKILL the run once that checkpoint exists and 2 more steps ran."""
-    proc = _start(database, out, "fit", devices, every, slow_after=kill_after)
+    proc = _start(database, out, "fit", devices, every, slow_after=kill_after, **opts)
     checkpoint = out / "ckpt" / f"step={kill_after}.ckpt"
     deadline = time.monotonic() + RUN_TIMEOUT
     try:
@@ -510,6 +512,25 @@ def test_killed_run_resumes_exactly(resume_database: Path, single_runs: dict[str
         assert (first["epoch"], first["batch_idx"]) == (1, 0)
     else:
         assert (first["epoch"], first["batch_idx"]) == (0, k)
+
+
+@pytest.mark.slow
+def test_killed_run_with_an_image_size_schedule_resumes_exactly(resume_database: Path, tmp_path: Path) -> None:
+    """``image_size_schedule={0: 32, 1: 48}``, killed mid-epoch 1 and resumed: the uninterrupted run, at 48 px.
+
+    Lightning calls no ``on_train_epoch_start`` for an epoch resumed part-way: the training loader sets the size
+    from its sampler's epoch.
+    """
+    schedule = {0: 32, 1: 48}
+    full = _train(resume_database, tmp_path / "a", "fit", devices=1, every=5, schedule=schedule)
+    per_epoch = NUM_IMAGES // 4
+    assert [r["size"] for r in full[0]] == [32] * per_epoch + [48] * per_epoch
+    k = per_epoch + 5
+    _train_until_killed(resume_database, tmp_path / "b", devices=1, every=5, kill_after=k, schedule=schedule)
+    checkpoint = tmp_path / "b" / "ckpt" / f"step={k}.ckpt"
+    resumed = _train(resume_database, tmp_path / "c", "resume", devices=1, every=5, ckpt=checkpoint, schedule=schedule)
+    _check_resumed(full, [_records(tmp_path / "b", 0)], resumed, k)
+    assert (resumed[0][0]["epoch"], resumed[0][0]["batch_idx"], resumed[0][0]["size"]) == (1, 5, 48)
 
 
 @pytest.mark.slow
