@@ -889,7 +889,7 @@ class FastImageDataModule(LightningDataModule):
             self._stage.image_size = size
         rank_zero_info(
             f"FastImageDataModule: image_size {previous} -> {size}; the loaders follow as their next epoch starts"
-            " (new batch slots; persistent worker processes restart with the new crop size)."
+            " (new batch slots, and any persistent worker processes restart with the new crop size)."
         )
         for name, dataset in built.items():
             if dataset is not None and any(dataset is d for d in missed):
