@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -15,7 +16,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
-from lightning_fastdata import resolve
+from lightning_fastdata import resizing, resolve
 from lightning_fastdata.errors import InvalidArgumentError, MissingSplitError
 from lightning_fastdata.hparams import HPARAMS_PREFIX as HPARAMS_PREFIX
 from lightning_fastdata.hparams import clashes, for_loggers, say_clashes
@@ -84,7 +85,13 @@ class FastImageDataModule(LightningDataModule):
             goes: one database per source and conversion settings; default ``$LIGHTNING_FASTDATA_CACHE`` or
             ``~/.cache/lightning_fastdata``. Never inside ``data_dir``. It may be read-only once it holds an up-to-date
             conversion.
-        image_size: side length of the square training and validation crops.
+        image_size: side length of the square training and validation crops; :meth:`set_image_size` changes it
+            during a run (the saved hyperparameter stays the configured value).
+        image_size_schedule: progressive resizing or FixRes: ``{epoch: image_size}``, each size used from that
+            epoch on (``{0: 128, 10: 160, 15: 224}``); epochs before the first key train at ``image_size``. The
+            training loader applies it as each epoch starts, from its sampler's epoch (so a resumed run gets the
+            size of its epoch); validation uses the size of the epoch it follows. A folder is converted for the
+            largest size. See docs/datamodule.md.
         batch_size: samples per batch (per process under DDP). With ``drop_last=True`` a value above the process's
             share of the training split is clamped to it, with a warning (:meth:`clamp_batch_size`).
         num_workers: loader threads (or worker processes, see ``engine``) per training process; ``"auto"`` budgets
@@ -163,6 +170,7 @@ class FastImageDataModule(LightningDataModule):
         data_dir: str,
         cache_dir: str | None = None,
         image_size: int = 224,
+        image_size_schedule: dict[int, int] | None = None,
         batch_size: int = 64,
         num_workers: int | Literal["auto", "tune"] = "auto",
         engine: Literal["auto", "threads", "processes"] = "auto",
@@ -227,6 +235,8 @@ class FastImageDataModule(LightningDataModule):
         self.data_dir = data_dir
         self.cache_dir = cache_dir
         self.image_size = image_size
+        self.image_size_schedule = resizing.check_schedule(image_size_schedule)
+        self._sizes = (image_size, *(self.image_size_schedule or {}).values())  # configured: what is converted for
         self.batch_size = batch_size
         self.num_workers = num_workers
         self.engine = engine
@@ -307,7 +317,12 @@ class FastImageDataModule(LightningDataModule):
 
     def store_short_side(self) -> int | None:
         """The short side a conversion stores (``None``: original sizes): ``short_side``, or one fit for the crops."""
-        return resolve.store_short_side(self.short_side, self.image_size, self.crop_fraction)
+        return resolve.store_short_side(self.short_side, max(self._sizes), self.crop_fraction)
+
+    def _check_store_size(self, stored: int | None, size: int | None = None) -> None:
+        """Warn when the stored images are too small for ``size`` (the largest configured): crops would be upsampled."""
+        size = max(self._sizes) if size is None else size
+        resolve.check_store_size(stored, size, self.crop_fraction, self.is_database, self.data_dir)
 
     @property
     def classes(self) -> list[str]:
@@ -383,8 +398,8 @@ class FastImageDataModule(LightningDataModule):
         """
         # before Lightning merges the hyperparameters, which it does after `setup`
         say_clashes(self.trainer, self.hparams_clashes, self._warned_hparams)
-        if self._splits is None and self.train_dataset is None:
-            self._open_splits()
+        if self.train_dataset is None and (self._splits is None or stage == "fit"):
+            self._open_splits()  # again after `train_dataset = None`: the same splits and holdout (seeded), rebuilt
         if stage == "fit" and self.train_dataset is None:
             raise MissingSplitError(
                 f"{str(self.database_path)!r} has no `train` split; it holds {self._splits}. Put training images in"
@@ -399,7 +414,8 @@ class FastImageDataModule(LightningDataModule):
         cache.record_use(self.database_path, self.cache_root)  # its last use, and that this process reads it
         meta = _format.read_meta(self.database_path)
         resolve.check_targets(meta, self.targets, self.database_path)
-        resolve.check_store(meta, self.short_side, self.image_size, self.crop_fraction, self.is_database, self.data_dir)
+        size = max(self._sizes)
+        resolve.check_store(meta, self.short_side, size, self.crop_fraction, self.is_database, self.data_dir)
         splits = meta["splits"]
         self._splits = sorted(splits)
         if self.predict_split is not None:
@@ -530,6 +546,53 @@ class FastImageDataModule(LightningDataModule):
         """What the loaders read: encoded for device decode, uint8 for CUDA, normalized float on a CPU."""
         return loader_output(self.uses_device_decode(), self._device())
 
+    def set_image_size(self, size: int) -> None:
+        """Crop to ``size`` from now on: progressive resizing and FixRes (docs/datamodule.md).
+
+        The datasets already built stay, with their samples, order and ``val_fraction`` holdout; only their crop
+        transforms (:class:`~lightning_fastdata.transforms.RandomResizedCropFlip`,
+        :class:`~lightning_fastdata.transforms.CenterCropResize`) change size, and so do the crops of
+        ``decode="device"``. Loaders already built follow as their next epoch starts: batch slots of the new shape,
+        persistent worker processes restarted. Call it before ``fit``, or from a callback's ``on_train_epoch_start``
+        (before the epoch's first batch is drawn); with ``image_size_schedule`` the schedule sets the size again as
+        each training epoch starts. :attr:`image_size` changes; the saved hyperparameter stays the configured one.
+
+        Raises:
+            InvalidArgumentError: ``size`` is not an int >= 1.
+
+        """
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise InvalidArgumentError(f"`set_image_size` needs an int >= 1, got {size!r}.")
+        if size == self.image_size:
+            return
+        previous, self.image_size = self.image_size, size
+        built = {"train": self.train_dataset, "val": self.val_dataset, "test": self.test_dataset}
+        missed = resizing.resize([d for d in (*built.values(), self.predict_dataset) if d is not None], size)
+        if self._stage is not None:
+            self._stage.image_size = size
+        rank_zero_info(
+            f"FastImageDataModule: image_size {previous} -> {size}; the loaders follow as their next epoch starts"
+            " (new batch slots, and any persistent worker processes restart with the new crop size)."
+        )
+        for name, dataset in built.items():
+            if dataset is not None and any(dataset is d for d in missed):
+                rank_zero_warn(
+                    f"`set_image_size`: the {name} dataset's transform is not RandomResizedCropFlip or"
+                    " CenterCropResize, so its crops keep their size. Override `set_image_size` to resize it too."
+                )
+        if self._splits is not None:
+            self._check_store_size(_format.read_meta(self.database_path).get("encoding", {}).get("short_side"), size)
+
+    def _start_epoch(self, stage: DeviceStage, schedule: bool, epoch: int) -> int:
+        """A loader's epoch starts: the scheduled size (training), the current one for its device stage; returns it.
+
+        A loader whose persistent worker processes started at another size restarts them (``before_epoch``).
+        """
+        if schedule and self.image_size_schedule:
+            self.set_image_size(resizing.size_at(self.image_size_schedule, epoch, self._sizes[0]))
+        stage.image_size = self.image_size
+        return self.image_size
+
     def _loader(
         self, dataset: Dataset, shuffle: bool, drop_last: bool, train: bool = False, config: LoaderConfig | None = None
     ) -> FastLoader:
@@ -575,6 +638,7 @@ class FastImageDataModule(LightningDataModule):
             device_stage=self._stage,
             limit_batches=limit if isinstance(limit, (int, float)) else 1.0,
             return_index=self.return_index,
+            before_epoch=functools.partial(self._start_epoch, self._stage, train and config is None),
         )
         self._stage_in_loader = loader.prefetching
         return loader

@@ -1,7 +1,7 @@
 """Training runs for the exact mid-epoch resume tests, run as a script by ``test_resume.py``.
 
 Usage: ``python resume_script.py MODE DATA_DIR OUT_DIR SEED DEVICES WORKERS EVERY SLOW_AFTER CKPT [LIMIT [VAL
-[KIND]]]``.
+[KIND [SCHEDULE]]]]``.
 
 ``MODE`` is ``fit`` (train from scratch) or ``resume`` (``trainer.fit(..., ckpt_path=CKPT)``); ``fit-last`` and
 ``resume-last`` save with :class:`~lightning_fastdata.ResumeCheckpoint` (``every_n_train_steps=EVERY``) instead, into
@@ -10,14 +10,15 @@ its default folder under ``Trainer(default_root_dir=CKPT)``, and always call ``t
 model on ``FastImageDataModule`` whose items carry their sample index; ``DEVICES`` > 1 is DDP on CPU (Lightning
 re-executes this script for the other ranks). ``ModelCheckpoint`` saves ``OUT_DIR/ckpt/step=<n>.ckpt`` every
 ``EVERY`` steps, or with ``EVERY`` ``0`` at the end of every epoch (its default). Each rank appends one JSON line per
-training batch to ``OUT_DIR/rank<r>.jsonl`` (flushed at once): ``{"step", "epoch", "batch_idx", "indices", "pixels"}``
-(``pixels``: a SHA-256 of the batch's images, so runs are compared crop for crop). After step ``SLOW_AFTER`` (``0``:
-never) each step sleeps 0.2 s, so the harness can kill the run a few steps later. ``LIMIT`` is
-``Trainer(limit_train_batches)`` (default ``1.0``). ``VAL`` ``1`` holds out a fifth of the images and validates at
-the end of every epoch, so ``ModelCheckpoint`` saves in ``on_validation_end`` instead of ``on_train_epoch_end``
-(default ``0``: no validation). ``KIND`` ``multilabel`` reads a multi-label database of 2 classes through
-``FastImageDataModule(return_index=True)`` (the fused path, its targets and indices in the batch slots) instead of
-the index-carrying dataset; each record then also holds the batch's ``targets``.
+training batch to ``OUT_DIR/rank<r>.jsonl`` (flushed at once): ``{"step", "epoch", "batch_idx", "indices", "pixels",
+"size"}`` (``pixels``: a SHA-256 of the batch's images, so runs are compared crop for crop; ``size``: their side).
+After step ``SLOW_AFTER`` (``0``: never) each step sleeps 0.2 s, so the harness can kill the run a few steps later.
+``LIMIT`` is ``Trainer(limit_train_batches)`` (default ``1.0``). ``VAL`` ``1`` holds out a fifth of the images and
+validates at the end of every epoch, so ``ModelCheckpoint`` saves in ``on_validation_end`` instead of
+``on_train_epoch_end`` (default ``0``: no validation). ``KIND`` ``multilabel`` reads a multi-label database of 2
+classes through ``FastImageDataModule(return_index=True)`` (the fused path, its targets and indices in the batch
+slots) instead of the index-carrying dataset; each record then also holds the batch's ``targets``. ``SCHEDULE``:
+``image_size_schedule`` as JSON (``{"0": 32, "1": 48}``; default none).
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ class RecordingModel(LightningModule):
             "batch_idx": batch_idx,
             "indices": batch[2].tolist(),
             "pixels": hashlib.sha256(batch[0].contiguous().cpu().numpy().tobytes()).hexdigest(),
+            "size": batch[0].shape[-1],
         }
         if batch[1].is_floating_point():  # multi-hot targets
             record["targets"] = batch[1].tolist()
@@ -111,6 +113,7 @@ def main(
     limit: int | float = 1.0,
     val: bool = False,
     kind: str = "class",
+    schedule: dict[int, int] | None = None,
 ) -> None:
     if mode not in ("fit", "resume", "fit-last", "resume-last"):
         raise ValueError(f"MODE must be 'fit', 'resume', 'fit-last' or 'resume-last', got {mode!r}")
@@ -118,6 +121,7 @@ def main(
     dm = (IndexedDataModule if kind == "class" else partial(FastImageDataModule, return_index=True))(
         data_dir,
         image_size=16,
+        image_size_schedule=schedule,
         batch_size=4,
         num_workers=workers,
         val_fraction=0.2 if val else 0,
@@ -156,6 +160,7 @@ if __name__ == "__main__":
     limit = sys.argv[10] if len(sys.argv) > 10 else "1.0"
     val = len(sys.argv) > 11 and sys.argv[11] == "1"
     kind = sys.argv[12] if len(sys.argv) > 12 else "class"
+    schedule = {int(k): v for k, v in json.loads(sys.argv[13]).items()} if len(sys.argv) > 13 else None
     main(
         mode,
         data_dir,
@@ -169,4 +174,5 @@ if __name__ == "__main__":
         float(limit) if "." in limit else int(limit),
         val,
         kind,
+        schedule,
     )

@@ -357,3 +357,23 @@ def test_max_pixels_is_a_cli_argument_that_reaches_the_datasets(database: Path) 
     assert FastImageDataModule(str(database), max_pixels=None).build_dataset("train", None)[0][0].ndim == 3
     with pytest.raises(InvalidArgumentError, match="`max_pixels` must be >= 1 or None"):
         FastImageDataModule(str(database), max_pixels=0)
+
+
+@pytest.mark.usefixtures("in_repo")
+def test_image_size_schedule_is_a_cli_argument(database: Path, tmp_path: Path) -> None:
+    """`image_size_schedule` from a YAML config or the command line: epochs and sizes as ints, applied per epoch."""
+    config = tmp_path / "fixres.yaml"
+    config.write_text("data:\n  init_args:\n    image_size: 48\n    image_size_schedule: {0: 32, 3: 48}\n")
+    base = ["--config", "examples/configs/cpu.yaml", "--data.data_dir", str(database), "--trainer.logger", "false"]
+    dm = lightning_cli([*base, "--config", str(config)], run=False).datamodule
+    assert dm.image_size_schedule == {0: 32, 3: 48}
+    args = ["--data.image_size", "24", "--data.image_size_schedule", "{0: 16, 1: 24}", "--data.batch_size", "4"]
+    dm = lightning_cli([*base, *args], run=False).datamodule
+    assert (dm.image_size, dm.image_size_schedule) == (24, {0: 16, 1: 24})
+    loader = dm.train_dataloader()
+    sizes = []
+    for epoch in (0, 1):
+        loader.sampler.set_epoch(epoch)
+        sizes.append(next(iter(loader))[0].shape[-1])  # the example's jitter wraps the crop: resized too
+    assert sizes == [16, 24]
+    assert dm.val_dataset[0][0].shape == (3, 24, 24)

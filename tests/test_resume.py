@@ -389,6 +389,8 @@ def _start(
     args = [mode, str(database), str(out), str(SEED), str(devices), "2", str(every), str(slow_after)]
     args += [str(opts.get("ckpt", "-")), str(opts.get("limit", "1.0")), "1" if opts.get("val") else "0"]
     args += [opts.get("kind", "class")]
+    if opts.get("schedule"):
+        args.append(json.dumps(opts["schedule"]))
     with open(out / "log.txt", "w") as log:
         return subprocess.Popen(
             [sys.executable, str(SCRIPT), *args],
@@ -528,6 +530,24 @@ def test_a_killed_multilabel_run_resumes_exactly(tmp_path: Path) -> None:
     checkpoint = tmp_path / "b" / "ckpt" / "step=5.ckpt"
     resumed = _train(db, tmp_path / "c", "resume", devices=1, every=5, ckpt=checkpoint, kind="multilabel")
     _check_resumed(full, [_records(tmp_path / "b", 0)], resumed, 5)
+
+
+def test_killed_run_with_an_image_size_schedule_resumes_exactly(resume_database: Path, tmp_path: Path) -> None:
+    """``image_size_schedule={0: 32, 1: 48}``, killed mid-epoch 1 and resumed: the uninterrupted run, at 48 px.
+
+    Lightning calls no ``on_train_epoch_start`` for an epoch resumed part-way: the training loader sets the size
+    from its sampler's epoch.
+    """
+    schedule = {0: 32, 1: 48}
+    full = _train(resume_database, tmp_path / "a", "fit", devices=1, every=5, schedule=schedule)
+    per_epoch = NUM_IMAGES // 4
+    assert [r["size"] for r in full[0]] == [32] * per_epoch + [48] * per_epoch
+    k = per_epoch + 5
+    _train_until_killed(resume_database, tmp_path / "b", devices=1, every=5, kill_after=k, schedule=schedule)
+    checkpoint = tmp_path / "b" / "ckpt" / f"step={k}.ckpt"
+    resumed = _train(resume_database, tmp_path / "c", "resume", devices=1, every=5, ckpt=checkpoint, schedule=schedule)
+    _check_resumed(full, [_records(tmp_path / "b", 0)], resumed, k)
+    assert (resumed[0][0]["epoch"], resumed[0][0]["batch_idx"], resumed[0][0]["size"]) == (1, 5, 48)
 
 
 @pytest.mark.slow

@@ -10,17 +10,18 @@ import functools
 import itertools
 import logging
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from typing import Any, Literal
 
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 
 from lightning_fastdata.pipeline.device import DeviceStage, prefetch_to_device
 from lightning_fastdata.pipeline.kernel import BatchReader, KeyedIndices, Output, _batch_as_is
 from lightning_fastdata.pipeline.processes import WorkerIterator, _worker_init, shared_slots, with_slots
 from lightning_fastdata.pipeline.resume import ResumableSampler, batches_per_epoch, position_state, restore_position
-from lightning_fastdata.pipeline.slots import SlotPool
+from lightning_fastdata.pipeline.slots import SlotLayout, SlotPool
 from lightning_fastdata.pipeline.threads import private_slots, threaded_batches
 from lightning_fastdata.skipping import SkipCounter
 from lightning_fastdata.transforms import Normalizer
@@ -60,6 +61,7 @@ def create_loader(
     device_stage: DeviceStage | None = None,
     limit_batches: int | float = 1.0,
     return_index: bool = False,
+    before_epoch: Callable[[int], Hashable] | None = None,
 ) -> FastLoader:
     """The loader of one split: every choice of the batch path, made here.
 
@@ -93,6 +95,7 @@ def create_loader(
             CUDA: no look-ahead; Lightning copies them).
         device_stage: runs on the side stream after each copy: :class:`DeviceStage`.
         limit_batches: the Trainer's ``limit_train_batches``, for where a resumed epoch ends.
+        before_epoch: called with the sampler's epoch as each epoch's iteration starts (see :class:`FastLoader`).
         return_index: batches are ``(images, targets, index)``: ``index`` the samples' true dataset indices,
             ``int64 [B]`` (for a subset of a database split, the index into that split), on every engine.
 
@@ -147,6 +150,7 @@ def create_loader(
         device=device,
         on_device=device_stage,
         limit_batches=limit_batches,
+        before_epoch=before_epoch,
         **kwargs,
     )
 
@@ -176,6 +180,11 @@ class FastLoader(DataLoader):
         on_device: applied to each batch on the side stream after the copy (:class:`DeviceStage`).
         limit_batches: the Trainer's ``limit_train_batches``: an epoch that handed out this many batches (an int, or
             a share of ``len()`` as a float) was complete, so resuming from it starts the next epoch.
+        before_epoch: called with the sampler's epoch as each epoch's iteration starts, before its first batch is
+            drawn (the DataModule's ``image_size_schedule`` resizes the crops there). What it returns stands for the
+            dataset's state: when it differs from the value of the epoch the running persistent worker processes
+            started in, they restart, so they get the dataset as it is now. A change of the batch reader's slot layout
+            (its crop size) is seen without it: the slots take the new shape, and persistent workers restart.
         **kwargs: the keyword arguments of :class:`~torch.utils.data.DataLoader`.
 
     """
@@ -189,6 +198,7 @@ class FastLoader(DataLoader):
         device: torch.device | str | None = None,
         on_device: Callable[[Any], Any] | None = None,
         limit_batches: int | float = 1.0,
+        before_epoch: Callable[[int], Hashable] | None = None,
         **kwargs: Any,
     ) -> None:
         if threads < 0:
@@ -200,12 +210,13 @@ class FastLoader(DataLoader):
         self.device = torch.device(device) if device is not None else None
         self.on_device = on_device
         self.limit_batches = limit_batches
+        self.before_epoch = before_epoch
+        #: what `before_epoch` returned for the epoch the running persistent workers started in
+        self._dataset_state: Hashable = None
         self._handed_out = 0
         self._resume_at = 0
         #: what a batch slot holds, when batches are built into slots (the fused path): see `_slot_pool`
-        self._slot_layout = (
-            dataset.slot_layout(self.batch_size) if isinstance(dataset, BatchReader) and self.batch_size else None
-        )
+        self._slot_layout = self._reader_layout()
         self._slots: SlotPool | None = None
         self._threads_instead = False
         #: whether host batches are page-locked: their slots, once, or else each batch by torch's pin-memory thread
@@ -256,6 +267,9 @@ class FastLoader(DataLoader):
         return self._slots.misses if self._slots is not None else 0
 
     def _stages(self) -> Iterator[Any]:
+        # 0. the epoch starts: `before_epoch` (which may resize the crops), then slots and persistent workers follow a
+        #    changed dataset (`_follow_dataset`)
+        self._follow_dataset()
         # 1. index batches, keyed with the epoch's (seed, epoch) and each given a free slot: `_index_sampler`, which
         #    torch's iterators read too
         slots = self._slot_pool()
@@ -316,13 +330,42 @@ class FastLoader(DataLoader):
         finally:
             self.prefetch_factor, self.worker_init_fn = batches_ahead, init
 
+    def _reader_layout(self) -> SlotLayout | None:
+        """What a batch slot of the batch reader holds now (``None``: batches are not built into slots)."""
+        reader = self.dataset
+        return reader.slot_layout(self.batch_size) if isinstance(reader, BatchReader) and self.batch_size else None
+
+    def _follow_dataset(self) -> None:
+        """As an epoch's iteration starts: ``before_epoch``, then slots and workers for the dataset as it is now.
+
+        A new slot layout (the crops changed size) gets a new slot pool; the old slots free themselves once the
+        batches handed out from them are gone. Persistent worker processes hold the dataset (and, on the fused path,
+        the slot memory) they started with: a new layout, or a new value from ``before_epoch``, shuts them down, and
+        torch starts new ones for this epoch (`DataLoader.__iter__` makes a new iterator when it has none).
+        """
+        state = self._dataset_state
+        if self.before_epoch is not None:
+            state = self.before_epoch(int(getattr(self.sampler, "epoch", 0)))
+        layout = self._reader_layout()
+        if layout == self._slot_layout and state == self._dataset_state:
+            return
+        if layout != self._slot_layout:
+            log.debug("Batch slots of %s -> %s: the loader makes new ones.", self._slot_layout, layout)
+            self._slot_layout, self._slots = layout, None
+        self._dataset_state = state
+        iterator, self._iterator = self._iterator, None
+        if isinstance(iterator, _MultiProcessingDataLoaderIter):  # persistent workers (their slots go with them)
+            log.debug("The dataset changed: the loader's %d worker processes restart.", self.num_workers)
+            iterator._shutdown_workers()
+
     def _slot_pool(self) -> SlotPool | None:
         """The batch slots of the engine about to run: made once, or for worker processes once per set of workers.
 
         Persistent workers keep theirs (and the slots) across epochs; otherwise torch starts workers per epoch and
-        they get fresh slots, while the previous set keeps its own until it stops. The slots are this loader's alone,
-        never the batch reader's (several loaders may share one): worker processes get them as they start (forked
-        ones inherit them, spawned ones receive their file descriptor), threads with each batch.
+        they get fresh slots, while the previous set keeps its own until it stops. Made again, too, when the reader's
+        slot layout changes (`_follow_dataset`). The slots are this loader's alone, never the batch reader's (several
+        loaders may share one): worker processes get them as they start (forked ones inherit them, spawned ones
+        receive their file descriptor), threads with each batch.
         """
         layout = self._slot_layout
         if layout is None:

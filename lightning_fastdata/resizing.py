@@ -1,0 +1,96 @@
+"""Progressive resizing and FixRes: the crop size changes between epochs, the datasets stay.
+
+:meth:`FastImageDataModule.set_image_size <lightning_fastdata.FastImageDataModule.set_image_size>` (and its
+``image_size_schedule``, applied by the training loader as each epoch starts) changes the size of the crops the
+DataModule's datasets make, in place: the package's crop transforms
+(:class:`~lightning_fastdata.transforms.RandomResizedCropFlip`,
+:class:`~lightning_fastdata.transforms.CenterCropResize`) found on each dataset and the datasets it wraps (the
+``val_fraction`` holdout's view, a ``Subset``, a wrapper of one's own that keeps the wrapped dataset as ``dataset``).
+The datasets themselves are kept, so the holdout's indices, the sampler's order and each sample's crop box (drawn
+from its key ``(seed, epoch, sample)``, whatever the output size) are those of a run at one size: only the resize
+differs. The loaders follow at their next epoch (``FastLoader(before_epoch=...)``): batch slots of the new shape, and
+persistent worker processes, which hold a copy of the dataset made when they started, restarted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from lightning_fastdata.errors import InvalidArgumentError
+from lightning_fastdata.transforms import CenterCropResize, RandomResizedCropFlip
+
+
+def check_schedule(schedule: Mapping[int, int] | None) -> dict[int, int] | None:
+    """``image_size_schedule`` as a dict sorted by epoch, epochs ints >= 0 and sizes ints >= 1; ``None`` if empty.
+
+    Raises:
+        InvalidArgumentError: an epoch or a size of another type, or out of range.
+
+    """
+    if not isinstance(schedule, Mapping):
+        if schedule is None:
+            return None
+        raise InvalidArgumentError(
+            f"`image_size_schedule` maps epochs to image sizes, e.g. {{0: 128, 10: 160, 15: 224}}; got {schedule!r}."
+        )
+    if not schedule:
+        return None
+    for epoch, size in schedule.items():
+        if not _is_int(epoch) or epoch < 0 or not _is_int(size) or size < 1:
+            raise InvalidArgumentError(
+                f"`image_size_schedule` maps epochs (ints >= 0) to image sizes (ints >= 1); got {epoch!r}: {size!r}."
+            )
+    return {int(epoch): int(schedule[epoch]) for epoch in sorted(schedule)}
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def size_at(schedule: Mapping[int, int], epoch: int, default: int) -> int:
+    """The image size of ``epoch``: the schedule's entry for the last epoch up to ``epoch``, else ``default``."""
+    started = [e for e in schedule if e <= epoch]
+    return schedule[max(started)] if started else default
+
+
+def crop_transforms(dataset: Any) -> list[RandomResizedCropFlip | CenterCropResize]:
+    """The package's crop transforms ``dataset`` reads through: its ``transform`` and its wrapped datasets'.
+
+    Each ``transform`` found is taken when it is one of the crop transforms, or else looked into, one level: a crop
+    transform it holds as an attribute (a wrapper's ``self.base``) or in a list (torchvision ``Compose.transforms``).
+    """
+    found: list[RandomResizedCropFlip | CenterCropResize] = []
+    seen: set[int] = set()
+    node = dataset
+    while node is not None and id(node) not in seen:
+        seen.add(id(node))
+        transform = getattr(node, "transform", None)
+        for candidate in [transform, *_held(transform)]:
+            if isinstance(candidate, (RandomResizedCropFlip, CenterCropResize)) and id(candidate) not in seen:
+                seen.add(id(candidate))
+                found.append(candidate)
+        node = getattr(node, "dataset", None)
+    return found
+
+
+def _held(transform: Any) -> list[Any]:
+    """What a transform holds in its attributes, lists and tuples opened (nothing for a crop transform itself)."""
+    if transform is None or isinstance(transform, (RandomResizedCropFlip, CenterCropResize)):
+        return []
+    held: list[Any] = []
+    for value in getattr(transform, "__dict__", {}).values():
+        held.extend(value if isinstance(value, (list, tuple)) else [value])
+    return held
+
+
+def resize(datasets: Iterable[Any], size: int) -> list[Any]:
+    """Set the crop size of every dataset's crop transforms to ``size``; returns the datasets that have none."""
+    missed = []
+    for dataset in datasets:
+        transforms = crop_transforms(dataset)
+        for transform in transforms:
+            transform.size = size
+        if not transforms:
+            missed.append(dataset)
+    return missed
