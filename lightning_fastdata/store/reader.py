@@ -473,7 +473,13 @@ class LmdbImageDataset(Dataset):
         if out is None:
             out = np.empty((len(records), *spec.shape), dtype=spec.dtype)
         if spec.kind == "class":
-            out[...] = np.asarray(self.targets, dtype=np.int64)[records]
+            with self._label_array() as labels:
+                out[...] = labels[records]
+            if records.size and (out.min() < 0 or out.max() >= len(self.classes)):
+                raise CorruptRecordError(
+                    f"the label array of split {self.split!r} of {self.path!r} holds a label outside the"
+                    f" {len(self.classes)} classes: it is damaged"
+                )
             return out
         if spec.kind == "none":
             out[...] = NO_LABEL
@@ -532,16 +538,24 @@ class LmdbImageDataset(Dataset):
             return [np.flatnonzero(row).tolist() for row in every]
         if kind == "float":
             return self.targets_of(np.arange(self._length)).tolist()
+        with self._label_array() as labels:
+            return labels.tolist()
+
+    @contextmanager
+    def _label_array(self) -> Iterator[np.ndarray]:
+        """The ``int32`` label array of a ``class`` split, a view of the memory map valid in the ``with`` block."""
         try:
-            with read_transaction(self._environment()) as txn:
+            with read_transaction(self._environment(), buffers=True) as txn:
                 raw = txn.get(labels_key(self.split))
+                if raw is None or len(raw) != 4 * self._length:
+                    raise CorruptRecordError(
+                        f"the label array of split {self.split!r} of {self.path!r} is missing or damaged"
+                    )
+                yield np.frombuffer(raw, dtype="<i4")
         except lmdb.Error as err:
             raise CorruptRecordError(
                 f"reading the labels of split {self.split!r} of {self.path!r} failed: {err}"
             ) from err
-        if raw is None or len(raw) != 4 * self._length:
-            raise CorruptRecordError(f"the label array of split {self.split!r} of {self.path!r} is missing or damaged")
-        return np.frombuffer(raw, dtype="<i4").tolist()
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
