@@ -453,7 +453,7 @@ def _cache(args: argparse.Namespace) -> int:
         for c in elsewhere:
             settings = " ".join(f"{k}={v}" for k, v in c.settings.items())
             print(f"{c.path}  {human_bytes(c.size)}  last used {(now - c.last_used) / 86400:.1f} days ago")
-            print(f"    source {c.source}  {settings}")
+            print(f"    source {c.source}  {settings}  targets {c.targets or '?'}")
     return 0
 
 

@@ -377,3 +377,33 @@ def test_image_size_schedule_is_a_cli_argument(database: Path, tmp_path: Path) -
         sizes.append(next(iter(loader))[0].shape[-1])  # the example's jitter wraps the crop: resized too
     assert sizes == [16, 24]
     assert dm.val_dataset[0][0].shape == (3, 24, 24)
+
+
+@pytest.mark.usefixtures("in_repo")
+def test_fit_a_multilabel_list_file_from_the_command_line(tmp_path: Path) -> None:
+    """``lightning-fastdata fit --data.data_dir tags.csv --data.targets multilabel --data.return_index true``: the
+    list converts as multi-label, the saved hyperparameters hold both, and the tagger trains on its batches."""
+    from examples.multilabel_tagger import make_tagged_images
+
+    listing = make_tagged_images(tmp_path / "tags", 24)
+    out = tmp_path / "out"
+    code = main(
+        [
+            "fit",
+            "--model", "examples.multilabel_tagger.Tagger", "--model.num_classes", "4",
+            "--data", "FastImageDataModule", "--data.data_dir", str(listing), "--data.targets", "multilabel",
+            "--data.return_index", "true", "--data.cache_dir", str(tmp_path / "cache"), "--data.image_size", "32",
+            "--data.batch_size", "8", "--data.num_workers", "0", "--data.short_side", "0",
+            "--trainer.accelerator", "cpu", "--trainer.max_steps", "2", "--trainer.limit_val_batches", "1",
+            "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(out),
+            "--trainer.logger", "false",
+        ]
+    )  # fmt: skip
+    assert code == 0
+    (checkpoint,) = sorted(out.rglob("*.ckpt"))
+    saved = torch.load(checkpoint, map_location="cpu", weights_only=False)
+    assert saved["global_step"] == 2
+    assert saved["datamodule_hyper_parameters"]["targets"] == "multilabel"
+    assert saved["datamodule_hyper_parameters"]["return_index"] is True
+    (database,) = [p for p in (tmp_path / "cache").iterdir() if p.suffix == ".lmdb"]
+    assert FastImageDataModule(str(database)).target_kind == "multilabel"
