@@ -2,32 +2,29 @@
 
 from __future__ import annotations
 
-import functools
-import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-import numpy as np
 import torch
 from lightning.fabric.utilities.data import AttributeDict
 from lightning.pytorch import LightningDataModule
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
-from lightning_fastdata import resizing, resolve
-from lightning_fastdata.errors import InvalidArgumentError, MissingSplitError
+from lightning_fastdata import loaders, resizing, resolve
+from lightning_fastdata.errors import InvalidArgumentError
 from lightning_fastdata.hparams import HPARAMS_PREFIX as HPARAMS_PREFIX
 from lightning_fastdata.hparams import clashes, for_loggers, say_clashes
-from lightning_fastdata.pipeline import DeviceStage, FastLoader, create_loader
+from lightning_fastdata.pipeline import DeviceStage
 from lightning_fastdata.pipeline.device import batch_dtype, loader_output, trainer_device, trains_on_cuda, uses_prefetch
 from lightning_fastdata.pipeline.kernel import Output
 from lightning_fastdata.skipping import SkipCounter
+from lightning_fastdata.splits import missing_split, open_splits, pick_predict_split, split_sources
 from lightning_fastdata.store import cache, remote
 from lightning_fastdata.store import format as _format
 from lightning_fastdata.store.reader import DEFAULT_MAX_PIXELS, LmdbImageDataset
-from lightning_fastdata.store.sources import canonical_split, folder_classes
 from lightning_fastdata.store.targets import KINDS, LABEL_SEPARATOR, TargetSpec
 from lightning_fastdata.transforms import (
     IMAGENET_MEAN,
@@ -38,21 +35,7 @@ from lightning_fastdata.transforms import (
 )
 from lightning_fastdata.tuning import LoaderConfig
 from lightning_fastdata.workers import AUTO_PROCESSES_MIN_WORKERS as AUTO_PROCESSES_MIN_WORKERS
-from lightning_fastdata.workers import WorkerChoice, budget_for, quiet_lightning_worker_check
-
-
-class _IndexView(Dataset):
-    """A fixed subset of a dataset, its indices held as ``int32`` (4 bytes per sample)."""
-
-    def __init__(self, dataset: Dataset, indices: np.ndarray) -> None:
-        self.dataset = dataset
-        self.indices = indices.astype(np.int32)
-
-    def __len__(self) -> int:
-        return len(self.indices)
-
-    def __getitem__(self, index: int) -> Any:
-        return self.dataset[int(self.indices[index])]
+from lightning_fastdata.workers import WorkerChoice, budget_for
 
 
 class FastImageDataModule(LightningDataModule):
@@ -278,9 +261,7 @@ class FastImageDataModule(LightningDataModule):
         #: the device stage of the last loader built (for the Trainer it was built for), which the hook reuses
         self._stage: DeviceStage | None = None
 
-    # ------------------------------------------------------------------------------------------------------------
-    # Where the data is
-    # ------------------------------------------------------------------------------------------------------------
+    # --- Where the data is --------------------------------------------------------------------------------------
 
     @property
     def is_database(self) -> bool:
@@ -306,32 +287,18 @@ class FastImageDataModule(LightningDataModule):
     def database_path(self) -> Path:
         """The database that is read: ``data_dir`` itself, or its conversion under ``cache_dir``."""
         return resolve.database_path(
-            self.data_dir,
-            self.cache_root,
-            self.store_short_side(),
-            self.quality,
-            self.encoding,
-            self.targets,
+            self.data_dir, self.cache_root, self.store_short_side(), self.quality, self.encoding, self.targets,
             self.label_separator,
-        )
+        )  # fmt: skip
 
     def store_short_side(self) -> int | None:
         """The short side a conversion stores (``None``: original sizes): ``short_side``, or one fit for the crops."""
         return resolve.store_short_side(self.short_side, max(self._sizes), self.crop_fraction)
 
-    def _check_store_size(self, stored: int | None, size: int | None = None) -> None:
-        """Warn when the stored images are too small for ``size`` (the largest configured): crops would be upsampled."""
-        size = max(self._sizes) if size is None else size
-        resolve.check_store_size(stored, size, self.crop_fraction, self.is_database, self.data_dir)
-
     @property
     def classes(self) -> list[str]:
         """Class names: from the database, or before conversion from the folder names (nothing is read)."""
-        if self.is_remote and self._staged is None:
-            resolve.check_staged(self.data_dir, self.cache_root)
-        if self.is_database or (self.database_path / _format.DATA_FILE).is_file():
-            return list(_format.read_meta(self.database_path)["classes"])
-        return folder_classes(Path(self.data_dir).expanduser())
+        return resolve.classes(self.data_dir, self.cache_root, self.database_path, self._staged is not None)
 
     @property
     def skipped_samples(self) -> int:
@@ -344,34 +311,22 @@ class FastImageDataModule(LightningDataModule):
         classes = self.classes  # before conversion or staging: a folder's, or the error that says to stage first
         return len(classes) if self.target_kind in ("class", "multilabel") else 0
 
-    # ------------------------------------------------------------------------------------------------------------
-    # Hyperparameters
-    # ------------------------------------------------------------------------------------------------------------
+    # --- Hyperparameters ----------------------------------------------------------------------------------------
 
     @property
     @override
     def hparams_initial(self) -> AttributeDict:
         """The saved arguments as the loggers get them: one the model saved too, with another value, is renamed.
 
-        Every argument is saved under its own name (:attr:`hparams`, and the checkpoint's
-        ``datamodule_hyper_parameters``), so ``load_from_checkpoint`` and LightningCLI rebuild this DataModule as it
-        was. Lightning merges the model's and the DataModule's hyperparameters for the loggers, and stops the run on a
-        name both saved with different values (``Error while merging hparams``); such an argument reaches the loggers
-        as ``datamodule/<name>`` instead, beside the model's, and :meth:`setup` says so (:meth:`hparams_clashes`).
-        The same value under both names (``image_size=224`` in both) is logged once, as before.
+        It reaches the loggers as ``datamodule/<name>``, and :meth:`setup` says so (:mod:`lightning_fastdata.hparams`).
         """
         return for_loggers(super().hparams_initial, self.hparams_clashes())
 
     def hparams_clashes(self) -> dict[str, tuple[Any, Any]]:
-        """The saved arguments Lightning would refuse to merge with the Trainer's model's: ``{name: (model's, ours)}``.
-
-        Empty without a Trainer, a model, or hyperparameters the model logs.
-        """
+        """The saved arguments Lightning would refuse to merge with the model's: ``{name: (model's, ours)}``."""
         return clashes(self.trainer, super().hparams_initial)
 
-    # ------------------------------------------------------------------------------------------------------------
-    # Lightning hooks
-    # ------------------------------------------------------------------------------------------------------------
+    # --- Lightning hooks ----------------------------------------------------------------------------------------
 
     @override
     def prepare_data(self) -> None:
@@ -391,79 +346,32 @@ class FastImageDataModule(LightningDataModule):
 
     @override
     def setup(self, stage: str) -> None:
-        """Open the database's splits; hold out ``val_fraction`` of ``train`` when there is no ``val`` split.
+        """Open the database's splits (:func:`~lightning_fastdata.splits.open_splits`); only ``fit`` needs ``train``.
 
-        Splits are found by their canonical names (``train``, ``val``, ``test``; databases written before split
-        names were canonical may say ``valid``, ``validation``, ``testing``...). Only ``fit`` needs ``train``.
+        Without a ``val`` split, ``val_fraction`` of ``train`` is held out (seeded).
         """
         # before Lightning merges the hyperparameters, which it does after `setup`
         say_clashes(self.trainer, self.hparams_clashes, self._warned_hparams)
         if self.train_dataset is None and (self._splits is None or stage == "fit"):
-            self._open_splits()  # again after `train_dataset = None`: the same splits and holdout (seeded), rebuilt
+            open_splits(self)  # again after `train_dataset = None`: the same splits and holdout (seeded), rebuilt
         if stage == "fit" and self.train_dataset is None:
-            raise MissingSplitError(
-                f"{str(self.database_path)!r} has no `train` split; it holds {self._splits}. Put training images in"
-                " `train/<class>/` (or `training/`) under `data_dir`, or run validate/test/predict only."
-            )
+            raise missing_split(self.database_path, self._splits, "train")
         if stage == "fit":
             self._workers.say_shared_generators(self)
 
-    def _open_splits(self) -> None:
-        if self.is_remote and self._staged is None:  # a rank other than the node's first: wait for its staging
-            self._staged = resolve.find_or_stage(self.data_dir, self.cache_dir, self.cache_root)
-        cache.record_use(self.database_path, self.cache_root)  # its last use, and that this process reads it
-        meta = _format.read_meta(self.database_path)
-        resolve.check_targets(meta, self.targets, self.database_path)
-        size = max(self._sizes)
-        resolve.check_store(meta, self.short_side, size, self.crop_fraction, self.is_database, self.data_dir)
-        splits = meta["splits"]
-        self._splits = sorted(splits)
-        if self.predict_split is not None:
-            self.resolved_predict_split(self._splits)  # a misspelled split fails now, not after the whole fit
-        by_role = resolve.split_roles(splits)
-        val_split, test_split = by_role.get("val"), by_role.get("test")
-        if "train" in by_role:
-            train = self.build_dataset(by_role["train"], self.train_transform())
-            if val_split is not None:
-                self.train_dataset = train
-            elif self.val_fraction > 0:
-                n = len(train)  # type: ignore[arg-type]
-                order = np.random.default_rng(self.seed).permutation(n)
-                n_val = max(1, round(n * self.val_fraction))
-                self.val_dataset = _IndexView(
-                    self.build_dataset(by_role["train"], self.val_transform()), np.sort(order[:n_val])
-                )
-                self.train_dataset = _IndexView(train, np.sort(order[n_val:]))
-            else:
-                self.train_dataset = train
-        if val_split is not None:
-            self.val_dataset = self.build_dataset(val_split, self.val_transform())
-        if test_split is not None:
-            self.test_dataset = self.build_dataset(test_split, self.val_transform())
-
     def resolved_predict_split(self, splits: Sequence[str] | None = None) -> str:
         """The split ``predict_dataloader`` reads: ``predict_split``, else ``test``, else ``val``, else ``train``."""
-        names = list(_format.read_meta(self.database_path)["splits"]) if splits is None else list(splits)
-        return resolve.predict_split(names, self.predict_split, self.database_path)
+        return pick_predict_split(self.database_path, self.predict_split, splits)
 
     def predict_sources(self) -> list[str]:
-        """Where each sample of :meth:`predict_dataloader` came from, in its order (on one device).
-
-        Each entry is the path relative to the converted folder, the path as listed in a list file, or the index in a
-        converted dataset.
+        """Where each sample of :meth:`predict_dataloader` came from, in its order (on one device; :meth:`sources`).
 
         Under DDP each rank predicts every ``world_size``-th sample (``DistributedSampler`` without shuffling); rank
         ``r``'s ``i``-th prediction is ``predict_sources()[r + i * world_size]`` (the last few may repeat).
-
-        Raises:
-            ValueError: the database predates stored sources; convert it again (``--force``) to store them.
-
         """
         return self.sources(self.resolved_predict_split())
 
-    # ------------------------------------------------------------------------------------------------------------
-    # Extension points
-    # ------------------------------------------------------------------------------------------------------------
+    # --- Extension points ---------------------------------------------------------------------------------------
 
     def train_transform(self) -> Callable[[torch.Tensor], torch.Tensor]:
         """The per-image training transform: uint8 CHW in, uint8 CHW ``image_size`` square out."""
@@ -483,16 +391,10 @@ class FastImageDataModule(LightningDataModule):
             self.database_path, split=split, transform=transform, fast_decode=True, max_pixels=self.max_pixels
         )
 
-    # ------------------------------------------------------------------------------------------------------------
-    # Loaders
-    # ------------------------------------------------------------------------------------------------------------
+    # --- Loaders ------------------------------------------------------------------------------------------------
 
     def worker_budget(self) -> int:
-        """Workers per process that the usable CPUs allow: usable CPUs // training processes sharing them.
-
-        The processes sharing them are the training processes on this node, or only this one when a launcher pinned
-        each rank to its own CPUs (see :func:`~lightning_fastdata.cpus.pinned_to_own_cpus`).
-        """
+        """Workers per process that the usable CPUs allow (:func:`~lightning_fastdata.workers.budget_for`)."""
         return budget_for(self.trainer)
 
     def resolved_num_workers(self) -> int:
@@ -500,23 +402,17 @@ class FastImageDataModule(LightningDataModule):
         return self._workers.num_workers(self)
 
     def resolved_engine(self, workers: int | None = None) -> Literal["threads", "processes"]:
-        """The engine the loaders use: ``engine``, or for ``"auto"`` the choice for ``workers``, logged once.
-
-        ``workers`` defaults to the budget, or to ``num_workers`` when it is a number. What ``"auto"`` follows:
-        :meth:`lightning_fastdata.workers.WorkerChoice.engine`.
-        """
+        """The engine the loaders use: ``engine``, or ``"auto"``'s choice, logged once (``WorkerChoice.engine``)."""
         return self._workers.engine(self, workers)
 
     def tuning_loader(self, config: LoaderConfig) -> DataLoader:
-        """The training loader as ``fit`` builds it, with ``config``'s workers, engine, batch size and pinning.
-
-        What ``num_workers="tune"`` and ``lightning-fastdata bench`` time: the batch path, the engine and, on CUDA, the
-        copy to the device and the normalization there.
-        """
+        """The training loader as ``fit`` builds it, with ``config``'s settings: what ``"tune"`` and ``bench`` time."""
         if self.train_dataset is None:
             self.setup("fit")
         assert self.train_dataset is not None
-        return self._loader(self.train_dataset, shuffle=True, drop_last=self.drop_last, train=True, config=config)
+        return loaders.split_loader(
+            self, self.train_dataset, shuffle=True, drop_last=self.drop_last, train=True, config=config
+        )
 
     def _on_cuda(self) -> bool:
         return trains_on_cuda(self.trainer)
@@ -530,118 +426,18 @@ class FastImageDataModule(LightningDataModule):
 
     def uses_device_decode(self) -> bool:
         """Whether JPEGs are decoded on the GPU (``decode="device"`` on CUDA); warns once when CUDA is missing."""
-        if self.decode != "device":
-            return False
-        if self._device().type == "cuda":
-            return True
-        if not self._warned_decode:
-            self._warned_decode = True
-            rank_zero_warn(
-                f"`decode='device'` needs a CUDA device, but training runs on {self._device().type}: decoding on the"
-                " CPU in the DataLoader workers instead."
-            )
-        return False
+        return loaders.uses_device_decode(self)
 
     def _output(self) -> Output:
         """What the loaders read: encoded for device decode, uint8 for CUDA, normalized float on a CPU."""
         return loader_output(self.uses_device_decode(), self._device())
 
     def set_image_size(self, size: int) -> None:
-        """Crop to ``size`` from now on: progressive resizing and FixRes (docs/datamodule.md).
+        """Crop to ``size`` (an int >= 1) from now on: progressive resizing and FixRes (docs/datamodule.md).
 
-        The datasets already built stay, with their samples, order and ``val_fraction`` holdout; only their crop
-        transforms (:class:`~lightning_fastdata.transforms.RandomResizedCropFlip`,
-        :class:`~lightning_fastdata.transforms.CenterCropResize`) change size, and so do the crops of
-        ``decode="device"``. Loaders already built follow as their next epoch starts: batch slots of the new shape,
-        persistent worker processes restarted. Call it before ``fit``, or from a callback's ``on_train_epoch_start``
-        (before the epoch's first batch is drawn); with ``image_size_schedule`` the schedule sets the size again as
-        each training epoch starts. :attr:`image_size` changes; the saved hyperparameter stays the configured one.
-
-        Raises:
-            InvalidArgumentError: ``size`` is not an int >= 1.
-
+        What changes and when: :func:`lightning_fastdata.resizing.set_image_size`.
         """
-        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-            raise InvalidArgumentError(f"`set_image_size` needs an int >= 1, got {size!r}.")
-        if size == self.image_size:
-            return
-        previous, self.image_size = self.image_size, size
-        built = {"train": self.train_dataset, "val": self.val_dataset, "test": self.test_dataset}
-        missed = resizing.resize([d for d in (*built.values(), self.predict_dataset) if d is not None], size)
-        if self._stage is not None:
-            self._stage.image_size = size
-        rank_zero_info(
-            f"FastImageDataModule: image_size {previous} -> {size}; the loaders follow as their next epoch starts"
-            " (new batch slots, and any persistent worker processes restart with the new crop size)."
-        )
-        for name, dataset in built.items():
-            if dataset is not None and any(dataset is d for d in missed):
-                rank_zero_warn(
-                    f"`set_image_size`: the {name} dataset's transform is not RandomResizedCropFlip or"
-                    " CenterCropResize, so its crops keep their size. Override `set_image_size` to resize it too."
-                )
-        if self._splits is not None:
-            self._check_store_size(_format.read_meta(self.database_path).get("encoding", {}).get("short_side"), size)
-
-    def _start_epoch(self, stage: DeviceStage, schedule: bool, epoch: int) -> int:
-        """A loader's epoch starts: the scheduled size (training), the current one for its device stage; returns it.
-
-        A loader whose persistent worker processes started at another size restarts them (``before_epoch``).
-        """
-        if schedule and self.image_size_schedule:
-            self.set_image_size(resizing.size_at(self.image_size_schedule, epoch, self._sizes[0]))
-        stage.image_size = self.image_size
-        return self.image_size
-
-    def _loader(
-        self, dataset: Dataset, shuffle: bool, drop_last: bool, train: bool = False, config: LoaderConfig | None = None
-    ) -> FastLoader:
-        """The loader of one split, with this DataModule's settings (or ``config``'s, for tuning).
-
-        :mod:`lightning_fastdata.pipeline` follows a sample from record to device batch.
-        """
-        if config is None:
-            workers, batch_size = self.resolved_num_workers(), self.batch_size
-            engine = self.resolved_engine(workers)
-            prefetch_factor, pin_memory = self.prefetch_factor, self.pin_memory
-        else:
-            engine, workers, batch_size = config.engine, config.num_workers, config.batch_size
-            prefetch_factor, pin_memory = config.prefetch_factor, config.pin_memory
-        if engine == "threads" and workers > 0:
-            quiet_lightning_worker_check()
-        trainer = self.trainer
-        # A DistributedSampler seeded with `seed` in every case: Lightning leaves a DistributedSampler in place and
-        # calls its `set_epoch` each epoch, so shuffling changes by epoch, is reproducible from `seed`, and shards
-        # across ranks with the Trainer's own `distributed_sampler_kwargs` (num_replicas, rank).
-        dist_kwargs = (trainer.distributed_sampler_kwargs if trainer is not None else None) or {}
-        limit = getattr(trainer, "limit_train_batches", 1.0) if train else 1.0
-        self._stage = self._device_stage()
-        loader = create_loader(
-            dataset,
-            batch_size,
-            shuffle=shuffle,
-            seed=self.seed,
-            num_replicas=dist_kwargs.get("num_replicas", 1),
-            rank=dist_kwargs.get("rank", 0),
-            resumable=train,
-            drop_last=drop_last,
-            engine=engine,  # type: ignore[arg-type]
-            workers=workers,
-            prefetch_factor=prefetch_factor,
-            persistent_workers=self.persistent_workers,
-            output=self._output(),
-            normalizer=self.normalizer,
-            channels_last=self.channels_last,
-            skip_counter=self._skip_counter if self.on_bad_sample == "skip" else None,
-            pin_memory=self._on_cuda() if pin_memory is None else pin_memory,
-            device=self._device() if self.uses_prefetch() else None,
-            device_stage=self._stage,
-            limit_batches=limit if isinstance(limit, (int, float)) else 1.0,
-            return_index=self.return_index,
-            before_epoch=functools.partial(self._start_epoch, self._stage, train and config is None),
-        )
-        self._stage_in_loader = loader.prefetching
-        return loader
+        resizing.set_image_size(self, size)
 
     @override
     def train_dataloader(self) -> DataLoader:
@@ -664,31 +460,14 @@ class FastImageDataModule(LightningDataModule):
         assert self.train_dataset is not None
         if self.drop_last:
             self.clamp_batch_size()
-        return self._loader(self.train_dataset, shuffle=True, drop_last=self.drop_last, train=True)
+        return loaders.split_loader(self, self.train_dataset, shuffle=True, drop_last=self.drop_last, train=True)
 
     def clamp_batch_size(self) -> int:
-        """Lower ``batch_size`` to this process's share of the training split when it is larger; returns it.
+        """Lower ``batch_size`` to this process's share of the training split when larger, with a warning; returns it.
 
-        The DataModule's attribute and its saved ``batch_size`` both change, so Lightning's ``BatchSizeFinder`` (which
-        reads the saved value) stops there, and a checkpoint says what trained. Warns when it lowers it.
+        The saved ``batch_size`` changes too (:func:`lightning_fastdata.loaders.clamp_batch_size`).
         """
-        if self.train_dataset is None:
-            self.setup("fit")
-        samples = len(self.train_dataset)  # type: ignore[arg-type]
-        replicas = (getattr(self.trainer, "distributed_sampler_kwargs", None) or {}).get("num_replicas", 1)
-        share = max(1, math.ceil(samples / replicas))  # a DistributedSampler pads every rank to the same share
-        if self.batch_size <= share:
-            return self.batch_size
-        per_process = f" ({share} per process on {replicas})" if replicas > 1 else ""
-        rank_zero_warn(
-            f"`batch_size={self.batch_size}` is larger than the training split's {samples} images{per_process}, and"
-            f" `drop_last=True` would leave no batch to train on: batches hold {share} instead, one an epoch. Pass"
-            f" `batch_size` <= {share} (a batch size finder stops here by itself), or `drop_last=False`."
-        )
-        self.batch_size = share
-        if "batch_size" in self.hparams:
-            self.hparams["batch_size"] = share
-        return share
+        return loaders.clamp_batch_size(self)
 
     @override
     def val_dataloader(self) -> DataLoader | list[DataLoader]:
@@ -697,7 +476,7 @@ class FastImageDataModule(LightningDataModule):
             self.setup("validate")
         if self.val_dataset is None:
             return []
-        return self._loader(self.val_dataset, shuffle=False, drop_last=False)
+        return loaders.split_loader(self, self.val_dataset, shuffle=False, drop_last=False)
 
     @override
     def test_dataloader(self) -> DataLoader:
@@ -710,22 +489,17 @@ class FastImageDataModule(LightningDataModule):
         if self._splits is None:
             self.setup("test")
         if self.test_dataset is None:
-            raise MissingSplitError(
-                f"{str(self.database_path)!r} has no test split; it holds {self._splits}. Put test images in"
-                " `test/<class>/` (or `testing/`) beside `train/` under `data_dir`, then run again."
-            )
-        return self._loader(self.test_dataset, shuffle=False, drop_last=False)
+            raise missing_split(self.database_path, self._splits, "test")
+        return loaders.split_loader(self, self.test_dataset, shuffle=False, drop_last=False)
 
     @override
     def predict_dataloader(self) -> DataLoader:
         """Batches of :meth:`resolved_predict_split`, in order; :meth:`predict_sources` maps them back to files."""
         if self.predict_dataset is None:
             self.predict_dataset = self.build_dataset(self.resolved_predict_split(), self.val_transform())
-        return self._loader(self.predict_dataset, shuffle=False, drop_last=False)
+        return loaders.split_loader(self, self.predict_dataset, shuffle=False, drop_last=False)
 
-    # ------------------------------------------------------------------------------------------------------------
-    # On the device
-    # ------------------------------------------------------------------------------------------------------------
+    # --- On the device ------------------------------------------------------------------------------------------
 
     def batch_dtype(self) -> torch.dtype:
         """The dtype images are converted to: float32, or the Trainer's true-precision dtype."""
@@ -745,9 +519,7 @@ class FastImageDataModule(LightningDataModule):
     def to_model_input(self, batch: Any) -> Any:
         """uint8 images, or still-encoded ones, in the first element of a batch -> normalized floats on its device.
 
-        The device stage (:class:`~lightning_fastdata.pipeline.device.DeviceStage`): the loaders run it on the side
-        stream when they copy batches ahead, ``on_after_batch_transfer`` otherwise. A batch that is already floating
-        point only takes the model's dtype.
+        The device stage (:class:`~lightning_fastdata.pipeline.device.DeviceStage`); a float batch only takes the dtype.
         """
         return self._device_stage()(batch)
 
@@ -762,19 +534,12 @@ class FastImageDataModule(LightningDataModule):
             return batch
         return (self._stage or self._device_stage())(batch)
 
-    # ------------------------------------------------------------------------------------------------------------
-    # Targets and where each sample came from
-    # ------------------------------------------------------------------------------------------------------------
+    # --- Targets and where each sample came from ----------------------------------------------------------------
 
     @property
     def target_spec(self) -> TargetSpec:
-        """What each sample's target is (:mod:`~lightning_fastdata.store.targets`), from the database.
-
-        Before conversion: classes (a folder's).
-        """
-        if self.is_database or (self.database_path / _format.DATA_FILE).is_file():
-            return TargetSpec.from_meta(_format.read_meta(self.database_path), self.database_path)
-        return TargetSpec("class", len(self.classes))
+        """What each sample's target is (:mod:`~lightning_fastdata.store.targets`): the database's, else classes."""
+        return resolve.target_spec(self.data_dir, self.database_path, lambda: self.classes)
 
     @property
     def target_kind(self) -> str:
@@ -789,25 +554,6 @@ class FastImageDataModule(LightningDataModule):
     def sources(self, split: str | None = None) -> list[str]:
         """Where each index of ``split`` came from: ``sources(split)[index]`` names the file of a batch's ``index``.
 
-        ``split`` defaults to the training split, which the held-out validation samples are indices of too. Each
-        entry is the path relative to the converted folder, the path as listed in a list file, or the index in a
-        converted dataset.
-
-        Raises:
-            MissingSplitError: the database has no split ``split``.
-            ValueError: the database predates stored sources; convert it again (``--force``) to store them.
-
+        ``split`` defaults to the training split. What an entry is, and the errors: :func:`.splits.split_sources`.
         """
-        names = sorted(_format.read_meta(self.database_path)["splits"])
-        if split is None:
-            by_role = sorted(names, key=lambda n: (canonical_split(n) != "train", n != "train", n))
-            split = by_role[0]
-        if split not in names:
-            raise MissingSplitError(f"split {split!r} is not in {str(self.database_path)!r}; it holds {names}.")
-        sources = _format.read_sources(self.database_path, split)
-        if sources is None:
-            raise ValueError(
-                f"{str(self.database_path)!r} was converted before source paths were stored; convert it again"
-                " (`lightning-fastdata convert --force`) to map predictions back to files."
-            )
-        return sources
+        return split_sources(self.database_path, split)

@@ -4,6 +4,10 @@ Lightning merges the model's and the DataModule's hyperparameters for the logger
 saved with different values (``Error while merging hparams``). :func:`clashes` finds those names, :func:`for_loggers`
 renames the DataModule's to ``datamodule/<name>``, and :func:`say_clashes` warns once per clash
 (``FastImageDataModule.hparams_initial`` and ``hparams_clashes``).
+
+Every argument stays saved under its own name (``hparams``, and the checkpoint's ``datamodule_hyper_parameters``), so
+``load_from_checkpoint`` and LightningCLI rebuild the DataModule as it was; only the loggers get the renamed one,
+beside the model's. A name both saved with the same value (``image_size=224`` in both) is logged once.
 """
 
 from __future__ import annotations

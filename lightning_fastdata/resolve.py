@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,6 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_fastdata.errors import (
     InvalidArgumentError,
-    MissingSplitError,
     ReadOnlyDestinationError,
     RemoteStorageError,
     SourceLayoutError,
@@ -31,7 +30,7 @@ from lightning_fastdata.errors import (
 from lightning_fastdata.store import cache, remote
 from lightning_fastdata.store import format as _format
 from lightning_fastdata.store.conversion import convert
-from lightning_fastdata.store.sources import canonical_split
+from lightning_fastdata.store.sources import folder_classes
 from lightning_fastdata.store.targets import LABEL_SEPARATOR, TargetSpec
 
 log = logging.getLogger(__name__)
@@ -76,6 +75,29 @@ def database_path(
     return cache.converted_path(source, root, short_side, quality, encoding, targets, label_separator)
 
 
+def classes(data_dir: str, root: Path, database: Path, staged: bool) -> list[str]:
+    """Class names: from the database, or before conversion from the folder names (nothing is read).
+
+    ``database`` is the one read (:func:`database_path`), ``staged`` whether this process staged or found the copy of
+    a URL ``data_dir`` (else it is looked for under the cache folder ``root``: :func:`check_staged`).
+    """
+    if remote.is_url(data_dir) and not staged:
+        check_staged(data_dir, root)
+    if is_database(data_dir) or (database / _format.DATA_FILE).is_file():
+        return list(_format.read_meta(database)["classes"])
+    return folder_classes(Path(data_dir).expanduser())
+
+
+def target_spec(data_dir: str, database: Path, classes: Callable[[], list[str]]) -> TargetSpec:
+    """What each sample's target is (:mod:`~lightning_fastdata.store.targets`), from the database ``database``.
+
+    Before conversion: classes (a folder's, ``classes()``).
+    """
+    if is_database(data_dir) or (database / _format.DATA_FILE).is_file():
+        return TargetSpec.from_meta(_format.read_meta(database), database)
+    return TargetSpec("class", len(classes()))
+
+
 def check_targets(meta: Mapping[str, Any], targets: str | None, path: Path) -> None:
     """Refuse a database whose target kind is not the ``targets`` asked for (``None``: any kind).
 
@@ -103,38 +125,6 @@ def check_staged(data_dir: str, root: Path) -> None:
             f"`data_dir` {shown(data_dir)!r} is not staged yet: its classes are read from the staged copy. Call"
             " `prepare_data()` first (the Trainer does, before `setup`)."
         )
-
-
-def split_roles(splits: Iterable[str]) -> dict[str, str]:
-    """The split that plays each role: ``{"train" | "val" | "test" | its own name: split}``.
-
-    Splits are found by their canonical names (``valid``, ``validation``, ``testing``... in databases written before
-    split names were canonical); an exact ``val`` beats ``valid``.
-    """
-    by_role: dict[str, str] = {}
-    for name in sorted(splits, key=lambda n: (n != canonical_split(n), n)):  # an exact "val" beats "valid"
-        by_role.setdefault(canonical_split(name) or name, name)
-    return by_role
-
-
-def predict_split(names: Sequence[str], wanted: str | None, database: Path) -> str:
-    """The split ``predict_dataloader`` reads: ``wanted`` (``predict_split``), else ``test``, ``val``, ``train``.
-
-    Raises:
-        MissingSplitError: ``wanted`` is not one of ``names``, the splits of ``database``.
-
-    """
-    if wanted is not None:
-        if wanted not in names:
-            raise MissingSplitError(
-                f"`predict_split` {wanted!r} is not in {str(database)!r}; it holds {sorted(names)}."
-            )
-        return wanted
-    for role in ("test", "val", "train"):
-        match = next((n for n in sorted(names) if canonical_split(n) == role), None)
-        if match is not None:
-            return match
-    return sorted(names)[0]
 
 
 def check_store_size(stored: int | None, image_size: int, crop_fraction: float, database: bool, data_dir: str) -> None:

@@ -901,12 +901,12 @@ import contextlib, io, json, os, sys, traceback, warnings
 
 src, cache, empty, root = sys.argv[1:5]
 sys.path.append(root)  # for `examples.*` in the config; the package itself as installed
-from lightning_fastdata import FastImageDataModule, datamodule, resolve, workers
+from lightning_fastdata import FastImageDataModule, datamodule, resizing, resolve, workers
 from lightning_fastdata.cli import main
 
 results = {}
 infos = []
-for module in (datamodule, resolve, workers):  # the DataModule's and the modules it logs through
+for module in (datamodule, resizing, resolve, workers):  # the DataModule's and the modules it logs through
     module.rank_zero_info = lambda message, *args, **kwargs: infos.append(str(message))
 
 

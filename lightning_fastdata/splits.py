@@ -1,0 +1,161 @@
+"""Which database splits a DataModule reads: train, val (or a seeded holdout of train), test and predict.
+
+``FastImageDataModule.setup`` opens them (:func:`open_splits`): each split plays the role its canonical name says
+(:func:`split_roles`), and without a ``val`` split a seeded ``val_fraction`` of ``train`` is held out, both sides
+:class:`IndexView` s of the same split. ``predict_dataloader`` reads :func:`pick_predict_split`. Every index of a
+split, a held-out one included, names its source file (:func:`split_sources`).
+
+The DataModule is read through its methods (``build_dataset``, ``train_transform``, ``val_transform``,
+``resolved_predict_split``), so that a subclass's overrides count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from torch.utils.data import Dataset
+
+from lightning_fastdata import resolve
+from lightning_fastdata.errors import MissingSplitError
+from lightning_fastdata.store import cache
+from lightning_fastdata.store import format as _format
+from lightning_fastdata.store.sources import canonical_split
+
+
+class IndexView(Dataset):
+    """A fixed subset of a dataset, its indices held as ``int32`` (4 bytes per sample).
+
+    The ``val_fraction`` holdout and the rest of ``train``. The batch path reads it as it reads a ``Subset``: its
+    ``dataset`` and ``indices`` (:func:`lightning_fastdata.pipeline.kernel.fuses`).
+    """
+
+    def __init__(self, dataset: Dataset, indices: np.ndarray) -> None:
+        self.dataset = dataset
+        self.indices = indices.astype(np.int32)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, index: int) -> Any:
+        return self.dataset[int(self.indices[index])]
+
+
+def split_roles(splits: Iterable[str]) -> dict[str, str]:
+    """The split that plays each role: ``{"train" | "val" | "test" | its own name: split}``.
+
+    Splits are found by their canonical names (``valid``, ``validation``, ``testing``... in databases written before
+    split names were canonical); an exact ``val`` beats ``valid``.
+    """
+    by_role: dict[str, str] = {}
+    for name in sorted(splits, key=lambda n: (n != canonical_split(n), n)):  # an exact "val" beats "valid"
+        by_role.setdefault(canonical_split(name) or name, name)
+    return by_role
+
+
+def open_splits(dm: Any) -> None:
+    """Open the database's splits into ``dm``'s datasets; hold out ``val_fraction`` of ``train`` without ``val``.
+
+    Stages a URL's database first on a rank whose node did not (``prepare_data`` ran elsewhere), records the
+    database's use, and checks its target kind and stored size against ``dm``'s arguments. The holdout is seeded
+    (``seed``): opened again, it is the same.
+    """
+    if dm.is_remote and dm._staged is None:  # a rank other than the node's first: wait for its staging
+        dm._staged = resolve.find_or_stage(dm.data_dir, dm.cache_dir, dm.cache_root)
+    cache.record_use(dm.database_path, dm.cache_root)  # its last use, and that this process reads it
+    meta = _format.read_meta(dm.database_path)
+    resolve.check_targets(meta, dm.targets, dm.database_path)
+    size = max(dm._sizes)
+    resolve.check_store(meta, dm.short_side, size, dm.crop_fraction, dm.is_database, dm.data_dir)
+    splits = meta["splits"]
+    dm._splits = sorted(splits)
+    if dm.predict_split is not None:
+        dm.resolved_predict_split(dm._splits)  # a misspelled split fails now, not after the whole fit
+    by_role = split_roles(splits)
+    val_split, test_split = by_role.get("val"), by_role.get("test")
+    if "train" in by_role:
+        train = dm.build_dataset(by_role["train"], dm.train_transform())
+        if val_split is not None:
+            dm.train_dataset = train
+        elif dm.val_fraction > 0:
+            n = len(train)  # type: ignore[arg-type]
+            order = np.random.default_rng(dm.seed).permutation(n)
+            n_val = max(1, round(n * dm.val_fraction))
+            dm.val_dataset = IndexView(dm.build_dataset(by_role["train"], dm.val_transform()), np.sort(order[:n_val]))
+            dm.train_dataset = IndexView(train, np.sort(order[n_val:]))
+        else:
+            dm.train_dataset = train
+    if val_split is not None:
+        dm.val_dataset = dm.build_dataset(val_split, dm.val_transform())
+    if test_split is not None:
+        dm.test_dataset = dm.build_dataset(test_split, dm.val_transform())
+
+
+def pick_predict_split(database: Path, wanted: str | None, names: Sequence[str] | None = None) -> str:
+    """The split ``predict_dataloader`` reads: ``wanted`` (``predict_split``), else ``test``, ``val``, ``train``.
+
+    ``names``: the splits of ``database`` (default: read from its metadata).
+
+    Raises:
+        MissingSplitError: ``wanted`` is not one of them.
+
+    """
+    names = list(_format.read_meta(database)["splits"]) if names is None else list(names)
+    if wanted is not None:
+        if wanted not in names:
+            raise MissingSplitError(
+                f"`predict_split` {wanted!r} is not in {str(database)!r}; it holds {sorted(names)}."
+            )
+        return wanted
+    for role in ("test", "val", "train"):
+        match = next((n for n in sorted(names) if canonical_split(n) == role), None)
+        if match is not None:
+            return match
+    return sorted(names)[0]
+
+
+#: each required split's name in the error, and what to do
+_MISSING = {
+    "train": (
+        "`train`",
+        "Put training images in `train/<class>/` (or `training/`) under `data_dir`, or run validate/test/predict only.",
+    ),
+    "test": (
+        "test",
+        "Put test images in `test/<class>/` (or `testing/`) beside `train/` under `data_dir`, then run again.",
+    ),
+}
+
+
+def missing_split(database: Path, splits: Sequence[str] | None, role: str) -> MissingSplitError:
+    """The error for a ``train`` (``fit``) or ``test`` (``test_dataloader``) split that ``database`` lacks."""
+    name, fix = _MISSING[role]
+    return MissingSplitError(f"{str(database)!r} has no {name} split; it holds {splits}. {fix}")
+
+
+def split_sources(database: Path, split: str | None = None) -> list[str]:
+    """Where each index of ``split`` of ``database`` came from (``FastImageDataModule.sources``).
+
+    ``split`` defaults to the training split, which the held-out validation samples are indices of too. Each entry is
+    the path relative to the converted folder, the path as listed in a list file, or the index in a converted dataset.
+
+    Raises:
+        MissingSplitError: the database has no split ``split``.
+        ValueError: the database predates stored sources; convert it again (``--force``) to store them.
+
+    """
+    names = sorted(_format.read_meta(database)["splits"])
+    if split is None:
+        by_role = sorted(names, key=lambda n: (canonical_split(n) != "train", n != "train", n))
+        split = by_role[0]
+    if split not in names:
+        raise MissingSplitError(f"split {split!r} is not in {str(database)!r}; it holds {names}.")
+    sources = _format.read_sources(database, split)
+    if sources is None:
+        raise ValueError(
+            f"{str(database)!r} was converted before source paths were stored; convert it again"
+            " (`lightning-fastdata convert --force`) to map predictions back to files."
+        )
+    return sources
