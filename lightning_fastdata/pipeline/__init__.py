@@ -2,7 +2,8 @@
 
 One module per stage: :mod:`~lightning_fastdata.pipeline.factory` (the loader factory and the loader),
 :mod:`~lightning_fastdata.pipeline.threads` and :mod:`~lightning_fastdata.pipeline.processes` (the two engines),
-:mod:`~lightning_fastdata.pipeline.kernel` (record to pixels), :mod:`~lightning_fastdata.pipeline.device` (the
+:mod:`~lightning_fastdata.pipeline.kernel` (record to pixels; a batch's targets and indices in
+:mod:`~lightning_fastdata.pipeline.targets`), :mod:`~lightning_fastdata.pipeline.device` (the
 device stage; nvJPEG in :mod:`~lightning_fastdata.pipeline.device_decode`, the side streams in
 :mod:`~lightning_fastdata.pipeline.streams`) and :mod:`~lightning_fastdata.pipeline.resume` (the saved position).
 

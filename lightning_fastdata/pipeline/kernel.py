@@ -40,9 +40,10 @@ from lightning_fastdata.errors import FastDataError, SampleError
 from lightning_fastdata.keyed_random import AugmentKey, sample_key
 from lightning_fastdata.pipeline.device_decode import collate_encoded, encoded_sample
 from lightning_fastdata.pipeline.slots import Batches, FreshBatch, SlotBatch, SlotLayout, SlotMemory
+from lightning_fastdata.pipeline.targets import fill_targets, new_targets, true_index, with_index
 from lightning_fastdata.skipping import SkipCounter
 from lightning_fastdata.store.format import RecordHeader
-from lightning_fastdata.store.reader import LmdbImageDataset, collate_labels
+from lightning_fastdata.store.reader import LmdbImageDataset
 from lightning_fastdata.transforms import Box, Normalizer, crop_resize_into, is_crop_transform
 
 Output = Literal["uint8", "float", "encoded"]
@@ -199,16 +200,13 @@ class BatchReader(Dataset):
             return self._read_encoded(indices, key)
         if not self.fused:
             if self.return_index:  # each sample with its dataset index, before collating
-                return default_collate(self._each(indices, lambda i: _appended(self._sample(i, key), self._index(i))))
+
+                def indexed(index: int) -> Any:
+                    return with_index(self._sample(index, key), true_index(self.dataset, self.indices, index))
+
+                return default_collate(self._each(indices, indexed))
             return default_collate(self._each(indices, lambda index: self._sample(index, key)))
         return self._read_fused(indices, key)
-
-    def _index(self, index: int) -> int:
-        """Sample ``index``'s true dataset index: through a subset (of any dataset), the index into what it views."""
-        if self.indices is not None:
-            return int(self.indices[index])
-        inner = getattr(self.dataset, "indices", None)
-        return int(inner[index]) if inner is not None and hasattr(self.dataset, "dataset") else int(index)
 
     def _sample(self, index: int, key: AugmentKey | None) -> Any:
         """One sample through the wrapped dataset, its transforms drawing from its key (the per-sample path).
@@ -243,8 +241,8 @@ class BatchReader(Dataset):
             return FreshBatch(memory, *self._fill_slot(indices, key, memory, 0))
         images = self._new_batch(len(indices))
         count, labels, records = self._fill(indices, key, images.numpy())
-        targets = self._new_targets(count)
-        given = self._targets_into(labels, records, targets.numpy())
+        targets = new_targets(self._lmdb().target_spec, count, self._pinned())
+        given = fill_targets(self._lmdb(), labels, records, targets.numpy())
         batch = (self._as_nchw(images[:count]), targets if given is None else self._pin_labels(given))
         return (*batch, self._pin_labels(torch.tensor(records, dtype=torch.int64))) if self.return_index else batch
 
@@ -289,30 +287,7 @@ class BatchReader(Dataset):
         count, labels, records = self._fill(indices, key, slots.images(slot, len(indices)))
         if slots.layout.index:
             slots.indices(slot, count)[:] = records
-        return count, self._targets_into(labels, records, slots.labels(slot, count))
-
-    def _targets_into(self, labels: list[int], records: list[int], out: np.ndarray) -> Any:
-        """The kept samples' targets into ``out`` (``[n, *target_spec.shape]``); ``None``, or those that do not fit.
-
-        Class indices are the header labels already read; the other kinds' are read once for the batch
-        (``targets_of``: a few bytes a sample). A ``target_transform`` runs per sample: class indices it returns go
-        into ``out``, anything else is collated and returned.
-        """
-        base = self.base
-        assert isinstance(base, LmdbImageDataset)
-        class_kind, transform = base.target_spec.kind == "class", base.target_transform
-        if transform is None:
-            if class_kind:
-                out[:] = labels
-            else:
-                base.targets_of(records, out=out)
-            return None
-        samples: list[Any] = labels if class_kind else list(torch.from_numpy(base.targets_of(records)))
-        samples = [transform(sample) for sample in samples]
-        if class_kind and all(type(sample) is int for sample in samples):
-            out[:] = samples
-            return None
-        return collate_labels(samples)
+        return count, fill_targets(self._lmdb(), labels, records, slots.labels(slot, count))
 
     def _boxes(self, found: list[tuple[Any, ...]], key: AugmentKey | None) -> tuple[list[Box], list[bool]]:
         """The crop boxes and flips of the records ``found`` (``((index, record), header, ...)``), from their keys."""
@@ -405,14 +380,10 @@ class BatchReader(Dataset):
             return torch.empty(shape, dtype=dtype, pin_memory=True)
         return torch.from_numpy(np.empty(shape, dtype=layout.dtype))
 
-    def _new_targets(self, n: int) -> Tensor:
-        """Fresh memory for the targets of a batch of ``n`` built without a slot: page-locked as :meth:`_new_batch`."""
+    def _lmdb(self) -> LmdbImageDataset:
+        """The database split the fused and encoded paths read (their reader is built only for one)."""
         assert isinstance(self.base, LmdbImageDataset)
-        spec = self.base.target_spec
-        shape, dtype = (n, *spec.shape), torch.int64 if spec.dtype == "int64" else torch.float32
-        if self._pinned():
-            return torch.empty(shape, dtype=dtype, pin_memory=True)
-        return torch.from_numpy(np.empty(shape, dtype=spec.dtype))
+        return self.base
 
     def _pin_labels(self, labels: Any) -> Any:
         """Labels in page-locked memory when batches are: their copy to the GPU is asynchronous too."""
@@ -456,11 +427,6 @@ class BatchReader(Dataset):
     def __repr__(self) -> str:
         path = "fused" if self.fused else "per-sample"
         return f"{type(self).__name__}({self.dataset!r}, output={self.output!r}, {path})"
-
-
-def _appended(sample: Any, index: int) -> tuple[Any, ...]:
-    """A per-sample path's sample with its dataset index last: ``(image, target)`` -> ``(image, target, index)``."""
-    return (*sample, index) if isinstance(sample, (tuple, list)) else (sample, index)
 
 
 class KeyedIndices(list):

@@ -1,0 +1,63 @@
+"""A batch's targets and dataset indices: from the records' headers or typed arrays into the batch's memory.
+
+Step 3 of the batch path gives every batch the targets of its database's kind
+(:mod:`~lightning_fastdata.store.targets`): class indices are the record headers' labels, already read with the images,
+so a class batch costs nothing more; the other kinds are read once a batch from the split's typed arrays
+(:meth:`~lightning_fastdata.LmdbImageDataset.targets_of`, a few bytes a sample) straight into the slot or fresh memory
+that holds the batch. With ``return_index`` the batch also holds each sample's true dataset index.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from lightning_fastdata.store.reader import LmdbImageDataset, collate_labels
+from lightning_fastdata.store.targets import TargetSpec
+
+
+def fill_targets(base: LmdbImageDataset, labels: Sequence[int], records: Sequence[int], out: np.ndarray) -> Any:
+    """The kept samples' targets into ``out`` (``[n, *target_spec.shape]``); ``None``, or those that do not fit it.
+
+    ``labels``: the kept records' header labels (their classes, for a ``class`` database); ``records``: their indices
+    in the split. A ``target_transform`` runs per sample: class indices it returns go into ``out``, anything else is
+    collated and returned for the batch to carry beside its memory.
+    """
+    class_kind, transform = base.target_spec.kind == "class", base.target_transform
+    if transform is None:
+        if class_kind:
+            out[:] = labels
+        else:
+            base.targets_of(records, out=out)
+        return None
+    samples: list[Any] = list(labels) if class_kind else list(torch.from_numpy(base.targets_of(records)))
+    samples = [transform(sample) for sample in samples]
+    if class_kind and all(type(sample) is int for sample in samples):
+        out[:] = samples
+        return None
+    return collate_labels(samples)
+
+
+def new_targets(spec: TargetSpec, n: int, pinned: bool) -> Tensor:
+    """Fresh memory for the targets of a batch of ``n`` built without a slot (page-locked when ``pinned``)."""
+    shape, dtype = (n, *spec.shape), torch.int64 if spec.dtype == "int64" else torch.float32
+    if pinned:  # torch's caching host allocator reuses pinned blocks safely
+        return torch.empty(shape, dtype=dtype, pin_memory=True)
+    return torch.from_numpy(np.empty(shape, dtype=spec.dtype))
+
+
+def true_index(dataset: Any, view: np.ndarray | None, index: int) -> int:
+    """Sample ``index``'s dataset index: through a subset (``view``, or any dataset's ``indices``) what it views."""
+    if view is not None:
+        return int(view[index])
+    inner = getattr(dataset, "indices", None)
+    return int(inner[index]) if inner is not None and hasattr(dataset, "dataset") else int(index)
+
+
+def with_index(sample: Any, index: int) -> tuple[Any, ...]:
+    """A per-sample path's sample with its dataset index last: ``(image, target)`` -> ``(image, target, index)``."""
+    return (*sample, index) if isinstance(sample, (tuple, list)) else (sample, index)
