@@ -181,3 +181,16 @@ def write_database(
                 txn.put(key, value)
     env.close()
     return path
+
+
+def damage_record(db: Path, index: int, split: str = "train") -> None:
+    """Flip one payload byte of record ``index`` of ``split`` in place, keeping its length: only its checksum tells."""
+    env = lmdb.open(str(db), map_size=1 << 26)
+    try:
+        with env.begin(write=True) as txn:
+            key = record_key(split, index)
+            value = bytearray(txn.get(key))
+            value[HEADER.size + 10] ^= 0xFF
+            txn.put(key, bytes(value))
+    finally:
+        env.close()

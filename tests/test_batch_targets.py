@@ -12,17 +12,16 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import lmdb
 import numpy as np
 import pytest
 import torch
+from hostile import damage_record
 from kinds import make_kind_database
 from lightning.pytorch import LightningModule, Trainer
 from torch.utils.data import Subset
 
 from lightning_fastdata import FastImageDataModule, LmdbImageDataset
 from lightning_fastdata.pipeline import create_loader
-from lightning_fastdata.store import format as store_format
 from lightning_fastdata.transforms import CenterCropResize, Normalizer
 
 #: training images of every database (no val split: the DataModule holds out `val_fraction` of them), and test ones
@@ -96,19 +95,6 @@ def test_batches_built_in_fresh_memory_hold_targets_and_index(kinds: dict[str, P
     del kept, loader
 
 
-def _damage_record(db: Path, index: int) -> None:
-    """Flip one payload byte of record ``index`` of ``train`` in place: only its checksum tells."""
-    env = lmdb.open(str(db), map_size=1 << 26)
-    try:
-        with env.begin(write=True) as txn:
-            key = store_format.record_key("train", index)
-            value = bytearray(txn.get(key))
-            value[store_format.HEADER.size + 10] ^= 0xFF
-            txn.put(key, bytes(value))
-    finally:
-        env.close()
-
-
 @pytest.mark.parametrize("output", ["uint8", "encoded"])
 @pytest.mark.parametrize(("engine", "workers"), [("threads", 2), ("processes", 2)])
 def test_a_skipped_sample_takes_its_target_and_index_with_it(
@@ -117,7 +103,7 @@ def test_a_skipped_sample_takes_its_target_and_index_with_it(
     """A damaged record of a multilabel database under the skip policy: the kept samples keep their own targets."""
     db = tmp_path / "damaged.lmdb"
     shutil.copytree(kinds["multilabel"], db)
-    _damage_record(db, 5)
+    damage_record(db, 5)
     dataset = LmdbImageDataset(db, transform=CenterCropResize(16))
     dm = FastImageDataModule(str(db), on_bad_sample="skip")  # its skip counter, as the DataModule passes it
     loader = create_loader(

@@ -29,6 +29,7 @@ import psutil
 import pytest
 import torch
 from fakes import fake_trainer
+from hostile import damage_record
 from PIL import Image
 from torch.utils.data import Dataset
 from workers import RaiseOn, WithIndex, image_digest, read_all_encoded, records_digest
@@ -159,23 +160,10 @@ def test_skip_leaves_the_failing_sample_out_and_counts_it(fault_db: Path, tmp_pa
     del loader
 
 
-def _damage_record(db: Path, index: int) -> None:
-    """Flip one payload byte of a record in place, keeping its length: only its checksum tells."""
-    env = lmdb.open(str(db), map_size=1 << 26)
-    try:
-        with env.begin(write=True) as txn:
-            key = store_format.record_key("train", index)
-            value = bytearray(txn.get(key))
-            value[store_format.HEADER.size + 10] ^= 0xFF
-            txn.put(key, bytes(value))
-    finally:
-        env.close()
-
-
 def test_skip_counts_a_corrupt_record(fault_db: Path, tmp_path: Path) -> None:
     """A record failing its checksum is skipped and counted under "skip", and names its index under "raise"."""
     db = _copy(fault_db, tmp_path / "damaged.lmdb")
-    _damage_record(db, 3)
+    damage_record(db, 3)
     dm = _faulty_module(db, tmp_path, frozenset(), "skip")
     assert sorted(_seen_indices(dm.train_dataloader())) == [i for i in range(40) if i != 3]
     assert dm.skipped_samples == 1
