@@ -264,6 +264,7 @@ def convert_dataset(  # noqa: D417 - the shared options are documented in _OPTIO
     tasks = {split: [(split, i, -1) for i in range(len(ds))] for split, ds in datasets.items()}
     plan = ConversionPlan(
         targets=spec,
+        targets_inferred=targets is None,
         classes=list(classes) if classes is not None else None,
         tasks=tasks,  # type: ignore[arg-type]
         fingerprint=fingerprint,

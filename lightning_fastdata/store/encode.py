@@ -24,7 +24,7 @@ from PIL import Image, UnidentifiedImageError
 from lightning_fastdata._cv import cv2
 from lightning_fastdata.store.format import ENCODING_JPEG, ENCODING_RAW, MAX_SIDE
 from lightning_fastdata.store.summary import image_error_reason
-from lightning_fastdata.store.targets import TargetSpec, check_target
+from lightning_fastdata.store.targets import MIXED_KINDS, TargetSpec, check_target, kind_of_value
 
 if TYPE_CHECKING:
     from lightning_fastdata.store.sources import Task
@@ -205,7 +205,7 @@ def _init_worker(
     datasets: Mapping[str, Any] | None,
     opts: EncodeOptions,
     max_image_pixels: int | None,
-    targets: tuple[TargetSpec, dict[str, int] | None] | None = None,
+    targets: tuple[TargetSpec, dict[str, int] | None, bool] | None = None,
 ) -> None:
     # Ctrl-C reaches the whole process group: the main process handles it (and stops the pool); a worker would only
     # print its own KeyboardInterrupt traceback
@@ -234,10 +234,14 @@ def _load_task(task: Task) -> tuple[Any, Any, int]:
         source, label = _STATE["datasets"][split][item]
     except Exception as err:  # a user's dataset may raise anything; the sample is skipped and reported
         raise _Skip(f"dataset raised {type(err).__name__}: {err}") from None
-    spec, class_to_idx = _STATE.get("targets") or (TargetSpec(), None)
+    spec, class_to_idx, inferred = _STATE.get("targets") or (TargetSpec(), None, False)
     try:
         target = check_target(spec, label, class_to_idx)
     except ValueError as err:
+        kind = kind_of_value(label)
+        if inferred and kind not in (None, "none", spec.kind):  # the first sample's kind was a guess, and is wrong
+            first = f"where the first sample's made it {spec.kind}"
+            raise _Skip(f"{MIXED_KINDS} {label!r:.60} is {kind}, {first}") from None
         raise _Skip(f"{spec.kind} target: {err}") from None
     size = len(source) if isinstance(source, (bytes, bytearray, memoryview)) else 0
     return source, target, size
@@ -260,7 +264,7 @@ def encode_all(
     datasets: Mapping[str, Any] | None,
     opts: EncodeOptions,
     workers: int,
-    targets: tuple[TargetSpec, dict[str, int] | None] | None = None,
+    targets: tuple[TargetSpec, dict[str, int] | None, bool] | None = None,
 ) -> Iterator[Iterator[EncodeResult]]:
     """The :class:`EncodeResult` of each task in order, from a process pool (``workers > 0``) or this process.
 

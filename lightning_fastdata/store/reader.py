@@ -199,6 +199,9 @@ class LmdbImageDataset(Dataset):
         self._targets = SplitTargets(
             self.target_spec, split, int(splits[split]["length"]), crc if type(crc) is int else None, self.path
         )
+        if self.target_spec.kind in ("multilabel", "float"):  # sizes, before a batch's memory is sized by C or K
+            with read_transaction(open_readonly(self.path), buffers=True) as txn:
+                self._targets.check_sizes(txn)
         self.splits: list[str] = sorted(splits)
         self.encoding: dict[str, Any] = dict(meta.get("encoding", {}))
         self._length = int(splits[split]["length"])
@@ -534,8 +537,13 @@ class LmdbImageDataset(Dataset):
         if kind == "none":
             return [NO_LABEL] * self._length
         if kind == "multilabel":
-            every = self.targets_of(np.arange(self._length))
-            return [np.flatnonzero(row).tolist() for row in every]
+            try:
+                with read_transaction(self._environment(), buffers=True) as txn:
+                    return self._targets.class_lists(txn, self._identity)
+            except lmdb.Error as err:
+                raise CorruptRecordError(
+                    f"reading the targets of split {self.split!r} of {self.path!r} failed: {err}"
+                ) from err
         if kind == "float":
             return self.targets_of(np.arange(self._length)).tolist()
         with self._label_array() as labels:

@@ -91,6 +91,8 @@ class ConversionPlan:
     source_bytes: int = 0
     #: the target kind (:mod:`~lightning_fastdata.store.targets`); ``num_classes`` follows ``classes`` when written
     targets: TargetSpec = field(default_factory=TargetSpec)
+    #: whether ``targets`` was inferred from a dataset's first sample: a later target of another kind stops the writer
+    targets_inferred: bool = False
     skipped: list[SkippedFile] = field(default_factory=list)
     ignored: list[SkippedFile] = field(default_factory=list)
 
@@ -315,12 +317,31 @@ def open_image_file(path: str, data: bytes | None = None) -> Image.Image:
         ) from None
 
 
-def folder_classes(src: str | os.PathLike[str]) -> list[str]:
-    """The class names a conversion of ``src`` will have (sorted, across splits; empty class folders left out)."""
+def folder_classes(
+    src: str | os.PathLike[str], targets: str | None = None, label_separator: str = LABEL_SEPARATOR
+) -> list[str]:
+    """The class names a conversion of ``src`` will have (sorted, across splits; empty class folders left out).
+
+    For a list file, those of its labels read as ``targets`` (``None``: inferred), as its conversion reads them.
+    """
+    return list(source_plan(src, targets, label_separator).classes or [])
+
+
+def source_plan(
+    src: str | os.PathLike[str], targets: str | None = None, label_separator: str = LABEL_SEPARATOR
+) -> ConversionPlan:
+    """What a conversion of ``src`` will store, without converting: its classes and target kind.
+
+    A list file is read as ``targets``; a folder gives classes (its tasks are not listed).
+    """
     path = Path(src).expanduser()
     if path.is_file() and path.suffix.lower() in LIST_EXTENSIONS:
-        return list(scan_list(path.absolute()).classes or [])
-    return _nonempty_classes(*_split_folders(path))
+        return scan_list(path.absolute(), targets, label_separator)
+    if targets == "none":
+        return ConversionPlan([], {}, None, str(path), targets=TargetSpec("none"))
+    if targets not in (None, "class"):
+        scan_folder(path, targets)  # refuses, as a conversion would
+    return ConversionPlan(_nonempty_classes(*_split_folders(path)), {}, None, str(path), targets=TargetSpec("class"))
 
 
 class _Scan:
@@ -628,4 +649,6 @@ def _list_targets(
     # the classes of the rows that are kept: a row without a path or a label is skipped, and is no class `''`
     named = [text for keep, text in zip(kept, texts, strict=True) if keep and text]
     classes, index = _index_classes(src, named, len(named))
-    return TargetSpec("class"), classes, [index[text] if text else _Missing(_NO_PATH_OR_LABEL) for text in texts]
+    missing = _Missing(_NO_PATH_OR_LABEL)
+    values = [index[text] if keep and text else missing for keep, text in zip(kept, texts, strict=True)]
+    return TargetSpec("class"), classes, values

@@ -43,6 +43,8 @@ KINDS: tuple[str, ...] = ("class", "multilabel", "float", "none")
 LABEL_SEPARATOR = "|"
 #: the most values a ``float`` target may have per sample, and the most classes a multilabel database may have
 MAX_DIM = 1 << 16
+#: how a conversion's skip reason starts when a dataset's target is of another kind than the one inferred from its first
+MIXED_KINDS = "a target of another kind:"
 #: what ``none`` targets are in a batch, and what the header of a record holds for every kind but ``class``
 NO_LABEL = -1
 
@@ -242,6 +244,11 @@ def check_target(spec: TargetSpec, value: Any, class_to_idx: dict[str, int] | No
         return int(value)
     items = _as_items(value)
     if kind == "multilabel":
+        if len(items) > 1 and all(isinstance(i, (float, np.floating, bool, np.bool_)) and i in (0, 1) for i in items):
+            raise ValueError(
+                f"{_short(value)} looks like a multi-hot vector: give each sample's class indices (`np.flatnonzero(v)`)"
+                " or names"
+            )
         indices = set()
         for item in items:
             if isinstance(item, str) and class_to_idx is not None and item in class_to_idx:
@@ -313,20 +320,34 @@ class SplitTargets:
         self.crc = crc
         self.where = where
 
-    def _arrays(self, txn: Any, identity: tuple[int, ...]) -> tuple[np.ndarray, ...]:
-        """The split's arrays as views of the memory map (valid in ``txn``), checked once per data file."""
+    def check_sizes(self, txn: Any) -> tuple[Any, ...]:
+        """The split's arrays as read in ``txn`` (views), each of the size the split's length and kind need: O(1).
+
+        What a reader checks when it opens the split, before a batch's memory is sized by the kind's ``C`` or ``K``.
+
+        Raises:
+            CorruptRecordError: an array is missing, or not of the size the metadata says.
+
+        """
         spec, n = self.spec, self.length
         if spec.kind == "multilabel":
             raw = (txn.get(targets_key(self.split, "offsets")), txn.get(targets_key(self.split, "indices")))
-            expected = [8 * (n + 1), None]
-            dtypes = ("<i8", "<i4")
+            expected: list[int | None] = [8 * (n + 1), None]
+        elif spec.kind == "float":
+            raw, expected = (txn.get(targets_key(self.split)),), [4 * n * spec.dim]
         else:
-            raw = (txn.get(targets_key(self.split)),)
-            expected, dtypes = [4 * n * spec.dim], ("<f4",)
+            return ()
         for value, size in zip(raw, expected, strict=True):
-            if value is None or (size is not None and len(value) != size):
-                found = "missing" if value is None else f"{len(value)} bytes where {size} are needed"
+            if value is None or (size is not None and len(value) != size) or len(value) % 4:
+                needed = size or "a multiple of 4"
+                found = "missing" if value is None else f"{len(value)} bytes where {needed} are needed"
                 raise self._damaged(f"its target array is {found}")
+        return raw
+
+    def _arrays(self, txn: Any, identity: tuple[int, ...]) -> tuple[np.ndarray, ...]:
+        """The split's arrays as views of the memory map (valid in ``txn``), checked once per data file."""
+        raw = self.check_sizes(txn)
+        dtypes = ("<i8", "<i4") if self.spec.kind == "multilabel" else ("<f4",)
         arrays = tuple(np.frombuffer(value, dtype=dtype) for value, dtype in zip(raw, dtypes, strict=True))
         key = (self.where, identity, self.split)
         if key not in _CHECKED:
@@ -349,6 +370,11 @@ class SplitTargets:
             f"split {self.split!r} of {self.where!r}: {problem}. The database is damaged: convert the source again"
             " with `lightning-fastdata convert --force`."
         )
+
+    def class_lists(self, txn: Any, identity: tuple[int, ...]) -> list[list[int]]:
+        """Every sample's class indices of a ``multilabel`` split, from the arrays (no ``N x C`` matrix is made)."""
+        offsets, indices = self._arrays(txn, identity)
+        return [part.tolist() for part in np.split(indices, offsets[1:-1])]
 
     def gather(self, txn: Any, identity: tuple[int, ...], records: np.ndarray, out: np.ndarray) -> None:
         """Fill ``out`` (``[len(records), *spec.shape]`` of ``spec.dtype``) with the targets of ``records``."""
@@ -383,6 +409,12 @@ class AmbiguousTargetsError(SourceLayoutError):
 
 def _option(kind: str) -> str:
     return f"`--targets {kind}` (`targets={kind!r}` in Python)"
+
+
+#: cells that say a value is missing, as pandas reads them (lower-cased)
+_MISSING = frozenset(
+    {"nan", "-nan", "na", "n/a", "nat", "null", "none", "inf", "-inf", "+inf", "infinity", "-infinity"}
+)
 
 
 def _is_number(text: str) -> bool:
@@ -425,12 +457,16 @@ def infer_list_kind(labels: Sequence[Any], where: str, separator: str = LABEL_SE
             f" {_option('multilabel')} to store the classes it separates, or {_option('class')} to make each label"
             " one class."
         )
-    if all(_is_number(label) for label in strings) and not all(float(label).is_integer() for label in strings):
-        example = next(label for label in strings if not float(label).is_integer())
-        raise AmbiguousTargetsError(
-            f"`src` {where!r}: the labels are numbers, not all integers ({example!r}): pass {_option('float')} to"
-            f" store them as values (regression), or {_option('class')} to make each distinct value a class."
-        )
+    # numbers that are not all class indices (ASCII digits, as classes read them): values, or a class per value?
+    # a missing value among them (`nan`, `NA`, empty) is a regression list with a gap, not a class of its own
+    if all(_is_number(label) or label.lower() in _MISSING for label in strings):
+        example = next((label for label in strings if not (label.isascii() and label.isdigit())), None)
+        if example is not None:
+            raise AmbiguousTargetsError(
+                f"`src` {where!r}: the labels are numbers, not all class indices ({example!r}): pass"
+                f" {_option('float')} to store them as values (regression), or {_option('class')} to make each"
+                " distinct value a class."
+            )
     return "class"
 
 

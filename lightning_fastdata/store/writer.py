@@ -56,7 +56,7 @@ from lightning_fastdata.store.format import (
 )
 from lightning_fastdata.store.sources import ConversionPlan
 from lightning_fastdata.store.summary import ConversionSummary, SkippedFile, human_bytes
-from lightning_fastdata.store.targets import MAX_DIM, TargetColumn
+from lightning_fastdata.store.targets import MAX_DIM, MIXED_KINDS, AmbiguousTargetsError, TargetColumn
 
 log = logging.getLogger(__name__)
 
@@ -697,7 +697,7 @@ def _write(
     class_to_idx = {name: i for i, name in enumerate(plan.classes)} if plan.classes is not None else None
     bar = tqdm(total=len(all_tasks), unit="img", desc=f"convert {Path(plan.source).name}", disable=not progress)
     # The pool starts before the LMDB environment opens: a forked child must never inherit an open environment.
-    with bar, encode_all(all_tasks, datasets, opts, workers, (spec, class_to_idx)) as results:
+    with bar, encode_all(all_tasks, datasets, opts, workers, (spec, class_to_idx, plan.targets_inferred)) as results:
         writer = _LmdbWriter(tmp, initial_map_size)
         try:
             writer.put(META_KEY, dump_meta(meta))  # complete=False until the very end
@@ -707,6 +707,12 @@ def _write(
                 summary.bytes_in += result.bytes_in
                 if result.reason is not None or result.payload is None:
                     shown = task[1] if isinstance(task[1], str) else f"{split}[{task[1]}]"
+                    if str(result.reason).startswith(MIXED_KINDS):  # inferred from the first sample, wrongly
+                        raise AmbiguousTargetsError(
+                            f"the dataset's targets are not all of one kind: {shown}'s"
+                            f" {str(result.reason)[len(MIXED_KINDS) :].strip()}. Pass `targets=` ('class',"
+                            " 'multilabel', 'float' or 'none') to say what they are; nothing was written."
+                        )
                     summary.skipped.append(SkippedFile(str(shown), str(result.reason)))
                     bar.set_postfix(skipped=len(summary.skipped), refresh=False)
                 else:
