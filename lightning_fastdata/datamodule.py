@@ -298,7 +298,10 @@ class FastImageDataModule(LightningDataModule):
     @property
     def classes(self) -> list[str]:
         """Class names: from the database, or before conversion from the folder names (nothing is read)."""
-        return resolve.classes(self.data_dir, self.cache_root, self.database_path, self._staged is not None)
+        return resolve.classes(
+            self.data_dir, self.cache_root, self.database_path, self._staged is not None, self.targets,
+            self.label_separator,
+        )  # fmt: skip
 
     @property
     def skipped_samples(self) -> int:
@@ -539,7 +542,9 @@ class FastImageDataModule(LightningDataModule):
     @property
     def target_spec(self) -> TargetSpec:
         """What each sample's target is (:mod:`~lightning_fastdata.store.targets`): the database's, else classes."""
-        return resolve.target_spec(self.data_dir, self.database_path, lambda: self.classes)
+        if self.is_remote and self._staged is None:
+            resolve.check_staged(self.data_dir, self.cache_root)
+        return resolve.target_spec(self.data_dir, self.database_path, self.targets, self.label_separator)
 
     @property
     def target_kind(self) -> str:

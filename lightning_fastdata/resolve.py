@@ -12,10 +12,11 @@ torch nor Lightning.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,7 @@ from lightning_fastdata.errors import (
 from lightning_fastdata.store import cache, remote
 from lightning_fastdata.store import format as _format
 from lightning_fastdata.store.conversion import convert
-from lightning_fastdata.store.sources import folder_classes
+from lightning_fastdata.store.sources import folder_classes, source_plan
 from lightning_fastdata.store.targets import LABEL_SEPARATOR, TargetSpec
 
 log = logging.getLogger(__name__)
@@ -75,27 +76,41 @@ def database_path(
     return cache.converted_path(source, root, short_side, quality, encoding, targets, label_separator)
 
 
-def classes(data_dir: str, root: Path, database: Path, staged: bool) -> list[str]:
-    """Class names: from the database, or before conversion from the folder names (nothing is read).
+def classes(
+    data_dir: str,
+    root: Path,
+    database: Path,
+    staged: bool,
+    targets: str | None = None,
+    label_separator: str = LABEL_SEPARATOR,
+) -> list[str]:
+    """Class names: from the database, or before conversion from the folder names or list file (no image is read).
 
     ``database`` is the one read (:func:`database_path`), ``staged`` whether this process staged or found the copy of
-    a URL ``data_dir`` (else it is looked for under the cache folder ``root``: :func:`check_staged`).
+    a URL ``data_dir`` (else it is looked for under the cache folder ``root``: :func:`check_staged`). A list file's
+    labels are read as its conversion reads them: as ``targets``, separated by ``label_separator``.
     """
     if remote.is_url(data_dir) and not staged:
         check_staged(data_dir, root)
     if is_database(data_dir) or (database / _format.DATA_FILE).is_file():
         return list(_format.read_meta(database)["classes"])
-    return folder_classes(Path(data_dir).expanduser())
+    return folder_classes(Path(data_dir).expanduser(), targets, label_separator)
 
 
-def target_spec(data_dir: str, database: Path, classes: Callable[[], list[str]]) -> TargetSpec:
+def target_spec(
+    data_dir: str, database: Path, targets: str | None = None, label_separator: str = LABEL_SEPARATOR
+) -> TargetSpec:
     """What each sample's target is (:mod:`~lightning_fastdata.store.targets`), from the database ``database``.
 
-    Before conversion: classes (a folder's, ``classes()``).
+    Before conversion, what the conversion of ``data_dir`` (a folder, or a list file read as ``targets``) will store.
     """
     if is_database(data_dir) or (database / _format.DATA_FILE).is_file():
         return TargetSpec.from_meta(_format.read_meta(database), database)
-    return TargetSpec("class", len(classes()))
+    plan = source_plan(Path(data_dir).expanduser(), targets, label_separator)
+    spec = plan.targets
+    if spec.kind in ("class", "multilabel"):
+        return dataclasses.replace(spec, num_classes=len(plan.classes or []))
+    return spec
 
 
 def check_targets(meta: Mapping[str, Any], targets: str | None, path: Path) -> None:

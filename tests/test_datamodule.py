@@ -1088,3 +1088,21 @@ def test_a_list_file_of_float_labels_trains_as_float_targets_only_when_asked(tmp
         assert targets.tolist() == pytest.approx([values[sources[i]] for i in index.tolist()])
     with pytest.raises(ValueError, match=r"holds float \(1 value: label\) targets"):
         FastImageDataModule(str(dm.database_path), targets="multilabel", num_workers=0).setup("fit")
+
+
+def test_a_list_files_kind_and_classes_are_known_before_it_is_converted(tmp_path: Path) -> None:
+    """Before ``prepare_data`` (when LightningCLI links and models read ``num_classes``), a list file's classes and kind
+    are read as ``targets=`` and ``label_separator=`` say, as its conversion reads them."""
+    listing, _ = _regression_list(tmp_path)
+    dm = FastImageDataModule(str(listing), cache_dir=str(tmp_path / "cache"), targets="float")
+    assert (dm.target_kind, dm.target_dim, dm.num_classes, dm.classes) == ("float", 1, 0, [])
+    rows = listing.read_text().splitlines()
+    tags = ["a;b", "a;c", "b", "b;c", "c"]
+    tagged = ["path,label", *(f"{row.split(',')[0]},{tags[i % 5]}" for i, row in enumerate(rows[1:]))]
+    (tmp_path / "tags.csv").write_text("\n".join(tagged) + "\n")
+    dm = FastImageDataModule(
+        str(tmp_path / "tags.csv"), cache_dir=str(tmp_path / "cache"), targets="multilabel", label_separator=";"
+    )
+    assert (dm.target_kind, dm.num_classes, dm.classes) == ("multilabel", 3, ["a", "b", "c"])
+    dm.prepare_data()
+    assert (dm.target_kind, dm.num_classes, dm.classes) == ("multilabel", 3, ["a", "b", "c"])

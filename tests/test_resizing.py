@@ -286,3 +286,25 @@ def test_fit_trains_each_epoch_at_its_size(database: Path, tmp_path: Path, engin
         train, val = _at_one_size(database, size, epoch)
         for got, want in zip(model.train_batches[epoch] + model.val_batches[epoch], train + val, strict=True):
             torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("output", ["uint8", "float"])
+def test_a_size_changed_mid_epoch_takes_effect_at_the_next_epoch(database: Path, output: str) -> None:
+    """``crop.size`` changed after an epoch's first batch (a ``set_image_size`` mid-epoch, on loader threads): the
+    epoch's batches keep its size with their own pixels (not a crash, nor an earlier batch's pixels); the next epoch
+    has the new size."""
+    normalizer = Normalizer(IMAGENET_MEAN, IMAGENET_STD)
+    crop = CenterCropResize(16)
+    dataset = LmdbImageDataset(database, split="train", transform=crop)
+    loader = create_loader(dataset, 8, engine="threads", workers=2, output=output, normalizer=normalizer)
+    reference = [images for images, *_ in create_loader(
+        LmdbImageDataset(database, split="train", transform=CenterCropResize(16)), 8, output=output,
+        normalizer=normalizer,
+    )]  # fmt: skip
+    batches = iter(loader)
+    first = next(batches)[0]
+    crop.size = 24
+    rest = [images for images, *_ in batches]
+    for got, want in zip([first, *rest], reference, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert _sizes(loader, 1) == [24] * 3

@@ -303,21 +303,24 @@ class BatchReader(Dataset):
     def _crop_into(
         self, record: int, header: RecordHeader, payload: memoryview, box: Box, flip: bool, out: np.ndarray
     ) -> None:
-        """Decode one record, crop, resize and flip it (and normalize it) into ``out``."""
-        base, transform = self.base, self.transform
+        """Decode one record, crop, resize and flip it (and normalize it) into ``out``.
+
+        The crop's side is ``out``'s (the batch's memory, made for the crop size when its epoch started), not the
+        transform's: a ``set_image_size`` during an epoch takes effect at the next one, never mid-batch.
+        """
+        base = self.base
         assert isinstance(base, LmdbImageDataset)
-        assert transform is not None
+        size = out.shape[0] if self.output == "uint8" or self.channels_last else out.shape[1]
         nbytes = header.height * header.width * 3
         image = base.decode_hwc(record, header, payload, self._buffer("decode", nbytes), fast=True)
         scratch = self._buffer("prefilter", nbytes)
         try:
             if self.output == "float":  # the uint8 crop in a scratch buffer, then normalized into the batch
                 assert self.normalizer is not None
-                size = transform.size
                 crop, planes = self._float_scratch(size)
                 self.normalizer.into(crop_resize_into(image, box, size, flip, crop, scratch), out, planes)
             else:
-                crop_resize_into(image, box, transform.size, flip, out, scratch)
+                crop_resize_into(image, box, size, flip, out, scratch)
         except Exception as err:  # cv2.error and friends: name the sample
             raise SampleError(f"{base._where(record)}: cropping {box} failed: {err}") from err
 
