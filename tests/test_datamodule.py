@@ -664,6 +664,98 @@ def test_setup_says_once_when_loader_threads_cannot_key_random_and_numpy(
     assert [i for i in infos if "your own" in i] == (expected if said else [])
 
 
+class _TwoViews:
+    """Two views of a uint8 CHW image: a random 32 px crop, and the whole image at 16 px (a function of the image)."""
+
+    def __init__(self) -> None:
+        self.crop = v2.RandomResizedCrop(32, antialias=True)
+        self.whole = v2.Resize((16, 16), antialias=True)
+
+    def __call__(self, image: torch.Tensor) -> list[torch.Tensor]:
+        return [self.crop(image), self.whole(image)]
+
+
+class _TwoViewData(FastImageDataModule):
+    """A training transform returning two views; keeps each batch as the loader gave it, before the device stage."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.loaded: list[Any] = []
+
+    def train_transform(self) -> Callable[[torch.Tensor], list[torch.Tensor]]:  # type: ignore[override]
+        return _TwoViews()
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        self.loaded.append(batch)
+        return super().on_after_batch_transfer(batch, dataloader_idx)
+
+
+class _TwoViewModule(LightningModule):
+    """Asserts each step gets a list of two normalized float32 views (32 and 16 px), as it normalizes them itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(3, 3)
+        self.batches: list[Any] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        views, targets, index = batch
+        loaded = self.trainer.datamodule.loaded[-1][0]  # the same batch's views as the loader gave them
+        mean = torch.tensor(self.trainer.datamodule.normalizer.mean).view(1, 3, 1, 1)
+        std = torch.tensor(self.trainer.datamodule.normalizer.std).view(1, 3, 1, 1)
+        assert isinstance(views, list)
+        assert [(v.dtype, tuple(v.shape)) for v in views] == [
+            (torch.float32, (4, 3, 32, 32)),
+            (torch.float32, (4, 3, 16, 16)),
+        ]
+        assert [v.dtype for v in loaded] == [torch.uint8, torch.uint8]
+        for view, raw in zip(views, loaded, strict=True):
+            torch.testing.assert_close(view, (raw.float() / 255 - mean) / std, rtol=0, atol=1e-5)
+        self.batches.append(([v.clone() for v in views], targets.clone(), index.clone()))
+        return torch.nn.functional.cross_entropy(
+            self.layer(views[0].mean(dim=(2, 3)) + views[1].mean(dim=(2, 3))), targets
+        )
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_a_transform_returning_two_views_trains_on_normalized_views_on_every_engine(database: Path) -> None:
+    """Two views of each sample reach a CPU fit as a list of normalized float32 batches, as a single view would, on
+    the training thread, loader threads and worker processes alike (the same bits), aligned with each sample's target
+    and index (they came back uint8 and unnormalized)."""
+    runs = []
+    for engine, workers in [("threads", 0), ("threads", 2), ("processes", 2)]:
+        dm = _TwoViewData(
+            str(database), image_size=32, batch_size=4, val_fraction=0, num_workers=workers, engine=engine,
+            return_index=True,
+        )  # fmt: skip
+        model = _TwoViewModule()
+        trainer = Trainer(
+            accelerator="cpu",
+            max_steps=2,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        trainer.fit(model, datamodule=dm)
+        assert trainer.train_dataloader.engine == ("main" if workers == 0 else engine)
+        assert len(model.batches) == 2
+        for views, targets, index in model.batches:
+            for i, sample in enumerate(index.tolist()):
+                sample_views, target = dm.train_dataset[sample]  # the whole-image view is a function of the image
+                assert target == targets[i]
+                torch.testing.assert_close(views[1][i], dm.normalizer.batch(sample_views[1][None])[0], rtol=0, atol=0)
+        runs.append(model.batches)
+    for other in runs[1:]:
+        for (views, targets, index), (want_views, want_targets, want_index) in zip(other, runs[0], strict=True):
+            for view, want in zip(views, want_views, strict=True):
+                assert torch.equal(view, want)
+            assert torch.equal(targets, want_targets)
+            assert torch.equal(index, want_index)
+
+
 def _recording_classifier() -> Any:
     """The example `ImageClassifier` (resnet18), recording the dtype and shape of each training batch it gets."""
     from examples.classifier import ImageClassifier

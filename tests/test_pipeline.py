@@ -95,6 +95,33 @@ def test_device_stage_turns_images_into_model_input() -> None:
     assert stage({"x": images})["x"] is images
 
 
+def test_device_stage_treats_each_view_as_a_single_view_batch() -> None:
+    """A list (or tuple) of views of their own sizes: each one normalized as a single view would be, in the same
+    container; float views only take the dtype; views already model input pass, the batch untouched."""
+    normalizer = Normalizer(MEAN, STD)
+    stage = DeviceStage(normalizer, dtype=torch.float64, channels_last=True)
+    large = torch.randint(0, 256, (2, 3, 8, 8), dtype=torch.uint8)
+    small = torch.randint(0, 256, (2, 3, 4, 4), dtype=torch.uint8)
+    labels, index = torch.arange(2), torch.tensor([5, 3])
+    views, out_labels, out_index = stage(([large, small], labels, index))
+    assert isinstance(views, list)
+    assert [tuple(view.shape) for view in views] == [(2, 3, 8, 8), (2, 3, 4, 4)]
+    for view, single in zip(views, [large, small], strict=True):
+        assert view.dtype == torch.float64
+        assert view.is_contiguous(memory_format=torch.channels_last)
+        assert torch.equal(view, stage((single, labels))[0])  # exactly the single-view treatment
+    assert out_labels is labels
+    assert out_index is index
+    as_tuple = stage([(large.float(), small), labels])
+    assert isinstance(as_tuple, list)
+    assert isinstance(as_tuple[0], tuple)
+    assert [view.dtype for view in as_tuple[0]] == [torch.float64, torch.float64]
+    ready = (views, labels)
+    assert stage(ready) is ready
+    not_images = (["a", "b"], labels)
+    assert stage(not_images) is not_images
+
+
 def test_device_stage_needs_a_device_and_size_to_decode() -> None:
     """Still-encoded images without ``device`` and ``image_size`` raise, naming them."""
     from lightning_fastdata.pipeline.device_decode import EncodedImages

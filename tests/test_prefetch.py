@@ -23,6 +23,7 @@ from lightning.pytorch import LightningModule, Trainer
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from torch.utils.data.dataloader import _BaseDataLoaderIter
+from torchvision.transforms import v2
 
 from lightning_fastdata import DevicePrefetchLoader, FastImageDataModule
 from lightning_fastdata.pipeline import DeviceStage, FastLoader
@@ -30,6 +31,7 @@ from lightning_fastdata.pipeline import device as device_module
 from lightning_fastdata.pipeline import streams as streams_module
 from lightning_fastdata.pipeline.device import prefetch_to_device
 from lightning_fastdata.pipeline.streams import side_stream
+from lightning_fastdata.transforms import Normalizer
 
 DDP_SCRIPT = Path(__file__).with_name("prefetch_ddp_script.py")
 
@@ -423,6 +425,98 @@ def test_datamodule_batches_through_patched_prefetch(
         assert torch.equal(labels, want_labels)
     # each batch on the side stream twice: its slot copied to the device, then the device stage
     assert fake_cuda.log.count("enter side0") == 2 * len(got)
+
+
+class _TwoViews:
+    """Two random crops of a uint8 CHW image, 32 and 16 px: the views of a self-supervised transform."""
+
+    def __init__(self) -> None:
+        self.large, self.small = v2.RandomResizedCrop(32, antialias=True), v2.RandomResizedCrop(16, antialias=True)
+
+    def __call__(self, image: torch.Tensor) -> list[torch.Tensor]:
+        return [self.large(image), self.small(image)]
+
+
+class _TwoViewData(FastImageDataModule):
+    """A training transform of one's own returning two views of each image."""
+
+    def train_transform(self) -> Callable[[torch.Tensor], list[torch.Tensor]]:  # type: ignore[override]
+        return _TwoViews()
+
+
+def test_two_views_are_copied_and_normalized_on_the_side_stream(
+    database: Path, fake_cuda: _FakeCuda, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On (patched) CUDA both uint8 views of a batch are copied and normalized on the side stream, each equal to the
+    plain loader's after ``to_model_input``, in a list, with the targets and indices of their samples."""
+    copied: list[tuple[str, torch.dtype]] = []
+
+    def to_device(batch: Any, device: torch.device) -> Any:
+        return device_module._apply(batch, lambda t: copied.append((fake_cuda.current.name, t.dtype)) or t)
+
+    normalized: list[tuple[str, tuple[int, ...]]] = []
+    normalize = Normalizer.batch
+
+    def logged_batch(self: Normalizer, images: torch.Tensor, *args: Any) -> torch.Tensor:
+        normalized.append((fake_cuda.current.name, tuple(images.shape)))
+        return normalize(self, images, *args)
+
+    monkeypatch.setattr(device_module, "_to_device", to_device)
+    monkeypatch.setattr(Normalizer, "batch", logged_batch)
+    trainer = fake_trainer(torch.device("cuda", 0))
+    prefetched = _dm(database, _TwoViewData, return_index=True)
+    plain = _dm(database, _TwoViewData, return_index=True, prefetch_to_device=False)
+    prefetched.trainer, plain.trainer = trainer, trainer
+    got = list(prefetched.train_dataloader())
+    assert len(got) == TRAIN_SIZE // 4
+    # every tensor of each batch copied on the side stream (two uint8 views, targets, indices), then both views
+    # normalized there
+    assert copied == [
+        ("side0", torch.uint8),
+        ("side0", torch.uint8),
+        ("side0", torch.int64),
+        ("side0", torch.int64),
+    ] * len(got)
+    assert normalized == [("side0", (4, 3, 32, 32)), ("side0", (4, 3, 16, 16))] * len(got)
+    expected = [plain.to_model_input(batch) for batch in plain.train_dataloader()]
+    for (views, labels, index), (want_views, want_labels, want_index) in zip(got, expected, strict=True):
+        assert isinstance(views, list)
+        assert [(view.dtype, tuple(view.shape)) for view in views] == [
+            (torch.float32, (4, 3, 32, 32)),
+            (torch.float32, (4, 3, 16, 16)),
+        ]
+        for view, want in zip(views, want_views, strict=True):
+            assert torch.equal(view, want)
+        assert torch.equal(labels, want_labels)
+        assert torch.equal(index, want_index)
+
+
+def test_two_views_are_normalized_on_the_device_without_waiting_for_it(
+    database: Path, fake_cuda: _FakeCuda, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The device stage never reads a view's values back to the host: copied to the ``meta`` device (which holds
+    none, so any read raises) both views are normalized there, with the constants put on that device once."""
+    monkeypatch.setattr(
+        device_module, "_to_device", lambda batch, device: device_module._apply(batch, lambda t: t.to("meta"))
+    )
+    monkeypatch.setattr(torch.cuda, "synchronize", Mock(side_effect=AssertionError("a synchronize per step")))
+    given: list[tuple[torch.Tensor, torch.Tensor]] = []
+    constants = Normalizer.constants
+    monkeypatch.setattr(Normalizer, "constants", lambda self, *args: given.append(constants(self, *args)) or given[-1])
+    dm = _dm(database, _TwoViewData)
+    dm.trainer = fake_trainer(torch.device("cuda", 0))
+    batches = 0
+    for views, labels in dm.train_dataloader():
+        assert [(view.device.type, view.dtype, tuple(view.shape)) for view in views] == [
+            ("meta", torch.float32, (4, 3, 32, 32)),
+            ("meta", torch.float32, (4, 3, 16, 16)),
+        ]
+        assert labels.device.type == "meta"
+        batches += 1
+    assert batches == TRAIN_SIZE // 4
+    assert len(given) == 2 * batches  # one look-up per view
+    assert all(scale.device.type == shift.device.type == "meta" for scale, shift in given)
+    assert all(scale is given[0][0] and shift is given[0][1] for scale, shift in given)  # made once, then reused
 
 
 class _EpochRecorder(LightningModule):

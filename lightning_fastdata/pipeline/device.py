@@ -39,9 +39,10 @@ class DeviceStage:
 
     ``uint8`` images become normalized floats of ``dtype`` (``channels_last`` if asked); still-encoded ones
     (``decode="device"``) are decoded, cropped and resized on the device first; floats already normalized by the
-    loader threads only take ``dtype`` where it differs. Anything else passes through, as do the batch's other
-    elements. Constants live on the device (:class:`~lightning_fastdata.transforms.Normalizer` caches them): nothing
-    here waits for the device.
+    loader threads only take ``dtype`` where it differs. A list (or tuple) of such image batches, the views of a
+    transform that returns several (``[B, 3, H, W]`` each, sizes of their own), is treated view by view and keeps its
+    container. Anything else passes through, as do the batch's other elements. Constants live on the device
+    (:class:`~lightning_fastdata.transforms.Normalizer` caches them): nothing here waits for the device.
 
     Runs on the side stream right after each copy when the loader looks ahead (``FastLoader(on_device=...)``), else
     in ``FastImageDataModule.on_after_batch_transfer``.
@@ -81,15 +82,26 @@ class DeviceStage:
             if self.device is None or self.image_size is None:
                 raise ValueError("Still-encoded images need `DeviceStage(device=..., image_size=...)` to decode.")
             return encoded_batch_to_images(batch, self.image_size, self.device, self._finish, skip=self.skip)
-        if not isinstance(first, torch.Tensor):
-            return batch
-        if first.dtype == torch.uint8:
-            images = self.normalizer.batch(first, self.dtype, self.channels_last)
-        elif first.is_floating_point() and first.dtype != self.dtype:  # normalized by the loader threads
-            images = first.to(self.dtype)
+        if isinstance(first, torch.Tensor):
+            images: Any = self._images(first)
+            unchanged = images is first
+        elif isinstance(first, (list, tuple)) and first and all(isinstance(view, torch.Tensor) for view in first):
+            # several views of each sample (a transform of one's own): each view as a single-view batch, same container
+            images = type(first)(self._images(view) for view in first)
+            unchanged = all(new is old for new, old in zip(images, first, strict=True))
         else:
             return batch
+        if unchanged:
+            return batch
         return type(batch)([images, *batch[1:]]) if isinstance(batch, list) else (images, *batch[1:])
+
+    def _images(self, images: Tensor) -> Tensor:
+        """One ``[B, C, H, W]`` image batch as model input (``images`` itself when it already is, or is no images)."""
+        if images.dtype == torch.uint8:
+            return self.normalizer.batch(images, self.dtype, self.channels_last)
+        if images.is_floating_point() and images.dtype != self.dtype:  # normalized by the loader threads
+            return images.to(self.dtype)
+        return images
 
     def _finish(self, images: torch.Tensor) -> torch.Tensor:
         """Decoded float images in 0-255 -> normalized ``dtype``."""
