@@ -232,7 +232,10 @@ def _loader(dataset: Dataset, sampler: Any, config: LoaderConfig) -> DataLoader:
 
 
 def _batch_len(batch: Any) -> int:
-    first = batch[0] if isinstance(batch, (list, tuple)) else batch
+    """Samples in a batch: the length of its images, or of its first view when the images are a list of views."""
+    first = batch
+    while isinstance(first, (list, tuple)) and first:
+        first = first[0]
     return len(first)
 
 
