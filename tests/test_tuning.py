@@ -551,7 +551,7 @@ def test_tune_key_is_stable_for_transforms_without_a_repr():
 
 
 def test_a_batch_of_views_counts_its_samples_not_its_views() -> None:
-    """A ``(views, targets)`` batch of 2 views of 4 samples is 4 images to the tuner's count, as ``(images, targets)``."""
+    """A ``(views, targets)`` batch of 2 views of 4 samples is 4 images to the tuner, as ``(images, targets)`` is."""
     from lightning_fastdata.tuning import _batch_len
 
     views = [torch.zeros(4, 3, 8, 8), torch.zeros(4, 3, 4, 4)]
