@@ -232,8 +232,9 @@ def _loader(dataset: Dataset, sampler: Any, config: LoaderConfig) -> DataLoader:
 
 
 def _batch_len(batch: Any) -> int:
+    """Samples in a batch: the length of its images, or of its first view (``views``: a list of them)."""
     first = batch[0] if isinstance(batch, (list, tuple)) else batch
-    return len(first)
+    return len(first[0]) if isinstance(first, (list, tuple)) else len(first)
 
 
 def sweep(

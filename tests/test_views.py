@@ -193,3 +193,10 @@ def test_store_short_side_follows_the_largest_view() -> None:
     """A conversion stores images large enough for the largest view's crops."""
     dm = FastImageDataModule("x", image_size=96, views=[ViewGroup(512, count=2), ViewGroup(96, count=4)])
     assert dm.store_short_side() == 586  # ceil(512 / 0.875)
+
+
+def test_tuning_counts_the_samples_of_a_views_batch(database: Path) -> None:
+    """``num_workers='tune'`` times images a second: a views batch counts its samples, not its views."""
+    from lightning_fastdata.tuning import _batch_len
+
+    assert _batch_len(_epoch(database, "threads", 0)[0]) == 4
