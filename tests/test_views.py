@@ -9,6 +9,7 @@ import hostile
 import numpy as np
 import pytest
 import torch
+from fakes import patch_cuda_streams
 from lightning.pytorch import LightningModule, Trainer
 
 from lightning_fastdata import FastImageDataModule, InvalidArgumentError, LmdbImageDataset, ViewGroup
@@ -200,3 +201,13 @@ def test_tuning_counts_the_samples_of_a_views_batch(database: Path) -> None:
     from lightning_fastdata.tuning import _batch_len
 
     assert _batch_len(_epoch(database, "threads", 0)[0]) == 4
+
+
+@pytest.mark.parametrize("engine", ["threads", "processes"])
+def test_views_copied_ahead_to_the_device_are_the_same(
+    database: Path, engine: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Copied ahead to (patched) CUDA from the slots, a batch's views are those of the plain epoch."""
+    reference = _epoch(database, "threads", 2)
+    patch_cuda_streams(monkeypatch)
+    _assert_same(_epoch(database, engine, 2, device="cuda:0"), reference)
