@@ -31,6 +31,7 @@ if TYPE_CHECKING:
         SourceLayoutError,
     )
     from lightning_fastdata.monitor import LoaderMonitor
+    from lightning_fastdata.pipeline.views import ViewGroup
     from lightning_fastdata.prediction import PredictionWriter
     from lightning_fastdata.prefetch import DevicePrefetchLoader
     from lightning_fastdata.presets import ResumeCheckpoint
@@ -57,6 +58,7 @@ _HOMES = {
     "ResumeCheckpoint": "presets",
     "SampleError": "errors",
     "SourceLayoutError": "errors",
+    "ViewGroup": "pipeline.views",
     "make_image_folder": "synthetic",
     "read_meta": "store.format",
     "read_sources": "store.format",
@@ -84,6 +86,7 @@ __all__ = [
     "SampleError",
     "SkippedFile",
     "SourceLayoutError",
+    "ViewGroup",
     "__version__",
     "convert",
     "convert_dataset",

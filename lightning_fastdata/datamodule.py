@@ -20,6 +20,7 @@ from lightning_fastdata.hparams import clashes, for_loggers, say_clashes
 from lightning_fastdata.pipeline import DeviceStage
 from lightning_fastdata.pipeline.device import batch_dtype, loader_output, trainer_device, trains_on_cuda, uses_prefetch
 from lightning_fastdata.pipeline.kernel import Output
+from lightning_fastdata.pipeline.views import MultiViewCrop, ViewGroup, check_views
 from lightning_fastdata.skipping import SkipCounter
 from lightning_fastdata.splits import missing_split, open_splits, pick_predict_split, split_sources
 from lightning_fastdata.store import cache, remote
@@ -139,6 +140,13 @@ class FastImageDataModule(LightningDataModule):
         return_index: batches are ``(images, targets, index)``, ``index`` each sample's dataset index (``int64
             [B]``) in the database split it was read from (a held-out validation sample's in ``train``), on every
             split and engine; :meth:`sources` names the file of each.
+        views: self-supervised training (DINO, SimCLR): a list of view groups (:class:`~lightning_fastdata.ViewGroup`,
+            or mappings of its fields: ``size``, ``count``, ``scale``, ``ratio``, ``flip``), e.g. 2 x 224 at scale
+            ``(0.4, 1)`` and 6 x 96 at ``(0.05, 0.4)``. Each training image is decoded once and every view cropped
+            from it; training batches are ``(views, targets[, index])``, ``views`` a list of ``[B, 3, S, S]`` tensors,
+            large views first (:attr:`num_large_views`). ``image_size`` and ``scale`` then apply to validation, test
+            and predict only, which keep the single centre crop. Not with ``decode="device"`` or
+            ``image_size_schedule``. See docs/datamodule.md#self-supervised-training.
 
     Example:
         >>> from lightning.pytorch import Trainer
@@ -180,6 +188,7 @@ class FastImageDataModule(LightningDataModule):
         targets: Literal["class", "multilabel", "float", "none"] | None = None,
         label_separator: str = LABEL_SEPARATOR,
         return_index: bool = False,
+        views: list[ViewGroup] | None = None,
     ) -> None:
         super().__init__()
         if image_size < 1 or batch_size < 1:
@@ -202,6 +211,17 @@ class FastImageDataModule(LightningDataModule):
             raise InvalidArgumentError(f"`targets` must be one of {', '.join(KINDS)} or None, got {targets!r}.")
         if len(mean) != 3 or len(std) != 3 or min(std) <= 0:
             raise InvalidArgumentError(f"`mean` and `std` need 3 values each and `std` > 0, got {mean} and {std}.")
+        groups = check_views(views)
+        if groups is not None and decode == "device":
+            raise InvalidArgumentError(
+                "`views` are cropped on the CPU from one decode of each image; `decode='device'` decodes a single crop"
+                " on the GPU. Pass `decode='cpu'` with `views`."
+            )
+        if groups is not None and image_size_schedule:
+            raise InvalidArgumentError(
+                "`image_size_schedule` resizes the single training crop; with `views` each group has its own `size`."
+                " Pass one or the other."
+            )
         remote.check_local(
             cache_dir,
             "cache_dir",
@@ -219,7 +239,9 @@ class FastImageDataModule(LightningDataModule):
         self.cache_dir = cache_dir
         self.image_size = image_size
         self.image_size_schedule = resizing.check_schedule(image_size_schedule)
-        self._sizes = (image_size, *(self.image_size_schedule or {}).values())  # configured: what is converted for
+        self.views = groups
+        # configured: what is converted for (the largest view too)
+        self._sizes = (image_size, *(self.image_size_schedule or {}).values(), *(g.size for g in groups or ()))
         self.batch_size = batch_size
         self.num_workers = num_workers
         self.engine = engine
@@ -309,6 +331,18 @@ class FastImageDataModule(LightningDataModule):
         return self._skip_counter.value
 
     @property
+    def num_large_views(self) -> int:
+        """Training views of the largest size per image (``views``' first groups; 1 without ``views``)."""
+        if self.views is None:
+            return 1
+        return sum(g.count for g in self.views if g.size == self.views[0].size)
+
+    @property
+    def num_small_views(self) -> int:
+        """Training views smaller than the largest per image (DINO's local crops; 0 without ``views``)."""
+        return 0 if self.views is None else sum(g.count for g in self.views) - self.num_large_views
+
+    @property
     def num_classes(self) -> int:
         """Classes of a ``class`` or ``multilabel`` database (``C``); 0 for ``float`` and ``none`` targets."""
         classes = self.classes  # before conversion or staging: a folder's, or the error that says to stage first
@@ -376,8 +410,14 @@ class FastImageDataModule(LightningDataModule):
 
     # --- Extension points ---------------------------------------------------------------------------------------
 
-    def train_transform(self) -> Callable[[torch.Tensor], torch.Tensor]:
-        """The per-image training transform: uint8 CHW in, uint8 CHW ``image_size`` square out."""
+    def train_transform(self) -> Callable[[torch.Tensor], Any]:
+        """The per-image training transform: uint8 CHW in, uint8 CHW ``image_size`` square out.
+
+        With ``views``, a list of uint8 CHW crops, one per view, large views first
+        (:class:`~lightning_fastdata.pipeline.views.MultiViewCrop`).
+        """
+        if self.views is not None:
+            return MultiViewCrop(self.views)
         return RandomResizedCropFlip(self.image_size, scale=self.scale)  # type: ignore[arg-type]
 
     def val_transform(self) -> Callable[[torch.Tensor], torch.Tensor]:

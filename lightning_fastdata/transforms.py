@@ -190,21 +190,23 @@ class RandomResizedCropFlip:
         seed: int | None = None,
         key: AugmentKey | None = None,
         samples: Sequence[int] | None = None,
+        offset: int = 0,
     ) -> tuple[list[Box], list[bool]]:
         """Crop boxes and flips for a batch of images at once: :meth:`box` and :meth:`flip`, vectorized.
 
         The same draw as :meth:`box` (ten tries, then the centre-crop fallback). With ``key`` and ``samples`` each
         image's numbers are its own (:mod:`lightning_fastdata.keyed_random`): a function of ``(seed, epoch, sample)``
-        only, the loaders' way. Otherwise from a NumPy generator seeded with ``seed``, or else from :mod:`random`
-        (seeded by ``seed_everything`` and per DataLoader worker, as :meth:`box` is). A subclass that overrides
-        :meth:`box` or :meth:`flip` gets its own method called per image.
+        only, the loaders' way, from its draw ``offset`` on (several crops of one sample draw from offsets of their
+        own: :class:`~lightning_fastdata.pipeline.views.MultiViewCrop`). Otherwise from a NumPy generator seeded
+        with ``seed``, or else from :mod:`random` (seeded by ``seed_everything`` and per DataLoader worker, as
+        :meth:`box` is). A subclass that overrides :meth:`box` or :meth:`flip` gets its own method called per image.
         """
         if not inherits(self, RandomResizedCropFlip, "box", "flip"):
             return [self.box(int(h), int(w)) for h, w in zip(heights, widths, strict=True)], [
                 self.flip() for _ in heights
             ]
         if key is not None and samples is not None:
-            uniforms = keyed_uniforms(key, samples, self.draws)
+            uniforms = keyed_uniforms(key, samples, self.draws, offset)
         else:
             rng = np.random.default_rng(random.getrandbits(64) if seed is None else seed)
             uniforms = rng.random((len(heights), self.draws))

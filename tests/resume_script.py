@@ -1,7 +1,7 @@
 """Training runs for the exact mid-epoch resume tests, run as a script by ``test_resume.py``.
 
 Usage: ``python resume_script.py MODE DATA_DIR OUT_DIR SEED DEVICES WORKERS EVERY SLOW_AFTER CKPT [LIMIT [VAL
-[KIND [SCHEDULE]]]]``.
+[KIND [SCHEDULE [VIEWS]]]]]``.
 
 ``MODE`` is ``fit`` (train from scratch) or ``resume`` (``trainer.fit(..., ckpt_path=CKPT)``); ``fit-last`` and
 ``resume-last`` save with :class:`~lightning_fastdata.ResumeCheckpoint` (``every_n_train_steps=EVERY``) instead, into
@@ -18,7 +18,9 @@ validates at the end of every epoch, so ``ModelCheckpoint`` saves in ``on_valida
 ``on_train_epoch_end`` (default ``0``: no validation). ``KIND`` ``multilabel`` reads a multi-label database of 2
 classes through ``FastImageDataModule(return_index=True)`` (the fused path, its targets and indices in the batch
 slots) instead of the index-carrying dataset; each record then also holds the batch's ``targets``. ``SCHEDULE``:
-``image_size_schedule`` as JSON (``{"0": 32, "1": 48}``; default none).
+``image_size_schedule`` as JSON (``{"0": 32, "1": 48}``; default none, ``{}`` too). ``VIEWS``: ``views`` as JSON
+(``[{"size": 24, "count": 2}, {"size": 12, "count": 3}]``), read on the fused path with ``return_index=True`` as for
+``multilabel``: the loss is on the first view, ``pixels`` hashes every view and ``size`` lists their sides.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ class RecordingModel(LightningModule):
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         images, labels, _ = batch
+        images = images[0] if isinstance(images, list) else images  # views: the first one
         return _loss(self.layer(images.mean(dim=(2, 3))), labels)
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
@@ -60,13 +63,17 @@ class RecordingModel(LightningModule):
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self._file is None:
             self._file = open(Path(self.out_dir, f"rank{self.global_rank}.jsonl"), "a")  # noqa: SIM115
+        views = batch[0] if isinstance(batch[0], list) else [batch[0]]
+        pixels = hashlib.sha256()
+        for view in views:
+            pixels.update(view.contiguous().cpu().numpy().tobytes())
         record = {
             "step": self.trainer.global_step,
             "epoch": self.current_epoch,
             "batch_idx": batch_idx,
             "indices": batch[2].tolist(),
-            "pixels": hashlib.sha256(batch[0].contiguous().cpu().numpy().tobytes()).hexdigest(),
-            "size": batch[0].shape[-1],
+            "pixels": pixels.hexdigest(),
+            "size": [view.shape[-1] for view in views] if isinstance(batch[0], list) else batch[0].shape[-1],
         }
         if batch[1].is_floating_point():  # multi-hot targets
             record["targets"] = batch[1].tolist()
@@ -114,11 +121,13 @@ def main(
     val: bool = False,
     kind: str = "class",
     schedule: dict[int, int] | None = None,
+    views: list[dict[str, Any]] | None = None,
 ) -> None:
     if mode not in ("fit", "resume", "fit-last", "resume-last"):
         raise ValueError(f"MODE must be 'fit', 'resume', 'fit-last' or 'resume-last', got {mode!r}")
     torch.set_num_threads(1)
-    dm = (IndexedDataModule if kind == "class" else partial(FastImageDataModule, return_index=True))(
+    fused = kind != "class" or views is not None
+    dm = (partial(FastImageDataModule, return_index=True, views=views) if fused else IndexedDataModule)(
         data_dir,
         image_size=16,
         image_size_schedule=schedule,
@@ -161,6 +170,7 @@ if __name__ == "__main__":
     val = len(sys.argv) > 11 and sys.argv[11] == "1"
     kind = sys.argv[12] if len(sys.argv) > 12 else "class"
     schedule = {int(k): v for k, v in json.loads(sys.argv[13]).items()} if len(sys.argv) > 13 else None
+    views = json.loads(sys.argv[14]) if len(sys.argv) > 14 else None
     main(
         mode,
         data_dir,
@@ -175,4 +185,5 @@ if __name__ == "__main__":
         val,
         kind,
         schedule,
+        views,
     )

@@ -11,7 +11,13 @@ import pytest
 import torch
 from lightning.pytorch.cli import LightningCLI
 
-from lightning_fastdata import CorruptRecordError, FastImageDataModule, InvalidArgumentError, make_image_folder
+from lightning_fastdata import (
+    CorruptRecordError,
+    FastImageDataModule,
+    InvalidArgumentError,
+    ViewGroup,
+    make_image_folder,
+)
 from lightning_fastdata.cli import lightning_cli, main
 from lightning_fastdata.store.reader import DEFAULT_MAX_PIXELS
 
@@ -407,3 +413,24 @@ def test_fit_a_multilabel_list_file_from_the_command_line(tmp_path: Path) -> Non
     assert saved["datamodule_hyper_parameters"]["return_index"] is True
     (database,) = [p for p in (tmp_path / "cache").iterdir() if p.suffix == ".lmdb"]
     assert FastImageDataModule(str(database)).target_kind == "multilabel"
+
+
+@pytest.mark.usefixtures("in_repo")
+def test_dino_views_parse_from_yaml(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A DINO `views` spec in YAML parses into view groups, and the DataModule sorts them and counts its views."""
+    config = tmp_path / "dino.yaml"
+    config.write_text(
+        "model:\n  class_path: examples.classifier.ImageClassifier\n"
+        "data:\n  class_path: lightning_fastdata.FastImageDataModule\n  init_args:\n    data_dir: x\n    views:\n"
+        "      - {size: 96, count: 6, scale: [0.05, 0.4]}\n"
+        "      - {size: 224, count: 2, scale: [0.4, 1.0], flip: 0.5}\n"
+    )
+    views = _parse(monkeypatch, "--config", str(config)).data.init_args.views
+    assert [(v.size, v.count, tuple(v.scale)) for v in views] == [(96, 6, (0.05, 0.4)), (224, 2, (0.4, 1.0))]
+    monkeypatch.undo()  # instantiated for real this time
+    monkeypatch.chdir(ROOT)
+    monkeypatch.syspath_prepend(str(ROOT))
+    monkeypatch.setattr(sys, "argv", ["lightning-fastdata"])
+    dm = lightning_cli(["--config", str(config), "--trainer.logger=false"], run=False).datamodule
+    assert dm.views == (ViewGroup(224, 2, (0.4, 1.0)), ViewGroup(96, 6, (0.05, 0.4)))
+    assert (dm.num_large_views, dm.num_small_views) == (2, 6)

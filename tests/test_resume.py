@@ -389,8 +389,10 @@ def _start(
     args = [mode, str(database), str(out), str(SEED), str(devices), "2", str(every), str(slow_after)]
     args += [str(opts.get("ckpt", "-")), str(opts.get("limit", "1.0")), "1" if opts.get("val") else "0"]
     args += [opts.get("kind", "class")]
-    if opts.get("schedule"):
-        args.append(json.dumps(opts["schedule"]))
+    if opts.get("schedule") or opts.get("views"):
+        args.append(json.dumps(opts.get("schedule") or {}))
+    if opts.get("views"):
+        args.append(json.dumps(opts["views"]))
     with open(out / "log.txt", "w") as log:
         return subprocess.Popen(
             [sys.executable, str(SCRIPT), *args],
@@ -548,6 +550,19 @@ def test_killed_run_with_an_image_size_schedule_resumes_exactly(resume_database:
     resumed = _train(resume_database, tmp_path / "c", "resume", devices=1, every=5, ckpt=checkpoint, schedule=schedule)
     _check_resumed(full, [_records(tmp_path / "b", 0)], resumed, k)
     assert (resumed[0][0]["epoch"], resumed[0][0]["batch_idx"], resumed[0][0]["size"]) == (1, 5, 48)
+
+
+def test_killed_run_with_views_resumes_exactly(resume_database: Path, tmp_path: Path) -> None:
+    """``views`` (2 x 24 px, 3 x 12 px), killed after its step-5 checkpoint and resumed: every view of every batch
+    as in the uninterrupted run, bit for bit (each view's box and flip keyed by ``(seed, epoch, sample)``)."""
+    views = [{"size": 12, "count": 3, "scale": [0.05, 0.4]}, {"size": 24, "count": 2, "scale": [0.4, 1.0]}]
+    full = _train(resume_database, tmp_path / "a", "fit", devices=1, every=5, views=views)
+    assert len(full[0]) == 2 * NUM_IMAGES // 4
+    assert all(record["size"] == [24, 24, 12, 12, 12] for record in full[0])
+    _train_until_killed(resume_database, tmp_path / "b", devices=1, every=5, kill_after=5, views=views)
+    checkpoint = tmp_path / "b" / "ckpt" / "step=5.ckpt"
+    resumed = _train(resume_database, tmp_path / "c", "resume", devices=1, every=5, ckpt=checkpoint, views=views)
+    _check_resumed(full, [_records(tmp_path / "b", 0)], resumed, 5)
 
 
 @pytest.mark.slow

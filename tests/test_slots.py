@@ -77,6 +77,31 @@ def test_a_handed_out_batch_reads_what_was_written_into_its_slot() -> None:
     assert pool.hand_out(slot, 2, labels=["a", "b"])[1] == ["a", "b"]
 
 
+@pytest.mark.parametrize("dtype", ["uint8", "float32"])
+def test_a_views_slot_is_free_only_once_every_view_is_gone(dtype: str) -> None:
+    """A multi-view slot hands out one NCHW tensor per view over its own aligned region; the slot stays taken until
+    the last view (or a slice of it) is gone."""
+    layout = SlotLayout(4, (8, 8, 3), dtype, index=True, views=((8, 8, 3), (8, 8, 3), (4, 4, 3)))
+    large = 4 * 8 * 8 * 3 * np.dtype(dtype).itemsize
+    assert layout.region_offsets == [0, large, 2 * large]
+    pool = SlotPool(SlotMemory(layout, 1))
+    for v, region in enumerate(pool.memory.regions(0)):
+        region[...] = v
+    pool.memory.labels(0)[:] = [5, 6, 7, 8]
+    views, labels, index = pool.hand_out(pool.acquire(), 3)
+    assert [tuple(view.shape) for view in views] == [(3, 3, 8, 8), (3, 3, 8, 8), (3, 3, 4, 4)]
+    assert [int(view.max()) for view in views] == [0, 1, 2]
+    assert all(str(view.dtype) == f"torch.{dtype}" for view in views)
+    assert labels.tolist() == [5, 6, 7]
+    assert len(index) == 3
+    last = views[2][1:]
+    del views
+    gc.collect()
+    assert pool.acquire() is None  # a slice of the last view still holds the slot
+    del last
+    assert pool.acquire() == 0
+
+
 def test_a_device_copy_frees_its_slot_only_once_its_event_has_completed(monkeypatch: pytest.MonkeyPatch) -> None:
     """On (patched) CUDA a slot copied to the device stays taken until ``Event.query()`` says the copy is done."""
     patch_cuda_streams(monkeypatch)

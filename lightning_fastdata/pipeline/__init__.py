@@ -20,7 +20,9 @@ A training batch on CUDA, from database record to model input:
    ``engine="auto"`` picks processes for CUDA training with 4 or more workers, threads otherwise.
 3. **Record to pixels** (:meth:`BatchReader.read_batch <lightning_fastdata.pipeline.kernel.BatchReader.read_batch>`,
    in :mod:`~lightning_fastdata.pipeline.kernel`): one LMDB transaction, decode, crop, resize and flip straight into
-   one ``uint8`` batch buffer (page-locked for a GPU); bad samples left out under the skip policy.
+   one ``uint8`` batch buffer (page-locked for a GPU); bad samples left out under the skip policy. With ``views``
+   (:mod:`~lightning_fastdata.pipeline.views`) each image is decoded once and every view cropped into its own region
+   of the buffer: the batch's images are a list of views.
 4. **Device.** The host batch is copied ``non_blocking`` one step ahead on a side CUDA stream
    (:func:`~lightning_fastdata.pipeline.device.prefetch_to_device`), and :class:`DeviceStage` turns it into model
    input there: ``uint8`` -> normalized float of the model's dtype, ``channels_last`` if asked; with

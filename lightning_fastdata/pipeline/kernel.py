@@ -41,6 +41,7 @@ from lightning_fastdata.keyed_random import AugmentKey, sample_key
 from lightning_fastdata.pipeline.device_decode import collate_encoded, encoded_sample
 from lightning_fastdata.pipeline.slots import Batches, FreshBatch, SlotBatch, SlotLayout, SlotMemory
 from lightning_fastdata.pipeline.targets import fill_targets, new_targets, true_index, with_index
+from lightning_fastdata.pipeline.views import MultiViewCrop
 from lightning_fastdata.skipping import SkipCounter
 from lightning_fastdata.store.format import RecordHeader
 from lightning_fastdata.store.reader import LmdbImageDataset
@@ -61,14 +62,16 @@ def fuses(dataset: Dataset) -> bool:
     """Whether :class:`BatchReader` builds ``dataset``'s batches on the fused path; else it reads sample by sample.
 
     Fused: an :class:`~lightning_fastdata.LmdbImageDataset` (or a subset of one, or a subclass that keeps
-    ``__getitem__`` and ``decode``) of tensors, whose transform is one of the package's crop transforms, unchanged.
+    ``__getitem__`` and ``decode``) of tensors, whose transform is one of the package's crop transforms (or its
+    :class:`~lightning_fastdata.pipeline.views.MultiViewCrop`), unchanged.
     """
     base, _ = _split_view(dataset)
+    transform = getattr(base, "transform", None)
     return (
         # a subclass that reads or decodes its own way keeps its way (the per-sample path calls it)
         inherits(base, LmdbImageDataset, "__getitem__", "decode")
         and base.output == "tensor"
-        and is_crop_transform(getattr(base, "transform", None))
+        and (is_crop_transform(transform) or inherits(transform, MultiViewCrop, "__call__"))
     )
 
 
@@ -157,11 +160,16 @@ class BatchReader(Dataset):
             return None
         assert self.transform is not None
         assert isinstance(self.base, LmdbImageDataset)
-        size, spec = self.transform.size, self.base.target_spec
-        shape, dtype = ((size, size, 3), "uint8") if self.output == "uint8" else ((size, size, 3), "float32")
-        if self.output == "float" and not self.channels_last:
-            shape = (3, size, size)
-        return SlotLayout(batch_size, shape, dtype, spec.shape, spec.dtype, self.return_index)
+        spec, dtype = self.base.target_spec, "uint8" if self.output == "uint8" else "float32"
+        chw = self.output == "float" and not self.channels_last
+        shapes = tuple((3, size, size) if chw else (size, size, 3) for size in self._sizes())
+        views = shapes if isinstance(self.transform, MultiViewCrop) else ()
+        return SlotLayout(batch_size, shapes[0], dtype, spec.shape, spec.dtype, self.return_index, views)
+
+    def _sizes(self) -> list[int]:
+        """The side of each view's crops (one for a single-view transform)."""
+        transform = self.transform
+        return transform.sizes if isinstance(transform, MultiViewCrop) else [transform.size]  # type: ignore[union-attr]
 
     def __getitems__(self, indices: Sequence[int], slots: SlotMemory | None = None) -> Any:
         """A whole batch, what the engines call: built in the slot its indices carry, if they carry one.
@@ -239,22 +247,26 @@ class BatchReader(Dataset):
             assert layout is not None
             memory = SlotMemory(layout, 1, shared=True)
             return FreshBatch(memory, *self._fill_slot(indices, key, memory, 0))
-        images = self._new_batch(len(indices))
-        count, labels, records = self._fill(indices, key, images.numpy())
+        regions = self._new_batch(len(indices))
+        count, labels, records = self._fill(indices, key, [region.numpy() for region in regions])
         targets = new_targets(self._lmdb().target_spec, count, self._pinned())
         given = fill_targets(self._lmdb(), labels, records, targets.numpy())
-        batch = (self._as_nchw(images[:count]), targets if given is None else self._pin_labels(given))
+        views = [self._as_nchw(region[:count]) for region in regions]
+        images = views if isinstance(self.transform, MultiViewCrop) else views[0]
+        batch = (images, targets if given is None else self._pin_labels(given))
         return (*batch, self._pin_labels(torch.tensor(records, dtype=torch.int64))) if self.return_index else batch
 
     def _fill(
-        self, indices: Sequence[int], key: AugmentKey | None, out: np.ndarray
+        self, indices: Sequence[int], key: AugmentKey | None, outs: Sequence[np.ndarray]
     ) -> tuple[int, list[int], list[int]]:
-        """The fused path: read, crop boxes, then decode -> crop -> resize -> flip (-> normalize) into ``out``.
+        """The fused path: read, crop boxes, then decode -> crop -> resize -> flip (-> normalize) into ``outs``.
 
         Every record of the batch is read in one LMDB transaction and decoded straight from the memory map; the crop
         boxes and flips are drawn for the whole batch at once (vectorized); each image then lands in its place in
-        ``out`` (the batch's memory, in its stored shape), the kept ones first. Returns how many were kept, their
-        header labels (the class of a ``class`` database) and their records in the base split, in the kept order.
+        ``outs`` (the batch's memory in its stored shape: one array, or one per view of a
+        :class:`~lightning_fastdata.pipeline.views.MultiViewCrop`, each view cropped from the one decode), the kept
+        ones first. Returns how many were kept, their header labels (the class of a ``class`` database) and their
+        records in the base split, in the kept order.
         """
         base, transform = self.base, self.transform
         assert isinstance(base, LmdbImageDataset)
@@ -264,11 +276,14 @@ class BatchReader(Dataset):
         records: list[int] = []
         with base.records() as read:  # payloads are views of the memory map until this block ends
             found = self._each(pairs, lambda pair: (pair, *read(pair[1])))
-            boxes, flips = self._boxes(found, key)
+            per_view = self._view_boxes(found, key)
+            boxes = list(zip(*(view_boxes for view_boxes, _ in per_view), strict=True))  # per sample, one per view
+            flips = list(zip(*(view_flips for _, view_flips in per_view), strict=True))
 
-            def crop_into(item: tuple[tuple[tuple[int, int], RecordHeader, memoryview], Box, bool]) -> None:
-                ((_, record), header, payload), box, flip = item
-                self._crop_into(record, header, payload, box, flip, out[len(labels)])
+            def crop_into(item: tuple[tuple[tuple[int, int], RecordHeader, memoryview], Any, Any]) -> None:
+                ((_, record), header, payload), sample_boxes, sample_flips = item
+                kept = len(labels)  # a sample that fails leaves out every view: the next one takes its place
+                self._crop_into(record, header, payload, sample_boxes, sample_flips, [out[kept] for out in outs])
                 labels.append(header.label)
                 records.append(record)
 
@@ -284,10 +299,18 @@ class BatchReader(Dataset):
         the count need leave a worker process; only a ``target_transform``'s targets that are not class indices are
         returned, else ``None``.
         """
-        count, labels, records = self._fill(indices, key, slots.images(slot, len(indices)))
+        count, labels, records = self._fill(indices, key, slots.regions(slot, len(indices)))
         if slots.layout.index:
             slots.indices(slot, count)[:] = records
         return count, fill_targets(self._lmdb(), labels, records, slots.labels(slot, count))
+
+    def _view_boxes(self, found: list[tuple[Any, ...]], key: AugmentKey | None) -> list[tuple[list[Box], list[bool]]]:
+        """:meth:`_boxes` for each view: of a :class:`~lightning_fastdata.pipeline.views.MultiViewCrop`, or the one."""
+        transform = self.transform
+        if not isinstance(transform, MultiViewCrop):
+            return [self._boxes(found, key)]
+        heights, widths = [item[1].height for item in found], [item[1].width for item in found]
+        return transform.boxes(heights, widths, key=key, samples=[item[0][0] for item in found])
 
     def _boxes(self, found: list[tuple[Any, ...]], key: AugmentKey | None) -> tuple[list[Box], list[bool]]:
         """The crop boxes and flips of the records ``found`` (``((index, record), header, ...)``), from their keys."""
@@ -301,28 +324,35 @@ class BatchReader(Dataset):
         return transform.boxes(heights, widths, key=key, samples=[item[0][0] for item in found])
 
     def _crop_into(
-        self, record: int, header: RecordHeader, payload: memoryview, box: Box, flip: bool, out: np.ndarray
+        self,
+        record: int,
+        header: RecordHeader,
+        payload: memoryview,
+        boxes: Sequence[Box],
+        flips: Sequence[bool],
+        outs: Sequence[np.ndarray],
     ) -> None:
-        """Decode one record, crop, resize and flip it (and normalize it) into ``out``.
+        """Decode one record once, then crop, resize and flip (and normalize) each view's box into its ``outs``.
 
-        The crop's side is ``out``'s (the batch's memory, made for the crop size when its epoch started), not the
+        A crop's side is its ``out``'s (the batch's memory, made for the crop size when its epoch started), not the
         transform's: a ``set_image_size`` during an epoch takes effect at the next one, never mid-batch.
         """
         base = self.base
         assert isinstance(base, LmdbImageDataset)
-        size = out.shape[0] if self.output == "uint8" or self.channels_last else out.shape[1]
         nbytes = header.height * header.width * 3
         image = base.decode_hwc(record, header, payload, self._buffer("decode", nbytes), fast=True)
         scratch = self._buffer("prefilter", nbytes)
-        try:
-            if self.output == "float":  # the uint8 crop in a scratch buffer, then normalized into the batch
-                assert self.normalizer is not None
-                crop, planes = self._float_scratch(size)
-                self.normalizer.into(crop_resize_into(image, box, size, flip, crop, scratch), out, planes)
-            else:
-                crop_resize_into(image, box, size, flip, out, scratch)
-        except Exception as err:  # cv2.error and friends: name the sample
-            raise SampleError(f"{base._where(record)}: cropping {box} failed: {err}") from err
+        for box, flip, out in zip(boxes, flips, outs, strict=True):
+            size = out.shape[0] if self.output == "uint8" or self.channels_last else out.shape[1]
+            try:
+                if self.output == "float":  # the uint8 crop in a scratch buffer, then normalized into the batch
+                    assert self.normalizer is not None
+                    crop, planes = self._float_scratch(size)
+                    self.normalizer.into(crop_resize_into(image, box, size, flip, crop, scratch), out, planes)
+                else:
+                    crop_resize_into(image, box, size, flip, out, scratch)
+            except Exception as err:  # cv2.error and friends: name the sample
+                raise SampleError(f"{base._where(record)}: cropping {box} failed: {err}") from err
 
     # -- one sample ------------------------------------------------------------------------------------------------
 
@@ -370,18 +400,18 @@ class BatchReader(Dataset):
 
     # -- buffers ---------------------------------------------------------------------------------------------------
 
-    def _new_batch(self, n: int) -> Tensor:
+    def _new_batch(self, n: int) -> list[Tensor]:
         """Fresh memory for a batch built without a slot in this process: NHWC uint8 (or NCHW / NHWC float32).
 
-        Page-locked when asked for and CUDA is there, else NumPy's (which asks the kernel for huge pages: few page
-        faults).
+        One tensor per view (one for a single-view transform). Page-locked when asked for and CUDA is there, else
+        NumPy's (which asks the kernel for huge pages: few page faults).
         """
         layout = self.slot_layout(n)
         assert layout is not None
-        shape, dtype = (n, *layout.sample_shape), torch.uint8 if layout.dtype == "uint8" else torch.float32
+        dtype = torch.uint8 if layout.dtype == "uint8" else torch.float32
         if self._pinned():  # torch's caching host allocator reuses pinned blocks safely
-            return torch.empty(shape, dtype=dtype, pin_memory=True)
-        return torch.from_numpy(np.empty(shape, dtype=layout.dtype))
+            return [torch.empty((n, *shape), dtype=dtype, pin_memory=True) for shape in layout.regions]
+        return [torch.from_numpy(np.empty((n, *shape), dtype=layout.dtype)) for shape in layout.regions]
 
     def _lmdb(self) -> LmdbImageDataset:
         """The database split the fused and encoded paths read (their reader is built only for one)."""
@@ -409,11 +439,14 @@ class BatchReader(Dataset):
         return buffer
 
     def _float_scratch(self, size: int) -> tuple[np.ndarray, list[np.ndarray]]:
-        """This thread's uint8 crop ``(size, size, 3)`` and its three planes, made once: no views made per image."""
-        cached = getattr(self._scratch, "float", None)
-        if cached is None or cached[0].shape[0] != size:
+        """This thread's uint8 crop ``(size, size, 3)`` and its three planes, made once a size: none made per image."""
+        sizes = getattr(self._scratch, "float", None)
+        if sizes is None:
+            sizes = self._scratch.float = {}
+        cached = sizes.get(size)
+        if cached is None:
             crop = np.empty((size, size, 3), dtype=np.uint8)
-            cached = self._scratch.float = (crop, list(np.empty((3, size, size), dtype=np.uint8)))
+            cached = sizes[size] = (crop, list(np.empty((3, size, size), dtype=np.uint8)))
         return cached
 
     def __getstate__(self) -> dict[str, Any]:

@@ -68,6 +68,10 @@ class SlotLayout:
     ``(3, H, W)`` for contiguous ``float32`` ones. ``target_shape`` and ``target_dtype`` are one sample's target in a
     batch (:attr:`~lightning_fastdata.store.targets.TargetSpec.shape`, ``.dtype``): ``()`` ``int64`` for classes,
     ``(C,)`` ``float32`` multi-hot, ``(K,)`` (or ``()``) ``float32`` values.
+
+    ``views``: a multi-view slot (:mod:`~lightning_fastdata.pipeline.views`) holds one image region per view, one
+    after another, ``[batch_size, *shape]`` each in the view's own sample shape (``sample_shape`` is the first's);
+    empty: one region of ``sample_shape``.
     """
 
     batch_size: int
@@ -76,11 +80,30 @@ class SlotLayout:
     target_shape: tuple[int, ...] = ()
     target_dtype: str = "int64"
     index: bool = False
+    views: tuple[tuple[int, ...], ...] = ()
+
+    @property
+    def regions(self) -> tuple[tuple[int, ...], ...]:
+        """The sample shape of each image region: each view's, or ``sample_shape`` alone."""
+        return self.views or (self.sample_shape,)
+
+    @property
+    def region_offsets(self) -> list[int]:
+        """Where each image region starts in a slot (aligned)."""
+        offsets, end = [], 0
+        for shape in self.regions:
+            offsets.append(_aligned(end))
+            end = offsets[-1] + self.region_bytes(shape)
+        return offsets
+
+    def region_bytes(self, shape: tuple[int, ...], n: int | None = None) -> int:
+        """Bytes of ``n`` samples (default ``batch_size``) of sample shape ``shape``."""
+        return (self.batch_size if n is None else n) * math.prod(shape) * np.dtype(self.dtype).itemsize
 
     @property
     def image_bytes(self) -> int:
-        """Bytes of a full batch of images."""
-        return self.batch_size * math.prod(self.sample_shape) * np.dtype(self.dtype).itemsize
+        """Bytes of a full batch of images (of every view's region, and the alignment between them)."""
+        return self.region_offsets[-1] + self.region_bytes(self.regions[-1])
 
     @property
     def labels_offset(self) -> int:
@@ -170,6 +193,15 @@ class SlotMemory:
         n = layout.batch_size if n is None else n
         nbytes = n * math.prod(layout.sample_shape) * np.dtype(layout.dtype).itemsize
         return self.slot(slot)[:nbytes].view(layout.dtype).reshape(n, *layout.sample_shape)
+
+    def regions(self, slot: int, n: int | None = None) -> list[np.ndarray]:
+        """The first ``n`` samples of each image region of slot ``slot`` (one per view; :meth:`images` for one)."""
+        layout, whole = self.layout, self.slot(slot)
+        n = layout.batch_size if n is None else n
+        return [
+            whole[start : start + layout.region_bytes(shape, n)].view(layout.dtype).reshape(n, *shape)
+            for start, shape in zip(layout.region_offsets, layout.regions, strict=True)
+        ]
 
     def labels(self, slot: int, n: int | None = None) -> np.ndarray:
         """The targets of slot ``slot``'s first ``n`` samples: ``[n, *target_shape]`` of ``target_dtype``."""
@@ -296,10 +328,12 @@ def _fresh_tensors(memory: SlotMemory, count: int, labels: Any) -> tuple[Tensor,
     """A one-slot memory's first ``count`` samples as ``(images, labels[, index])``: NCHW images.
 
     The targets are the slot's if ``labels`` is ``None``; ``index``, the slot's dataset indices for a layout with it.
+    ``images`` of a multi-view layout: a list of each view's NCHW images.
     """
-    images = torch.from_numpy(memory.images(0, count))
+    views = [torch.from_numpy(region) for region in memory.regions(0, count)]
     if memory.layout.channels_last:
-        images = images.permute(0, 3, 1, 2)
+        views = [view.permute(0, 3, 1, 2) for view in views]
+    images: Any = views if memory.layout.views else views[0]
     targets = torch.from_numpy(memory.labels(0, count)) if labels is None else labels
     if memory.layout.index:
         return images, targets, torch.from_numpy(memory.indices(0, count))
@@ -412,6 +446,8 @@ class SlotPool:
         Images are NCHW (views of NHWC memory when stored so); the targets are a copy of the slot's (a few bytes a
         sample), or ``labels`` when given; ``index``, with a layout that has it, a copy of the slot's dataset indices.
         """
+        if self.layout.views:
+            return self._hand_out_views(slot, n, labels)
         # this hand-out's own view: the tensor's storage below holds it, and nothing else does; when it goes, the
         # weak reference's callback frees the slot (the reference itself is kept here until the slot is reused)
         view = np.ndarray((n, *self._sample_shape), self._dtype, self.memory.bytes, slot * self._slot_bytes)
@@ -425,6 +461,29 @@ class SlotPool:
             return images, labels, torch.from_numpy(self._indices[slot][:n].copy())
         return images, labels
 
+    def _hand_out_views(self, slot: int, n: int, labels: Any) -> tuple[Any, ...]:
+        """:meth:`hand_out` of a multi-view slot: its images a list of each view's NCHW tensor.
+
+        One hand-out view of the slot's image bytes, as for one region; every view's tensor is a torch view of the one
+        tensor over it (NumPy would collapse views of views to the slot memory, which the weak reference must not
+        follow), so the slot is free once all of them are gone.
+        """
+        layout = self.layout
+        whole = np.ndarray((layout.image_bytes,), np.uint8, self.memory.bytes, slot * self._slot_bytes)
+        self._owners[slot] = weakref.ref(whole, self._on_release[slot])
+        flat, dtype = torch.from_numpy(whole), getattr(torch, layout.dtype)
+        views = [
+            flat[start : start + layout.region_bytes(shape, n)].view(dtype).view(n, *shape)
+            for start, shape in zip(layout.region_offsets, layout.regions, strict=True)
+        ]
+        if self._channels_last:
+            views = [view.permute(0, 3, 1, 2) for view in views]
+        if labels is None:
+            labels = torch.from_numpy(self._labels[slot][:n].copy())
+        if self._indices is not None:
+            return views, labels, torch.from_numpy(self._indices[slot][:n].copy())
+        return views, labels
+
     def to_device(self, slot: int, n: int, device: torch.device, stream: Any, labels: Any = None) -> Any:
         """Slot ``slot``'s first ``n`` samples copied to ``device`` on ``stream``; the slot is free once they are.
 
@@ -432,7 +491,8 @@ class SlotPool:
         :meth:`pin` succeeded) and the event that frees the slot are queued there.
         """
         images, slot_labels, *index = self._views[slot]
-        host = (images[:n], slot_labels[:n] if labels is None else labels, *(i[:n] for i in index))
+        head = [view[:n] for view in images] if isinstance(images, list) else images[:n]
+        host = (head, slot_labels[:n] if labels is None else labels, *(i[:n] for i in index))
         batch = stage._to_device(host, device)
         event = torch.cuda.Event()
         event.record(stream)
@@ -440,14 +500,19 @@ class SlotPool:
         return batch
 
     @functools.cached_property
-    def _views(self) -> list[tuple[Tensor, ...]]:
-        """Each slot's whole images (NCHW), targets (and indices), as tensors made once: for copies, freed by events."""
-        views: list[tuple[Tensor, ...]] = []
+    def _views(self) -> list[tuple[Any, ...]]:
+        """Each slot's whole images (NCHW), targets (and indices), as tensors made once: for copies, freed by events.
+
+        A multi-view slot's images are a list of each view's.
+        """
+        views: list[tuple[Any, ...]] = []
         for slot in range(self.memory.count):
-            images = torch.from_numpy(self.memory.images(slot))
+            regions = [torch.from_numpy(region) for region in self.memory.regions(slot)]
+            if self._channels_last:
+                regions = [region.permute(0, 3, 1, 2) for region in regions]
             labels = torch.from_numpy(self.memory.labels(slot))
             index = (torch.from_numpy(self.memory.indices(slot)),) if self.layout.index else ()
-            views.append((images.permute(0, 3, 1, 2) if self._channels_last else images, labels, *index))
+            views.append((regions if self.layout.views else regions[0], labels, *index))
         return views
 
     def pin(self) -> str | None:

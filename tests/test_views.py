@@ -1,0 +1,213 @@
+"""Tests for ``lightning_fastdata.pipeline.views``: several views of each image, decoded once, on every engine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import hostile
+import numpy as np
+import pytest
+import torch
+from fakes import patch_cuda_streams
+from lightning.pytorch import LightningModule, Trainer
+
+from lightning_fastdata import FastImageDataModule, InvalidArgumentError, LmdbImageDataset, ViewGroup
+from lightning_fastdata.pipeline import create_loader
+from lightning_fastdata.pipeline.kernel import BatchReader, KeyedIndices
+from lightning_fastdata.pipeline.views import MultiViewCrop, check_views
+from lightning_fastdata.skipping import SkipCounter
+from lightning_fastdata.transforms import Normalizer, crop_resize_into
+
+#: two large views, three small ones (given small first: the groups are sorted by size)
+GROUPS = [ViewGroup(12, count=3, scale=(0.05, 0.4)), ViewGroup(24, count=2, scale=(0.4, 1.0))]
+SIZES = [24, 24, 12, 12, 12]
+NORMALIZER = Normalizer((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
+
+
+def _dataset(database: Path, **kwargs: Any) -> LmdbImageDataset:
+    return LmdbImageDataset(database, transform=MultiViewCrop(check_views(GROUPS)), fast_decode=True, **kwargs)  # type: ignore[arg-type]
+
+
+def _epoch(database: Path, engine: str, workers: int, batch_size: int = 4, **kwargs: Any) -> list[Any]:
+    """One shuffled epoch's batches, copied (the loader's slots are reused)."""
+    loader = create_loader(
+        _dataset(database), batch_size, shuffle=True, seed=5, engine=engine, workers=workers, **kwargs
+    )  # type: ignore[arg-type]
+    return [([v.clone() for v in views], *(t.clone() for t in rest)) for views, *rest in loader]
+
+
+def _assert_same(first: list[Any], second: list[Any]) -> None:
+    assert len(first) == len(second) > 1
+    for (views_a, *rest_a), (views_b, *rest_b) in zip(first, second, strict=True):
+        assert [v.shape[-1] for v in views_a] == [v.shape[-1] for v in views_b] == SIZES
+        for a, b in zip(views_a, views_b, strict=True):
+            assert torch.equal(a, b)
+        for a, b in zip(rest_a, rest_b, strict=True):
+            assert torch.equal(a, b)
+
+
+def test_views_are_checked_and_sorted_largest_first() -> None:
+    """Groups (or mappings of their fields) come back sorted by size; a bad one is an error naming `views`."""
+    groups = check_views([{"size": 96, "count": 6, "scale": [0.05, 0.4]}, {"size": 224, "count": 2}])
+    assert groups is not None
+    assert [(g.size, g.count, g.scale) for g in groups] == [(224, 2, (0.08, 1.0)), (96, 6, (0.05, 0.4))]
+    for bad in ([], {"size": 1}, [{"sizes": 3}], [{"size": 0}], [{"size": 8, "count": 0}], [{"size": 8, "flip": 2}]):
+        with pytest.raises(InvalidArgumentError, match="`views"):
+            check_views(bad)  # type: ignore[arg-type]
+
+
+def test_batches_are_a_list_of_views_equal_on_both_engines(database: Path) -> None:
+    """Threads and worker processes (2 each) give the same views bit for bit: NCHW uint8, large views first."""
+    threads = _epoch(database, "threads", 2, return_index=True)
+    _assert_same(threads, _epoch(database, "processes", 2, return_index=True))
+    views, targets, index = threads[0]
+    assert isinstance(views, list)
+    assert [tuple(v.shape) for v in views] == [(4, 3, s, s) for s in SIZES]
+    assert all(v.dtype == torch.uint8 and v.is_contiguous(memory_format=torch.channels_last) for v in views)
+    assert targets.dtype == index.dtype == torch.int64
+    assert not torch.equal(views[0], views[1])  # each view its own box
+
+
+@pytest.mark.parametrize(("engine", "workers"), [("processes", 1), ("threads", 0)])
+def test_batches_built_in_fresh_memory_are_the_same(database: Path, engine: str, workers: int) -> None:
+    """With every batch kept alive no slot is free: the batches built in fresh memory hold the same views."""
+    loader = create_loader(
+        _dataset(database),
+        1,
+        shuffle=True,
+        seed=5,
+        engine=engine,
+        workers=workers,
+        prefetch_factor=1,  # type: ignore[arg-type]
+    )
+    kept = list(loader)
+    assert loader.slot_misses > 0
+    _assert_same(kept, _epoch(database, "threads", 2, batch_size=1))
+
+
+def test_each_image_is_decoded_once(database: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Five views of each image, one decode of it."""
+    calls = []
+    decode = LmdbImageDataset.decode_hwc
+
+    def counting(self: LmdbImageDataset, record: int, *args: Any, **kwargs: Any) -> np.ndarray:
+        calls.append(record)
+        return decode(self, record, *args, **kwargs)
+
+    monkeypatch.setattr(LmdbImageDataset, "decode_hwc", counting)
+    batches = _epoch(database, "threads", 0)
+    samples = sum(len(targets) for _, targets in batches)
+    assert sorted(calls) == list(range(samples))
+
+
+@pytest.mark.parametrize("output", ["uint8", "float"])
+def test_views_are_crops_of_the_decoded_image_with_their_keyed_boxes(database: Path, output: str) -> None:
+    """Each view is the reference crop of the decoded image with the box and flip its key gives it (normalized)."""
+    dataset = _dataset(database)
+    plain = LmdbImageDataset(database, fast_decode=True)
+    transform = dataset.transform
+    assert isinstance(transform, MultiViewCrop)
+    key, samples = (7, 2), [3, 0, 9]
+    views, _ = BatchReader(dataset, output=output, normalizer=NORMALIZER).read_batch(KeyedIndices(samples, key))  # type: ignore[arg-type]
+    images = [plain[i][0].permute(1, 2, 0).numpy() for i in samples]
+    per_view = transform.boxes([im.shape[0] for im in images], [im.shape[1] for im in images], key, samples)
+    assert len({box for boxes, _ in per_view for box in boxes}) == len(SIZES) * len(samples)  # every box its own
+    for v, (boxes, flips) in enumerate(per_view):
+        size = SIZES[v]
+        for i, image in enumerate(images):
+            crop = crop_resize_into(image, boxes[i], size, flips[i], np.empty((size, size, 3), np.uint8))
+            expected = torch.from_numpy(crop).permute(2, 0, 1)
+            if output == "float":
+                expected = NORMALIZER.batch(expected[None].contiguous())[0]
+                torch.testing.assert_close(views[v][i], expected, rtol=0, atol=1e-5)
+            else:
+                assert torch.equal(views[v][i], expected)
+
+
+def test_a_skipped_sample_leaves_every_view(database_copy: Path) -> None:
+    """Under the skip policy a bad sample leaves each view, with its target and index; the others stay aligned."""
+    hostile.damage_record(database_copy, 2)
+    reader = BatchReader(_dataset(database_copy), skip_counter=SkipCounter(), return_index=True)
+    views, targets, index = reader.read_batch(KeyedIndices([1, 2, 3], (0, 0)))
+    whole, _, _ = BatchReader(_dataset(database_copy), return_index=True).read_batch(KeyedIndices([1, 3], (0, 0)))
+    assert index.tolist() == [1, 3]
+    assert len(targets) == 2
+    for view, expected in zip(views, whole, strict=True):
+        assert torch.equal(view, expected)
+
+
+class _ViewsModel(LightningModule):
+    """Asserts each training batch is ``(views, targets)``: float32 normalized views, large first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(3, 3)
+        self.seen = 0
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        views, targets = batch
+        assert isinstance(views, list)
+        assert [v.shape[-1] for v in views] == SIZES
+        assert all(v.dtype == torch.float32 and v.shape[:2] == (4, 3) for v in views)
+        assert min(float(v.min()) for v in views) < 0  # normalized, not 0-255
+        assert targets.dtype == torch.int64
+        assert targets.shape == (4,)
+        self.seen += 1
+        return sum(torch.nn.functional.cross_entropy(self.layer(v.mean(dim=(2, 3))), targets) for v in views)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_fit_trains_on_views(database: Path, tmp_path: Path) -> None:
+    """A real fit on the CPU gets ``(views, targets)`` batches; the DataModule counts its large and small views."""
+    dm = FastImageDataModule(str(database), image_size=16, batch_size=4, num_workers=2, engine="threads", views=GROUPS)
+    assert (dm.num_large_views, dm.num_small_views) == (2, 3)
+    model = _ViewsModel()
+    trainer = Trainer(
+        accelerator="cpu",
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(model, datamodule=dm)
+    assert model.seen == 2
+    val_images, _ = next(iter(dm.val_dataloader()))
+    assert isinstance(val_images, torch.Tensor)
+    assert val_images.shape[-1] == 16
+
+
+def test_views_refuse_device_decode_and_a_size_schedule() -> None:
+    """``views`` with ``decode='device'`` or ``image_size_schedule`` is an error naming both."""
+    with pytest.raises(InvalidArgumentError, match=r"`views`.*`decode='device'`"):
+        FastImageDataModule("x", views=GROUPS, decode="device")
+    with pytest.raises(InvalidArgumentError, match=r"`image_size_schedule`.*`views`"):
+        FastImageDataModule("x", views=GROUPS, image_size_schedule={0: 8})
+
+
+def test_store_short_side_follows_the_largest_view() -> None:
+    """A conversion stores images large enough for the largest view's crops."""
+    dm = FastImageDataModule("x", image_size=96, views=[ViewGroup(512, count=2), ViewGroup(96, count=4)])
+    assert dm.store_short_side() == 586  # ceil(512 / 0.875)
+
+
+def test_tuning_counts_the_samples_of_a_views_batch(database: Path) -> None:
+    """``num_workers='tune'`` times images a second: a views batch counts its samples, not its views."""
+    from lightning_fastdata.tuning import _batch_len
+
+    assert _batch_len(_epoch(database, "threads", 0)[0]) == 4
+
+
+@pytest.mark.parametrize("engine", ["threads", "processes"])
+def test_views_copied_ahead_to_the_device_are_the_same(
+    database: Path, engine: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Copied ahead to (patched) CUDA from the slots, a batch's views are those of the plain epoch."""
+    reference = _epoch(database, "threads", 2)
+    patch_cuda_streams(monkeypatch)
+    _assert_same(_epoch(database, engine, 2, device="cuda:0"), reference)
