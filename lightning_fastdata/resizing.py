@@ -136,6 +136,8 @@ def set_image_size(dm: Any, size: int) -> None:
         " (new batch slots, and any persistent worker processes restart with the new crop size)."
     )
     for name, dataset in built.items():
+        if name == "train" and getattr(dm, "views", None):  # `views` sets the training crops' sizes, on purpose
+            continue
         if dataset is not None and any(dataset is d for d in missed):
             rank_zero_warn(
                 f"`set_image_size`: the {name} dataset's transform is not RandomResizedCropFlip or"

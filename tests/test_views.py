@@ -211,3 +211,16 @@ def test_views_copied_ahead_to_the_device_are_the_same(
     reference = _epoch(database, "threads", 2)
     patch_cuda_streams(monkeypatch)
     _assert_same(_epoch(database, engine, 2, device="cuda:0"), reference)
+
+
+def test_set_image_size_with_views_resizes_the_evaluation_crops_without_a_warning(
+    database: Path, recwarn: pytest.WarningsRecorder
+) -> None:
+    """With ``views`` the training crops are the views' sizes, on purpose: ``set_image_size`` resizes validation's
+    centre crops and warns about no transform."""
+    dm = FastImageDataModule(str(database), image_size=16, batch_size=4, num_workers=0, views=GROUPS, val_fraction=0.5)
+    dm.setup("fit")
+    dm.set_image_size(24)
+    assert not [w for w in recwarn if "set_image_size" in str(w.message)]
+    val_images, _ = next(iter(dm.val_dataloader()))
+    assert val_images.shape[-1] == 24
