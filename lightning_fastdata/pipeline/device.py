@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from lightning_fastdata.errors import CorruptRecordError
+from lightning_fastdata.pipeline.color import BatchColor, split_params
 from lightning_fastdata.pipeline.device_decode import EncodedImages, encoded_batch_to_images
 from lightning_fastdata.pipeline.streams import side_stream
 from lightning_fastdata.transforms import Normalizer
@@ -53,6 +54,8 @@ class DeviceStage:
         device: where still-encoded images are decoded.
         image_size: the side of decoded crops.
         skip: called with the error of a still-encoded image that fails to decode (then left out); ``None``: raise.
+        color: a batch that carries colour parameters (training batches, :mod:`~lightning_fastdata.pipeline.color`)
+            has them taken off, and its ``uint8`` images coloured by it before they are normalized.
 
     """
 
@@ -64,6 +67,7 @@ class DeviceStage:
         device: torch.device | None = None,
         image_size: int | None = None,
         skip: Callable[[CorruptRecordError], None] | None = None,
+        color: BatchColor | None = None,
     ) -> None:
         self.normalizer = normalizer
         self.dtype = dtype
@@ -71,11 +75,13 @@ class DeviceStage:
         self.device = device
         self.image_size = image_size
         self.skip = skip
+        self.color = color
 
     def __call__(self, batch: Any) -> Any:
         """The batch with its first element, the images, as model input."""
         if not isinstance(batch, (tuple, list)) or not batch:
             return batch
+        batch, params = split_params(batch)
         first = batch[0]
         if isinstance(first, EncodedImages):
             if self.device is None or self.image_size is None:
@@ -83,7 +89,11 @@ class DeviceStage:
             return encoded_batch_to_images(batch, self.image_size, self.device, self._finish, skip=self.skip)
         if not isinstance(first, torch.Tensor):
             return batch
-        if first.dtype == torch.uint8:
+        if params is not None and self.color is not None:  # coloured as floats in 0-255, then normalized in place
+            if first.dtype != torch.uint8:
+                raise TypeError(f"colour augmentation needs uint8 images (0-255), got {first.dtype} ones.")
+            images = self.normalizer.float_(self.color(first, params), self.dtype, self.channels_last)
+        elif first.dtype == torch.uint8:
             images = self.normalizer.batch(first, self.dtype, self.channels_last)
         elif first.is_floating_point() and first.dtype != self.dtype:  # normalized by the loader threads
             images = first.to(self.dtype)
