@@ -18,6 +18,7 @@ from lightning_fastdata.errors import InvalidArgumentError
 from lightning_fastdata.hparams import HPARAMS_PREFIX as HPARAMS_PREFIX
 from lightning_fastdata.hparams import clashes, for_loggers, say_clashes
 from lightning_fastdata.pipeline import DeviceStage
+from lightning_fastdata.pipeline.color import BatchColor
 from lightning_fastdata.pipeline.device import batch_dtype, loader_output, trainer_device, trains_on_cuda, uses_prefetch
 from lightning_fastdata.pipeline.kernel import Output
 from lightning_fastdata.pipeline.views import MultiViewCrop, ViewGroup, check_views
@@ -147,6 +148,15 @@ class FastImageDataModule(LightningDataModule):
             large views first (:attr:`num_large_views`). ``image_size`` and ``scale`` then apply to validation, test
             and predict only, which keep the single centre crop. Not with ``decode="device"`` or
             ``image_size_schedule``. See docs/datamodule.md#self-supervised-training.
+        color_jitter: training colour jitter ``(brightness, contrast, saturation, hue)`` as torchvision's
+            ``ColorJitter`` takes them (the DINO/BYOL recipe: ``(0.4, 0.4, 0.2, 0.1)``); ``None``: none. The colour
+            ops run on whole batches before normalization (on the device for CUDA), each sample with parameters of
+            its own drawn from ``(seed, epoch, index)``: :mod:`lightning_fastdata.pipeline.color`.
+        color_jitter_p: probability of the jitter, per sample.
+        grayscale_p: probability of random grayscale, per training sample.
+        blur_p: probability of a Gaussian blur, per training sample, sigma uniform in ``blur_sigma``.
+        blur_sigma: the blur's sigma range ``(low, high)``, in pixels.
+        solarize_p: probability of solarization (values >= 128 inverted), per training sample.
 
     Example:
         >>> from lightning.pytorch import Trainer
@@ -189,6 +199,12 @@ class FastImageDataModule(LightningDataModule):
         label_separator: str = LABEL_SEPARATOR,
         return_index: bool = False,
         views: list[ViewGroup] | None = None,
+        color_jitter: tuple[float, float, float, float] | None = None,
+        color_jitter_p: float = 0.8,
+        grayscale_p: float = 0.0,
+        blur_p: float = 0.0,
+        blur_sigma: tuple[float, float] = (0.1, 2.0),
+        solarize_p: float = 0.0,
     ) -> None:
         super().__init__()
         if image_size < 1 or batch_size < 1:
@@ -221,6 +237,13 @@ class FastImageDataModule(LightningDataModule):
             raise InvalidArgumentError(
                 "`image_size_schedule` resizes the single training crop; with `views` each group has its own `size`."
                 " Pass one or the other."
+            )
+        colour = {"color_jitter": color_jitter, "grayscale_p": grayscale_p, "blur_p": blur_p, "solarize_p": solarize_p}
+        if groups is not None and any(colour.values()):
+            raise InvalidArgumentError(
+                f"`views` with colour augmentation ({', '.join(f'`{k}`' for k, v in colour.items() if v)}) is not"
+                " supported yet: the colour stage draws one set of parameters per sample, for a single view. Colour"
+                " the views in your training step, or train single views with it."
             )
         remote.check_local(
             cache_dir,
@@ -267,6 +290,8 @@ class FastImageDataModule(LightningDataModule):
         self.targets = targets
         self.label_separator = label_separator
         self.return_index = return_index
+        #: the training batches' colour augmentation (``None``: none), see :mod:`lightning_fastdata.pipeline.color`
+        self._color = BatchColor.create(color_jitter, color_jitter_p, grayscale_p, blur_p, blur_sigma, solarize_p)
         self._skip_counter = SkipCounter()
         self.train_dataset: Dataset | None = None
         self.val_dataset: Dataset | None = None
@@ -557,6 +582,7 @@ class FastImageDataModule(LightningDataModule):
             device=self._device(),
             image_size=self.image_size,
             skip=self._skip_counter.skip if self.on_bad_sample == "skip" else None,
+            color=self._color,
         )
 
     def to_model_input(self, batch: Any) -> Any:

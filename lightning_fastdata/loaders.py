@@ -50,6 +50,17 @@ def split_loader(
     dist_kwargs = (trainer.distributed_sampler_kwargs if trainer is not None else None) or {}
     limit = getattr(trainer, "limit_train_batches", 1.0) if train else 1.0
     dm._stage = dm._device_stage()
+    # colour augmentation (training only): drawn per sample where the batch is built, applied by the device stage
+    # before it normalizes, so a CPU run's loader gives uint8 batches instead of normalizing them
+    color = getattr(dm, "_color", None) if train else None
+    output = dm._output()
+    if color is not None and output == "encoded":
+        raise ValueError(
+            "Colour augmentation (`color_jitter`, `grayscale_p`, `blur_p`, `solarize_p`) is not available with"
+            " `decode='device'` yet: pass `decode='cpu'`."
+        )
+    if color is not None and output == "float":
+        output = "uint8"
     loader = create_loader(
         dataset,
         batch_size,
@@ -63,7 +74,7 @@ def split_loader(
         workers=workers,
         prefetch_factor=prefetch_factor,
         persistent_workers=dm.persistent_workers,
-        output=dm._output(),
+        output=output,
         normalizer=dm.normalizer,
         channels_last=dm.channels_last,
         skip_counter=dm._skip_counter if dm.on_bad_sample == "skip" else None,
@@ -72,6 +83,7 @@ def split_loader(
         device_stage=dm._stage,
         limit_batches=limit if isinstance(limit, (int, float)) else 1.0,
         return_index=dm.return_index,
+        color=color,
         before_epoch=functools.partial(resizing.start_epoch, dm, dm._stage, train and config is None),
     )
     dm._stage_in_loader = loader.prefetching

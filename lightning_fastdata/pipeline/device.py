@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from lightning_fastdata.errors import CorruptRecordError
+from lightning_fastdata.pipeline.color import BatchColor, split_params
 from lightning_fastdata.pipeline.device_decode import EncodedImages, encoded_batch_to_images
 from lightning_fastdata.pipeline.streams import side_stream
 from lightning_fastdata.transforms import Normalizer
@@ -54,6 +55,8 @@ class DeviceStage:
         device: where still-encoded images are decoded.
         image_size: the side of decoded crops.
         skip: called with the error of a still-encoded image that fails to decode (then left out); ``None``: raise.
+        color: a batch that carries colour parameters (training batches, :mod:`~lightning_fastdata.pipeline.color`)
+            has them taken off, and its ``uint8`` images coloured by it before they are normalized.
 
     """
 
@@ -65,6 +68,7 @@ class DeviceStage:
         device: torch.device | None = None,
         image_size: int | None = None,
         skip: Callable[[CorruptRecordError], None] | None = None,
+        color: BatchColor | None = None,
     ) -> None:
         self.normalizer = normalizer
         self.dtype = dtype
@@ -72,18 +76,20 @@ class DeviceStage:
         self.device = device
         self.image_size = image_size
         self.skip = skip
+        self.color = color
 
     def __call__(self, batch: Any) -> Any:
         """The batch with its first element, the images, as model input."""
         if not isinstance(batch, (tuple, list)) or not batch:
             return batch
+        batch, params = split_params(batch)
         first = batch[0]
         if isinstance(first, EncodedImages):
             if self.device is None or self.image_size is None:
                 raise ValueError("Still-encoded images need `DeviceStage(device=..., image_size=...)` to decode.")
             return encoded_batch_to_images(batch, self.image_size, self.device, self._finish, skip=self.skip)
         if isinstance(first, torch.Tensor):
-            images: Any = self._images(first)
+            images: Any = self._images(first, params)
             unchanged = images is first
         elif isinstance(first, (list, tuple)) and first and all(isinstance(view, torch.Tensor) for view in first):
             # several views of each sample (a transform of one's own): each view as a single-view batch, same container
@@ -95,8 +101,15 @@ class DeviceStage:
             return batch
         return type(batch)([images, *batch[1:]]) if isinstance(batch, list) else (images, *batch[1:])
 
-    def _images(self, images: Tensor) -> Tensor:
-        """One ``[B, C, H, W]`` image batch as model input (``images`` itself when it already is, or is no images)."""
+    def _images(self, images: Tensor, params: Tensor | None = None) -> Tensor:
+        """One ``[B, C, H, W]`` image batch as model input (``images`` itself when it already is, or is no images).
+
+        With colour parameters (and a colour stage), uint8 images are coloured as floats in 0-255, then normalized.
+        """
+        if params is not None and self.color is not None:
+            if images.dtype != torch.uint8:
+                raise TypeError(f"colour augmentation needs uint8 images (0-255), got {images.dtype} ones.")
+            return self.normalizer.float_(self.color(images, params), self.dtype, self.channels_last)
         if images.dtype == torch.uint8:
             return self.normalizer.batch(images, self.dtype, self.channels_last)
         if images.is_floating_point() and images.dtype != self.dtype:  # normalized by the loader threads

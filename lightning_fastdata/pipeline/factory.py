@@ -17,6 +17,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 
+from lightning_fastdata.pipeline.color import BatchColor
 from lightning_fastdata.pipeline.device import DeviceStage, prefetch_to_device
 from lightning_fastdata.pipeline.kernel import BatchReader, KeyedIndices, Output, _batch_as_is
 from lightning_fastdata.pipeline.processes import WorkerIterator, _worker_init, shared_slots, with_slots
@@ -62,6 +63,7 @@ def create_loader(
     limit_batches: int | float = 1.0,
     return_index: bool = False,
     before_epoch: Callable[[int], Hashable] | None = None,
+    color: BatchColor | None = None,
 ) -> FastLoader:
     """The loader of one split: every choice of the batch path, made here.
 
@@ -98,6 +100,8 @@ def create_loader(
         before_epoch: called with the sampler's epoch as each epoch's iteration starts (see :class:`FastLoader`).
         return_index: batches are ``(images, targets, index)``: ``index`` the samples' true dataset indices,
             ``int64 [B]`` (for a subset of a database split, the index into that split), on every engine.
+        color: each batch carries its samples' colour parameters, drawn from their keys, last
+            (:mod:`~lightning_fastdata.pipeline.color`); the device stage applies them and takes them off.
 
     A batch's targets are of the database's kind: ``int64 [B]`` classes, multi-hot ``float32 [B, C]``, ``float32
     [B, K]`` values (``[B]`` when K = 1), or ``int64 [B]`` of ``-1`` (no targets).
@@ -120,6 +124,7 @@ def create_loader(
             skip_counter=skip_counter,
             pin_memory=pin_memory and engine == "threads",  # worker processes hand batches over in shared memory
             return_index=return_index,
+            color=color,
         )
     elif return_index and not getattr(reader, "return_index", False):
         raise ValueError(

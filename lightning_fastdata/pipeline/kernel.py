@@ -38,6 +38,7 @@ from torch.utils.data import Dataset, default_collate, get_worker_info
 from lightning_fastdata._fast_path import inherits
 from lightning_fastdata.errors import FastDataError, SampleError
 from lightning_fastdata.keyed_random import AugmentKey, sample_key
+from lightning_fastdata.pipeline.color import COLUMNS, BatchColor, with_params
 from lightning_fastdata.pipeline.device_decode import collate_encoded, encoded_sample
 from lightning_fastdata.pipeline.slots import Batches, FreshBatch, SlotBatch, SlotLayout, SlotMemory
 from lightning_fastdata.pipeline.targets import fill_targets, new_targets, true_index, with_index
@@ -101,6 +102,9 @@ class BatchReader(Dataset):
         return_index: batches are ``(images, targets, index)``, ``index`` the samples' true dataset indices
             (``int64 [B]``): for a subset (``torch.utils.data.Subset``, the DataModule's held-out view) of an
             :class:`~lightning_fastdata.LmdbImageDataset`, the index into the split it views.
+        color: draw each sample's colour parameters from its key (:meth:`BatchColor.draw
+            <lightning_fastdata.pipeline.color.BatchColor.draw>`, keyed by its dataset index): they ride last in the
+            batch, ``ColorParams`` ``float32 [B, 7]``, for the device stage to apply and take off.
 
     """
 
@@ -113,6 +117,7 @@ class BatchReader(Dataset):
         skip_counter: SkipCounter | None = None,
         pin_memory: bool = False,
         return_index: bool = False,
+        color: BatchColor | None = None,
     ) -> None:
         if output not in ("uint8", "float", "encoded"):
             raise ValueError(f"`output` must be 'uint8', 'float' or 'encoded', got {output!r}.")
@@ -125,6 +130,7 @@ class BatchReader(Dataset):
         self.skip_counter = skip_counter
         self.pin_memory = pin_memory
         self.return_index = return_index
+        self.color = color
         self.base, self.indices = _split_view(dataset)
         transform = getattr(self.base, "transform", None)
         self.fused = fuses(dataset)
@@ -164,7 +170,8 @@ class BatchReader(Dataset):
         chw = self.output == "float" and not self.channels_last
         shapes = tuple((3, size, size) if chw else (size, size, 3) for size in self._sizes())
         views = shapes if isinstance(self.transform, MultiViewCrop) else ()
-        return SlotLayout(batch_size, shapes[0], dtype, spec.shape, spec.dtype, self.return_index, views)
+        params = len(COLUMNS) if self.color is not None else 0
+        return SlotLayout(batch_size, shapes[0], dtype, spec.shape, spec.dtype, self.return_index, views, params)
 
     def _sizes(self) -> list[int]:
         """The side of each view's crops (one for a single-view transform)."""
@@ -212,9 +219,23 @@ class BatchReader(Dataset):
                 def indexed(index: int) -> Any:
                     return with_index(self._sample(index, key), true_index(self.dataset, self.indices, index))
 
-                return default_collate(self._each(indices, indexed))
+                return self._colored(default_collate(self._each(indices, indexed)), key, indices)
+            if self.color is not None:  # the kept samples' indices, for their colour parameters
+                kept = self._each(indices, lambda index: (self._sample(index, key), index))
+                batch = default_collate([sample for sample, _ in kept])
+                return self._colored(batch, key, [index for _, index in kept])
             return default_collate(self._each(indices, lambda index: self._sample(index, key)))
         return self._read_fused(indices, key)
+
+    def _colored(self, batch: Any, key: AugmentKey | None, indices: Sequence[int]) -> Any:
+        """A per-sample batch with its colour parameters last (keyed by the dataset indices), when drawn."""
+        if self.color is None:
+            return batch
+        if self.return_index:  # collated from `with_index`: the true indices are the batch's last element
+            records = batch[-1].tolist()
+        else:
+            records = [true_index(self.dataset, self.indices, int(index)) for index in indices]
+        return with_params(batch, self.color.draw(key, records))
 
     def _sample(self, index: int, key: AugmentKey | None) -> Any:
         """One sample through the wrapped dataset, its transforms drawing from its key (the per-sample path).
@@ -254,7 +275,11 @@ class BatchReader(Dataset):
         views = [self._as_nchw(region[:count]) for region in regions]
         images = views if isinstance(self.transform, MultiViewCrop) else views[0]
         batch = (images, targets if given is None else self._pin_labels(given))
-        return (*batch, self._pin_labels(torch.tensor(records, dtype=torch.int64))) if self.return_index else batch
+        if self.return_index:
+            batch = (*batch, self._pin_labels(torch.tensor(records, dtype=torch.int64)))
+        if self.color is not None:
+            batch = with_params(batch, self._pin_labels(torch.from_numpy(self.color.draw(key, records))))
+        return batch
 
     def _fill(
         self, indices: Sequence[int], key: AugmentKey | None, outs: Sequence[np.ndarray]
@@ -302,6 +327,9 @@ class BatchReader(Dataset):
         count, labels, records = self._fill(indices, key, slots.regions(slot, len(indices)))
         if slots.layout.index:
             slots.indices(slot, count)[:] = records
+        if slots.layout.params:
+            assert self.color is not None
+            slots.params(slot, count)[:] = self.color.draw(key, records)
         return count, fill_targets(self._lmdb(), labels, records, slots.labels(slot, count))
 
     def _view_boxes(self, found: list[tuple[Any, ...]], key: AugmentKey | None) -> list[tuple[list[Box], list[bool]]]:

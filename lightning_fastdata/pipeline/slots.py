@@ -48,6 +48,7 @@ from torch import Tensor
 
 from lightning_fastdata._files import anonymous_file, path_of
 from lightning_fastdata.pipeline import device as stage  # the module: its copy is what the tests patch
+from lightning_fastdata.pipeline.color import ColorParams
 from lightning_fastdata.pipeline.streams import side_stream
 
 #: bytes between a slot's images, its targets and its indices, and between slots: cache-line (and page) aligned views
@@ -81,6 +82,8 @@ class SlotLayout:
     target_dtype: str = "int64"
     index: bool = False
     views: tuple[tuple[int, ...], ...] = ()
+    #: ``float32`` colour parameters per sample (:mod:`~lightning_fastdata.pipeline.color`), after the indices
+    params: int = 0
 
     @property
     def regions(self) -> tuple[tuple[int, ...], ...]:
@@ -121,9 +124,14 @@ class SlotLayout:
         return _aligned(self.labels_offset + self.target_bytes * self.batch_size)
 
     @property
+    def params_offset(self) -> int:
+        """Where the colour parameters start in a slot (``params``)."""
+        return _aligned(self.index_offset + (8 * self.batch_size if self.index else 0))
+
+    @property
     def slot_bytes(self) -> int:
         """Bytes of one slot, rounded up to a page: slots never share a page."""
-        end = self.index_offset + (8 * self.batch_size if self.index else 0)
+        end = self.params_offset + 4 * self.params * self.batch_size
         return -(-end // mmap.PAGESIZE) * mmap.PAGESIZE
 
     @property
@@ -217,6 +225,13 @@ class SlotMemory:
         n = layout.batch_size if n is None else n
         start = layout.index_offset
         return self.slot(slot)[start : start + 8 * n].view(np.int64)
+
+    def params(self, slot: int, n: int | None = None) -> np.ndarray:
+        """The ``float32 [n, params]`` colour parameters of slot ``slot``'s first ``n`` samples (a layout with them)."""
+        layout = self.layout
+        n = layout.batch_size if n is None else n
+        start = layout.params_offset
+        return self.slot(slot)[start : start + 4 * layout.params * n].view(np.float32).reshape(n, layout.params)
 
     @property
     def address(self) -> int:
@@ -335,9 +350,9 @@ def _fresh_tensors(memory: SlotMemory, count: int, labels: Any) -> tuple[Tensor,
         views = [view.permute(0, 3, 1, 2) for view in views]
     images: Any = views if memory.layout.views else views[0]
     targets = torch.from_numpy(memory.labels(0, count)) if labels is None else labels
-    if memory.layout.index:
-        return images, targets, torch.from_numpy(memory.indices(0, count))
-    return images, targets
+    index = (torch.from_numpy(memory.indices(0, count)),) if memory.layout.index else ()
+    params = (torch.from_numpy(memory.params(0, count)).as_subclass(ColorParams),) if memory.layout.params else ()
+    return images, targets, *index, *params
 
 
 class Batches(tuple):
@@ -380,6 +395,7 @@ class SlotPool:
         self._on_release = [functools.partial(_freed, self._free, slot) for slot in range(memory.count)]
         self._labels = [memory.labels(slot) for slot in range(memory.count)]
         self._indices = [memory.indices(slot) for slot in range(memory.count)] if layout.index else None
+        self._params = [memory.params(slot) for slot in range(memory.count)] if layout.params else None
 
     @property
     def layout(self) -> SlotLayout:
@@ -457,9 +473,12 @@ class SlotPool:
             images = images.permute(0, 3, 1, 2)
         if labels is None:
             labels = torch.from_numpy(self._labels[slot][:n].copy())
+        batch: tuple[Tensor, ...] = (images, labels)
         if self._indices is not None:
-            return images, labels, torch.from_numpy(self._indices[slot][:n].copy())
-        return images, labels
+            batch = (*batch, torch.from_numpy(self._indices[slot][:n].copy()))
+        if self._params is not None:  # the colour parameters ride last (`color.split_params` takes them off)
+            batch = (*batch, torch.from_numpy(self._params[slot][:n].copy()).as_subclass(ColorParams))
+        return batch
 
     def _hand_out_views(self, slot: int, n: int, labels: Any) -> tuple[Any, ...]:
         """:meth:`hand_out` of a multi-view slot: its images a list of each view's NCHW tensor.
@@ -490,9 +509,9 @@ class SlotPool:
         Call it inside ``torch.cuda.stream(stream)``: the copies (``non_blocking``, from page-locked memory when
         :meth:`pin` succeeded) and the event that frees the slot are queued there.
         """
-        images, slot_labels, *index = self._views[slot]
+        images, slot_labels, *rest = self._views[slot]  # rest: the indices and colour parameters, if any
         head = [view[:n] for view in images] if isinstance(images, list) else images[:n]
-        host = (head, slot_labels[:n] if labels is None else labels, *(i[:n] for i in index))
+        host = (head, slot_labels[:n] if labels is None else labels, *(i[:n] for i in rest))
         batch = stage._to_device(host, device)
         event = torch.cuda.Event()
         event.record(stream)
@@ -512,6 +531,8 @@ class SlotPool:
                 regions = [region.permute(0, 3, 1, 2) for region in regions]
             labels = torch.from_numpy(self.memory.labels(slot))
             index = (torch.from_numpy(self.memory.indices(slot)),) if self.layout.index else ()
+            if self.layout.params:
+                index = (*index, torch.from_numpy(self.memory.params(slot)).as_subclass(ColorParams))
             views.append((regions if self.layout.views else regions[0], labels, *index))
         return views
 

@@ -1,0 +1,273 @@
+"""Tests for ``lightning_fastdata.pipeline.color``: batch colour ops against torchvision, keyed per-sample draws."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from fakes import fake_trainer, patch_cuda_streams
+from lightning.pytorch import LightningModule, Trainer
+from torch.nn import functional as F
+from torchvision.transforms.v2 import functional as TF
+
+from lightning_fastdata import FastImageDataModule
+from lightning_fastdata.errors import InvalidArgumentError
+from lightning_fastdata.pipeline import BatchReader, DeviceStage, KeyedIndices, create_loader
+from lightning_fastdata.pipeline import device as device_module
+from lightning_fastdata.pipeline.color import COLUMNS, BatchColor, ColorParams, split_params
+from lightning_fastdata.store.reader import LmdbImageDataset
+from lightning_fastdata.transforms import IMAGENET_MEAN, IMAGENET_STD, Normalizer, RandomResizedCropFlip
+
+RECIPE = {"jitter": (0.4, 0.4, 0.2, 0.1), "grayscale_p": 0.2, "blur_p": 0.5, "solarize_p": 0.2}
+B = 8
+
+
+@pytest.fixture(scope="module")
+def database(make_database: Callable[..., Path]) -> Path:
+    """2 classes x 12 train images of 40-80 px."""
+    return make_database("color", short_side=64, num_classes=2, train_per_class=12, val_per_class=2, min_size=40)
+
+
+def _images(seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, 256, (B, 3, 24, 30), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+
+
+def _params(**columns: Any) -> torch.Tensor:
+    params = torch.zeros(B, len(COLUMNS))
+    params[:, :3] = 1.0
+    for name, values in columns.items():
+        params[:, COLUMNS.index(name)] = torch.as_tensor(values, dtype=torch.float32)
+    return params
+
+
+_FACTORS = torch.linspace(0.3, 1.7, B)
+_EVERY_OTHER = (torch.arange(B) % 2).float()
+
+
+@pytest.mark.parametrize(
+    ("column", "stage", "reference", "values", "tolerance"),
+    [
+        ("brightness", BatchColor((0.7, 0, 0, 0), 1.0), TF.adjust_brightness, _FACTORS, 1),
+        ("contrast", BatchColor((0, 0.7, 0, 0), 1.0), TF.adjust_contrast, _FACTORS, 1),
+        ("saturation", BatchColor((0, 0, 0.7, 0), 1.0), TF.adjust_saturation, _FACTORS, 1),
+        ("hue", BatchColor((0, 0, 0, 0.5), 1.0), TF.adjust_hue, torch.linspace(-0.5, 0.5, B), 2),
+        ("grayscale", BatchColor(grayscale_p=1.0), lambda x, on: TF.rgb_to_grayscale(x, 3) if on else x, None, 1),
+        ("solarize", BatchColor(solarize_p=1.0), lambda x, on: TF.solarize(x, 128) if on else x, None, 0),
+    ],
+)
+def test_each_op_matches_torchvision_per_sample(
+    column: str, stage: BatchColor, reference: Callable[..., torch.Tensor], values: Any, tolerance: int
+) -> None:
+    """Every sample gets torchvision's op with its own parameter, within 1 grey level on uint8 (hue 2)."""
+    images = _images()
+    values = _EVERY_OTHER if values is None else values
+    out = stage(images, _params(**{column: values}))
+    assert out.dtype == torch.float32
+    want = torch.stack([reference(images[i], values[i].item()) for i in range(B)])
+    # to uint8 the way torchvision converts its float results (truncating)
+    assert (out.to(torch.uint8).int() - want.int()).abs().max() <= tolerance
+
+
+def test_blur_matches_torchvision_gaussian_blur_per_sample() -> None:
+    """Each sample is blurred with its own sigma as ``gaussian_blur`` with that sigma and kernel size; 0: untouched."""
+    images, stage = _images(), BatchColor(blur_p=1.0)
+    sigmas = torch.linspace(0.1, 2.0, B) * _EVERY_OTHER
+    out = stage(images, _params(sigma=sigmas))
+    size = [stage.blur_kernel_size] * 2
+    for i in range(B):
+        want = TF.gaussian_blur(images[i], size, [sigmas[i].item()] * 2) if sigmas[i] > 0 else images[i]
+        assert (out[i] - want.float()).abs().max() <= 1
+    assert torch.equal(out[0], images[0].float())  # no blur drawn: the very pixels
+
+
+def test_parameters_are_drawn_per_sample_from_their_key() -> None:
+    """Rows differ within a batch; a sample's row depends only on (seed, epoch, sample), not on its batch."""
+    color = BatchColor(**RECIPE)
+    params = color.draw((3, 1), list(range(64)))
+    assert params.shape == (64, len(COLUMNS))
+    assert params.dtype == np.float32
+    jittered = params[:, 0] != 1.0
+    assert 0 < jittered.sum() < 64  # about 80%: drawn per sample, not per batch
+    assert len(np.unique(params[jittered, 0])) == jittered.sum()  # each sample its own brightness
+    assert 0 < params[:, 4].sum() < 64
+    assert 0 < (params[:, 5] > 0).sum() < 64
+    assert 0 < params[:, 6].sum() < 64
+    assert (params[:, 5][params[:, 5] > 0] >= 0.1).all()
+    assert (params[:, 3] <= 0.1).all()
+    np.testing.assert_array_equal(color.draw((3, 1), [40, 7, 2]), params[[40, 7, 2]])
+    assert not np.array_equal(color.draw((3, 2), [7]), params[[7]])  # another epoch, other draws
+
+
+def test_stage_output_of_a_sample_is_the_same_in_any_batch() -> None:
+    """A sample's coloured pixels are bit for bit the same whatever else its batch holds."""
+    color, images = BatchColor(**RECIPE), torch.cat([_images(0), _images(1)])
+    params = torch.from_numpy(color.draw((0, 0), list(range(2 * B))))
+    whole = color(images, params)
+    order = [11, 3, 0, 14, 5]
+    np.testing.assert_array_equal(color(images[order], params[order]).numpy(), whole[order].numpy())
+
+
+def test_invalid_arguments_name_themselves() -> None:
+    """Out-of-range arguments fail naming the argument; nothing on is no stage."""
+    with pytest.raises(InvalidArgumentError, match="`grayscale_p`"):
+        BatchColor(grayscale_p=1.5)
+    with pytest.raises(InvalidArgumentError, match="`color_jitter`"):
+        BatchColor((0.4, 0.4, 0.2))
+    with pytest.raises(InvalidArgumentError, match="`blur_sigma`"):
+        BatchColor(blur_sigma=(0.0, 2.0))
+    assert BatchColor.create() is None
+    assert BatchColor.create((0.4, 0.4, 0.2, 0.1)) is not None
+
+
+def test_device_stage_colours_then_normalizes_and_takes_the_parameters_off() -> None:
+    """The stage strips the parameters and normalizes the coloured images; a batch without them is only normalized."""
+    normalizer, color = Normalizer(IMAGENET_MEAN, IMAGENET_STD), BatchColor(**RECIPE)
+    images, labels = _images(), torch.arange(B)
+    params = torch.from_numpy(color.draw((0, 0), list(range(B)))).as_subclass(ColorParams)
+    out = DeviceStage(normalizer, color=color)((images, labels, params))
+    assert len(out) == 2
+    assert torch.equal(out[1], labels)
+    torch.testing.assert_close(out[0], normalizer.float_(color(images, params)))
+    plain = DeviceStage(normalizer, color=color)((images, labels))
+    torch.testing.assert_close(plain[0], normalizer.batch(images))
+    assert not torch.equal(out[0], plain[0])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Through the loaders
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _reader(database: Path, **kwargs: Any) -> BatchReader:
+    dataset = LmdbImageDataset(database, split="train", transform=RandomResizedCropFlip(16), fast_decode=True)
+    return BatchReader(dataset, color=BatchColor(**RECIPE), **kwargs)
+
+
+def _epoch(database: Path, engine: str, workers: int) -> list[Any]:
+    loader = create_loader(
+        _reader(database), 4, shuffle=True, seed=5, engine=engine, workers=workers, color=BatchColor(**RECIPE)
+    )
+    return [tuple(t.clone() for t in batch) for batch in loader]
+
+
+def test_batches_carry_keyed_parameters_on_every_engine(database: Path) -> None:
+    """Threads and worker processes give the same uint8 batches and parameters, bit for bit, the parameters last."""
+    threads, processes = _epoch(database, "threads", 2), _epoch(database, "processes", 1)
+    assert len(threads) == len(processes) == 6
+    for a, b in zip(threads, processes, strict=True):
+        assert isinstance(a[-1], ColorParams)
+        assert isinstance(b[-1], ColorParams)
+        assert a[-1].shape == (4, len(COLUMNS))
+        for x, y in zip(a, b, strict=True):
+            assert torch.equal(x, y)
+    stage = DeviceStage(Normalizer(IMAGENET_MEAN, IMAGENET_STD), color=BatchColor(**RECIPE))
+    assert torch.equal(stage(threads[0])[0], stage(processes[0])[0])
+
+
+def test_batch_composition_does_not_change_a_samples_parameters(database: Path) -> None:
+    """A sample read in another batch, in another order, gets the same parameters (keyed by its index)."""
+    reader = _reader(database, return_index=True)
+    one = reader.read_batch(KeyedIndices([0, 5, 9, 13], (5, 2)))
+    other = reader.read_batch(KeyedIndices([13, 2, 5], (5, 2)))
+    assert torch.equal(one[-1][[3, 1]], other[-1][[0, 2]])
+    assert torch.equal(one[2], torch.tensor([0, 5, 9, 13]))  # the index stays where it was, the parameters last
+    assert not torch.equal(one[-1][0], one[-1][1])
+
+
+class _Jittered(LightningModule):
+    """Checks each training batch: normalized float32, two elements, not the batch without colour."""
+
+    def __init__(self, plain: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(3, 2)
+        self.plain = plain
+        self.seen = 0
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        images, labels = batch
+        assert images.dtype == torch.float32
+        assert images.shape == self.plain[batch_idx].shape
+        assert images.min() < -0.5  # normalized (0-255 floats would be >= 0)
+        assert not torch.allclose(images, self.plain[batch_idx])
+        self.seen += 1
+        return F.cross_entropy(self.layer(images.mean(dim=(2, 3))), labels)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _datamodule(database: Path, **kwargs: Any) -> FastImageDataModule:
+    dm = FastImageDataModule(str(database), image_size=16, batch_size=4, num_workers=0, val_fraction=0, **kwargs)
+    dm.setup("fit")
+    return dm
+
+
+def test_fit_on_cpu_with_color_jitter(database: Path, tmp_path: Path) -> None:
+    """A CPU fit with ``color_jitter`` trains on jittered, normalized float32 batches (the parameters stripped)."""
+    plain_dm = _datamodule(database)
+    plain_dm.trainer = fake_trainer("cpu")
+    plain = [batch[0] for batch in plain_dm.train_dataloader()]
+    dm = _datamodule(database, color_jitter=(0.4, 0.4, 0.2, 0.1), color_jitter_p=1.0)
+    model = _Jittered(plain)
+    trainer = Trainer(
+        accelerator="cpu",
+        max_steps=2,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(model, datamodule=dm)
+    assert model.seen == 2
+    assert dm.hparams["color_jitter"] == (0.4, 0.4, 0.2, 0.1)
+
+
+def test_patched_cuda_stage_runs_on_the_side_stream_without_reading_the_device(
+    database: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On (patched) CUDA the parameters arrive as tensors in the copied batch; the stage reads nothing back."""
+    patch_cuda_streams(monkeypatch)
+    copied: list[Any] = []
+    monkeypatch.setattr(device_module, "_to_device", lambda batch, device: copied.append(batch) or batch)
+    dm = _datamodule(database, color_jitter=(0.4, 0.4, 0.2, 0.1), blur_p=1.0, solarize_p=0.2, pin_memory=False)
+    dm.trainer = fake_trainer(torch.device("cuda", 0))
+    loader = dm.train_dataloader()
+    assert loader.prefetching
+    assert dm._stage_in_loader
+
+    def no_sync(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the device stage read a value back from the device")
+
+    stage = loader.on_device
+    assert stage is dm._stage
+    assert stage.color is not None
+
+    def guarded(batch: Any) -> Any:  # the stage, with every way of reading a tensor back to the host refused
+        with pytest.MonkeyPatch.context() as patch:
+            for name in ("item", "tolist", "cpu", "numpy", "__bool__", "nonzero", "__index__", "__float__"):
+                patch.setattr(torch.Tensor, name, no_sync)
+            return stage(batch)
+
+    loader.on_device = guarded
+    batches = list(loader)
+    assert len(batches) == 6
+    assert all(len(batch) == 2 for batch in batches)
+    assert all(images.dtype == torch.float32 for images, _ in batches)
+    # what crossed to the device: the uint8 images and the parameters as a tensor, side by side
+    assert all(batch[0].dtype == torch.uint8 and isinstance(batch[-1], ColorParams) for batch in copied)
+    assert split_params(copied[0])[1] is copied[0][-1]
+
+
+def test_device_decode_with_colour_is_refused(database: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``decode='device'`` on CUDA with colour augmentation fails with what to pass instead."""
+    patch_cuda_streams(monkeypatch)
+    dm = _datamodule(database, decode="device", grayscale_p=0.2, pin_memory=False)
+    dm.trainer = fake_trainer(torch.device("cuda", 0))
+    with pytest.raises(ValueError, match="decode='cpu'"):
+        dm.train_dataloader()
