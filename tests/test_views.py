@@ -229,5 +229,5 @@ def test_set_image_size_with_views_resizes_the_evaluation_crops_without_a_warnin
 def test_views_with_colour_augmentation_are_refused_naming_both() -> None:
     """The colour stage draws one parameter set a sample, for one view: ``views`` with it is an error, not views
     coloured alike or left uncoloured silently."""
-    with pytest.raises(InvalidArgumentError, match=r"`views` with colour augmentation \(`color_jitter`, `solarize_p`\)"):
+    with pytest.raises(InvalidArgumentError, match=r"`views` with colour augmentation \(`color_jitter`, `solarize_p`"):
         FastImageDataModule("x", views=GROUPS, color_jitter=(0.4, 0.4, 0.2, 0.1), solarize_p=0.2)
