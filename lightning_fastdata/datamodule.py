@@ -72,24 +72,18 @@ class FastImageDataModule(LightningDataModule):
             conversion.
         image_size: side length of the square training and validation crops; :meth:`set_image_size` changes it
             during a run (the saved hyperparameter stays the configured value).
-        image_size_schedule: progressive resizing or FixRes: ``{epoch: image_size}``, each size used from that
-            epoch on (``{0: 128, 10: 160, 15: 224}``); epochs before the first key train at ``image_size``. The
-            training loader applies it as each epoch starts, from its sampler's epoch (so a resumed run gets the
-            size of its epoch); validation uses the size of the epoch it follows. A folder is converted for the
-            largest size. See docs/datamodule.md.
+        image_size_schedule: progressive resizing or FixRes: ``{epoch: image_size}`` from that epoch on (``{0: 128,
+            10: 160, 15: 224}``), applied by the training loader from its sampler's epoch (resume-exact); validation
+            uses the size of the epoch it follows; a folder is converted for the largest size.
         batch_size: samples per batch (per process under DDP). With ``drop_last=True`` a value above the process's
             share of the training split is clamped to it, with a warning (:meth:`clamp_batch_size`).
         num_workers: loader threads (or worker processes, see ``engine``) per training process; ``"auto"`` budgets
             them from the usable CPUs; ``"tune"`` measures 0 up to the budget for a few seconds on the training data,
             each count on the engine it would train on, and keeps the cheapest count within 5% of the fastest (cached
             under ``cache_dir``, keyed by database, transforms, batch size, engine and CPUs).
-        engine: ``"threads"`` builds batches on ``num_workers`` threads in the training process (no worker
-            start-up, no copy of the dataset per worker; decoding and resizing release the GIL); ``"processes"`` on
-            ``num_workers`` DataLoader worker processes, straight into batch slots shared with the training process
-            (which then spends a few microseconds per image receiving them). ``"auto"`` (default) picks worker
-            processes for CUDA training with at least 4 workers (the loader threads would share the GIL with the
-            training loop's kernel launches), threads otherwise (CPU training and fewer workers, where the two
-            engines are close and threads need no start-up); the choice is logged once.
+        engine: ``"threads"`` builds batches on ``num_workers`` threads in the training process; ``"processes"`` on
+            ``num_workers`` DataLoader worker processes, straight into batch slots shared with it. ``"auto"``: worker
+            processes for CUDA training with 4 workers or more, else threads; logged once (:meth:`resolved_engine`).
         pin_memory: page-locked host batches for fast, asynchronous copies; default: on when training on CUDA.
         persistent_workers: keep workers alive between epochs; default: on when there are workers.
         prefetch_factor: batches each worker loads ahead; default: PyTorch's 2.
@@ -114,25 +108,19 @@ class FastImageDataModule(LightningDataModule):
         drop_last: drop the last incomplete training batch.
         prefetch_to_device: copy batch N+1 to the GPU (and normalize it there) on a side CUDA stream while batch N
             computes; default: on when training on CUDA. A no-op elsewhere.
-        decode: ``"cpu"`` decodes in the workers; ``"device"`` ships the stored JPEG bytes and decodes, crops and
-            resizes whole batches on the GPU (batched nvJPEG), so the workers do almost nothing per image. The decode
-            runs on the training thread, which torchvision's nvJPEG call blocks until each batch is decoded; pixels
-            differ from ``"cpu"``'s by about 1.4 grey levels on average (docs/datamodule.md). Without CUDA it warns
-            once and decodes on the CPU.
+        decode: ``"cpu"`` decodes in the workers; ``"device"`` decodes, crops and resizes whole batches of the stored
+            JPEGs on the GPU (batched nvJPEG, on the training thread; about 1.4 grey levels from ``"cpu"``'s pixels).
+            Without CUDA it warns once and decodes on the CPU.
         on_bad_sample: ``"raise"`` stops on a sample that fails to read, decode or transform, with an error naming
             the split, index and cause; ``"skip"`` leaves such samples out of their batch, logs the first few and
             counts them in :attr:`skipped_samples`.
         predict_split: the split ``predict_dataloader`` reads, in order; default ``"test"``, else ``"val"``, else
             ``"train"``. :meth:`predict_sources` names the source file of each prediction.
-        prepare_data_per_node: ``True`` (Lightning's default): local rank 0 of every node converts or stages the
-            data in ``prepare_data``; ``False``: global rank 0 alone does, while every other rank waits. For a
-            ``cache_dir`` that every node shares (docs/ddp.md); with a cache per node, a URL is then staged in
-            ``setup`` by the first rank of each other node, but a folder's conversion is not found there.
-        max_pixels: the most pixels a stored image may have (default 48 MiP: 50,331,648, 8192 x 6144, 144 MiB
-            decoded), checked against each record's header and the image's own frame header before decoding; a
-            larger one is a bad sample naming its split and index (skipped under ``on_bad_sample="skip"``). It keeps
-            a database you did not make from having the loader decode a decompression bomb; raise it for trusted
-            databases of larger images (``None``: no limit).
+        prepare_data_per_node: ``True``: local rank 0 of every node converts or stages the data in ``prepare_data``;
+            ``False``: global rank 0 alone does, for a ``cache_dir`` every node shares (docs/ddp.md).
+        max_pixels: the most pixels a stored image may have (default 48 MiP, 8192 x 6144), checked before decoding; a
+            larger one is a bad sample naming its split and index: no decompression bomb from a database you did not
+            make. Raise it for trusted databases of larger images (``None``: no limit).
         targets: what a list file's labels are, when ``data_dir`` is one (``"class"``, ``"multilabel"``, ``"float"``,
             ``"none"``; docs/datamodule.md#targets): passed to the conversion, as ``lightning-fastdata convert
             --targets``. ``None``: inferred where unambiguous, else the conversion refuses naming this argument. For a
@@ -141,13 +129,10 @@ class FastImageDataModule(LightningDataModule):
         return_index: batches are ``(images, targets, index)``, ``index`` each sample's dataset index (``int64
             [B]``) in the database split it was read from (a held-out validation sample's in ``train``), on every
             split and engine; :meth:`sources` names the file of each.
-        views: self-supervised training (DINO, SimCLR): a list of view groups (:class:`~lightning_fastdata.ViewGroup`,
-            or mappings of its fields: ``size``, ``count``, ``scale``, ``ratio``, ``flip``), e.g. 2 x 224 at scale
-            ``(0.4, 1)`` and 6 x 96 at ``(0.05, 0.4)``. Each training image is decoded once and every view cropped
-            from it; training batches are ``(views, targets[, index])``, ``views`` a list of ``[B, 3, S, S]`` tensors,
-            large views first (:attr:`num_large_views`). ``image_size`` and ``scale`` then apply to validation, test
-            and predict only, which keep the single centre crop. Not with ``decode="device"`` or
-            ``image_size_schedule``. See docs/datamodule.md#self-supervised-training.
+        views: self-supervised training: view groups (:class:`~lightning_fastdata.ViewGroup`, or mappings of its
+            fields), e.g. DINO's 2 x 224 at scale ``(0.4, 1)`` and 6 x 96 at ``(0.05, 0.4)``, each image decoded once.
+            Training batches are ``(views, targets[, index])``, ``views`` a list of ``[B, 3, S, S]`` tensors, large
+            first; evaluation keeps the centre crop (docs/datamodule.md#self-supervised-training).
         color_jitter: training colour jitter ``(brightness, contrast, saturation, hue)`` as torchvision's
             ``ColorJitter`` takes them (the DINO/BYOL recipe: ``(0.4, 0.4, 0.2, 0.1)``); ``None``: none. The colour
             ops run on whole batches before normalization (on the device for CUDA), each sample with parameters of
@@ -227,24 +212,8 @@ class FastImageDataModule(LightningDataModule):
             raise InvalidArgumentError(f"`targets` must be one of {', '.join(KINDS)} or None, got {targets!r}.")
         if len(mean) != 3 or len(std) != 3 or min(std) <= 0:
             raise InvalidArgumentError(f"`mean` and `std` need 3 values each and `std` > 0, got {mean} and {std}.")
-        groups = check_views(views)
-        if groups is not None and decode == "device":
-            raise InvalidArgumentError(
-                "`views` are cropped on the CPU from one decode of each image; `decode='device'` decodes a single crop"
-                " on the GPU. Pass `decode='cpu'` with `views`."
-            )
-        if groups is not None and image_size_schedule:
-            raise InvalidArgumentError(
-                "`image_size_schedule` resizes the single training crop; with `views` each group has its own `size`."
-                " Pass one or the other."
-            )
         colour = {"color_jitter": color_jitter, "grayscale_p": grayscale_p, "blur_p": blur_p, "solarize_p": solarize_p}
-        if groups is not None and any(colour.values()):
-            raise InvalidArgumentError(
-                f"`views` with colour augmentation ({', '.join(f'`{k}`' for k, v in colour.items() if v)}) is not"
-                " supported yet: the colour stage draws one set of parameters per sample, for a single view. Colour"
-                " the views in your training step, or train single views with it."
-            )
+        groups = check_views(views, decode, image_size_schedule, colour)
         remote.check_local(
             cache_dir,
             "cache_dir",
@@ -509,19 +478,12 @@ class FastImageDataModule(LightningDataModule):
 
     @override
     def train_dataloader(self) -> DataLoader:
-        """Shuffled, seeded batches of ``(images, targets)``; ``(images, targets, index)`` with ``return_index``.
+        """Shuffled, seeded ``(images, targets)`` batches: ``views`` for images with ``views``, ``index`` last too.
 
-        The targets are of the database's kind (:attr:`target_kind`): class indices ``int64 [B]``; multi-hot
-        ``float32 [B, C]`` (``multilabel``); ``float32 [B, K]``, or ``[B]`` when K = 1 (``float``); ``int64 [B]`` of
-        ``-1`` (``none``). ``index``: each sample's dataset index, ``int64 [B]`` (:meth:`sources` names its file).
-
-        For CPU training the images are normalized ``float32`` (the loader threads normalize them); for CUDA training
-        they are ``uint8`` NCHW (``channels_last`` memory), and when prefetching to the device they arrive on the GPU
-        already normalized.
-
-        With ``drop_last=True``, a ``batch_size`` larger than this process's share of the training split (a batch size
-        finder's doubling, or a small dataset) would leave no batch to train on: it is clamped to that share, one
-        batch an epoch, with a warning (:meth:`clamp_batch_size`).
+        ``index`` with ``return_index``. Targets of the database's kind (:attr:`target_kind`: ``int64 [B]``,
+        multi-hot ``float32 [B, C]``, ``float32 [B, K]`` or ``[B]``, ``-1``). Images normalized ``float32`` for CPU
+        training, ``uint8`` NCHW for CUDA (normalized on the device). A ``batch_size`` above this process's share is
+        clamped (:meth:`clamp_batch_size`).
         """
         if self.train_dataset is None:
             self.setup("fit")

@@ -50,17 +50,40 @@ class ViewGroup:
     flip: float = 0.5
 
 
-def check_views(views: Sequence[ViewGroup | Mapping[str, Any]] | None) -> tuple[ViewGroup, ...] | None:
+def check_views(
+    views: Sequence[ViewGroup | Mapping[str, Any]] | None,
+    decode: str = "cpu",
+    schedule: Mapping[int, int] | None = None,
+    colour: Mapping[str, Any] | None = None,
+) -> tuple[ViewGroup, ...] | None:
     """``views`` as :class:`ViewGroup` s sorted by size, largest first (a stable sort); ``None`` when not given.
 
-    Mappings are taken as a group's keyword arguments (what a YAML config or a hyperparameters file holds).
+    Mappings are taken as a group's keyword arguments (what a YAML config or a hyperparameters file holds). ``decode``,
+    ``schedule`` and ``colour`` (the DataModule's colour arguments, by name) are the settings views cannot go with.
 
     Raises:
-        InvalidArgumentError: not a list of groups, a key that is no group field, or a value out of range.
+        InvalidArgumentError: not a list of groups, a key that is no group field, or a value out of range; views with
+            ``decode="device"``, an ``image_size_schedule`` or colour augmentation.
 
     """
     if views is None:
         return None
+    if decode == "device":
+        raise InvalidArgumentError(
+            "`views` are cropped on the CPU from one decode of each image; `decode='device'` decodes a single crop"
+            " on the GPU. Pass `decode='cpu'` with `views`."
+        )
+    if schedule:
+        raise InvalidArgumentError(
+            "`image_size_schedule` resizes the single training crop; with `views` each group has its own `size`."
+            " Pass one or the other."
+        )
+    if colour and any(colour.values()):
+        raise InvalidArgumentError(
+            f"`views` with colour augmentation ({', '.join(f'`{k}`' for k, v in colour.items() if v)}) is not"
+            " supported yet: the colour stage draws one set of parameters per sample, for a single view. Colour"
+            " the views in your training step, or train single views with it."
+        )
     if isinstance(views, (str, Mapping)) or not isinstance(views, Sequence) or not views:
         raise InvalidArgumentError(
             f"`views` is a non-empty list of view groups, e.g. [{{size: 224, count: 2, scale: [0.4, 1.0]}}, {{size:"
