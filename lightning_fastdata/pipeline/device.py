@@ -83,6 +83,8 @@ class DeviceStage:
         if not isinstance(batch, (tuple, list)) or not batch:
             return batch
         batch, params = split_params(batch)
+        if params is not None:  # a plain tensor: ops with it give plain tensors, not `ColorParams` images
+            params = params.as_subclass(torch.Tensor)
         first = batch[0]
         if isinstance(first, EncodedImages):
             if self.device is None or self.image_size is None:
