@@ -136,7 +136,8 @@ class FastImageDataModule(LightningDataModule):
         color_jitter: training colour jitter ``(brightness, contrast, saturation, hue)`` as torchvision's
             ``ColorJitter`` takes them (the DINO/BYOL recipe: ``(0.4, 0.4, 0.2, 0.1)``); ``None``: none. The colour
             ops run on whole batches before normalization (on the device for CUDA), each sample with parameters of
-            its own drawn from ``(seed, epoch, index)``: :mod:`lightning_fastdata.pipeline.color`.
+            its own drawn from ``(seed, epoch, index)`` (with ``views``, each view its own, one recipe for all):
+            :mod:`lightning_fastdata.pipeline.color`.
         color_jitter_p: probability of the jitter, per sample.
         grayscale_p: probability of random grayscale, per training sample.
         blur_p: probability of a Gaussian blur, per training sample, sigma uniform in ``blur_sigma``.
@@ -212,8 +213,7 @@ class FastImageDataModule(LightningDataModule):
             raise InvalidArgumentError(f"`targets` must be one of {', '.join(KINDS)} or None, got {targets!r}.")
         if len(mean) != 3 or len(std) != 3 or min(std) <= 0:
             raise InvalidArgumentError(f"`mean` and `std` need 3 values each and `std` > 0, got {mean} and {std}.")
-        colour = {"color_jitter": color_jitter, "grayscale_p": grayscale_p, "blur_p": blur_p, "solarize_p": solarize_p}
-        groups = check_views(views, decode, image_size_schedule, colour)
+        groups = check_views(views, decode, image_size_schedule)
         remote.check_local(
             cache_dir,
             "cache_dir",

@@ -131,6 +131,7 @@ def test_device_stage_colours_then_normalizes_and_takes_the_parameters_off() -> 
     out = DeviceStage(normalizer, color=color)((images, labels, params))
     assert len(out) == 2
     assert torch.equal(out[1], labels)
+    assert type(out[0]) is torch.Tensor  # not a `ColorParams`, which the ops with the parameters would give
     torch.testing.assert_close(out[0], normalizer.float_(color(images, params)))
     plain = DeviceStage(normalizer, color=color)((images, labels))
     torch.testing.assert_close(plain[0], normalizer.batch(images))

@@ -9,11 +9,13 @@ import hostile
 import numpy as np
 import pytest
 import torch
-from fakes import patch_cuda_streams
+from fakes import fake_trainer, patch_cuda_streams
 from lightning.pytorch import LightningModule, Trainer
 
 from lightning_fastdata import FastImageDataModule, InvalidArgumentError, LmdbImageDataset, ViewGroup
-from lightning_fastdata.pipeline import create_loader
+from lightning_fastdata.pipeline import DeviceStage, create_loader
+from lightning_fastdata.pipeline import device as device_module
+from lightning_fastdata.pipeline.color import COLUMNS, BatchColor, ColorParams
 from lightning_fastdata.pipeline.kernel import BatchReader, KeyedIndices
 from lightning_fastdata.pipeline.views import MultiViewCrop, check_views
 from lightning_fastdata.skipping import SkipCounter
@@ -226,8 +228,178 @@ def test_set_image_size_with_views_resizes_the_evaluation_crops_without_a_warnin
     assert val_images.shape[-1] == 24
 
 
-def test_views_with_colour_augmentation_are_refused_naming_both() -> None:
-    """The colour stage draws one parameter set a sample, for one view: ``views`` with it is an error, not views
-    coloured alike or left uncoloured silently."""
-    with pytest.raises(InvalidArgumentError, match=r"`views` with colour augmentation \(`color_jitter`, `solarize_p`"):
-        FastImageDataModule("x", views=GROUPS, color_jitter=(0.4, 0.4, 0.2, 0.1), solarize_p=0.2)
+# ----------------------------------------------------------------------------------------------------------------
+# Views with colour augmentation: each view of each sample its own keyed parameters
+# ----------------------------------------------------------------------------------------------------------------
+
+RECIPE: dict[str, Any] = {"jitter": (0.4, 0.4, 0.2, 0.1), "grayscale_p": 0.2, "blur_p": 0.5, "solarize_p": 0.2}
+KEY = (5, 2)
+
+
+def test_views_with_colour_are_the_same_on_both_engines(database: Path) -> None:
+    """Threads and worker processes give the same uint8 views and ``[B, V, 7]`` parameters, bit for bit."""
+    threads = _epoch(database, "threads", 2, output="uint8", color=BatchColor(**RECIPE))
+    processes = _epoch(database, "processes", 2, output="uint8", color=BatchColor(**RECIPE))
+    _assert_same(threads, processes)
+    for batch in threads:
+        assert isinstance(batch[-1], ColorParams)
+        assert batch[-1].shape == (len(batch[1]), len(SIZES), len(COLUMNS))
+        assert all(view.dtype == torch.uint8 for view in batch[0])
+
+
+def test_each_view_of_a_sample_gets_its_own_parameters(database: Path) -> None:
+    """Two views of a sample differ in their colour parameters; view 0's are a single view's."""
+    color = BatchColor(**RECIPE)
+    reader = BatchReader(_dataset(database), color=color, return_index=True)
+    _, _, index, params = reader.read_batch(KeyedIndices([0, 5, 9, 13], KEY))
+    assert params.shape == (4, len(SIZES), len(COLUMNS))
+    for sample in params:
+        assert len({tuple(view.tolist()) for view in sample}) == len(SIZES)
+    assert np.array_equal(params[:, 0].numpy(), color.draw(KEY, index.tolist()))
+
+
+def test_view_parameters_are_a_function_of_seed_epoch_sample_and_view(database: Path) -> None:
+    """A sample read in another batch, in another order, keeps each view's parameters; another epoch changes them."""
+    reader = BatchReader(_dataset(database), color=BatchColor(**RECIPE), return_index=True)
+    one = reader.read_batch(KeyedIndices([0, 5, 9, 13], KEY))
+    other = reader.read_batch(KeyedIndices([13, 2, 5], KEY))
+    assert one[-1].shape == (4, len(SIZES), len(COLUMNS))
+    assert torch.equal(one[-1][[3, 1]], other[-1][[0, 2]])
+    later = reader.read_batch(KeyedIndices([0, 5, 9, 13], (5, 3)))
+    assert not torch.equal(one[-1], later[-1])
+
+
+class _OwnViews:
+    """A transform of one's own returning a list of views: the per-sample path, not the built-in views."""
+
+    def __init__(self) -> None:
+        self.crop = MultiViewCrop(check_views(GROUPS))  # type: ignore[arg-type]
+
+    def __call__(self, image: torch.Tensor) -> list[torch.Tensor]:
+        return self.crop(image)
+
+
+def test_a_transforms_views_get_the_built_in_views_parameters(database: Path) -> None:
+    """The per-sample path with a transform's list of views draws per (sample, view), as the built-in views do."""
+    own = LmdbImageDataset(database, transform=_OwnViews(), fast_decode=True)
+    per_sample = BatchReader(own, color=BatchColor(**RECIPE))
+    fused = BatchReader(_dataset(database), color=BatchColor(**RECIPE))
+    assert not per_sample.fused
+    assert fused.fused
+    views, _, params = per_sample.read_batch(KeyedIndices([3, 1, 7], KEY))
+    _, _, fused_params = fused.read_batch(KeyedIndices([3, 1, 7], KEY))
+    assert params.shape == (3, len(SIZES), len(COLUMNS))
+    assert torch.equal(params, fused_params)
+    color = BatchColor(**RECIPE)
+    for v, coloured in enumerate(DeviceStage(NORMALIZER, color=color)((views, None, params))[0]):
+        assert torch.equal(coloured, NORMALIZER.float_(color(views[v], params[:, v]), torch.float32, False))
+
+
+def test_device_stage_colours_each_view_with_its_own_parameters(database: Path) -> None:
+    """Each view is coloured with its column of ``[B, V, 7]``, then normalized; mismatched parameters are refused."""
+    color = BatchColor(**RECIPE)
+    reader = BatchReader(_dataset(database), color=color)
+    views, targets, params = reader.read_batch(KeyedIndices([0, 5, 9, 13], KEY))
+    stage = DeviceStage(NORMALIZER, color=color)
+    out = stage((views, targets, params))
+    assert len(out) == 2
+    assert out[1] is targets
+    for v, (coloured, view) in enumerate(zip(out[0], views, strict=True)):
+        assert coloured.dtype == torch.float32
+        assert torch.equal(coloured, NORMALIZER.float_(color(view, params[:, v]), torch.float32, False))
+        assert not torch.allclose(coloured, NORMALIZER.batch(view, torch.float32, False))
+    with pytest.raises(ValueError, match=r"5 views take colour parameters \[B, 5, 7\], got \(4, 7\)"):
+        stage((views, targets, params[:, 0]))
+    with pytest.raises(ValueError, match=r"one image batch takes colour parameters \[B, 7\]"):
+        stage((views[0], targets, params))
+
+
+class _ColouredViewsModel(LightningModule):
+    """Asserts each training batch is ``(views, targets)``: normalized float32 views, not the uncoloured ones."""
+
+    def __init__(self, plain: list[list[torch.Tensor]]) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(3, 3)
+        self.plain = plain
+        self.seen = 0
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        views, targets = batch
+        assert isinstance(views, list)
+        assert [v.shape[-1] for v in views] == SIZES
+        for view, plain in zip(views, self.plain[batch_idx], strict=True):
+            assert view.dtype == torch.float32
+            assert view.shape == plain.shape
+            assert view.min() < -0.5  # normalized (0-255 floats would be >= 0)
+            assert not torch.allclose(view, plain)
+        self.seen += 1
+        return sum(torch.nn.functional.cross_entropy(self.layer(v.mean(dim=(2, 3))), targets) for v in views)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _views_datamodule(database: Path, **kwargs: Any) -> FastImageDataModule:
+    dm = FastImageDataModule(
+        str(database), image_size=16, batch_size=4, num_workers=2, engine="threads", views=GROUPS, **kwargs
+    )
+    dm.setup("fit")
+    return dm
+
+
+def test_fit_on_cpu_with_views_and_color_jitter(database: Path, tmp_path: Path) -> None:
+    """A CPU fit with ``views`` and ``color_jitter`` trains on coloured, normalized float32 views."""
+    plain_dm = _views_datamodule(database)
+    plain_dm.trainer = fake_trainer("cpu")
+    plain = [[view.clone() for view in batch[0]] for batch in plain_dm.train_dataloader()]
+    dm = _views_datamodule(database, color_jitter=(0.4, 0.4, 0.2, 0.1), color_jitter_p=1.0)
+    model = _ColouredViewsModel(plain)
+    trainer = Trainer(
+        accelerator="cpu",
+        max_steps=2,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(model, datamodule=dm)
+    assert model.seen == 2
+
+
+def test_patched_cuda_views_are_coloured_on_the_side_stream_without_reading_the_device(
+    database: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On (patched) CUDA the views and their ``[B, V, 7]`` parameters are copied; the stage reads nothing back."""
+    patch_cuda_streams(monkeypatch)
+    copied: list[Any] = []
+    monkeypatch.setattr(device_module, "_to_device", lambda batch, device: copied.append(batch) or batch)
+    dm = _views_datamodule(database, color_jitter=(0.4, 0.4, 0.2, 0.1), blur_p=1.0, solarize_p=0.2, pin_memory=False)
+    dm.trainer = fake_trainer(torch.device("cuda", 0))
+    loader = dm.train_dataloader()
+    assert loader.prefetching
+    stage = loader.on_device
+    assert stage is dm._stage
+    assert stage.color is not None
+
+    def no_sync(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the device stage read a value back from the device")
+
+    def guarded(batch: Any) -> Any:  # the stage, with every way of reading a tensor back to the host refused
+        with pytest.MonkeyPatch.context() as patch:
+            for name in ("item", "tolist", "cpu", "numpy", "__bool__", "nonzero", "__index__", "__float__"):
+                patch.setattr(torch.Tensor, name, no_sync)
+            return stage(batch)
+
+    loader.on_device = guarded
+    batches = list(loader)
+    assert len(batches) == 6
+    for views, *rest in batches:
+        assert len(rest) == 1  # the parameters taken off
+        assert [(type(v), v.dtype) for v in views] == [(torch.Tensor, torch.float32)] * len(SIZES)
+    assert copied
+    for views, _, params in copied:  # what crossed to the device: uint8 views and the parameters, side by side
+        assert all(view.dtype == torch.uint8 for view in views)
+        assert isinstance(params, ColorParams)
+        assert params.shape[1:] == (len(SIZES), len(COLUMNS))

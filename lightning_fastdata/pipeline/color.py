@@ -14,6 +14,11 @@ them off the batch and runs :class:`BatchColor` on the ``uint8`` images before n
 stream for CUDA training, in ``on_after_batch_transfer`` for CPU training (whose loader then gives ``uint8`` batches
 instead of normalizing in its threads). The training step never sees them.
 
+Multi-view batches (:mod:`~lightning_fastdata.pipeline.views`, or a per-sample transform that returns a list of views)
+carry ``float32 [B, V, 7]``: each view of each sample its own parameters, a pure function of ``(seed, epoch, sample,
+view)`` (view ``v`` draws from ``(1 << 36) + 9 v`` on), and the device stage colours each view with its own. One recipe
+(the same probabilities) serves every view; DINO's per-view blur and solarize probabilities are not expressed.
+
 The ops, in the recipe's order, each on the 0-255 scale without rounding in between:
 
 1. colour jitter with probability ``jitter_p``: brightness, contrast, saturation, then hue, each factor uniform in
@@ -60,6 +65,8 @@ _GREY = (0.2989, 0.587, 0.114)
 
 class ColorParams(Tensor):
     """The colour parameters of a batch's samples, ``float32 [B, 7]`` (:data:`COLUMNS`): the batch's last element.
+
+    ``[B, V, 7]`` for a batch of ``V`` views, each view of a sample its own.
 
     A tensor subclass, so it moves, pins and slices as any tensor (and stays a :class:`ColorParams`), while
     :func:`split_params` tells it from the user's elements.
@@ -158,14 +165,16 @@ class BatchColor:
 
     # -- on the host: the draws ------------------------------------------------------------------------------------
 
-    def draw(self, key: AugmentKey | None, samples: Sequence[int] | np.ndarray) -> np.ndarray:
+    def draw(self, key: AugmentKey | None, samples: Sequence[int] | np.ndarray, views: int | None = None) -> np.ndarray:
         """The parameters of ``samples`` (dataset indices) under ``key``: ``float32 [n, 7]`` (:data:`COLUMNS`).
 
-        A pure function of ``(seed, epoch, sample)``; without a key, from :mod:`random`.
+        With ``views``, each view of each sample its own: ``float32 [n, views, 7]``, view ``v`` from the draws
+        ``(1 << 36) + 9 v`` on (view 0's are a single view's). A pure function of ``(seed, epoch, sample[, view])``;
+        without a key, from :mod:`random`.
         """
         if key is None:
             key = (random.getrandbits(63), 0)
-        u = keyed_uniforms(key, samples, _DRAWS, _OFFSET)
+        u = keyed_uniforms(key, samples, _DRAWS * (views or 1), _OFFSET).reshape(-1, _DRAWS)
         params = np.zeros((len(u), len(COLUMNS)), dtype=np.float64)
         params[:, :3] = 1.0
         if self.jitter is not None:
@@ -179,7 +188,8 @@ class BatchColor:
         low, high = self.blur_sigma
         params[:, 5] = np.where(u[:, 6] < self.blur_p, low + (high - low) * u[:, 7], 0.0)
         params[:, 6] = u[:, 8] < self.solarize_p
-        return params.astype(np.float32)
+        params = params.astype(np.float32)
+        return params if views is None else params.reshape(-1, views, len(COLUMNS))
 
     # -- on the batch's device: the ops ----------------------------------------------------------------------------
 

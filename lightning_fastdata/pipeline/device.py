@@ -56,7 +56,8 @@ class DeviceStage:
         image_size: the side of decoded crops.
         skip: called with the error of a still-encoded image that fails to decode (then left out); ``None``: raise.
         color: a batch that carries colour parameters (training batches, :mod:`~lightning_fastdata.pipeline.color`)
-            has them taken off, and its ``uint8`` images coloured by it before they are normalized.
+            has them taken off, and its ``uint8`` images coloured by it before they are normalized; a list of views,
+            each view with its own parameters (``[B, V, 7]``).
 
     """
 
@@ -83,17 +84,28 @@ class DeviceStage:
         if not isinstance(batch, (tuple, list)) or not batch:
             return batch
         batch, params = split_params(batch)
+        if params is not None:  # a plain tensor: ops with it give plain tensors, not `ColorParams` images
+            params = params.as_subclass(torch.Tensor)
         first = batch[0]
         if isinstance(first, EncodedImages):
             if self.device is None or self.image_size is None:
                 raise ValueError("Still-encoded images need `DeviceStage(device=..., image_size=...)` to decode.")
             return encoded_batch_to_images(batch, self.image_size, self.device, self._finish, skip=self.skip)
         if isinstance(first, torch.Tensor):
+            if params is not None and params.dim() != 2:
+                raise ValueError(f"one image batch takes colour parameters [B, 7], got {tuple(params.shape)}.")
             images: Any = self._images(first, params)
             unchanged = images is first
         elif isinstance(first, (list, tuple)) and first and all(isinstance(view, torch.Tensor) for view in first):
-            # several views of each sample (a transform of one's own): each view as a single-view batch, same container
-            images = type(first)(self._images(view) for view in first)
+            # several views of each sample (built-in views, a transform's list): each view as a single-view batch,
+            # coloured with its own parameters (`[B, V, 7]`), same container
+            if params is not None and (params.dim() != 3 or params.shape[1] != len(first)):
+                raise ValueError(
+                    f"{len(first)} views take colour parameters [B, {len(first)}, 7], got {tuple(params.shape)}."
+                )
+            images = type(first)(
+                self._images(view, None if params is None else params[:, v]) for v, view in enumerate(first)
+            )
             unchanged = all(new is old for new, old in zip(images, first, strict=True))
         else:
             return batch

@@ -104,7 +104,8 @@ class BatchReader(Dataset):
             :class:`~lightning_fastdata.LmdbImageDataset`, the index into the split it views.
         color: draw each sample's colour parameters from its key (:meth:`BatchColor.draw
             <lightning_fastdata.pipeline.color.BatchColor.draw>`, keyed by its dataset index): they ride last in the
-            batch, ``ColorParams`` ``float32 [B, 7]``, for the device stage to apply and take off.
+            batch, ``ColorParams`` ``float32 [B, 7]``, for the device stage to apply and take off; ``[B, V, 7]``, each
+            view its own, when the images are a list of ``V`` views (built-in ``views`` or a transform's list).
 
     """
 
@@ -235,7 +236,9 @@ class BatchReader(Dataset):
             records = batch[-1].tolist()
         else:
             records = [true_index(self.dataset, self.indices, int(index)) for index in indices]
-        return with_params(batch, self.color.draw(key, records))
+        # a transform's list of views: each view of a sample its own parameters, as the built-in views'
+        views = len(batch[0]) if isinstance(batch, (tuple, list)) and isinstance(batch[0], (tuple, list)) else None
+        return with_params(batch, self.color.draw(key, records, views))
 
     def _sample(self, index: int, key: AugmentKey | None) -> Any:
         """One sample through the wrapped dataset, its transforms drawing from its key (the per-sample path).
@@ -278,7 +281,7 @@ class BatchReader(Dataset):
         if self.return_index:
             batch = (*batch, self._pin_labels(torch.tensor(records, dtype=torch.int64)))
         if self.color is not None:
-            batch = with_params(batch, self._pin_labels(torch.from_numpy(self.color.draw(key, records))))
+            batch = with_params(batch, self._pin_labels(torch.from_numpy(self._params(key, records))))
         return batch
 
     def _fill(
@@ -329,8 +332,14 @@ class BatchReader(Dataset):
             slots.indices(slot, count)[:] = records
         if slots.layout.params:
             assert self.color is not None
-            slots.params(slot, count)[:] = self.color.draw(key, records)
+            slots.params(slot, count)[:] = self._params(key, records)
         return count, fill_targets(self._lmdb(), labels, records, slots.labels(slot, count))
+
+    def _params(self, key: AugmentKey | None, records: Sequence[int]) -> np.ndarray:
+        """The colour parameters of a fused batch's ``records``: ``[n, V, 7]`` for the ``V`` views, each its own."""
+        assert self.color is not None
+        transform = self.transform
+        return self.color.draw(key, records, len(transform.crops) if isinstance(transform, MultiViewCrop) else None)
 
     def _view_boxes(self, found: list[tuple[Any, ...]], key: AugmentKey | None) -> list[tuple[list[Box], list[bool]]]:
         """:meth:`_boxes` for each view: of a :class:`~lightning_fastdata.pipeline.views.MultiViewCrop`, or the one."""

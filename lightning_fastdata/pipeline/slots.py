@@ -82,7 +82,8 @@ class SlotLayout:
     target_dtype: str = "int64"
     index: bool = False
     views: tuple[tuple[int, ...], ...] = ()
-    #: ``float32`` colour parameters per sample (:mod:`~lightning_fastdata.pipeline.color`), after the indices
+    #: ``float32`` colour parameters per sample (:mod:`~lightning_fastdata.pipeline.color`), after the indices: as
+    #: many for each view of a multi-view layout
     params: int = 0
 
     @property
@@ -131,7 +132,7 @@ class SlotLayout:
     @property
     def slot_bytes(self) -> int:
         """Bytes of one slot, rounded up to a page: slots never share a page."""
-        end = self.params_offset + 4 * self.params * self.batch_size
+        end = self.params_offset + 4 * self.params * len(self.regions) * self.batch_size
         return -(-end // mmap.PAGESIZE) * mmap.PAGESIZE
 
     @property
@@ -227,11 +228,14 @@ class SlotMemory:
         return self.slot(slot)[start : start + 8 * n].view(np.int64)
 
     def params(self, slot: int, n: int | None = None) -> np.ndarray:
-        """The ``float32 [n, params]`` colour parameters of slot ``slot``'s first ``n`` samples (a layout with them)."""
+        """The ``float32 [n, params]`` colour parameters of slot ``slot``'s first ``n`` samples (a layout with them).
+
+        ``[n, views, params]`` for a multi-view layout: each view of a sample its own.
+        """
         layout = self.layout
         n = layout.batch_size if n is None else n
-        start = layout.params_offset
-        return self.slot(slot)[start : start + 4 * layout.params * n].view(np.float32).reshape(n, layout.params)
+        start, shape = layout.params_offset, (len(layout.views), layout.params) if layout.views else (layout.params,)
+        return self.slot(slot)[start : start + 4 * math.prod(shape) * n].view(np.float32).reshape(n, *shape)
 
     @property
     def address(self) -> int:
@@ -499,9 +503,12 @@ class SlotPool:
             views = [view.permute(0, 3, 1, 2) for view in views]
         if labels is None:
             labels = torch.from_numpy(self._labels[slot][:n].copy())
+        batch: tuple[Any, ...] = (views, labels)
         if self._indices is not None:
-            return views, labels, torch.from_numpy(self._indices[slot][:n].copy())
-        return views, labels
+            batch = (*batch, torch.from_numpy(self._indices[slot][:n].copy()))
+        if self._params is not None:  # `[n, views, params]`: each view of a sample its own
+            batch = (*batch, torch.from_numpy(self._params[slot][:n].copy()).as_subclass(ColorParams))
+        return batch
 
     def to_device(self, slot: int, n: int, device: torch.device, stream: Any, labels: Any = None) -> Any:
         """Slot ``slot``'s first ``n`` samples copied to ``device`` on ``stream``; the slot is free once they are.

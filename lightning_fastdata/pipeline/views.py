@@ -12,6 +12,10 @@ every view is cropped, resized and flipped from those pixels straight into its o
 Every view's box and flip is a function of ``(seed, epoch, sample)`` (:mod:`lightning_fastdata.keyed_random`): view
 ``v`` draws the numbers ``v * draws`` to ``(v + 1) * draws`` of its sample, so the fused path, the per-sample path
 (:meth:`MultiViewCrop.__call__`), every engine and a resumed run crop the same boxes.
+
+With colour augmentation (:mod:`~lightning_fastdata.pipeline.color`) each view of each sample has its own colour
+parameters too, a function of ``(seed, epoch, sample, view)``: the batch carries them as ``float32 [B, V, 7]`` and
+the device stage colours each view with its own before normalizing it. One recipe serves every view.
 """
 
 from __future__ import annotations
@@ -54,16 +58,15 @@ def check_views(
     views: Sequence[ViewGroup | Mapping[str, Any]] | None,
     decode: str = "cpu",
     schedule: Mapping[int, int] | None = None,
-    colour: Mapping[str, Any] | None = None,
 ) -> tuple[ViewGroup, ...] | None:
     """``views`` as :class:`ViewGroup` s sorted by size, largest first (a stable sort); ``None`` when not given.
 
-    Mappings are taken as a group's keyword arguments (what a YAML config or a hyperparameters file holds). ``decode``,
-    ``schedule`` and ``colour`` (the DataModule's colour arguments, by name) are the settings views cannot go with.
+    Mappings are taken as a group's keyword arguments (what a YAML config or a hyperparameters file holds). ``decode``
+    and ``schedule`` are the settings views cannot go with.
 
     Raises:
         InvalidArgumentError: not a list of groups, a key that is no group field, or a value out of range; views with
-            ``decode="device"``, an ``image_size_schedule`` or colour augmentation.
+            ``decode="device"`` or an ``image_size_schedule``.
 
     """
     if views is None:
@@ -77,12 +80,6 @@ def check_views(
         raise InvalidArgumentError(
             "`image_size_schedule` resizes the single training crop; with `views` each group has its own `size`."
             " Pass one or the other."
-        )
-    if colour and any(colour.values()):
-        raise InvalidArgumentError(
-            f"`views` with colour augmentation ({', '.join(f'`{k}`' for k, v in colour.items() if v)}) is not"
-            " supported yet: the colour stage draws one set of parameters per sample, for a single view. Colour"
-            " the views in your training step, or train single views with it."
         )
     if isinstance(views, (str, Mapping)) or not isinstance(views, Sequence) or not views:
         raise InvalidArgumentError(
