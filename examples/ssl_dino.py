@@ -1,22 +1,23 @@
 """Self-supervised DINO on generated images: a student and an EMA teacher trained on several views of each image.
 
-``FastImageDataModule(views=[...])`` decodes each training image once and crops every view from it; a training batch
-is ``(views, targets)``, ``views`` a list of ``[B, 3, S, S]`` tensors, the large (global) views first, as lightly and
-solo-learn hand them, so the training step below would run on their DataModules unchanged, and theirs on this one. The
-targets (the generated folder's classes) are not used. DINO (Caron et al., 2021): the student sees every view, the
-teacher, an exponential moving average of the student, sees the large views only; the loss is the cross-entropy
-between the teacher's centred, sharpened (low temperature) distribution over ``out_dim`` prototypes and the
-student's, over every pair of different views. Over the first epochs the loss often rises, since the centring spreads
-the teacher over more prototypes and the teacher's entropy is part of the loss; what falls is the gap between the two,
-and the agreement rises: how often the student's prototype on a view is the teacher's on another view of the image.
+``FastImageDataModule(views=[...])`` decodes each training image once and crops every view from it; a training batch is
+``(views, targets)``, ``views`` a list of ``[B, 3, S, S]`` tensors, the large (global) views first, the list lightly and
+solo-learn hand over. The step takes ``views, targets = batch[0], batch[1]`` as lightly's examples do, so it runs on a
+lightly loader unchanged, and lightly's steps run on this one (solo-learn's take ``indexes, views, targets``: see
+docs/datamodule.md). The targets (the generated folder's classes; ``-1`` for an unlabeled set) are not used. DINO (Caron
+et al., 2021): the student sees every view, the teacher, an exponential moving average of the student, sees the large
+views only; the loss is the cross-entropy between the teacher's centred, sharpened (low temperature) distribution over
+``out_dim`` prototypes and the student's, over every pair of different views. Over the first epochs the loss often
+rises, since the centring spreads the teacher over more prototypes and the teacher's entropy is part of the loss; the
+agreement rises: how often the student's prototype on a view is the teacher's on another view of the image.
 
 This runs in seconds on a CPU: 2 x 48 px and 4 x 24 px views, a four-layer CNN and a small projection head. To scale it
 up, keep the training step and change the sizes: DINO's recipe is ``views=[ViewGroup(224, count=2, scale=(0.4, 1.0)),
 ViewGroup(96, count=6, scale=(0.05, 0.4))]``, a resnet50 (torchvision, its ``fc`` replaced by ``nn.Identity()``,
 ``embed_dim=2048``) or a ViT-S/16 (timm, ``num_classes=0``, ``embed_dim=384``) as the backbone, ``out_dim=65536``,
-``hidden_dim=2048``, ``bottleneck_dim=256``, the teacher's momentum from 0.996 to 1 and its temperature from 0.04 to
-0.07 over the first 30 epochs, and DINO's colour augmentation applied to the views on the device (``views`` with the
-DataModule's ``color_jitter`` is refused for now).
+``hidden_dim=2048``, ``bottleneck_dim=256``, the teacher's momentum raised from 0.996 to 1 over the run (a cosine) and
+its temperature from 0.04 to 0.07 over the first 30 epochs, and DINO's colour augmentation applied to the views on the
+device in the step (``views`` with the DataModule's ``color_jitter`` is refused for now).
 
     python examples/ssl_dino.py --out /tmp/dino --epochs 3
 """
