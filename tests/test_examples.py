@@ -47,7 +47,12 @@ def test_the_dino_example_trains_a_student_on_large_then_small_views(tmp_path: P
     monkeypatch.setattr(sys, "argv", ["ssl_dino.py"])
     import ssl_dino
 
-    result = ssl_dino.main(["--out", str(tmp_path), "--images-per-class", "64", "--epochs", "3"])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny convolutions: 2 threads per pytest worker on 2 cores ran 25x slower
+    try:
+        result = ssl_dino.main(["--out", str(tmp_path), "--images-per-class", "64", "--epochs", "3"])
+    finally:
+        torch.set_num_threads(threads)
     dm = result["datamodule"]
     assert (dm.num_large_views, dm.num_small_views) == (2, 4)
     views = result["views"]
