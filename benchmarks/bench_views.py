@@ -19,8 +19,9 @@ reported), ``--epochs`` (default 2) timed after a warm-up one:
 "With colour" rows add DINO's colour recipe per view (jitter (0.4, 0.4, 0.2, 0.1) with p 0.8, grayscale p 0.2,
 Gaussian blur sigma (0.1, 2) with p 1.0 / 0.1 / 0.5 for the first global view, the second and the local ones,
 solarize p 0.2 on the second global view): torchvision v2 ops on the PIL views, DALI ops on the views of its
-decode-once pipeline, the same ops in OpenCV on the limit's views. Ours refuses ``views`` with colour augmentation
-(not supported yet): its colour stage is measured on single-view training instead (``single-*`` rows: one
+decode-once pipeline, the same ops in OpenCV on the limit's views. Ours has no "with colour" views row yet (``views``
+took colour only after this script was written, with one recipe for every view): its colour stage is measured on
+single-view training instead (``single-*`` rows: one
 RandomResizedCrop(224) + flip, with and without ``color_jitter`` etc.), where on a CPU the loader gives uint8 with the
 per-sample parameters and the training process colours and normalizes the batch (``on_after_batch_transfer``).
 
