@@ -56,3 +56,20 @@ def patch_cuda_streams(monkeypatch: Any) -> None:
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
     monkeypatch.setattr(device, "_to_device", lambda batch, device: batch)
+
+
+def refusing_host_reads(stage: Any) -> Any:
+    """``stage`` (a device stage) run with every way of reading a tensor back to the host refused: a stand-in for
+    ``torch.cuda.set_sync_debug_mode("error")`` on a machine without CUDA."""
+    import pytest
+
+    def no_sync(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the device stage read a value back from the device")
+
+    def guarded(batch: Any) -> Any:
+        with pytest.MonkeyPatch.context() as patch:
+            for name in ("item", "tolist", "cpu", "numpy", "__bool__", "nonzero", "__index__", "__float__"):
+                patch.setattr(torch.Tensor, name, no_sync)
+            return stage(batch)
+
+    return guarded

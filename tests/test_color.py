@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from fakes import fake_trainer, patch_cuda_streams
+from fakes import fake_trainer, patch_cuda_streams, refusing_host_reads
 from lightning.pytorch import LightningModule, Trainer
 from torch.nn import functional as F
 from torchvision.transforms.v2 import functional as TF
@@ -242,20 +242,11 @@ def test_patched_cuda_stage_runs_on_the_side_stream_without_reading_the_device(
     assert loader.prefetching
     assert dm._stage_in_loader
 
-    def no_sync(*args: Any, **kwargs: Any) -> Any:
-        raise AssertionError("the device stage read a value back from the device")
-
     stage = loader.on_device
     assert stage is dm._stage
     assert stage.color is not None
 
-    def guarded(batch: Any) -> Any:  # the stage, with every way of reading a tensor back to the host refused
-        with pytest.MonkeyPatch.context() as patch:
-            for name in ("item", "tolist", "cpu", "numpy", "__bool__", "nonzero", "__index__", "__float__"):
-                patch.setattr(torch.Tensor, name, no_sync)
-            return stage(batch)
-
-    loader.on_device = guarded
+    loader.on_device = refusing_host_reads(stage)
     batches = list(loader)
     assert len(batches) == 6
     assert all(len(batch) == 2 for batch in batches)
