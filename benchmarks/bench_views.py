@@ -9,8 +9,8 @@ reported), ``--epochs`` (default 2) timed after a warm-up one:
   the PIL image, ``v2.PILToTensor`` (uint8): the lightly / solo-learn CPU path, a ``DataLoader`` with workers;
 * NVIDIA DALI, CPU-only, both ways: ``fn.decoders.image_random_crop`` per view (each view decodes its image again),
   and one ``fn.decoders.image`` + ``fn.random_resized_crop`` per view (solo-learn's DALI pipeline); uint8 CHW.
-  DALI runs from the peers' interpreter (``--peers-python``, default ``.venv-peers/bin/python`` of this checkout or
-  of ``/work/main``) when this one has no DALI;
+  DALI runs from the peers' interpreter (``--peers-python``, default this checkout's ``.venv-peers/bin/python``, made
+  by ``bash benchmarks/install_peers.sh``) when this one has no DALI;
 * ``FastImageDataModule(views=DINO)``: threads and ``engine="processes"``, uint8 (what a GPU trainer receives) and
   normalized float32 (CPU training);
 * the limit: ``simplejpeg`` (fast DCT and upsampling) decodes each image once, then 8 ``cv2.resize(INTER_AREA)`` of
@@ -409,7 +409,7 @@ def _peers_python(given: str | None) -> tuple[str | None, str]:
     if importlib.util.find_spec("nvidia.dali") is not None:
         return sys.executable, ""
     root = Path(__file__).resolve().parent.parent
-    candidates = [given] if given else [str(root / ".venv-peers/bin/python"), "/work/main/.venv-peers/bin/python"]
+    candidates = [given] if given else [str(root / ".venv-peers/bin/python")]
     for python in candidates:
         if python and Path(python).exists() and _has_dali(python):
             return python, f"DALI runs from {python}"
@@ -460,8 +460,8 @@ def main() -> None:
     if not db.exists():
         convert(folder, db, short_side=256, quality=90, num_workers=args.workers, progress=False)
     names = [n for n in RUNNERS if not args.only or n in args.only]
-    notes = ["ours with `views` and colour: not available (`views` with colour augmentation is refused: not supported"
-             " yet); its colour stage is measured on single views below."]  # fmt: skip
+    notes = ["ours with `views` and colour: no row yet (views took colour after this script was written); its colour"
+             " stage is measured on single views below."]  # fmt: skip
     pythons = dict.fromkeys(names, sys.executable)
     if any(n.startswith("dali") for n in names):
         peers, note = _peers_python(args.peers_python)
@@ -513,7 +513,7 @@ def main() -> None:
             print(f"| {LABELS[name]} | {m['images_per_sec']:.0f} | {ratio} | {m['cpu_per_1000']:.2f} |")
 
     table("Crops only (DINO's 8 views)", CROPS, "torchvision")
-    table("With DINO's colour augmentation per view (ours: not available with `views` yet)", COLOUR,
+    table("With DINO's colour augmentation per view (ours: no row yet)", COLOUR,
           "torchvision-colour")  # fmt: skip
     table("Ours' batch-wise colour stage, single view (RandomResizedCrop(224) + flip)", SINGLES, "single-float")
     print()

@@ -25,6 +25,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning_fastdata import resolve
 from lightning_fastdata.errors import InvalidArgumentError
 from lightning_fastdata.pipeline.device import DeviceStage
+from lightning_fastdata.pipeline.views import MultiViewCrop
 from lightning_fastdata.store import format as _format
 from lightning_fastdata.transforms import CenterCropResize, RandomResizedCropFlip
 
@@ -93,15 +94,30 @@ def _held(transform: Any) -> list[Any]:
 
 
 def resize(datasets: Iterable[Any], size: int) -> list[Any]:
-    """Set the crop size of every dataset's crop transforms to ``size``; returns the datasets that have none."""
+    """Set the crop size of every dataset's crop transforms to ``size``; returns the datasets that have none.
+
+    A dataset of views (:class:`~lightning_fastdata.pipeline.views.MultiViewCrop`) keeps the sizes its view groups set,
+    and is not one that has none.
+    """
     missed = []
     for dataset in datasets:
         transforms = crop_transforms(dataset)
         for transform in transforms:
             transform.size = size
-        if not transforms:
+        if not transforms and not _views_of(dataset):
             missed.append(dataset)
     return missed
+
+
+def _views_of(dataset: Any) -> bool:
+    """Whether ``dataset`` (or one it wraps) crops views: its sizes are its view groups', not ``image_size``."""
+    seen: set[int] = set()
+    while dataset is not None and id(dataset) not in seen:
+        seen.add(id(dataset))
+        if isinstance(getattr(dataset, "transform", None), MultiViewCrop):
+            return True
+        dataset = getattr(dataset, "dataset", None)
+    return False
 
 
 def set_image_size(dm: Any, size: int) -> None:
@@ -136,8 +152,6 @@ def set_image_size(dm: Any, size: int) -> None:
         " (new batch slots, and any persistent worker processes restart with the new crop size)."
     )
     for name, dataset in built.items():
-        if name == "train" and getattr(dm, "views", None):  # `views` sets the training crops' sizes, on purpose
-            continue
         if dataset is not None and any(dataset is d for d in missed):
             rank_zero_warn(
                 f"`set_image_size`: the {name} dataset's transform is not RandomResizedCropFlip or"

@@ -226,6 +226,8 @@ def test_set_image_size_with_views_resizes_the_evaluation_crops_without_a_warnin
     assert not [w for w in recwarn if "set_image_size" in str(w.message)]
     val_images, _ = next(iter(dm.val_dataloader()))
     assert val_images.shape[-1] == 24
+    views, _ = next(iter(dm.train_dataloader()))
+    assert [view.shape[-1] for view in views] == [group.size for group in dm.views for _ in range(group.count)]
 
 
 # ----------------------------------------------------------------------------------------------------------------
