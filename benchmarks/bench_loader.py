@@ -480,12 +480,12 @@ def _print_proxies(med: dict[str, dict[str, float]], cores: int) -> None:
         if "gil_us" in m and "processes" not in name:
             serial_us = m["gil_us"] + m["main_thread_cpu_per_1000"] * 1000
             gil, bound = f"{m['gil_us']:.0f}", f"{1e6 / serial_us:.0f} (GIL: 1e6 / (GIL-held + main thread))"
-        elif "gil_us" in m:
-            gil = f"{m['gil_us']:.0f} (in each worker)"
-            bound = f"{1e6 / (m['own_cpu_per_1000'] * 1000):.0f} (1e6 / training process CPU)"
         else:
-            gil = "-"
-            bound = f"{1e6 / (m['own_cpu_per_1000'] * 1000):.0f} (1e6 / training process CPU)"
+            gil = f"{m['gil_us']:.0f} (in each worker)" if "gil_us" in m else "-"
+            own_us = m["own_cpu_per_1000"] * 1000
+            # a process that spent less than the CPU clock's tick (10 ms on Linux) over the timed epochs reads 0
+            bound = f"{1e6 / own_us:.0f}" if own_us else "unbounded here (under the CPU clock's resolution)"
+            bound += " (1e6 / training process CPU)"
         print(
             f"| {LABELS[name]} | {per_core:.0f} | {m['own_cpu_per_1000']:.3f} | {m['main_thread_cpu_per_1000']:.3f}"
             f" | {gil} | {bound} |"
