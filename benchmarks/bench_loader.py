@@ -73,14 +73,16 @@ def _own_cpu_seconds() -> float:
     return times.user + times.system
 
 
-def _timed_epoch(make_epoch, check, epochs: int) -> dict[str, float]:
+def _timed_epoch(make_epoch, check, epochs: int, finish=None) -> dict[str, float]:
     """Run one warm-up epoch, then time the next ``epochs``.
 
     Returns images/s, and CPU-seconds per 1,000 images: of the whole loader (this process and its workers), of the
     training process alone (``own``: what a GIL-bound consumer must do per image), and of its main thread alone.
+    ``finish`` runs on each batch in the training process before it is checked (a device stage on a CPU).
     """
+    finish = finish or (lambda batch: batch)
     for batch in make_epoch(0):
-        check(batch)
+        check(finish(batch))
     start, cpu, own, main_thread, images = (
         time.perf_counter(),
         _cpu_seconds(),
@@ -90,7 +92,7 @@ def _timed_epoch(make_epoch, check, epochs: int) -> dict[str, float]:
     )
     for k in range(1, epochs + 1):
         for batch in make_epoch(k):
-            images += check(batch)
+            images += check(finish(batch))
     seconds = time.perf_counter() - start
     per_1000 = 1000 / images
     return {

@@ -47,7 +47,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_loader import _cpu_seconds, _own_cpu_seconds, _resize_folder
+from bench_loader import _resize_folder
+from bench_loader import _timed_epoch as _timed
 
 #: DINO's views: (size, count, scale); flip 0.5, ratio (3/4, 4/3) for all
 GROUPS = ((224, 2, (0.4, 1.0)), (96, 6, (0.05, 0.4)))
@@ -63,33 +64,6 @@ SINGLE = 224
 # ---------------------------------------------------------------------------------------------------------------
 # One loader, in its own process
 # ---------------------------------------------------------------------------------------------------------------
-
-
-def _timed(make_epoch, check, epochs: int, finish=None) -> dict[str, float]:
-    """One warm-up epoch, then ``epochs`` timed: images/s, CPU-s per 1,000 images of the whole loader, of the
-    training process alone (``own``) and of its main thread. ``finish`` runs on each batch in the training process
-    (ours' device stage on a CPU)."""
-    finish = finish or (lambda batch: batch)
-    for batch in make_epoch(0):
-        check(finish(batch))
-    start, cpu, own, main_thread, images = (
-        time.perf_counter(),
-        _cpu_seconds(),
-        _own_cpu_seconds(),
-        time.thread_time(),
-        0,
-    )
-    for k in range(1, epochs + 1):
-        for batch in make_epoch(k):
-            images += check(finish(batch))
-    seconds = time.perf_counter() - start
-    per_1000 = 1000 / images
-    return {
-        "images_per_sec": images / seconds,
-        "cpu_per_1000": (_cpu_seconds() - cpu) * per_1000,
-        "own_cpu_per_1000": (_own_cpu_seconds() - own) * per_1000,
-        "main_thread_cpu_per_1000": (time.thread_time() - main_thread) * per_1000,
-    }
 
 
 def _views_checker(dtype):
@@ -536,7 +510,7 @@ def main() -> None:
         print(f"- {ours} / torchvision = {ratio(ours, 'torchvision')}")
         print(f"- {ours} / DALI ({dali}, the faster) = {ratio(ours, dali)}")
     print(f"- DALI decode once / DALI decode per view = {ratio('dali-once', 'dali-per-view')}")
-    print("With colour: ours n/a (views with colour are refused).")
+    print("With colour: ours n/a (no row of views with colour yet).")
     print(f"- limit-colour / torchvision-colour = {ratio('limit-colour', 'torchvision-colour')}")
     print(f"- limit-colour / dali-colour = {ratio('limit-colour', 'dali-colour')}")
     print(f"- colour cost on our single-view CPU path: single-float-colour / single-float = "
