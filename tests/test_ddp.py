@@ -74,18 +74,23 @@ def test_ddp_shards_cover_the_training_set(two_epochs: list[dict[str, Any]]) -> 
     n = len(train)
     assert n == NUM_IMAGES - round(NUM_IMAGES * 0.1)
     assert n % 2 == 1  # odd: the sampler must pad one sample
-    padded = math.ceil(n / 2) * 2
     for epoch in range(2):
-        first, second = rank0["epochs"][epoch], rank1["epochs"][epoch]
-        assert len(first) == len(second) == padded // 2
-        seen = first + second
-        assert len(seen) == padded
-        assert set(seen) == set(train)
-        duplicates = sum(count - 1 for count in Counter(seen).values())
-        assert duplicates == padded - n
-        assert len(set(first)) == len(first)  # no sample twice within a rank
-        assert len(set(second)) == len(second)
-        assert len(set(first) & set(second)) == duplicates  # the padding is the only overlap
+        _assert_cover_once(rank0["epochs"][epoch], rank1["epochs"][epoch], train)
+
+
+def _assert_cover_once(first: list[int], second: list[int], train: list[int]) -> None:
+    """One epoch's indices on rank 0 (``first``) and rank 1 cover ``train`` once: each rank half of the padded set,
+    no sample twice within a rank, and the ``DistributedSampler``'s padding the only overlap."""
+    n = len(train)
+    padded = math.ceil(n / 2) * 2
+    assert len(first) == len(second) == padded // 2
+    seen = first + second
+    assert set(seen) == set(train)
+    duplicates = sum(count - 1 for count in Counter(seen).values())
+    assert duplicates == padded - n
+    assert len(set(first)) == len(first)  # no sample twice within a rank
+    assert len(set(second)) == len(second)
+    assert len(set(first) & set(second)) == duplicates  # the padding is the only overlap
 
 
 @pytest.mark.slow
@@ -100,6 +105,27 @@ def test_ddp_shards_of_a_multilabel_database_cover_it(tmp_path: Path) -> None:
     assert len(seen) == padded
     assert set(seen) == set(train)
     assert len(set(rank0["epochs"][0])) == padded // 2
+
+
+@pytest.mark.slow
+def test_ddp_shards_of_views_cover_the_training_set(ddp_database: Path, tmp_path: Path) -> None:
+    """A ``views`` DataModule (``ddp_script.VIEWS``: 3 small views, 2 large) with ``return_index``: each epoch the
+    two ranks' indices cover the training set once, both ranks run the same batches, and every batch holds the 5
+    views, large first, each ``[B, 3, S, S]`` of its batch's size."""
+    rank0, rank1 = _run(ddp_database, tmp_path / "out", seed=0, epochs=2, kind="views")
+    assert rank0["sampler"] == rank1["sampler"] == "ResumableSampler"
+    train = rank0["train_indices"]
+    assert train == rank1["train_indices"]
+    assert len(train) % 2 == 1  # odd: the sampler must pad one sample
+    for epoch in range(2):
+        _assert_cover_once(rank0["epochs"][epoch], rank1["epochs"][epoch], train)
+    shard = math.ceil(len(train) / 2)
+    sizes = [4] * (shard // 4) + ([shard % 4] if shard % 4 else [])  # batch_size 4, drop_last=False
+    for rank in (rank0, rank1):
+        assert rank["batches"] == [len(sizes)] * 2
+        assert rank["batch_sizes"] == sizes * 2
+        assert rank["view_shapes"] == [[[b, 3, 32, 32]] * 2 + [[b, 3, 16, 16]] * 3 for b in sizes * 2]
+        assert rank["dtypes"] == ["torch.float32"]  # every view normalized on the device
 
 
 @pytest.mark.slow
