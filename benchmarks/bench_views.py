@@ -19,11 +19,11 @@ reported), ``--epochs`` (default 2) timed after a warm-up one:
 "With colour" rows add DINO's colour recipe per view (jitter (0.4, 0.4, 0.2, 0.1) with p 0.8, grayscale p 0.2,
 Gaussian blur sigma (0.1, 2) with p 1.0 / 0.1 / 0.5 for the first global view, the second and the local ones,
 solarize p 0.2 on the second global view): torchvision v2 ops on the PIL views, DALI ops on the views of its
-decode-once pipeline, the same ops in OpenCV on the limit's views. Ours has no "with colour" views row yet (``views``
-took colour only after this script was written, with one recipe for every view): its colour stage is measured on
-single-view training instead (``single-*`` rows: one
-RandomResizedCrop(224) + flip, with and without ``color_jitter`` etc.), where on a CPU the loader gives uint8 with the
-per-sample parameters and the training process colours and normalizes the batch (``on_after_batch_transfer``).
+decode-once pipeline; ours with ``views`` whose groups set DINO's per-view probabilities (CPU training: each view
+coloured in the loader as it is cropped; uint8: the parameters drawn for the GPU, not coloured here); and two limits:
+the same ops as ours in OpenCV (one ``cv2.transform`` for jitter + grayscale with the hue turned in YIQ,
+``cv2.sepFilter2D`` blur, ``cv2.LUT`` solarize) and OpenCV with torchvision's formulas (an HSV round trip for hue).
+``single-*`` rows: one RandomResizedCrop(224) + flip, with and without ``color_jitter`` etc.
 
 Each row reports images/s (an image is all 8 of its views) and CPU-seconds per 1,000 images (the process and its
 children).
@@ -59,6 +59,12 @@ JITTER, JITTER_P, GRAY_P, SIGMA, SOLARIZE = (0.4, 0.4, 0.2, 0.1), 0.8, 0.2, (0.1
 VIEW_COLOUR = [(1.0, 0.0), (0.1, 0.2)] + [(0.5, 0.0)] * 6
 BLUR_KERNEL = 2 * 6 + 1  # 2 * ceil(3 * max sigma) + 1: what ours uses by default (torchvision needs one given)
 SINGLE = 224
+#: DINO's views with its per-view blur and solarize probabilities: the groups ours takes
+COLOUR_GROUPS = (
+    {"size": 224, "scale": (0.4, 1.0), "blur_p": 1.0},
+    {"size": 224, "scale": (0.4, 1.0), "blur_p": 0.1, "solarize_p": 0.2},
+    {"size": 96, "count": 6, "scale": (0.05, 0.4), "blur_p": 0.5},
+)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -188,28 +194,32 @@ def _datamodule(args, output: str, engine: str, **kwargs):
     return dm, epoch
 
 
-def run_views(args, output: str, engine: str) -> dict[str, float]:
+def run_views(args, output: str, engine: str, colour: bool = False) -> dict[str, float]:
+    """Ours with ``views=DINO``; with colour, DINO's recipe (on a CPU, float32: coloured in the loader)."""
     import torch
 
     from lightning_fastdata import ViewGroup
 
     views = [ViewGroup(size, count=count, scale=scale) for size, count, scale in GROUPS]
-    _, epoch = _datamodule(args, output, engine, views=views)
+    kwargs = {}
+    if colour:
+        views = [ViewGroup(**group) for group in COLOUR_GROUPS]
+        kwargs = {"color_jitter": JITTER, "color_jitter_p": JITTER_P, "grayscale_p": GRAY_P, "blur_sigma": SIGMA}
+    _, epoch = _datamodule(args, output, engine, views=views, **kwargs)
     return _timed(epoch, _views_checker(torch.float32 if output == "float" else torch.uint8), args.epochs)
 
 
 def run_single(args, output: str, colour: bool) -> dict[str, float]:
-    """Ours, one RandomResizedCrop(224) + flip, with or without the colour stage. With colour on a CPU the loader
-    gives uint8 and the parameters; ``float`` then colours and normalizes in the training process, as
-    ``on_after_batch_transfer`` does; ``uint8`` leaves the colouring to the GPU (not run here)."""
+    """Ours, one RandomResizedCrop(224) + flip, with or without the colour stage. With colour, ``float`` (CPU
+    training) colours each crop in the loader; ``uint8`` draws the parameters and leaves the colouring to the GPU
+    (not run here)."""
     import torch
 
     kwargs = {}
     if colour:
         kwargs = {"color_jitter": JITTER, "color_jitter_p": JITTER_P, "grayscale_p": GRAY_P, "blur_p": 0.5,
                   "blur_sigma": SIGMA, "solarize_p": 0.2}  # fmt: skip
-    dm, epoch = _datamodule(args, "uint8" if colour else output, "threads", **kwargs)
-    finish = (lambda batch: dm.on_after_batch_transfer(batch, 0)) if colour and output == "float" else None
+    _, epoch = _datamodule(args, output, "threads", **kwargs)
     dtype = torch.float32 if output == "float" else torch.uint8
 
     def check(batch) -> int:
@@ -217,11 +227,11 @@ def run_single(args, output: str, colour: bool) -> dict[str, float]:
         assert tuple(batch[0].shape[1:]) == (3, SINGLE, SINGLE), batch[0].shape
         return int(batch[0].shape[0])
 
-    return _timed(epoch, check, args.epochs, finish)
+    return _timed(epoch, check, args.epochs)
 
 
 def _cv2_colour(image, blur_p: float, solarize_p: float, rng) -> None:
-    """DINO's colour ops on one uint8 RGB view, in place, with OpenCV (the limit's "with colour")."""
+    """DINO's colour ops on one uint8 RGB view, in place, with OpenCV and torchvision's formulas (HSV hue)."""
     import cv2
     import numpy as np
 
@@ -251,13 +261,53 @@ def _cv2_colour(image, blur_p: float, solarize_p: float, rng) -> None:
 _SOLARIZE_LUT = None
 
 
-def run_limit(args, colour: bool, kernel: str = "inter_area") -> dict[str, float]:
+def _matrix_colour(image, blur_p: float, solarize_p: float, rng) -> None:
+    """The same ops as ours on one uint8 RGB view, in place, in OpenCV: jitter and grayscale as one ``3 x 4``
+    ``cv2.transform`` (brightness x contrast, saturation, the hue turned about the grey axis in YIQ, grayscale),
+    ``cv2.sepFilter2D`` with a Gaussian cut at 3 sigma, solarize by ``cv2.LUT``."""
+    import math
+
+    import cv2
+    import numpy as np
+
+    eye, project, quarter, grey = _BASIS
+    linear, jitter = eye, rng.random() < JITTER_P
+    b = c = 1.0
+    if jitter:
+        jb, jc, js, jh = JITTER
+        b, c, sat, hue = (rng.uniform(1 - jb, 1 + jb), rng.uniform(1 - jc, 1 + jc), rng.uniform(1 - js, 1 + js),
+                          rng.uniform(-jh, jh))  # fmt: skip
+        turn = 2 * math.pi * hue
+        linear = (project + math.cos(turn) * (eye - project) + math.sin(turn) * quarter) @ (
+            sat * eye + (1 - sat) * grey
+        )
+    if rng.random() < GRAY_P:
+        linear = grey @ linear
+    if linear is not eye:  # jitter or grayscale drawn
+        red, green, blue, _ = cv2.mean(image)
+        offset = linear.sum(axis=1) * (1 - c) * b * (0.2989 * red + 0.587 * green + 0.114 * blue)
+        cv2.transform(image, np.hstack([linear * (b * c), offset[:, None]]).astype(np.float32), dst=image)
+    if rng.random() < blur_p:
+        sigma = rng.uniform(*SIGMA)
+        radius = min(BLUR_KERNEL // 2, math.ceil(3 * sigma))
+        taps = np.exp(-0.5 * (np.arange(-radius, radius + 1, dtype=np.float32) / np.float32(sigma)) ** 2)
+        taps /= taps.sum()
+        cv2.sepFilter2D(image, -1, taps, taps, dst=image, borderType=cv2.BORDER_REFLECT_101)
+    if rng.random() < solarize_p:
+        cv2.LUT(image, _SOLARIZE_LUT, dst=image)
+
+
+_BASIS = None
+
+
+def run_limit(args, colour: bool | str, kernel: str = "inter_area") -> dict[str, float]:
     """Decode once with simplejpeg (fast DCT), 8 ``cv2.resize(INTER_AREA)`` of random boxes (+ flip): one forked
     process per usable core at once, each over its share of the images (as many as the loaders read).
 
     ``kernel="ours"`` crops with this package's kernel (:func:`~lightning_fastdata.transforms.crop_resize_into`: a
-    3-tap prefilter and bilinear instead of ``INTER_AREA``), as bench_loader.py's ``limit-b-ours``."""
-    global _SOLARIZE_LUT
+    3-tap prefilter and bilinear instead of ``INTER_AREA``), as bench_loader.py's ``limit-b-ours``. ``colour``:
+    ``True`` for torchvision's formulas in OpenCV, ``"matrix"`` for ours."""
+    global _SOLARIZE_LUT, _BASIS
     import multiprocessing
     import random
 
@@ -271,6 +321,10 @@ def run_limit(args, colour: bool, kernel: str = "inter_area") -> dict[str, float
     cv2.setNumThreads(1)
     scratch = np.empty(1 << 20, np.uint8)
     _SOLARIZE_LUT = np.array([v if v < SOLARIZE else 255 - v for v in range(256)], np.uint8)
+    from lightning_fastdata.pipeline.color import _BASIS as basis  # the constant matrices of the ops, not the code
+
+    _BASIS = basis
+    paint = _matrix_colour if colour == "matrix" else _cv2_colour
     blobs = [f.read_bytes() for f in sorted(Path(args.resized).rglob("*.jpg"))] * args.epochs
     crops = [RandomResizedCropFlip(s, sc) for s, sc in zip(SIZES, SCALES, strict=True)]
     outs = [np.empty((s, s, 3), np.uint8) for s in SIZES]
@@ -282,14 +336,14 @@ def run_limit(args, colour: bool, kernel: str = "inter_area") -> dict[str, float
             if kernel == "ours":
                 crop_resize_into(image, box, size, crop.flip(), out, scratch)
                 if colour:
-                    _cv2_colour(out, blur_p, solarize_p, rng)
+                    paint(out, blur_p, solarize_p, rng)
                 continue
             top, left, h, w = box
             cv2.resize(image[top : top + h, left : left + w], (size, size), dst=out, interpolation=cv2.INTER_AREA)
             if crop.flip():
                 cv2.flip(out, 1, dst=out)
             if colour:
-                _cv2_colour(out, blur_p, solarize_p, rng)
+                paint(out, blur_p, solarize_p, rng)
 
     def timed(part: list[bytes], seed: int, ready, results) -> None:
         random.seed(seed)
@@ -349,7 +403,26 @@ RUNNERS = {
     ),
     "torchvision-colour": ("torchvision v2 per view + DINO colour (PIL), uint8", lambda a: run_torchvision(a, True)),
     "dali-colour": ("DALI CPU, decode once + crop + DINO colour per view, uint8", lambda a: run_dali(a, True, True)),
-    "limit-colour": ("limit + DINO colour per view with cv2", lambda a: run_limit(a, True)),
+    "limit-colour": (
+        "limit + DINO colour per view, OpenCV with torchvision's formulas (HSV hue)",
+        lambda a: run_limit(a, True),
+    ),
+    "limit-colour-matrix": (
+        "limit + DINO colour per view, OpenCV with our ops (one matrix, YIQ hue)",
+        lambda a: run_limit(a, "matrix"),
+    ),
+    "views-float-colour": (
+        "**ours, `views=DINO` + DINO colour, threads, float32 (CPU training: coloured in the loader)**",
+        lambda a: run_views(a, "float", "threads", colour=True),
+    ),
+    "views-float-colour-processes": (
+        'ours, `views=DINO` + DINO colour, `engine="processes"`, float32',
+        lambda a: run_views(a, "float", "processes", colour=True),
+    ),
+    "views-uint8-colour": (
+        "ours, `views=DINO` + DINO colour, threads, uint8 + parameters (coloured on the GPU, not here)",
+        lambda a: run_views(a, "uint8", "threads", colour=True),
+    ),
     "single-float": ("ours, single view 224, threads, float32, no colour", lambda a: run_single(a, "float", False)),
     "single-float-colour": (
         "ours, single view 224, float32, colour stage on the CPU",
@@ -364,7 +437,8 @@ RUNNERS = {
 LABELS = {name: label for name, (label, _) in RUNNERS.items()}
 CROPS = ["torchvision", "dali-per-view", "dali-once", "views-uint8", "views-uint8-processes", "views-float",
          "views-float-processes", "limit", "limit-ours"]  # fmt: skip
-COLOUR = ["torchvision-colour", "dali-colour", "limit-colour"]
+COLOUR = ["torchvision-colour", "dali-colour", "limit-colour", "limit-colour-matrix", "views-float-colour",
+          "views-float-colour-processes", "views-uint8-colour"]  # fmt: skip
 SINGLES = ["single-float", "single-float-colour", "single-uint8", "single-uint8-colour"]
 
 
@@ -410,8 +484,7 @@ def main() -> None:
     if args.run:  # a child: one loader, one round; prints its JSON line
         import torch
 
-        # the consuming process only takes batches; its cores belong to the loader (single-float-colour colours them
-        # here too: with torch's default threads beside the loader's, it was 10x slower on 2 cores)
+        # the consuming process only takes batches; its cores belong to the loader
         torch.set_num_threads(1)
         print(json.dumps(RUNNERS[args.run][1](args)))
         return
@@ -434,8 +507,7 @@ def main() -> None:
     if not db.exists():
         convert(folder, db, short_side=256, quality=90, num_workers=args.workers, progress=False)
     names = [n for n in RUNNERS if not args.only or n in args.only]
-    notes = ["ours with `views` and colour: no row yet (views took colour after this script was written); its colour"
-             " stage is measured on single views below."]  # fmt: skip
+    notes: list[str] = []
     pythons = dict.fromkeys(names, sys.executable)
     if any(n.startswith("dali") for n in names):
         peers, note = _peers_python(args.peers_python)
@@ -487,9 +559,8 @@ def main() -> None:
             print(f"| {LABELS[name]} | {m['images_per_sec']:.0f} | {ratio} | {m['cpu_per_1000']:.2f} |")
 
     table("Crops only (DINO's 8 views)", CROPS, "torchvision")
-    table("With DINO's colour augmentation per view (ours: no row yet)", COLOUR,
-          "torchvision-colour")  # fmt: skip
-    table("Ours' batch-wise colour stage, single view (RandomResizedCrop(224) + flip)", SINGLES, "single-float")
+    table("With DINO's colour augmentation per view", COLOUR, "torchvision-colour")
+    table("Ours' colour stage, single view (RandomResizedCrop(224) + flip)", SINGLES, "single-float")
     print()
 
     def ratio(a: str, b: str) -> str:
@@ -510,14 +581,16 @@ def main() -> None:
         print(f"- {ours} / torchvision = {ratio(ours, 'torchvision')}")
         print(f"- {ours} / DALI ({dali}, the faster) = {ratio(ours, dali)}")
     print(f"- DALI decode once / DALI decode per view = {ratio('dali-once', 'dali-per-view')}")
-    print("With colour: ours n/a (no row of views with colour yet).")
-    print(f"- limit-colour / torchvision-colour = {ratio('limit-colour', 'torchvision-colour')}")
-    print(f"- limit-colour / dali-colour = {ratio('limit-colour', 'dali-colour')}")
+    print("With colour (target: >= 3x torchvision, >= 3x DALI CPU, >= 0.75x the limit with the same ops):")
+    for ours in ("views-float-colour", "views-float-colour-processes"):
+        for peer in ("torchvision-colour", "dali-colour", "limit-colour-matrix", "limit-colour"):
+            print(f"- {ours} / {peer} = {ratio(ours, peer)}")
+    print(f"- limit-colour-matrix / limit-colour = {ratio('limit-colour-matrix', 'limit-colour')}")
     print(f"- colour cost on our single-view CPU path: single-float-colour / single-float = "
           f"{ratio('single-float-colour', 'single-float')}")  # fmt: skip
     if "single-float-colour" in med and "single-float" in med:
         extra = med["single-float-colour"]["cpu_per_1000"] - med["single-float"]["cpu_per_1000"]
-        print(f"  (+{extra * 1000:.0f} CPU-us per image for the colour stage on the CPU, normalization included)")
+        print(f"  (+{extra * 1000:.0f} CPU-us per image for the colour ops in the loader)")
     print(f"- loader-side cost of drawing the parameters: single-uint8-colour / single-uint8 = "
           f"{ratio('single-uint8-colour', 'single-uint8')}")  # fmt: skip
     print()

@@ -17,7 +17,9 @@ ViewGroup(96, count=6, scale=(0.05, 0.4))]``, a resnet50 (torchvision, its ``fc`
 ``embed_dim=2048``) or a ViT-S/16 (timm, ``num_classes=0``, ``embed_dim=384``) as the backbone, ``out_dim=65536``,
 ``hidden_dim=2048``, ``bottleneck_dim=256``, the teacher's momentum raised from 0.996 to 1 over the run (a cosine) and
 its temperature from 0.04 to 0.07 over the first 30 epochs, and DINO's colour augmentation, each view with its own
-parameters: ``color_jitter=(0.4, 0.4, 0.2, 0.1), grayscale_p=0.2, blur_p=0.5, solarize_p=0.1`` on the DataModule.
+parameters: ``color_jitter=(0.4, 0.4, 0.2, 0.1), grayscale_p=0.2`` on the DataModule and the per-view blur and
+solarization on the groups, ``views=[ViewGroup(224, scale=(0.4, 1.0), blur_p=1.0), ViewGroup(224, scale=(0.4, 1.0),
+blur_p=0.1, solarize_p=0.2), ViewGroup(96, count=6, scale=(0.05, 0.4), blur_p=0.5)]``.
 
     python examples/ssl_dino.py --out /tmp/dino --epochs 3
 """

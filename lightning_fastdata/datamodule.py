@@ -134,10 +134,10 @@ class FastImageDataModule(LightningDataModule):
             Training batches are ``(views, targets[, index])``, ``views`` a list of ``[B, 3, S, S]`` tensors, large
             first; evaluation keeps the centre crop (docs/datamodule.md#self-supervised-training).
         color_jitter: training colour jitter ``(brightness, contrast, saturation, hue)`` as torchvision's
-            ``ColorJitter`` takes them (the DINO/BYOL recipe: ``(0.4, 0.4, 0.2, 0.1)``); ``None``: none. The colour
-            ops run on whole batches before normalization (on the device for CUDA), each sample with parameters of
-            its own drawn from ``(seed, epoch, index)`` (with ``views``, each view its own, one recipe for all):
-            :mod:`lightning_fastdata.pipeline.color`.
+            ``ColorJitter`` takes them (the DINO/BYOL recipe: ``(0.4, 0.4, 0.2, 0.1)``); ``None``: none. Each
+            sample gets parameters of its own drawn from ``(seed, epoch, index)`` (with ``views``, each view its own,
+            with its group's probabilities where it sets them); the ops run before normalization: on the device, on
+            the batch, for CUDA training; in the loader, crop by crop, on a CPU (:mod:`.pipeline.color`).
         color_jitter_p: probability of the jitter, per sample.
         grayscale_p: probability of random grayscale, per training sample.
         blur_p: probability of a Gaussian blur, per training sample, sigma uniform in ``blur_sigma``.
@@ -260,7 +260,9 @@ class FastImageDataModule(LightningDataModule):
         self.label_separator = label_separator
         self.return_index = return_index
         #: the training batches' colour augmentation (``None``: none), see :mod:`lightning_fastdata.pipeline.color`
-        self._color = BatchColor.create(color_jitter, color_jitter_p, grayscale_p, blur_p, blur_sigma, solarize_p)
+        self._color = BatchColor.create(
+            color_jitter, color_jitter_p, grayscale_p, blur_p, blur_sigma, solarize_p, views=groups
+        )
         self._skip_counter = SkipCounter()
         self.train_dataset: Dataset | None = None
         self.val_dataset: Dataset | None = None

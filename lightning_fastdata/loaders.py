@@ -50,8 +50,8 @@ def split_loader(
     dist_kwargs = (trainer.distributed_sampler_kwargs if trainer is not None else None) or {}
     limit = getattr(trainer, "limit_train_batches", 1.0) if train else 1.0
     dm._stage = dm._device_stage()
-    # colour augmentation (training only): drawn per sample where the batch is built, applied by the device stage
-    # before it normalizes, so a CPU run's loader gives uint8 batches instead of normalizing them
+    # colour augmentation (training only): drawn per sample where the batch is built; a CPU run's loader colours
+    # each crop before normalizing it, a CUDA run's device stage colours the uint8 batch on the device
     color = getattr(dm, "_color", None) if train else None
     output = dm._output()
     if color is not None and output == "encoded":
@@ -59,8 +59,6 @@ def split_loader(
             "Colour augmentation (`color_jitter`, `grayscale_p`, `blur_p`, `solarize_p`) is not available with"
             " `decode='device'` yet: pass `decode='cpu'`."
         )
-    if color is not None and output == "float":
-        output = "uint8"
     loader = create_loader(
         dataset,
         batch_size,

@@ -417,20 +417,33 @@ def test_fit_a_multilabel_list_file_from_the_command_line(tmp_path: Path) -> Non
 
 @pytest.mark.usefixtures("in_repo")
 def test_dino_views_parse_from_yaml(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A DINO `views` spec in YAML parses into view groups, and the DataModule sorts them and counts its views."""
+    """A DINO `views` spec in YAML, with its per-view colour, parses into view groups, and the DataModule sorts them,
+    counts its views and gives each view its group's probabilities."""
     config = tmp_path / "dino.yaml"
     config.write_text(
         "model:\n  class_path: examples.classifier.ImageClassifier\n"
         "data:\n  class_path: lightning_fastdata.FastImageDataModule\n  init_args:\n    data_dir: x\n    views:\n"
-        "      - {size: 96, count: 6, scale: [0.05, 0.4]}\n"
-        "      - {size: 224, count: 2, scale: [0.4, 1.0], flip: 0.5}\n"
+        "      - {size: 96, count: 6, scale: [0.05, 0.4], blur_p: 0.5}\n"
+        "      - {size: 224, scale: [0.4, 1.0], flip: 0.5, blur_p: 1.0}\n"
+        "      - {size: 224, scale: [0.4, 1.0], blur_p: 0.1, solarize_p: 0.2}\n"
+        "    color_jitter: [0.4, 0.4, 0.2, 0.1]\n    grayscale_p: 0.2\n"
     )
     views = _parse(monkeypatch, "--config", str(config)).data.init_args.views
-    assert [(v.size, v.count, tuple(v.scale)) for v in views] == [(96, 6, (0.05, 0.4)), (224, 2, (0.4, 1.0))]
+    assert [(v.size, v.count, tuple(v.scale), v.blur_p) for v in views] == [
+        (96, 6, (0.05, 0.4), 0.5),
+        (224, 1, (0.4, 1.0), 1.0),
+        (224, 1, (0.4, 1.0), 0.1),
+    ]
     monkeypatch.undo()  # instantiated for real this time
     monkeypatch.chdir(ROOT)
     monkeypatch.syspath_prepend(str(ROOT))
     monkeypatch.setattr(sys, "argv", ["lightning-fastdata"])
     dm = lightning_cli(["--config", str(config), "--trainer.logger=false"], run=False).datamodule
-    assert dm.views == (ViewGroup(224, 2, (0.4, 1.0)), ViewGroup(96, 6, (0.05, 0.4)))
+    assert dm.views == (
+        ViewGroup(224, 1, (0.4, 1.0), blur_p=1.0),
+        ViewGroup(224, 1, (0.4, 1.0), blur_p=0.1, solarize_p=0.2),
+        ViewGroup(96, 6, (0.05, 0.4), blur_p=0.5),
+    )
     assert (dm.num_large_views, dm.num_small_views) == (2, 6)
+    # per view: (jitter, grayscale, blur, solarize) probabilities, the DataModule's where a group sets none
+    assert dm._color.view_probabilities == ((0.8, 0.2, 1.0, 0.0), (0.8, 0.2, 0.1, 0.2)) + ((0.8, 0.2, 0.5, 0.0),) * 6

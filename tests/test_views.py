@@ -249,6 +249,53 @@ def test_views_with_colour_are_the_same_on_both_engines(database: Path) -> None:
         assert all(view.dtype == torch.uint8 for view in batch[0])
 
 
+def test_cpu_views_are_coloured_in_the_loader_the_same_on_both_engines(database: Path) -> None:
+    """For CPU training (float output) each view is coloured as it is cropped: no parameters in the batch, the same
+    batches on threads and worker processes, and what the device stage makes of the uint8 views and parameters."""
+    kwargs = {"output": "float", "normalizer": NORMALIZER, "color": BatchColor(**RECIPE)}
+    threads, processes = _epoch(database, "threads", 2, **kwargs), _epoch(database, "processes", 2, **kwargs)
+    _assert_same(threads, processes)
+    assert all(len(batch) == 2 and batch[0][0].dtype == torch.float32 for batch in threads)  # no parameters
+    color = BatchColor(**RECIPE)
+    indices = KeyedIndices([0, 5, 9, 13], KEY)
+    coloured = BatchReader(_dataset(database), "float", NORMALIZER, color=color).read_batch(indices)
+    carried = BatchReader(_dataset(database), color=color).read_batch(indices)
+    staged = DeviceStage(NORMALIZER, color=color)(carried)
+    for view, want, plain in zip(coloured[0], staged[0], carried[0], strict=True):
+        torch.testing.assert_close(view, want)
+        assert not torch.allclose(view, NORMALIZER.batch(plain))
+
+
+def test_view_groups_draw_with_probabilities_of_their_own(database: Path) -> None:
+    """A group's ``blur_p`` / ``solarize_p`` replace the DataModule's for its views (DINO's asymmetric views)."""
+    views = [
+        {"size": 24, "blur_p": 1.0},
+        {"size": 24, "blur_p": 0.0, "solarize_p": 1.0},
+        {"size": 12, "count": 3, "scale": [0.05, 0.4]},
+    ]
+    dm = FastImageDataModule(str(database), views=views, color_jitter=(0.4, 0.4, 0.2, 0.1), blur_p=0.5)
+    assert dm._color is not None
+    params = dm._color.draw(KEY, list(range(400)), len(SIZES))
+    sigma, solarize = params[..., COLUMNS.index("sigma")], params[..., COLUMNS.index("solarize")]
+    assert (sigma[:, 0] > 0).all()
+    assert (sigma[:, 1] == 0).all()
+    assert (solarize[:, 1] == 1).all()
+    assert (solarize[:, [0, 2, 3, 4]] == 0).all()  # the DataModule's solarize_p, 0
+    assert 0.4 < (sigma[:, 2:] > 0).mean() < 0.6  # the DataModule's blur_p, 0.5
+    # a group's probability alone turns the colour stage on
+    only = FastImageDataModule(str(database), views=[{"size": 24, "solarize_p": 0.2}, {"size": 12}])
+    assert only._color is not None
+    assert FastImageDataModule(str(database), views=views[2:])._color is None
+
+
+def test_view_group_probabilities_are_checked() -> None:
+    """A group's probability out of range, or a jitter probability without jitter strengths, names the group."""
+    with pytest.raises(InvalidArgumentError, match=r"`views\[1\]`: `blur_p` must be in \[0, 1\], got 1.5"):
+        FastImageDataModule("db", views=[{"size": 24}, {"size": 12, "blur_p": 1.5}])
+    with pytest.raises(InvalidArgumentError, match=r"`views\[0\]` sets `color_jitter_p`.*`color_jitter="):
+        FastImageDataModule("db", views=[{"size": 24, "color_jitter_p": 0.8}])
+
+
 def test_each_view_of_a_sample_gets_its_own_parameters(database: Path) -> None:
     """Two views of a sample differ in their colour parameters; view 0's are a single view's."""
     color = BatchColor(**RECIPE)
@@ -294,7 +341,7 @@ def test_a_transforms_views_get_the_built_in_views_parameters(database: Path) ->
     assert torch.equal(params, fused_params)
     color = BatchColor(**RECIPE)
     for v, coloured in enumerate(DeviceStage(NORMALIZER, color=color)((views, None, params))[0]):
-        assert torch.equal(coloured, NORMALIZER.float_(color(views[v], params[:, v]), torch.float32, False))
+        assert torch.equal(coloured, NORMALIZER.batch(color(views[v], params[:, v])))
 
 
 def test_device_stage_colours_each_view_with_its_own_parameters(database: Path) -> None:
@@ -308,7 +355,7 @@ def test_device_stage_colours_each_view_with_its_own_parameters(database: Path) 
     assert out[1] is targets
     for v, (coloured, view) in enumerate(zip(out[0], views, strict=True)):
         assert coloured.dtype == torch.float32
-        assert torch.equal(coloured, NORMALIZER.float_(color(view, params[:, v]), torch.float32, False))
+        assert torch.equal(coloured, NORMALIZER.batch(color(view, params[:, v])))
         assert not torch.allclose(coloured, NORMALIZER.batch(view, torch.float32, False))
     with pytest.raises(ValueError, match=r"5 views take colour parameters \[B, 5, 7\], got \(4, 7\)"):
         stage((views, targets, params[:, 0]))

@@ -116,12 +116,17 @@ class DeviceStage:
     def _images(self, images: Tensor, params: Tensor | None = None) -> Tensor:
         """One ``[B, C, H, W]`` image batch as model input (``images`` itself when it already is, or is no images).
 
-        With colour parameters (and a colour stage), uint8 images are coloured as floats in 0-255, then normalized.
+        With colour parameters (and a colour stage), uint8 images are coloured (on a CPU image by image, in uint8; on
+        a GPU as a batch, in floats in 0-255), then normalized.
         """
         if params is not None and self.color is not None:
             if images.dtype != torch.uint8:
                 raise TypeError(f"colour augmentation needs uint8 images (0-255), got {images.dtype} ones.")
-            return self.normalizer.float_(self.color(images, params), self.dtype, self.channels_last)
+            on_cuda = self.device is not None and self.device.type == "cuda"
+            colored = self.color.apply_batch(images, params) if on_cuda else self.color(images, params)
+            if colored.dtype == torch.uint8:
+                return self.normalizer.batch(colored, self.dtype, self.channels_last)
+            return self.normalizer.float_(colored, self.dtype, self.channels_last)
         if images.dtype == torch.uint8:
             return self.normalizer.batch(images, self.dtype, self.channels_last)
         if images.is_floating_point() and images.dtype != self.dtype:  # normalized by the loader threads

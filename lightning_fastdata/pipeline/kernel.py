@@ -8,9 +8,9 @@ loader that runs it (:class:`~lightning_fastdata.pipeline.factory.FastLoader`).
    that reads, checksums verified) and decoded straight from the memory map (libjpeg-turbo through ``simplejpeg``).
 2. **Crops.** The batch's crop boxes and flips are drawn at once, each sample's from its key ``(seed, epoch,
    sample)``; each image is then cropped, resized (antialiased when shrinking) and flipped *straight into its slot*
-   of one preallocated ``uint8`` NHWC batch buffer (OpenCV). For CPU training each sample is also normalized to
-   ``float32`` in the same thread. A user's own transform (or dataset) takes the per-sample path instead:
-   ``dataset[i]``, then stacking.
+   of one preallocated ``uint8`` NHWC batch buffer (OpenCV). For CPU training each crop is also coloured (colour
+   augmentation, :mod:`~lightning_fastdata.pipeline.color`) and normalized to ``float32`` in the same thread. A user's
+   own transform (or dataset) takes the per-sample path instead: ``dataset[i]``, then stacking.
 3. **Targets.** A batch's targets are of its database's kind (:mod:`~lightning_fastdata.store.targets`): class
    indices from the record headers already read (``int64 [B]``), else the kept records' multi-hot ``float32 [B, C]``
    or ``float32 [B, K]`` (``[B]`` when K = 1) rows, read once per batch (``LmdbImageDataset.targets_of``), or ``-1``.
@@ -38,7 +38,7 @@ from torch.utils.data import Dataset, default_collate, get_worker_info
 from lightning_fastdata._fast_path import inherits
 from lightning_fastdata.errors import FastDataError, SampleError
 from lightning_fastdata.keyed_random import AugmentKey, sample_key
-from lightning_fastdata.pipeline.color import COLUMNS, BatchColor, with_params
+from lightning_fastdata.pipeline.color import COLUMNS, BatchColor, ImagePlan, with_params
 from lightning_fastdata.pipeline.device_decode import collate_encoded, encoded_sample
 from lightning_fastdata.pipeline.slots import Batches, FreshBatch, SlotBatch, SlotLayout, SlotMemory
 from lightning_fastdata.pipeline.targets import fill_targets, new_targets, true_index, with_index
@@ -103,9 +103,11 @@ class BatchReader(Dataset):
             (``int64 [B]``): for a subset (``torch.utils.data.Subset``, the DataModule's held-out view) of an
             :class:`~lightning_fastdata.LmdbImageDataset`, the index into the split it views.
         color: draw each sample's colour parameters from its key (:meth:`BatchColor.draw
-            <lightning_fastdata.pipeline.color.BatchColor.draw>`, keyed by its dataset index): they ride last in the
-            batch, ``ColorParams`` ``float32 [B, 7]``, for the device stage to apply and take off; ``[B, V, 7]``, each
-            view its own, when the images are a list of ``V`` views (built-in ``views`` or a transform's list).
+            <lightning_fastdata.pipeline.color.BatchColor.draw>`, keyed by its dataset index). The fused path with
+            ``output="float"`` (CPU training) colours each crop with them before normalizing it; otherwise they ride
+            last in the batch, ``ColorParams`` ``float32 [B, 7]``, for the device stage to apply and take off
+            (``[B, V, 7]``, each view its own, when the images are a list of ``V`` views: built-in ``views`` or a
+            transform's list).
 
     """
 
@@ -145,6 +147,8 @@ class BatchReader(Dataset):
                 " pipelines."
             )
         self.transform = transform if self.fused or output == "encoded" else None
+        #: whether crops are coloured here, in the reading thread (CPU training), instead of on the batch's device
+        self.colors_crops = color is not None and self.fused and output == "float"
         #: where a worker process builds batches whose indices carry a slot (:mod:`~lightning_fastdata.pipeline.slots`):
         #: its loader's memory, set as the worker starts; the loader's threads pass theirs to :meth:`__getitems__`
         self.slots: SlotMemory | None = None
@@ -171,7 +175,7 @@ class BatchReader(Dataset):
         chw = self.output == "float" and not self.channels_last
         shapes = tuple((3, size, size) if chw else (size, size, 3) for size in self._sizes())
         views = shapes if isinstance(self.transform, MultiViewCrop) else ()
-        params = len(COLUMNS) if self.color is not None else 0
+        params = len(COLUMNS) if self.color is not None and not self.colors_crops else 0
         return SlotLayout(batch_size, shapes[0], dtype, spec.shape, spec.dtype, self.return_index, views, params)
 
     def _sizes(self) -> list[int]:
@@ -280,7 +284,7 @@ class BatchReader(Dataset):
         batch = (images, targets if given is None else self._pin_labels(given))
         if self.return_index:
             batch = (*batch, self._pin_labels(torch.tensor(records, dtype=torch.int64)))
-        if self.color is not None:
+        if self.color is not None and not self.colors_crops:
             batch = with_params(batch, self._pin_labels(torch.from_numpy(self._params(key, records))))
         return batch
 
@@ -307,15 +311,20 @@ class BatchReader(Dataset):
             per_view = self._view_boxes(found, key)
             boxes = list(zip(*(view_boxes for view_boxes, _ in per_view), strict=True))  # per sample, one per view
             flips = list(zip(*(view_flips for _, view_flips in per_view), strict=True))
+            views = len(per_view)
+            # the colour of every view of every sample found, for the crops coloured here (one plan for the batch)
+            plan = self._plan(key, [item[0][1] for item in found]) if self.colors_crops else None
 
-            def crop_into(item: tuple[tuple[tuple[int, int], RecordHeader, memoryview], Any, Any]) -> None:
-                ((_, record), header, payload), sample_boxes, sample_flips = item
+            def crop_into(item: tuple[int, tuple[tuple[int, int], RecordHeader, memoryview], Any, Any]) -> None:
+                position, ((_, record), header, payload), sample_boxes, sample_flips = item
                 kept = len(labels)  # a sample that fails leaves out every view: the next one takes its place
-                self._crop_into(record, header, payload, sample_boxes, sample_flips, [out[kept] for out in outs])
+                outs_of = [out[kept] for out in outs]
+                color = None if plan is None else (plan, position * views)
+                self._crop_into(record, header, payload, sample_boxes, sample_flips, outs_of, color)
                 labels.append(header.label)
                 records.append(record)
 
-            self._each(list(zip(found, boxes, flips, strict=True)), crop_into)
+            self._each(list(zip(range(len(found)), found, boxes, flips, strict=True)), crop_into)
         return len(labels), labels, records
 
     def _fill_slot(
@@ -332,6 +341,7 @@ class BatchReader(Dataset):
             slots.indices(slot, count)[:] = records
         if slots.layout.params:
             assert self.color is not None
+            assert not self.colors_crops
             slots.params(slot, count)[:] = self._params(key, records)
         return count, fill_targets(self._lmdb(), labels, records, slots.labels(slot, count))
 
@@ -340,6 +350,14 @@ class BatchReader(Dataset):
         assert self.color is not None
         transform = self.transform
         return self.color.draw(key, records, len(transform.crops) if isinstance(transform, MultiViewCrop) else None)
+
+    def _plan(self, key: AugmentKey | None, records: Sequence[int]) -> ImagePlan:
+        """The colour of each view of ``records`` for crops coloured here: sample i's view v is row ``i V + v``.
+
+        See :meth:`BatchColor.apply_image <lightning_fastdata.pipeline.color.BatchColor.apply_image>`.
+        """
+        assert self.color is not None
+        return self.color.plan(self._params(key, records))
 
     def _view_boxes(self, found: list[tuple[Any, ...]], key: AugmentKey | None) -> list[tuple[list[Box], list[bool]]]:
         """:meth:`_boxes` for each view: of a :class:`~lightning_fastdata.pipeline.views.MultiViewCrop`, or the one."""
@@ -368,24 +386,30 @@ class BatchReader(Dataset):
         boxes: Sequence[Box],
         flips: Sequence[bool],
         outs: Sequence[np.ndarray],
+        color: tuple[ImagePlan, int] | None = None,
     ) -> None:
-        """Decode one record once, then crop, resize and flip (and normalize) each view's box into its ``outs``.
+        """Decode one record once, then crop, resize and flip (and colour and normalize) each view's box into ``outs``.
 
         A crop's side is its ``out``'s (the batch's memory, made for the crop size when its epoch started), not the
-        transform's: a ``set_image_size`` during an epoch takes effect at the next one, never mid-batch.
+        transform's: a ``set_image_size`` during an epoch takes effect at the next one, never mid-batch. ``color``:
+        the batch's colour plan and the row of this sample's first view (``float`` output only).
         """
         base = self.base
         assert isinstance(base, LmdbImageDataset)
         nbytes = header.height * header.width * 3
         image = base.decode_hwc(record, header, payload, self._buffer("decode", nbytes), fast=True)
         scratch = self._buffer("prefilter", nbytes)
-        for box, flip, out in zip(boxes, flips, outs, strict=True):
+        for view, (box, flip, out) in enumerate(zip(boxes, flips, outs, strict=True)):
             size = out.shape[0] if self.output == "uint8" or self.channels_last else out.shape[1]
             try:
-                if self.output == "float":  # the uint8 crop in a scratch buffer, then normalized into the batch
+                if self.output == "float":  # the uint8 crop in a scratch buffer, (coloured,) normalized into the batch
                     assert self.normalizer is not None
                     crop, planes = self._float_scratch(size)
-                    self.normalizer.into(crop_resize_into(image, box, size, flip, crop, scratch), out, planes)
+                    crop_resize_into(image, box, size, flip, crop, scratch)
+                    if color is not None:
+                        assert self.color is not None
+                        self.color.apply_image(crop, color[0], color[1] + view)
+                    self.normalizer.into(crop, out, planes)
                 else:
                     crop_resize_into(image, box, size, flip, out, scratch)
             except Exception as err:  # cv2.error and friends: name the sample

@@ -14,8 +14,9 @@ Every view's box and flip is a function of ``(seed, epoch, sample)`` (:mod:`ligh
 (:meth:`MultiViewCrop.__call__`), every engine and a resumed run crop the same boxes.
 
 With colour augmentation (:mod:`~lightning_fastdata.pipeline.color`) each view of each sample has its own colour
-parameters too, a function of ``(seed, epoch, sample, view)``: the batch carries them as ``float32 [B, V, 7]`` and
-the device stage colours each view with its own before normalizing it. One recipe serves every view.
+parameters too, a function of ``(seed, epoch, sample, view)``, drawn with its group's probabilities where the group
+sets them (DINO's per-view blur and solarization): CPU training colours each view as it is cropped; for CUDA training
+the batch carries them as ``float32 [B, V, 7]`` and the device stage colours each view with its own.
 """
 
 from __future__ import annotations
@@ -44,7 +45,14 @@ class ViewGroup:
         scale: ``RandomResizedCrop`` area range, as a share of the image.
         ratio: aspect ratio range (width / height).
         flip: probability of a horizontal flip, per view.
+        color_jitter_p: this group's probability of the DataModule's ``color_jitter``; ``None``: the DataModule's.
+        grayscale_p: this group's probability of grayscale; ``None``: the DataModule's ``grayscale_p``.
+        blur_p: this group's probability of the Gaussian blur; ``None``: the DataModule's ``blur_p``.
+        solarize_p: this group's probability of solarization; ``None``: the DataModule's ``solarize_p``.
 
+    DINO's recipe gives its two global views probabilities of their own (blur 1.0, then blur 0.1 and solarize 0.2): two
+    groups of one view each, ``{size: 224, blur_p: 1.0}`` and ``{size: 224, blur_p: 0.1, solarize_p: 0.2}``, then
+    ``{size: 96, count: 6, blur_p: 0.5}``.
     """
 
     size: int
@@ -52,6 +60,10 @@ class ViewGroup:
     scale: tuple[float, float] = (0.08, 1.0)
     ratio: tuple[float, float] = (3 / 4, 4 / 3)
     flip: float = 0.5
+    color_jitter_p: float | None = None
+    grayscale_p: float | None = None
+    blur_p: float | None = None
+    solarize_p: float | None = None
 
 
 def check_views(
