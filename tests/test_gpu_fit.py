@@ -121,3 +121,51 @@ def test_a_short_16_mixed_fit_on_the_gpu(gpu_database: Path, tmp_path: Path, dec
     logged = [row for row in rows if row.get("loader/step_ms")]
     assert logged
     assert all(float(row["loader/step_ms"]) > 0 for row in logged)
+
+
+class _ViewsNet(_ConvNet):
+    """The conv net on every view of a ``(views, targets)`` batch; records what each view was."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        views, labels = batch
+        self.seen.extend((v.device.type, v.dtype, tuple(v.shape[1:])) for v in views)  # type: ignore[misc]
+        return sum(F.cross_entropy(self.net(v), labels) for v in views)  # type: ignore[return-value]
+
+
+def test_views_with_dino_colour_on_the_gpu_never_sync(gpu_database: Path) -> None:
+    """DINO-style views with its per-view colour recipe, coloured on the side stream: GPU float32 views, and no
+    host-device synchronization from one step to the next (fetch, copy, colour, normalize)."""
+    views = [
+        {"size": 48, "scale": (0.4, 1.0), "blur_p": 1.0},
+        {"size": 48, "scale": (0.4, 1.0), "blur_p": 0.1, "solarize_p": 0.2},
+        {"size": 24, "count": 3, "scale": (0.05, 0.4), "blur_p": 0.5},
+    ]
+    dm = FastImageDataModule(
+        str(gpu_database), batch_size=BATCH, val_fraction=0, views=views, color_jitter=(0.4, 0.4, 0.2, 0.1),
+        grayscale_p=0.2,
+    )  # fmt: skip
+    model, guard = _ViewsNet(), _NoSyncBetweenSteps()
+    trainer = Trainer(
+        accelerator="gpu",
+        devices=1,
+        max_epochs=2,
+        callbacks=[guard],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model, datamodule=dm)
+    assert guard.windows == 2 * (IMAGES // BATCH - 1)
+    assert set(model.seen) == {("cuda", torch.float32, (3, 48, 48)), ("cuda", torch.float32, (3, 24, 24))}
+
+
+def test_the_gpu_colours_as_the_cpu_does() -> None:
+    """The batched colour stage on CUDA (float32) and the CPU path (uint8, OpenCV) agree within 2 grey levels."""
+    from lightning_fastdata.pipeline.color import BatchColor
+
+    color = BatchColor((0.4, 0.4, 0.2, 0.1), 0.8, 0.2, 0.5, (0.1, 2.0), 0.2)
+    images = torch.randint(0, 256, (32, 3, 40, 40), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    params = torch.from_numpy(color.draw((0, 0), list(range(32))))
+    on_gpu = color.apply_batch(images.cuda(), params.cuda()).cpu()
+    assert (on_gpu - color.apply_images(images, params).float()).abs().max() <= 2.0
