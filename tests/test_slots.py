@@ -61,6 +61,23 @@ def test_a_slot_is_free_again_only_once_every_tensor_sharing_it_is_gone() -> Non
     assert pool.acquire() == second
 
 
+def test_the_slot_freed_last_is_the_next_one_acquired() -> None:
+    """A loop holding one batch at a time reuses one slot, however many the pool has: its pages stay mapped."""
+    pool = _pool(4)
+    used = set()
+    for _ in range(5):
+        slot = pool.acquire()
+        used.add(slot)
+        images, labels = pool.hand_out(slot, 4)
+        del images, labels  # the batch is dropped: its slot is free again
+    assert used == {0}
+    first, second = pool.acquire(), pool.acquire()
+    pool.release(second)
+    pool.release(first)
+    assert pool.acquire() == first
+    assert pool.acquire() == second
+
+
 def test_a_handed_out_batch_reads_what_was_written_into_its_slot() -> None:
     """NHWC images come out as NCHW views of the slot, with the slot's int64 labels, or labels given instead."""
     pool = _pool(1)

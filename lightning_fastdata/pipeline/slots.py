@@ -19,6 +19,14 @@ No reference count is read anywhere (``sys.getrefcount`` counts borrowed referen
 version to the next). When no slot is free, ``acquire`` says so and that one batch is built in fresh memory: never a
 wait, and never a slot with two owners.
 
+``acquire`` gives the slot freed last (a stack, not a queue), so the loop cycles through as few slots as it holds
+batches at once, whose pages are mapped (and zeroed) already. A slot's first write in a process costs a page fault per
+page: per 4 KiB page of shared memory (no transparent huge pages there unless the kernel's ``shmem_enabled`` allows
+them; the first fault anywhere also zeroes the page, which ``posix_fallocate`` leaves to it), per zeroed 2 MiB huge
+page of private memory. For a 120 MB batch of DINO's 8 float32 views that was 29,000 faults and up to 0.3 s of system
+time in a worker on a 2-core VM, six times the batch's own work; taken in turn, each of the 16 slots of a pool sized
+for two workers' tasks in flight paid it in each worker before one was reused.
+
 The memory is private to the process (the threads engine) or shared with worker processes (the process engine):
 an anonymous ``memfd`` on Linux, reserved up front with ``posix_fallocate``, so nothing is ever named in
 ``/dev/shm`` (nothing can be left behind there, whatever kills the process, and a container's small ``/dev/shm``
@@ -380,8 +388,9 @@ class SlotPool:
 
     def __init__(self, memory: SlotMemory) -> None:
         self.memory = memory
-        # appended by finalizers (any thread, any time) and popped by `acquire`: a deque does both atomically
-        self._free: collections.deque[int] = collections.deque(range(memory.count))
+        # appended by finalizers (any thread, any time) and popped from the same end by `acquire` (the slot freed
+        # last, whose pages are mapped: see the module notes): a deque does both atomically; slot 0 on top
+        self._free: collections.deque[int] = collections.deque(reversed(range(memory.count)))
         self._copying: collections.deque[tuple[Any, int]] = collections.deque()
         #: slots given to a worker process whose batch has not come back yet
         self._in_flight: set[int] = set()
@@ -407,12 +416,15 @@ class SlotPool:
         return self.memory.layout
 
     def acquire(self) -> int | None:
-        """A free slot, now owned by the caller; ``None`` (and one more :attr:`misses`) when none is free."""
+        """A free slot, now owned by the caller; ``None`` (and one more :attr:`misses`) when none is free.
+
+        The one freed last: its pages are the likeliest to be mapped in the process that fills it (module notes).
+        """
         copying = self._copying
         while copying and copying[0][0].query():  # copies to the device that have completed free their slots
             self._free.append(copying.popleft()[1])
         try:
-            return self._free.popleft()
+            return self._free.pop()
         except IndexError:
             self.misses += 1
             return None
