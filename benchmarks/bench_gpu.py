@@ -14,7 +14,16 @@ defaults, then prints two tables from one run:
    beside each rate. Above them, **the ceiling**: as many standalone processes decoding, cropping and resizing the
    same database with the same kernel, each into its own memory, with no data passing between processes at all.
 
-    python benchmarks/bench_gpu.py                      # everything, ~16,000 images
+3. **Self-supervised views** (``--views MODEL ...``): DINO's 8 views of each image (2 x 224 + 6 x 96, as
+   ``bench_views.py`` makes them), the network on every view (one forward per size: the student's share of a DINO
+   step) in ``16-mixed``: samples/s (a sample is an image with all its views) from one set of views already on the
+   GPU (data-free), torchvision ``ImageFolder`` + v2 per view (the lightly / solo-learn CPU path, decoding once; it
+   reads the images stored at the same short side 256 as the database), and ``FastImageDataModule(views=...)`` on
+   each engine; crops only, and with DINO's colour recipe per view (torchvision: v2 ops on the PIL views in the
+   workers; ours: the parameters drawn in the loader, the colour applied to the batch on the GPU).
+
+    python benchmarks/bench_gpu.py                      # tables 1 and 2, ~16,000 images
+    python benchmarks/bench_gpu.py --models --scaling --views resnet18  # table 3 only
     python benchmarks/bench_gpu.py --models resnet50 --columns data-free threads processes device
     taskset -c 0-3 python benchmarks/bench_gpu.py --models resnet50 --scaling 4   # a CPU-poor node
 
@@ -42,7 +51,14 @@ from torch.utils.data import DataLoader
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from demo import DataFree, Plan, TinyNet, TorchvisionNet, _fit, fast_datamodule, imagefolder_loader
 
-from lightning_fastdata import make_image_folder, usable_cpu_count
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_loader import _resize_folder
+from bench_views import COLOUR_GROUPS, GRAY_P, GROUPS, JITTER, JITTER_P, SIGMA, TorchvisionViews
+from torchvision import datasets
+
+from lightning_fastdata import ViewGroup, make_image_folder, usable_cpu_count
+from lightning_fastdata.store.sources import train_folder
 from lightning_fastdata.transforms import IMAGENET_MEAN, IMAGENET_STD, Normalizer
 
 MODELS = {"conv": "one strided conv", "resnet18": "resnet18", "resnet50": "resnet50"}
@@ -53,6 +69,15 @@ COLUMNS = {
     "threads": "FastImageDataModule (threads)",
     "processes": 'engine="processes"',
     "device": 'decode="device"',
+}
+VIEW_COLUMNS = {
+    "data-free": "data-free",
+    "torchvision": "ImageFolder + v2 per view",
+    "processes": 'ours, engine="processes"',
+    "threads": "ours, threads",
+    "torchvision-colour": "ImageFolder + v2 per view + DINO colour",
+    "processes-colour": 'ours, engine="processes" + DINO colour',
+    "threads-colour": "ours, threads + DINO colour",
 }
 SCALING = {"threads": 'FastImageDataModule, engine="threads"', "processes": 'engine="processes"'}
 SCALING_BASELINE = "torchvision ImageFolder, uint8"
@@ -87,6 +112,89 @@ def _model(p: Plan) -> Any:
     if p.arch == "conv":
         return ConvNet(p.classes, p.channels_last)
     return Net(p.arch, p.classes, p.channels_last)
+
+
+class ViewsNet(TorchvisionNet):
+    """The student's share of a DINO step: the network on every view, one forward per view size (DINO's
+    MultiCropWrapper), a cross-entropy on each output. uint8 views (torchvision's) are normalized on the device."""
+
+    normalizer = Normalizer(IMAGENET_MEAN, IMAGENET_STD)
+
+    def __init__(self, arch: str, num_classes: int, channels_last: bool) -> None:
+        super().__init__(arch, num_classes, channels_last)
+        self.channels_last = channels_last
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        views = batch[0]
+        if views[0].dtype != torch.uint8:
+            return batch  # ours: the DataModule's hook coloured and normalized them
+        return [self.normalizer.batch(v, torch.float32, self.channels_last) for v in views], *batch[1:]
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        views, labels = batch[0], batch[1]
+        loss, start = 0.0, 0
+        while start < len(views):
+            end = start
+            while end < len(views) and views[end].shape == views[start].shape:
+                end += 1
+            logits = self.net(torch.cat(views[start:end]))
+            loss = loss + torch.nn.functional.cross_entropy(logits, labels.repeat(end - start))
+            start = end
+        return loss  # type: ignore[return-value]
+
+
+def view_groups(sizes: tuple[int, int], colour: bool) -> list[ViewGroup]:
+    """DINO's view groups (``bench_views``'), the large and the small views ``sizes`` pixels; with ``colour``, with
+    DINO's per-view blur and solarize probabilities."""
+    large = GROUPS[0][0]
+    groups = COLOUR_GROUPS if colour else [{"size": s, "count": c, "scale": sc} for s, c, sc in GROUPS]
+    return [ViewGroup(**{**g, "size": sizes[0] if g["size"] == large else sizes[1]}) for g in groups]
+
+
+class DataFreeViews(DataFree):
+    """``steps`` times one set of DINO's views (of ``sizes``) already on the device."""
+
+    def __init__(self, p: Plan, steps: int, sizes: tuple[int, int]) -> None:
+        super().__init__(p, steps)
+        fmt = torch.channels_last if p.channels_last else torch.contiguous_format
+        sides = [g.size for g in view_groups(sizes, False) for _ in range(g.count)]
+        views = [torch.randn(p.batch_size, 3, s, s, device=p.device).contiguous(memory_format=fmt) for s in sides]
+        self.batch = (views, self.batch[1])  # type: ignore[assignment]
+
+
+def _resized_folder(images: Path, workers: int) -> Path:
+    """The images at short side 256, quality 90 (what the database stores): what torchvision reads in table 3."""
+    resized = images.with_name(images.name + "-256")
+    if not resized.is_dir():
+        start = time.perf_counter()
+        _resize_folder(images, resized, 256, 90, workers=workers)
+        print(f"resized the images for ImageFolder in {time.perf_counter() - start:.1f} s", flush=True)
+    return resized
+
+
+def views_cell(column: str, images: Path, workdir: Path, p: Plan, sizes: tuple[int, int]) -> dict[str, Any]:
+    """One table-3 run: DINO's views (of ``sizes``) for ``ViewsNet``; returns LoaderMonitor's summary."""
+    colour = column.endswith("-colour")
+    loader = column.removesuffix("-colour")
+    fit: dict[str, Any]
+    if loader == "data-free":
+        fit = {"train_dataloaders": DataFreeViews(p, p.images // p.batch_size, sizes)}
+    elif loader == "torchvision":
+        folder = train_folder(_resized_folder(images, p.workers))
+        dataset = datasets.ImageFolder(str(folder), transform=TorchvisionViews(colour, sizes))
+        batches = DataLoader(dataset, batch_size=p.batch_size, shuffle=True, drop_last=True, num_workers=p.workers,
+                             persistent_workers=p.workers > 0, pin_memory=p.device == "cuda")  # fmt: skip
+        fit = {"train_dataloaders": batches}
+    else:
+        dino = {"color_jitter": JITTER, "color_jitter_p": JITTER_P, "grayscale_p": GRAY_P, "blur_sigma": SIGMA}
+        recipe = dino if colour else {}
+        dm = fast_datamodule(images, workdir, p, engine=loader, views=view_groups(sizes, colour), **recipe)
+        fit = {"datamodule": dm}
+    monitor = _fit(p, None, net=ViewsNet(p.arch, p.classes, p.channels_last), **fit)
+    summary = dict(monitor.summary)
+    del monitor, fit
+    gc.collect()
+    return summary
 
 
 def train_cell(column: str, images: Path, workdir: Path, p: Plan) -> dict[str, Any]:
@@ -139,7 +247,9 @@ def _decode_alone(db: str, size: int, batch_size: int, part: list[list[int]], re
     from lightning_fastdata.transforms import RandomResizedCropFlip
 
     torch.set_num_threads(1)
-    reader = BatchReader(LmdbImageDataset(db, transform=RandomResizedCropFlip(size)), output="uint8")
+    # decoded as FastImageDataModule's datasets decode (its build_dataset): the fast DCT
+    dataset = LmdbImageDataset(db, transform=RandomResizedCropFlip(size), fast_decode=True)
+    reader = BatchReader(dataset, output="uint8")
     reader.read_batch(KeyedIndices(part[0], (0, 0)))  # warm: the environment, the buffers
     ready.wait()
     start = time.perf_counter()
@@ -150,22 +260,24 @@ def _decode_alone(db: str, size: int, batch_size: int, part: list[list[int]], re
 def ceiling_rate(db: Path, p: Plan, processes: int) -> float:
     """Images/s of ``processes`` standalone processes reading ``db`` with the batch kernel, no data passing at all.
 
-    Each forked process builds its share of one epoch's batches into its own memory; the rate is every image over
-    the span from the first start to the last end.
+    Each forked process builds the same number of full batches (at least 4, together at least one epoch), taken in
+    turn from the epoch's, into its own memory; the rate is every image over the span from the first start to the
+    last end. (An epoch split as it falls would leave some processes a batch more than others, or idle: with 6,000
+    images, 23 batches over 16 processes, that halved the ceiling.)
     """
     import multiprocessing
 
     from lightning_fastdata import LmdbImageDataset
 
     n = len(LmdbImageDataset(db))
-    batches = [list(range(i, min(i + p.batch_size, n))) for i in range(0, n, p.batch_size)]
+    batches = [list(range(i, i + p.batch_size)) for i in range(0, n - p.batch_size + 1, p.batch_size)]
+    each = max(4, -(-len(batches) // processes))
+    parts = [[batches[(k + i * processes) % len(batches)] for i in range(each)] for k in range(processes)]
     fork = multiprocessing.get_context("fork")
     ready, results = fork.Barrier(processes), fork.Queue()
     procs = [
-        fork.Process(
-            target=_decode_alone, args=(str(db), p.image_size, p.batch_size, batches[k::processes], ready, results)
-        )
-        for k in range(processes)
+        fork.Process(target=_decode_alone, args=(str(db), p.image_size, p.batch_size, part, ready, results))
+        for part in parts
     ]
     for proc in procs:
         proc.start()
@@ -210,6 +322,15 @@ def _cell(summary: dict[str, Any] | None, free: dict[str, Any] | None) -> str:
     return f"{parts[0]} ({', '.join(parts[1:])})" if len(parts) > 1 else parts[0]
 
 
+def _fits_table(fits: dict[str, dict[str, Any]], columns: list[str], labels: dict[str, str]) -> str:
+    """A row per model, a cell per column of training runs, each against the model's data-free run."""
+    rows = []
+    for arch, row in fits.items():
+        free = row.get("data-free")
+        rows.append([MODELS[arch], *(_cell(row.get(c), free if c != "data-free" else None) for c in columns)])
+    return _table(["model", *(labels[c] for c in columns)], rows)
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", default=".bench_gpu", help="where the generated images and database go")
@@ -222,6 +343,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--models", nargs="*", choices=list(MODELS), default=list(MODELS))
     parser.add_argument("--columns", nargs="*", choices=list(COLUMNS), default=list(COLUMNS))
     parser.add_argument("--scaling", nargs="*", type=int, default=[1, 4, 8, 16], help="table 2's worker counts")
+    parser.add_argument("--views", nargs="*", choices=["resnet18", "resnet50"], default=[], help="table 3's models")
+    parser.add_argument("--views-columns", nargs="*", choices=list(VIEW_COLUMNS), default=list(VIEW_COLUMNS))
+    parser.add_argument("--view-sizes", nargs=2, type=int, default=[224, 96], help="table 3's large and small views")
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args(argv)
 
@@ -255,6 +379,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "workers": workers,
         "torch": torch.__version__,
         "training": {},
+        "views": {},
         "scaling": {},
         "ceiling": {},
     }
@@ -264,6 +389,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for column in args.columns:
             print(f"training {MODELS[arch]} from {COLUMNS[column]} ...", flush=True)
             row[column] = train_cell(column, images, workdir, p)
+    for arch in args.views:
+        p = dataclasses.replace(base, arch=arch)
+        row = results["views"][arch] = {}
+        for column in args.views_columns:
+            print(f"training {MODELS[arch]} on DINO's views from {VIEW_COLUMNS[column]} ...", flush=True)
+            row[column] = views_cell(column, images, workdir, p, tuple(args.view_sizes))
     for w in args.scaling:
         print(f"ceiling: {w} standalone decode processes ...", flush=True)
         results["ceiling"][w] = ceiling_rate(converted.database_path, base, w)
@@ -281,12 +412,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         " (the first left out)\n"
     )
     if results["training"]:
-        columns = list(args.columns)
-        rows = []
-        for arch, row in results["training"].items():
-            free = row.get("data-free")
-            rows.append([MODELS[arch], *(_cell(row.get(c), free if c != "data-free" else None) for c in columns)])
-        print("Training, samples/s:\n" + _table(["model", *(COLUMNS[c] for c in columns)], rows))
+        print("Training, samples/s:\n" + _fits_table(results["training"], args.columns, COLUMNS))
+    if results["views"]:
+        large, small = args.view_sizes
+        title = f"\nDINO's 8 views (2 x {large} + 6 x {small}), the network on every view, images/s:\n"
+        print(title + _fits_table(results["views"], args.views_columns, VIEW_COLUMNS))
     if results["scaling"]:
         counts = list(args.scaling)
         names = {**SCALING, "imagefolder": SCALING_BASELINE}

@@ -420,21 +420,36 @@ def _available(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
-def _resize_folder(src: Path, dst: Path, short_side: int, quality: int) -> None:
-    """The images at short side ``short_side``, quality ``quality``: what ImageFolder, DALI and limit B read."""
+def _resize_one(path: Path, out: Path, short_side: int, quality: int) -> None:
     from PIL import Image
+
+    with Image.open(path) as im:
+        im = im.convert("RGB")
+        scale = short_side / min(im.size)
+        if scale < 1:
+            im = im.resize((round(im.width * scale), round(im.height * scale)), Image.Resampling.BILINEAR)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        im.save(out, quality=quality)
+
+
+def _resize_folder(src: Path, dst: Path, short_side: int, quality: int, workers: int = 1) -> None:
+    """The images at short side ``short_side``, quality ``quality``: what ImageFolder, DALI and limit B read.
+
+    ``workers`` > 1 resizes in that many processes.
+    """
+    from concurrent.futures import ProcessPoolExecutor
 
     tmp = dst.with_name(dst.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
-    for path in sorted(src.rglob("*.jpg")):
-        with Image.open(path) as im:
-            im = im.convert("RGB")
-            scale = short_side / min(im.size)
-            if scale < 1:
-                im = im.resize((round(im.width * scale), round(im.height * scale)), Image.Resampling.BILINEAR)
-            out = tmp / path.relative_to(src)
-            out.parent.mkdir(parents=True, exist_ok=True)
-            im.save(out, quality=quality)
+    paths = sorted(src.rglob("*.jpg"))
+    outs = [tmp / path.relative_to(src) for path in paths]
+    n = len(paths)
+    if workers > 1:
+        with ProcessPoolExecutor(workers) as pool:
+            list(pool.map(_resize_one, paths, outs, [short_side] * n, [quality] * n, chunksize=64))
+    else:
+        for path, out in zip(paths, outs, strict=True):
+            _resize_one(path, out, short_side, quality)
     os.replace(tmp, dst)
 
 

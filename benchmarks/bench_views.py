@@ -82,30 +82,41 @@ def _views_checker(dtype):
     return check
 
 
+class TorchvisionViews:
+    """DINO's views of a PIL image as the lightly / solo-learn CPU path makes them: ``v2.RandomResizedCrop`` + flip
+    per view (with ``colour``, DINO's v2 colour ops on each PIL view), then ``v2.PILToTensor`` (uint8 CHW).
+
+    ``sizes``: the large and the small views' sides (DINO's 224 and 96).
+    """
+
+    def __init__(self, colour: bool, sizes: tuple[int, int] = (GROUPS[0][0], GROUPS[1][0])) -> None:
+        from torchvision.transforms import v2
+
+        def view(size: int, scale, blur_p: float, solarize_p: float):
+            ops = [v2.RandomResizedCrop(size, scale=scale, antialias=True), v2.RandomHorizontalFlip()]
+            if colour:
+                ops += [
+                    v2.RandomApply([v2.ColorJitter(*JITTER)], p=JITTER_P),
+                    v2.RandomGrayscale(GRAY_P),
+                    v2.RandomApply([v2.GaussianBlur(BLUR_KERNEL, sigma=SIGMA)], p=blur_p),
+                    v2.RandomSolarize(SOLARIZE, p=solarize_p),
+                ]
+            return v2.Compose([*ops, v2.PILToTensor()])
+
+        sides = [sizes[0] if size == GROUPS[0][0] else sizes[1] for size in SIZES]  # (large, small)
+        self.views = [view(s, sc, *c) for s, sc, c in zip(sides, SCALES, VIEW_COLOUR, strict=True)]
+
+    def __call__(self, image):  # decoded once by ImageFolder's PIL loader
+        return [v(image) for v in self.views]
+
+
 def run_torchvision(args, colour: bool) -> dict[str, float]:
     import torch
     from torch.utils.data import DataLoader
     from torchvision import datasets
-    from torchvision.transforms import v2
-
-    def view(size: int, scale, blur_p: float, solarize_p: float):
-        ops = [v2.RandomResizedCrop(size, scale=scale, antialias=True), v2.RandomHorizontalFlip()]
-        if colour:
-            ops += [
-                v2.RandomApply([v2.ColorJitter(*JITTER)], p=JITTER_P),
-                v2.RandomGrayscale(GRAY_P),
-                v2.RandomApply([v2.GaussianBlur(BLUR_KERNEL, sigma=SIGMA)], p=blur_p),
-                v2.RandomSolarize(SOLARIZE, p=solarize_p),
-            ]
-        return v2.Compose([*ops, v2.PILToTensor()])
-
-    views = [view(s, sc, *c) for s, sc, c in zip(SIZES, SCALES, VIEW_COLOUR, strict=True)]
-
-    def transform(image):  # decoded once by ImageFolder's PIL loader
-        return [v(image) for v in views]
 
     loader = DataLoader(
-        datasets.ImageFolder(args.resized, transform=transform),
+        datasets.ImageFolder(args.resized, transform=TorchvisionViews(colour)),
         batch_size=args.batch_size,
         shuffle=True,
         num_workers=args.workers,
@@ -196,7 +207,6 @@ def _datamodule(args, output: str, engine: str, **kwargs):
 
 def run_views(args, output: str, engine: str, colour: bool = False) -> dict[str, float]:
     """Ours with ``views=DINO``; with colour, DINO's recipe (on a CPU, float32: coloured in the loader)."""
-    import torch
 
     from lightning_fastdata import ViewGroup
 
@@ -206,21 +216,28 @@ def run_views(args, output: str, engine: str, colour: bool = False) -> dict[str,
         views = [ViewGroup(**group) for group in COLOUR_GROUPS]
         kwargs = {"color_jitter": JITTER, "color_jitter_p": JITTER_P, "grayscale_p": GRAY_P, "blur_sigma": SIGMA}
     _, epoch = _datamodule(args, output, engine, views=views, **kwargs)
-    return _timed(epoch, _views_checker(torch.float32 if output == "float" else torch.uint8), args.epochs)
+    return _timed(epoch, _views_checker(_ours_dtype(output)), args.epochs)
+
+
+def _ours_dtype(output: str):
+    """What ours hands over: uint8 on a CPU-only machine; on a CUDA one, every batch is copied to the GPU and a uint8
+    one is coloured and normalized there (without a Trainer the DataModule trains on CUDA where there is one)."""
+    import torch
+
+    return torch.float32 if output == "float" or torch.cuda.is_available() else torch.uint8
 
 
 def run_single(args, output: str, colour: bool) -> dict[str, float]:
     """Ours, one RandomResizedCrop(224) + flip, with or without the colour stage. With colour, ``float`` (CPU
     training) colours each crop in the loader; ``uint8`` draws the parameters and leaves the colouring to the GPU
     (not run here)."""
-    import torch
 
     kwargs = {}
     if colour:
         kwargs = {"color_jitter": JITTER, "color_jitter_p": JITTER_P, "grayscale_p": GRAY_P, "blur_p": 0.5,
                   "blur_sigma": SIGMA, "solarize_p": 0.2}  # fmt: skip
     _, epoch = _datamodule(args, output, "threads", **kwargs)
-    dtype = torch.float32 if output == "float" else torch.uint8
+    dtype = _ours_dtype(output)
 
     def check(batch) -> int:
         assert batch[0].dtype == dtype, batch[0].dtype
@@ -502,7 +519,7 @@ def main() -> None:
         )
     resized = folder.with_name(folder.name + "-256")
     if not resized.is_dir():
-        _resize_folder(folder, resized, 256, 90)
+        _resize_folder(folder, resized, 256, 90, workers=args.workers)
     db = folder.with_name(folder.name + ".views.lmdb")
     if not db.exists():
         convert(folder, db, short_side=256, quality=90, num_workers=args.workers, progress=False)
@@ -535,7 +552,12 @@ def main() -> None:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False,
                             cwd=Path(__file__).resolve().parent).stdout.strip()  # fmt: skip
     print()
-    print(f"machine: {platform.machine()}, {cores} usable CPUs ({os.cpu_count()} online), no GPU used;"
+    import torch
+
+    gpu = "no GPU used"
+    if torch.cuda.is_available():  # without a Trainer, ours trains on CUDA where there is one
+        gpu = f"GPU {torch.cuda.get_device_name()} (ours' batches go to it, uint8 ones coloured and normalized there)"
+    print(f"machine: {platform.machine()}, {cores} usable CPUs ({os.cpu_count()} online), {gpu};"
           f" Python {platform.python_version()}; commit {commit or '?'}")  # fmt: skip
     print(
         f"{args.images} photo-like JPEGs (300-640 px, noise {args.noise:g}) stored at short side 256, q90; batch"

@@ -61,3 +61,21 @@ def test_smoke_run_prints_both_tables_with_every_column(capsys, tmp_path) -> Non
     assert "of data-free" in out
     assert "| torchvision ImageFolder, uint8 |" in out
     assert (tmp_path / "r.json").is_file()
+
+
+@pytest.mark.slow
+def test_smoke_run_prints_the_views_table_with_every_column(capsys, tmp_path) -> None:
+    """Table 3 alone (no models, no scaling): DINO's 8 views, shrunk to 24 and 16 px, from every loader."""
+    bench = _bench()
+    args = ["--device", "cpu", "--workdir", str(tmp_path), "--images", "40", "--batch-size", "8", "--epochs", "2"]
+    args += ["--workers", "1", "--models", "--scaling", "--views", "resnet18", "--view-sizes", "24", "16"]
+    results = bench.main(args)
+    out = capsys.readouterr().out
+    views = results["views"]["resnet18"]
+    assert set(views) == set(bench.VIEW_COLUMNS)
+    assert all(summary["samples_per_sec"] > 0 for summary in views.values())
+    assert not results["training"]
+    assert not results["scaling"]
+    assert "DINO's 8 views (2 x 24 + 6 x 16), the network on every view" in out
+    assert "| model | " + " | ".join(bench.VIEW_COLUMNS.values()) + " |" in out
+    assert "| resnet18 |" in out
