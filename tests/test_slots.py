@@ -119,6 +119,25 @@ def test_a_views_slot_is_free_only_once_every_view_is_gone(dtype: str) -> None:
     assert pool.acquire() == 0
 
 
+@pytest.mark.parametrize(
+    ("dtype", "views"),
+    [("uint8", ((6, 5, 3), (6, 5, 3), (4, 3, 3))), ("float32", ((3, 6, 5), (3, 6, 5), (3, 4, 3)))],
+    ids=["uint8 NHWC", "float32 NCHW"],
+)
+def test_each_handed_out_view_is_its_region_pixel_for_pixel(dtype: str, views: tuple) -> None:
+    """Every view's NCHW tensor reads its own region's samples, in their stored order (channels last or not)."""
+    layout = SlotLayout(4, views[0], dtype, views=views)
+    pool = SlotPool(SlotMemory(layout, 2))
+    rng = np.random.default_rng(0)
+    for region in pool.memory.regions(1):
+        region[...] = rng.integers(0, 255, region.shape)
+    handed, _ = pool.hand_out(1, 3)
+    for view, region in zip(handed, pool.memory.regions(1, 3), strict=True):
+        expected = torch.from_numpy(region.copy())
+        assert torch.equal(view, expected.permute(0, 3, 1, 2) if dtype == "uint8" else expected)
+        assert view.is_contiguous(memory_format=torch.channels_last) is (dtype == "uint8")
+
+
 def test_a_device_copy_frees_its_slot_only_once_its_event_has_completed(monkeypatch: pytest.MonkeyPatch) -> None:
     """On (patched) CUDA a slot copied to the device stays taken until ``Event.query()`` says the copy is done."""
     patch_cuda_streams(monkeypatch)
