@@ -410,7 +410,8 @@ def test_datamodule_batches_through_patched_prefetch(
     database: Path, fake_cuda: _FakeCuda, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Through the (patched) side stream the batches equal the plain loader's after ``to_model_input``."""
-    monkeypatch.setattr(device_module, "_to_device", lambda batch, device: batch)
+    # a copy into new memory, as a real one is: the slot is free once its (fake) event completes, and refilled
+    monkeypatch.setattr(device_module, "_to_device", lambda batch, device: device_module._apply(batch, torch.clone))
     trainer = fake_trainer(torch.device("cuda", 0))
     prefetched, plain = _dm(database), _dm(database, prefetch_to_device=False)
     prefetched.trainer, plain.trainer = trainer, trainer
