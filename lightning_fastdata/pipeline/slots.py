@@ -423,7 +423,7 @@ class SlotPool:
         #: each view's NCHW tensor over a multi-view slot, worked out once: (element offset, sample size, strides)
         self._view_geometry = [_nchw_geometry(start, shape, self._dtype.itemsize, self._channels_last)
                                for start, shape in zip(layout.region_offsets, layout.regions, strict=True)]  # fmt: skip
-        self._torch_dtype = getattr(torch, layout.dtype)
+        self._torch_dtype, self._image_bytes = getattr(torch, layout.dtype), layout.image_bytes
         self._owners: list[weakref.ref | None] = [None] * memory.count
         self._on_release = [functools.partial(_freed, self._free, slot) for slot in range(memory.count)]
         self._labels = [memory.labels(slot) for slot in range(memory.count)]
@@ -523,7 +523,7 @@ class SlotPool:
         tensor over it (NumPy would collapse views of views to the slot memory, which the weak reference must not
         follow), so the slot is free once all of them are gone.
         """
-        whole = np.ndarray((self.layout.image_bytes,), np.uint8, self.memory.bytes, slot * self._slot_bytes)
+        whole = np.ndarray((self._image_bytes,), np.uint8, self.memory.bytes, slot * self._slot_bytes)
         self._owners[slot] = weakref.ref(whole, self._on_release[slot])
         flat = torch.from_numpy(whole)
         if self._torch_dtype != torch.uint8:
