@@ -50,6 +50,7 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from demo import DataFree, Plan, TinyNet, TorchvisionNet, _fit, fast_datamodule, imagefolder_loader
+from ssl_dino import DINO
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -84,13 +85,16 @@ SCALING_BASELINE = "torchvision ImageFolder, uint8"
 
 
 class _GpuNormalized:
-    """Mixin: a uint8 batch (``ImageFolder`` uint8) is normalized on the device, with constants cached there."""
+    """Mixin: a uint8 batch (``ImageFolder`` uint8, or a list of uint8 views) is normalized on the device, with
+    constants cached there."""
 
     normalizer = Normalizer(IMAGENET_MEAN, IMAGENET_STD)
     channels_last: bool
 
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         images = batch[0]
+        if isinstance(images, list) and images and images[0].dtype == torch.uint8:
+            return [self.normalizer.batch(view, torch.float32, self.channels_last) for view in images], *batch[1:]
         if not isinstance(images, torch.Tensor) or images.dtype != torch.uint8:
             return batch  # float already (the DataModule's own hook normalizes its batches)
         return self.normalizer.batch(images, torch.float32, self.channels_last), *batch[1:]
@@ -114,33 +118,14 @@ def _model(p: Plan) -> Any:
     return Net(p.arch, p.classes, p.channels_last)
 
 
-class ViewsNet(TorchvisionNet):
-    """The student's share of a DINO step: the network on every view, one forward per view size (DINO's
-    MultiCropWrapper), a cross-entropy on each output. uint8 views (torchvision's) are normalized on the device."""
-
-    normalizer = Normalizer(IMAGENET_MEAN, IMAGENET_STD)
-
-    def __init__(self, arch: str, num_classes: int, channels_last: bool) -> None:
-        super().__init__(arch, num_classes, channels_last)
-        self.channels_last = channels_last
-
-    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        views = batch[0]
-        if views[0].dtype != torch.uint8:
-            return batch  # ours: the DataModule's hook coloured and normalized them
-        return [self.normalizer.batch(v, torch.float32, self.channels_last) for v in views], *batch[1:]
+class ViewsNet(Net):
+    """The student's share of a DINO step: the network on every view, one forward per view size (``ssl_dino``'s
+    MultiCropWrapper), a cross-entropy on each output."""
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         views, labels = batch[0], batch[1]
-        loss, start = 0.0, 0
-        while start < len(views):
-            end = start
-            while end < len(views) and views[end].shape == views[start].shape:
-                end += 1
-            logits = self.net(torch.cat(views[start:end]))
-            loss = loss + torch.nn.functional.cross_entropy(logits, labels.repeat(end - start))
-            start = end
-        return loss  # type: ignore[return-value]
+        outputs = DINO._each_view(self.net, views)
+        return sum(torch.nn.functional.cross_entropy(out, labels) for out in outputs)  # type: ignore[return-value]
 
 
 def view_groups(sizes: tuple[int, int], colour: bool) -> list[ViewGroup]:
