@@ -44,8 +44,19 @@ class FakeEvent:
         return True
 
 
+def copied_to_device(batch: Any, device: Any) -> Any:
+    """A stand-in for a batch's copy to the device: every tensor copied into new memory, as a real copy is.
+
+    Never the identity: a batch slot is free once its copy's event completes (at once, here) and a loader refills it,
+    so a "copy" that kept the slot's memory would change under the test.
+    """
+    from lightning_fastdata.pipeline import device as stage
+
+    return stage._apply(batch, torch.clone)
+
+
 def patch_cuda_streams(monkeypatch: Any) -> None:
-    """CUDA streams patched so a loader's device look-ahead runs on the CPU (copies are the identity)."""
+    """CUDA streams patched so a loader's device look-ahead runs on the CPU (copies: :func:`copied_to_device`)."""
     from lightning_fastdata.pipeline import device, streams
 
     compute = _FakeStream()
@@ -55,7 +66,7 @@ def patch_cuda_streams(monkeypatch: Any) -> None:
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: compute)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
-    monkeypatch.setattr(device, "_to_device", lambda batch, device: batch)
+    monkeypatch.setattr(device, "_to_device", copied_to_device)
 
 
 def refusing_host_reads(stage: Any) -> Any:

@@ -18,7 +18,7 @@ from unittest.mock import Mock
 
 import pytest
 import torch
-from fakes import FakeEvent, fake_trainer
+from fakes import FakeEvent, copied_to_device, fake_trainer
 from lightning.pytorch import LightningModule, Trainer
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
@@ -410,8 +410,7 @@ def test_datamodule_batches_through_patched_prefetch(
     database: Path, fake_cuda: _FakeCuda, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Through the (patched) side stream the batches equal the plain loader's after ``to_model_input``."""
-    # a copy into new memory, as a real one is: the slot is free once its (fake) event completes, and refilled
-    monkeypatch.setattr(device_module, "_to_device", lambda batch, device: device_module._apply(batch, torch.clone))
+    monkeypatch.setattr(device_module, "_to_device", copied_to_device)
     trainer = fake_trainer(torch.device("cuda", 0))
     prefetched, plain = _dm(database), _dm(database, prefetch_to_device=False)
     prefetched.trainer, plain.trainer = trainer, trainer
