@@ -313,3 +313,22 @@ def test_a_connection_reset_without_a_dead_worker_is_raised_after_the_grace(monk
     with pytest.raises(ConnectionResetError):
         iterator._try_get_data()
     iterator._shutdown_workers()
+
+
+def test_a_recording_profiler_still_sees_each_fetch_from_the_workers() -> None:
+    """The worker-process iterator leaves torch's profiler range out only while nothing records: under
+    ``torch.profiler`` (Lightning's PyTorchProfiler) every fetch is there as torch names it, and the batches are the
+    same either way."""
+    loader = FastLoader(_Numbers(), batch_size=16, num_workers=1)
+    plain = [batch.clone() for batch in loader]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        profiled = [batch.clone() for batch in loader]
+    names = [event.name for event in prof.events()]
+    fetches = [name for name in names if name == "enumerate(DataLoader)#WorkerIterator.__next__"]
+    # 4 batches and the call that ends the epoch
+    assert len(fetches) == 5, sorted(set(names))
+    assert (
+        [b.tolist() for b in plain]
+        == [b.tolist() for b in profiled]
+        == [[[i] * 4 for i in range(k, k + 16)] for k in range(0, 64, 16)]
+    )

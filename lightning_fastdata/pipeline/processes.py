@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 from torch.utils.data import _utils, get_worker_info
-from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
+from torch.utils.data.dataloader import _DatasetKind, _MultiProcessingDataLoaderIter
 
 from lightning_fastdata.pipeline.slots import SLOTS_HELD, SlotLayout, SlotMemory, SlotPool
 
@@ -62,6 +62,9 @@ def _worker_init(worker_id: int) -> None:
     torch.set_num_threads(1)
 
 
+#: whether a torch profiler records (private in torch; where it is missing, every task gets torch's range)
+_profiler_enabled: Callable[[], bool] = getattr(torch.autograd, "_profiler_enabled", lambda: True)
+
 #: how long a worker whose connection broke may take to be seen dead before the broken connection is the error
 DEATH_GRACE_S = 5.0
 
@@ -73,7 +76,22 @@ class WorkerIterator(_MultiProcessingDataLoaderIter):
     If that worker is killed in the meantime, the fetch fails with ``ConnectionResetError`` (or ``EOFError``) a moment
     before the worker is seen dead, and torch, which looks for dead workers only then, raises the bare connection
     error. This waits up to :data:`DEATH_GRACE_S` for the dead worker and raises torch's own error naming it.
+
+    Its ``__next__`` opens torch's profiler range around each task only while a profiler records: the range is two
+    operator calls, about 140 us of the training process's CPU per task on a loaded 2-core machine (half a
+    microsecond per image of a 256-image task), spent whether anything records it or not.
     """
+
+    def __next__(self) -> Any:
+        if _profiler_enabled() or self._dataset_kind != _DatasetKind.Map:
+            return super().__next__()
+        # torch's `_BaseDataLoaderIter.__next__` without the range (and without its check of an iterable dataset's
+        # length, which a map-style one does not need)
+        if self._sampler_iter is None:
+            self._reset()  # type: ignore[call-arg]
+        data = self._next_data()
+        self._num_yielded += 1
+        return data
 
     def _try_get_data(self, timeout: float = _utils.MP_STATUS_CHECK_INTERVAL) -> tuple[bool, Any]:
         try:
