@@ -83,12 +83,10 @@ class WorkerIterator(_MultiProcessingDataLoaderIter):
     """
 
     def __next__(self) -> Any:
-        if _profiler_enabled() or self._dataset_kind != _DatasetKind.Map:
+        if _profiler_enabled() or self._dataset_kind != _DatasetKind.Map or self._sampler_iter is None:
             return super().__next__()
         # torch's `_BaseDataLoaderIter.__next__` without the range (and without its check of an iterable dataset's
         # length, which a map-style one does not need)
-        if self._sampler_iter is None:
-            self._reset()  # type: ignore[call-arg]
         data = self._next_data()
         self._num_yielded += 1
         return data
