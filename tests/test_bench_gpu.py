@@ -68,8 +68,9 @@ def test_smoke_run_prints_the_views_table(capsys, tmp_path) -> None:
     """Table 3 alone (no models, no scaling): DINO's 8 views, shrunk to 24 and 16 px, from every kind of loader."""
     bench = _bench()
     columns = ["data-free", "torchvision-colour", "processes-colour", "threads"]  # each loader, colour or not
-    args = ["--device", "cpu", "--workdir", str(tmp_path), "--images", "40", "--batch-size", "8", "--epochs", "2"]
-    args += ["--workers", "1", "--models", "--scaling", "--views", "resnet18", "--view-sizes", "24", "16"]
+    args = ["--device", "cpu", "--workdir", str(tmp_path), "--images", "16", "--image-size", "32", "--batch-size", "8"]
+    args += ["--epochs", "2", "--workers", "1", "--models", "--scaling"]
+    args += ["--views", "resnet18", "--view-sizes", "24", "16"]
     results = bench.main([*args, "--views-columns", *columns])
     out = capsys.readouterr().out
     views = results["views"]["resnet18"]
