@@ -6,17 +6,20 @@ Trainings run in child processes, each in its own mount and PID namespace (``uns
 
 from __future__ import annotations
 
+import multiprocessing
 import re
 import shutil
 import subprocess
 import sys
 import textwrap
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from workers import put_tasks
 
 from lightning_fastdata.pipeline import processes
 from lightning_fastdata.pipeline.factory import FastLoader
@@ -332,3 +335,66 @@ def test_a_recording_profiler_still_sees_each_fetch_from_the_workers() -> None:
         == [b.tolist() for b in profiled]
         == [[[i] * 4 for i in range(k, k + 16)] for k in range(0, 64, 16)]
     )
+
+
+def test_the_training_process_writes_each_task_to_its_workers_without_a_feeder_thread() -> None:
+    """Each worker's index queue takes its tasks straight into the pipe: no queue feeder thread runs in the training
+    process, over two epochs of persistent workers, and every batch arrives, in order."""
+    loader = FastLoader(_Numbers(), batch_size=8, num_workers=2, persistent_workers=True)
+    for _ in range(2):
+        batches = [batch.clone() for batch in loader]
+        assert [b.tolist() for b in batches] == [[[i] * 4 for i in range(k, k + 8)] for k in range(0, 64, 8)]
+    queues = loader._iterator._index_queues
+    assert [type(q) for q in queues] == [processes.TaskQueue] * 2
+    assert [q._thread for q in queues] == [None, None]
+
+
+def _task_queue() -> Any:
+    index_queue = multiprocessing.get_context("fork").Queue()
+    processes.write_tasks_directly(index_queue)
+    assert type(index_queue) is processes.TaskQueue
+    return index_queue
+
+
+def _put_all(index_queue: Any, tasks: list[Any]) -> None:
+    """Put ``tasks`` on a thread that must finish at once: nothing reads the queue meanwhile."""
+    putter = threading.Thread(target=lambda: [index_queue.put(task) for task in tasks], daemon=True)
+    putter.start()
+    putter.join(timeout=30)
+    assert not putter.is_alive(), "put blocked on a pipe nobody reads"
+
+
+def test_a_task_too_large_for_one_pipe_write_goes_to_the_feeder_and_so_do_the_later_ones() -> None:
+    """A task over ``PIPE_BUF`` is left to the queue's feeder thread, and every task after it too: the order holds."""
+    index_queue = _task_queue()
+    tasks = [(0, [1, 2]), (1, list(range(5000))), (2, [3])]
+    _put_all(index_queue, tasks[:1])
+    assert index_queue._thread is None
+    _put_all(index_queue, tasks[1:])
+    assert index_queue._thread is not None
+    assert [index_queue.get(timeout=10) for _ in tasks] == tasks
+    index_queue.close()
+    index_queue.join_thread()
+
+
+def test_a_full_pipe_never_blocks_the_training_process() -> None:
+    """With a worker that stopped reading, the tasks that find its pipe full go to the feeder thread (as every
+    ``multiprocessing.Queue`` put does) instead of blocking the caller; read again, they all come out in order."""
+    index_queue = _task_queue()
+    tasks = [(i, [i] * 1000) for i in range(100)]  # 2 KB each: 200 KB, far over a pipe's 64 KB
+    _put_all(index_queue, tasks)
+    assert index_queue._thread is not None
+    assert [index_queue.get(timeout=10) for _ in tasks] == tasks
+    index_queue.close()
+    index_queue.join_thread()
+
+
+def test_a_task_queue_sent_to_a_spawned_process_writes_its_tasks_there_too() -> None:
+    """A :class:`TaskQueue` crosses to another process as one (its pipe watched again there): tasks put there arrive."""
+    index_queue = processes.TaskQueue(ctx=multiprocessing.get_context("spawn"))
+    tasks = [(0, [1, 2]), (1, [3])]
+    child = multiprocessing.get_context("spawn").Process(target=put_tasks, args=(index_queue, tasks))
+    child.start()
+    assert [index_queue.get(timeout=60) for _ in tasks] == tasks
+    child.join(timeout=60)
+    assert child.exitcode == 0

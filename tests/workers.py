@@ -64,3 +64,9 @@ def read_all_encoded(db: str, passes: int = 5) -> str:
     if len(digests) != 1:
         raise AssertionError(f"passes over {db} disagreed: {digests}")
     return digests.pop()
+
+
+def put_tasks(index_queue: Any, tasks: list[Any]) -> None:
+    """Put ``tasks`` on ``index_queue`` from a process it was sent to."""
+    for task in tasks:
+        index_queue.put(task)
