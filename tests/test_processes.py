@@ -7,12 +7,14 @@ Trainings run in child processes, each in its own mount and PID namespace (``uns
 from __future__ import annotations
 
 import multiprocessing
+import queue
 import re
 import shutil
 import subprocess
 import sys
 import textwrap
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -338,21 +340,22 @@ def test_a_recording_profiler_still_sees_each_fetch_from_the_workers() -> None:
 
 
 def test_the_training_process_writes_each_task_to_its_workers_without_a_feeder_thread() -> None:
-    """Each worker's index queue takes its tasks straight into the pipe: no queue feeder thread runs in the training
-    process, over two epochs of persistent workers, and every batch arrives, in order."""
+    """Each worker's index queue takes its tasks straight into the pipe, and the results come back through a
+    :class:`PipeQueue` too: no queue feeder thread runs in the training process, over two epochs of persistent
+    workers, and every batch arrives, in order."""
     loader = FastLoader(_Numbers(), batch_size=8, num_workers=2, persistent_workers=True)
     for _ in range(2):
         batches = [batch.clone() for batch in loader]
         assert [b.tolist() for b in batches] == [[[i] * 4 for i in range(k, k + 8)] for k in range(0, 64, 8)]
-    queues = loader._iterator._index_queues
-    assert [type(q) for q in queues] == [processes.TaskQueue] * 2
-    assert [q._thread for q in queues] == [None, None]
+    queues = [*loader._iterator._index_queues, loader._iterator._worker_result_queue]
+    assert [type(q) for q in queues] == [processes.PipeQueue] * 3
+    assert [q._thread for q in queues] == [None] * 3
 
 
 def _task_queue() -> Any:
     index_queue = multiprocessing.get_context("fork").Queue()
-    processes.write_tasks_directly(index_queue)
-    assert type(index_queue) is processes.TaskQueue
+    processes.as_pipe_queue(index_queue)
+    assert type(index_queue) is processes.PipeQueue
     return index_queue
 
 
@@ -389,9 +392,24 @@ def test_a_full_pipe_never_blocks_the_training_process() -> None:
     index_queue.join_thread()
 
 
+def test_waiting_on_an_empty_pipe_queue_times_out_as_multiprocessing_queue_does() -> None:
+    """``get`` with a timeout waits that long for nothing, then raises ``queue.Empty`` (torch's cue to look for dead
+    workers); a result put meanwhile is returned."""
+    mp_queue = _task_queue()
+    start = time.monotonic()
+    with pytest.raises(queue.Empty):
+        mp_queue.get(timeout=0.3)
+    assert 0.25 <= time.monotonic() - start < 10
+    threading.Timer(0.2, mp_queue.put, args=((7, "late"),)).start()
+    assert mp_queue.get(timeout=30) == (7, "late")
+    with pytest.raises(queue.Empty):
+        mp_queue.get(block=False)
+
+
 def test_a_task_queue_sent_to_a_spawned_process_writes_its_tasks_there_too() -> None:
-    """A :class:`TaskQueue` crosses to another process as one (its pipe watched again there): tasks put there arrive."""
-    index_queue = processes.TaskQueue(ctx=multiprocessing.get_context("spawn"))
+    """A :class:`PipeQueue` made as one crosses to another process as one (its pipe watched again there): tasks put
+    there arrive, and it reads them."""
+    index_queue = processes.PipeQueue(ctx=multiprocessing.get_context("spawn"))
     tasks = [(0, [1, 2]), (1, [3])]
     child = multiprocessing.get_context("spawn").Process(target=put_tasks, args=(index_queue, tasks))
     child.start()

@@ -71,29 +71,36 @@ def _worker_init(worker_id: int) -> None:
 _profiler_enabled: Callable[[], bool] = getattr(torch.autograd, "_profiler_enabled", lambda: True)
 
 
-class TaskQueue(multiprocessing.queues.Queue):
-    """A worker's index queue whose tasks the training process writes to the pipe itself, without a feeder thread.
+class PipeQueue(multiprocessing.queues.Queue):
+    """A ``multiprocessing.Queue`` as the training process uses it, without a feeder thread or a selector per call.
 
-    ``multiprocessing.Queue.put`` hands each object to a feeder thread, which pickles it and writes it to the pipe:
-    per task a condition's notify, a thread's wake-up and two hand-overs of the GIL, about 1 us of the training
-    process's CPU per image of a 256-image task on a loaded 2-core machine. A task here is a few hundred bytes that
-    the pipe takes at once, so :meth:`put` writes it itself, as the feeder would (the same pickler, length header and
-    write lock, and the semaphore that ``get`` releases).
+    :meth:`put` (a worker's index queue): ``multiprocessing.Queue.put`` hands each object to a feeder thread, which
+    pickles it and writes it to the pipe: per task a condition's notify, a thread's wake-up and two hand-overs of the
+    GIL, about 0.75 us of the training process's CPU per image of a 256-image task on a loaded 2-core machine. A task
+    is a few hundred bytes that the pipe takes at once, so this writes it itself, as the feeder would (the same
+    pickler, length header and write lock, and the semaphore that ``get`` releases). It never blocks where the feeder
+    would not have blocked the caller: a task over ``PIPE_BUF`` (written in one piece only up to that size), or one
+    that finds the pipe full (a worker that stopped reading), goes to the feeder thread, and so does every later one,
+    which keeps the queue's order.
 
-    It never blocks where the feeder would not have blocked the caller: a task over ``PIPE_BUF`` (written in one piece
-    only up to that size), or one that finds the pipe full (a worker that stopped reading), goes to the feeder thread,
-    and so does every later one, which keeps the queue's order. :func:`write_tasks_directly` makes a queue one.
+    :meth:`get` with a timeout (the workers' result queue, which torch reads with one): ``Connection.poll`` builds,
+    fills and closes a ``selectors`` selector per call (8 us warm against 1 us); this waits on a ``select.poll`` made
+    once, then reads as ``multiprocessing.Queue.get`` does.
+
+    :func:`as_pipe_queue` makes a queue one.
     """
 
     _writable: select.poll
+    _readable: select.poll
 
     def _watch(self) -> None:
-        """Watch the pipe for room: a queue made a :class:`TaskQueue`, or one received by another process."""
-        self._writable = select.poll()
+        """Watch the pipe's two ends: a queue made a :class:`PipeQueue`, made as one, or received by another process."""
+        self._writable, self._readable = select.poll(), select.poll()
         self._writable.register(self._writer.fileno(), select.POLLOUT)
+        self._readable.register(self._reader.fileno(), select.POLLIN)
 
-    def __setstate__(self, state: Any) -> None:
-        super().__setstate__(state)
+    def _reset(self, after_fork: bool = False) -> None:  # `multiprocessing.Queue`'s: made, unpickled or forked
+        super()._reset(after_fork)
         self._watch()
 
     def put(self, obj: Any, block: bool = True, timeout: float | None = None) -> None:  # noqa: D102
@@ -107,20 +114,35 @@ class TaskQueue(multiprocessing.queues.Queue):
                 return
         super().put(obj, block, timeout)
 
+    def get(self, block: bool = True, timeout: float | None = None) -> Any:  # noqa: D102
+        if not block or timeout is None or self._closed:
+            return super().get(block, timeout)
+        deadline = time.monotonic() + timeout
+        if not self._rlock.acquire(True, timeout):
+            raise queue.Empty
+        try:
+            if not self._readable.poll(max(deadline - time.monotonic(), 0.0) * 1000):
+                raise queue.Empty
+            result = self._reader.recv_bytes()
+            self._sem.release()
+        finally:
+            self._rlock.release()
+        return ForkingPickler.loads(result)
 
-#: the largest task :class:`TaskQueue` writes itself: a pipe write of at most ``PIPE_BUF`` bytes (with the 4-byte length
+
+#: the largest task :class:`PipeQueue` writes itself: a pipe write of at most ``PIPE_BUF`` bytes (with the 4-byte length
 #: header) is atomic, and one the pipe reports writable takes it without blocking
 _DIRECT_BYTES = getattr(select, "PIPE_BUF", 0) - 4
 
 
-def write_tasks_directly(index_queue: Any) -> None:
-    """Make ``index_queue`` a :class:`TaskQueue` before its first task; left as it is on Windows (no write lock)."""
-    if type(index_queue) is not multiprocessing.queues.Queue or sys.platform == "win32" or not hasattr(select, "poll"):
+def as_pipe_queue(mp_queue: Any) -> None:
+    """Make ``mp_queue`` a :class:`PipeQueue` before its first ``put``; left as it is on Windows (no write lock)."""
+    if type(mp_queue) is not multiprocessing.queues.Queue or sys.platform == "win32" or not hasattr(select, "poll"):
         return
-    if getattr(index_queue, "_thread", True) is not None:  # already fed by its thread (or not the queue we know)
+    if getattr(mp_queue, "_thread", True) is not None:  # already fed by its thread (or not the queue we know)
         return
-    index_queue.__class__ = TaskQueue
-    index_queue._watch()
+    mp_queue.__class__ = PipeQueue
+    mp_queue._watch()
 
 
 #: how long a worker whose connection broke may take to be seen dead before the broken connection is the error
@@ -135,7 +157,8 @@ class WorkerIterator(_MultiProcessingDataLoaderIter):
     before the worker is seen dead, and torch, which looks for dead workers only then, raises the bare connection
     error. This waits up to :data:`DEATH_GRACE_S` for the dead worker and raises torch's own error naming it.
 
-    Its index queues are each a :class:`TaskQueue`: the training process writes each task to the pipe itself.
+    Its workers' index queues and their result queue are each a :class:`PipeQueue`: the training process writes each
+    task to the pipe itself and waits for results on a poll object made once.
 
     Its ``__next__`` opens torch's profiler range around each task only while a profiler records: the range is two
     operator calls, about 140 us of the training process's CPU per task on a loaded 2-core machine (half a
@@ -143,8 +166,9 @@ class WorkerIterator(_MultiProcessingDataLoaderIter):
     """
 
     def _reset(self, loader: Any, first_iter: bool = False) -> None:
-        for index_queue in self._index_queues:  # before the first task goes out (torch's `__init__` ends here)
-            write_tasks_directly(index_queue)
+        # before the first task goes out: torch's `__init__` ends here
+        for mp_queue in (*self._index_queues, self._worker_result_queue):
+            as_pipe_queue(mp_queue)
         super()._reset(loader, first_iter)
 
     def __next__(self) -> Any:
