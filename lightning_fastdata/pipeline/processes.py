@@ -99,8 +99,8 @@ class PipeQueue(multiprocessing.queues.Queue):
         self._writable.register(self._writer.fileno(), select.POLLOUT)
         self._readable.register(self._reader.fileno(), select.POLLIN)
 
-    def _reset(self, after_fork: bool = False) -> None:  # `multiprocessing.Queue`'s: made, unpickled or forked
-        super()._reset(after_fork)
+    def _reset(self, *args: Any, **kwargs: Any) -> None:  # `multiprocessing.Queue`'s: made, unpickled or forked
+        super()._reset(*args, **kwargs)
         self._watch()
 
     def put(self, obj: Any, block: bool = True, timeout: float | None = None) -> None:  # noqa: D102
