@@ -341,22 +341,22 @@ def test_a_recording_profiler_still_sees_each_fetch_from_the_workers() -> None:
 
 def test_the_training_process_writes_each_task_to_its_workers_without_a_feeder_thread() -> None:
     """Each worker's index queue takes its tasks straight into the pipe, and the results come back through a
-    :class:`PipeQueue` too: no queue feeder thread runs in the training process, over two epochs of persistent
+    :class:`ResultQueue`: no queue feeder thread runs in the training process, over two epochs of persistent
     workers, and every batch arrives, in order."""
     loader = FastLoader(_Numbers(), batch_size=8, num_workers=2, persistent_workers=True)
     for _ in range(2):
         batches = [batch.clone() for batch in loader]
         assert [b.tolist() for b in batches] == [[[i] * 4 for i in range(k, k + 8)] for k in range(0, 64, 8)]
     queues = [*loader._iterator._index_queues, loader._iterator._worker_result_queue]
-    assert [type(q) for q in queues] == [processes.PipeQueue] * 3
+    assert [type(q) for q in queues] == [processes.TaskQueue, processes.TaskQueue, processes.ResultQueue]
     assert [q._thread for q in queues] == [None] * 3
 
 
-def _task_queue() -> Any:
-    index_queue = multiprocessing.get_context("fork").Queue()
-    processes.as_pipe_queue(index_queue)
-    assert type(index_queue) is processes.PipeQueue
-    return index_queue
+def _queue(kind: type) -> Any:
+    mp_queue = multiprocessing.get_context("fork").Queue()
+    processes.watched(mp_queue, kind)
+    assert type(mp_queue) is kind
+    return mp_queue
 
 
 def _put_all(index_queue: Any, tasks: list[Any]) -> None:
@@ -364,12 +364,12 @@ def _put_all(index_queue: Any, tasks: list[Any]) -> None:
     putter = threading.Thread(target=lambda: [index_queue.put(task) for task in tasks], daemon=True)
     putter.start()
     putter.join(timeout=30)
-    assert not putter.is_alive(), "put blocked on a pipe nobody reads"
+    assert not putter.is_alive(), "put blocked"
 
 
 def test_a_task_too_large_for_one_pipe_write_goes_to_the_feeder_and_so_do_the_later_ones() -> None:
     """A task over ``PIPE_BUF`` is left to the queue's feeder thread, and every task after it too: the order holds."""
-    index_queue = _task_queue()
+    index_queue = _queue(processes.TaskQueue)
     tasks = [(0, [1, 2]), (1, list(range(5000))), (2, [3])]
     _put_all(index_queue, tasks[:1])
     assert index_queue._thread is None
@@ -383,7 +383,7 @@ def test_a_task_too_large_for_one_pipe_write_goes_to_the_feeder_and_so_do_the_la
 def test_a_full_pipe_never_blocks_the_training_process() -> None:
     """With a worker that stopped reading, the tasks that find its pipe full go to the feeder thread (as every
     ``multiprocessing.Queue`` put does) instead of blocking the caller; read again, they all come out in order."""
-    index_queue = _task_queue()
+    index_queue = _queue(processes.TaskQueue)
     tasks = [(i, [i] * 1000) for i in range(100)]  # 2 KB each: 200 KB, far over a pipe's 64 KB
     _put_all(index_queue, tasks)
     assert index_queue._thread is not None
@@ -392,24 +392,41 @@ def test_a_full_pipe_never_blocks_the_training_process() -> None:
     index_queue.join_thread()
 
 
-def test_waiting_on_an_empty_pipe_queue_times_out_as_multiprocessing_queue_does() -> None:
+def test_a_write_lock_left_taken_never_blocks_the_training_process() -> None:
+    """A process that died holding the queue's write lock (killed as it wrote) leaves it taken: the task goes to the
+    feeder thread, as ``multiprocessing.Queue.put`` would, and arrives once the lock is free."""
+    index_queue = _queue(processes.TaskQueue)
+    index_queue._wlock.acquire()
+    _put_all(index_queue, [(0, [1])])
+    assert index_queue._thread is not None
+    with pytest.raises(queue.Empty):
+        index_queue.get(timeout=0.2)
+    index_queue._wlock.release()
+    assert index_queue.get(timeout=10) == (0, [1])
+    index_queue.close()
+    index_queue.join_thread()
+
+
+def test_waiting_on_an_empty_result_queue_times_out_as_multiprocessing_queue_does() -> None:
     """``get`` with a timeout waits that long for nothing, then raises ``queue.Empty`` (torch's cue to look for dead
     workers); a result put meanwhile is returned."""
-    mp_queue = _task_queue()
+    results = _queue(processes.ResultQueue)
     start = time.monotonic()
     with pytest.raises(queue.Empty):
-        mp_queue.get(timeout=0.3)
+        results.get(timeout=0.3)
     assert 0.25 <= time.monotonic() - start < 10
-    threading.Timer(0.2, mp_queue.put, args=((7, "late"),)).start()
-    assert mp_queue.get(timeout=30) == (7, "late")
+    threading.Timer(0.2, results.put, args=((7, "late"),)).start()
+    assert results.get(timeout=30) == (7, "late")
     with pytest.raises(queue.Empty):
-        mp_queue.get(block=False)
+        results.get(block=False)
+    results.close()
+    results.join_thread()
 
 
 def test_a_task_queue_sent_to_a_spawned_process_writes_its_tasks_there_too() -> None:
-    """A :class:`PipeQueue` made as one crosses to another process as one (its pipe watched again there): tasks put
-    there arrive, and it reads them."""
-    index_queue = processes.PipeQueue(ctx=multiprocessing.get_context("spawn"))
+    """A :class:`TaskQueue` made as one crosses to another process as one (its pipe watched again there): the tasks
+    it writes there arrive."""
+    index_queue = processes.TaskQueue(ctx=multiprocessing.get_context("spawn"))
     tasks = [(0, [1, 2]), (1, [3])]
     child = multiprocessing.get_context("spawn").Process(target=put_tasks, args=(index_queue, tasks))
     child.start()

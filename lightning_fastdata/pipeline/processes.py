@@ -71,48 +71,73 @@ def _worker_init(worker_id: int) -> None:
 _profiler_enabled: Callable[[], bool] = getattr(torch.autograd, "_profiler_enabled", lambda: True)
 
 
-class PipeQueue(multiprocessing.queues.Queue):
-    """A ``multiprocessing.Queue`` as the training process uses it, without a feeder thread or a selector per call.
-
-    :meth:`put` (a worker's index queue): ``multiprocessing.Queue.put`` hands each object to a feeder thread, which
-    pickles it and writes it to the pipe: per task a condition's notify, a thread's wake-up and two hand-overs of the
-    GIL, about 0.75 us of the training process's CPU per image of a 256-image task on a loaded 2-core machine. A task
-    is a few hundred bytes that the pipe takes at once, so this writes it itself, as the feeder would (the same
-    pickler, length header and write lock, and the semaphore that ``get`` releases). It never blocks where the feeder
-    would not have blocked the caller: a task over ``PIPE_BUF`` (written in one piece only up to that size), or one
-    that finds the pipe full (a worker that stopped reading), goes to the feeder thread, and so does every later one,
-    which keeps the queue's order.
-
-    :meth:`get` with a timeout (the workers' result queue, which torch reads with one): ``Connection.poll`` builds,
-    fills and closes a ``selectors`` selector per call (8 us warm against 1 us); this waits on a ``select.poll`` made
-    once, then reads as ``multiprocessing.Queue.get`` does.
-
-    :func:`as_pipe_queue` makes a queue one.
-    """
-
-    _writable: select.poll
-    _readable: select.poll
+class _WatchedQueue(multiprocessing.queues.Queue):
+    """A ``multiprocessing.Queue`` with a ``select.poll`` on its pipe, made again whenever the queue resets."""
 
     def _watch(self) -> None:
-        """Watch the pipe's two ends: a queue made a :class:`PipeQueue`, made as one, or received by another process."""
-        self._writable, self._readable = select.poll(), select.poll()
-        self._writable.register(self._writer.fileno(), select.POLLOUT)
-        self._readable.register(self._reader.fileno(), select.POLLIN)
+        raise NotImplementedError
 
     def _reset(self, *args: Any, **kwargs: Any) -> None:  # `multiprocessing.Queue`'s: made, unpickled or forked
         super()._reset(*args, **kwargs)
         self._watch()
 
+
+class TaskQueue(_WatchedQueue):
+    """A worker's index queue, which the training process alone writes: it writes each task to the pipe itself.
+
+    ``multiprocessing.Queue.put`` hands each object to a feeder thread, which pickles it and writes it to the pipe: per
+    task a condition's notify, a thread's wake-up and two hand-overs of the GIL, about 0.75 us of the training
+    process's CPU per image of a 256-image task on a loaded 2-core machine. A task is a few hundred bytes that the pipe
+    takes at once, so :meth:`put` writes it as the feeder would: the same pickler, length header and write lock, and
+    the semaphore that ``get`` releases.
+
+    It never blocks where the feeder would not have blocked the caller. A task over ``PIPE_BUF`` (written in one piece
+    only up to that size), one that finds the pipe full (a worker that stopped reading) or the write lock taken (by a
+    process that died holding it) goes to the feeder thread, and so does every later one, which keeps the order.
+    """
+
+    _writable: select.poll
+
+    def _watch(self) -> None:
+        self._writable = select.poll()
+        self._writable.register(self._writer.fileno(), select.POLLOUT)
+
     def put(self, obj: Any, block: bool = True, timeout: float | None = None) -> None:  # noqa: D102
         if self._thread is None and not self._closed:  # once the feeder runs, every task goes to it
             task = ForkingPickler.dumps(obj)
-            if len(task) <= _DIRECT_BYTES and self._writable.poll(0):
+            if len(task) <= _DIRECT_BYTES:
                 if not self._sem.acquire(block, timeout):
                     raise queue.Full
-                with self._wlock:
-                    self._writer.send_bytes(task)
-                return
+                if self._wlock.acquire(False):
+                    try:
+                        if self._writable.poll(
+                            0
+                        ):  # room for the task, and nobody else can write while we hold the lock
+                            try:
+                                self._writer.send_bytes(task)
+                            except BaseException:
+                                self._sem.release()
+                                raise
+                            return
+                    finally:
+                        self._wlock.release()
+                self._sem.release()  # the feeder's `put` below takes it again
         super().put(obj, block, timeout)
+
+
+class ResultQueue(_WatchedQueue):
+    """The workers' result queue as the training process reads it: waiting on a ``select.poll`` made once.
+
+    torch reads it with a timeout, and ``Connection.poll`` builds, fills and closes a ``selectors`` selector per call
+    (8 us warm against 1 us, several times that on the cold cache the workers leave); :meth:`get` waits on the poll
+    object, then reads as ``multiprocessing.Queue.get`` does. Its ``put`` is the queue's own: the workers write to it.
+    """
+
+    _readable: select.poll
+
+    def _watch(self) -> None:
+        self._readable = select.poll()
+        self._readable.register(self._reader.fileno(), select.POLLIN)
 
     def get(self, block: bool = True, timeout: float | None = None) -> Any:  # noqa: D102
         if not block or timeout is None or self._closed:
@@ -130,19 +155,22 @@ class PipeQueue(multiprocessing.queues.Queue):
         return ForkingPickler.loads(result)
 
 
-#: the largest task :class:`PipeQueue` writes itself: a pipe write of at most ``PIPE_BUF`` bytes (with the 4-byte length
+#: the largest task :class:`TaskQueue` writes itself: a pipe write of at most ``PIPE_BUF`` bytes (with the 4-byte length
 #: header) is atomic, and one the pipe reports writable takes it without blocking
 _DIRECT_BYTES = getattr(select, "PIPE_BUF", 0) - 4
 
 
-def as_pipe_queue(mp_queue: Any) -> None:
-    """Make ``mp_queue`` a :class:`PipeQueue` before its first ``put``; left as it is on Windows (no write lock)."""
+def watched(mp_queue: Any, kind: type[_WatchedQueue]) -> None:
+    """Make ``mp_queue`` a ``kind`` (:class:`TaskQueue`, :class:`ResultQueue`) before its first task goes out.
+
+    Left as it is on Windows (no write lock), or once its feeder thread runs.
+    """
     if type(mp_queue) is not multiprocessing.queues.Queue or sys.platform == "win32" or not hasattr(select, "poll"):
         return
     if getattr(mp_queue, "_thread", True) is not None:  # already fed by its thread (or not the queue we know)
         return
-    mp_queue.__class__ = PipeQueue
-    mp_queue._watch()
+    kind._watch(mp_queue)  # first: a thread may be reading it already (torch's pin-memory thread)
+    mp_queue.__class__ = kind
 
 
 #: how long a worker whose connection broke may take to be seen dead before the broken connection is the error
@@ -157,8 +185,8 @@ class WorkerIterator(_MultiProcessingDataLoaderIter):
     before the worker is seen dead, and torch, which looks for dead workers only then, raises the bare connection
     error. This waits up to :data:`DEATH_GRACE_S` for the dead worker and raises torch's own error naming it.
 
-    Its workers' index queues and their result queue are each a :class:`PipeQueue`: the training process writes each
-    task to the pipe itself and waits for results on a poll object made once.
+    Its workers' index queues are :class:`TaskQueue` objects and their result queue a :class:`ResultQueue`: the
+    training process writes each task to the pipe itself and waits for results on a poll object made once.
 
     Its ``__next__`` opens torch's profiler range around each task only while a profiler records: the range is two
     operator calls, about 140 us of the training process's CPU per task on a loaded 2-core machine (half a
@@ -167,8 +195,9 @@ class WorkerIterator(_MultiProcessingDataLoaderIter):
 
     def _reset(self, loader: Any, first_iter: bool = False) -> None:
         # before the first task goes out: torch's `__init__` ends here
-        for mp_queue in (*self._index_queues, self._worker_result_queue):
-            as_pipe_queue(mp_queue)
+        for index_queue in self._index_queues:
+            watched(index_queue, TaskQueue)
+        watched(self._worker_result_queue, ResultQueue)
         super()._reset(loader, first_iter)
 
     def __next__(self) -> Any:
