@@ -103,26 +103,29 @@ class TaskQueue(_WatchedQueue):
         self._writable.register(self._writer.fileno(), select.POLLOUT)
 
     def put(self, obj: Any, block: bool = True, timeout: float | None = None) -> None:  # noqa: D102
-        if self._thread is None and not self._closed:  # once the feeder runs, every task goes to it
-            task = ForkingPickler.dumps(obj)
-            if len(task) <= _DIRECT_BYTES:
-                if not self._sem.acquire(block, timeout):
-                    raise queue.Full
-                if self._wlock.acquire(False):
-                    try:
-                        if self._writable.poll(
-                            0
-                        ):  # room for the task, and nobody else can write while we hold the lock
-                            try:
-                                self._writer.send_bytes(task)
-                            except BaseException:
-                                self._sem.release()
-                                raise
-                            return
-                    finally:
-                        self._wlock.release()
-                self._sem.release()  # the feeder's `put` below takes it again
+        # once the feeder runs, every task goes to it
+        if self._thread is None and not self._closed and self._put_now(obj, block, timeout):
+            return
         super().put(obj, block, timeout)
+
+    def _put_now(self, obj: Any, block: bool, timeout: float | None) -> bool:
+        """Write ``obj`` to the pipe now; ``False``, having written nothing, where that could block."""
+        task = ForkingPickler.dumps(obj)
+        if len(task) > _DIRECT_BYTES or not self._wlock.acquire(False):
+            return False
+        try:
+            if not self._writable.poll(0):  # no room (while we hold the lock, no one else writes)
+                return False
+            if not self._sem.acquire(block, timeout):
+                raise queue.Full
+            try:
+                self._writer.send_bytes(task)
+            except BaseException:
+                self._sem.release()
+                raise
+            return True
+        finally:
+            self._wlock.release()
 
 
 class ResultQueue(_WatchedQueue):
