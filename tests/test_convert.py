@@ -134,6 +134,20 @@ def test_summary_and_report_of_a_clean_conversion(split_folder, tmp_path):
     assert _leftovers(dst) == []
 
 
+def test_a_converted_database_holds_no_lock_file(split_folder, tmp_path):
+    """Only the data file and the report: readers never lock, and the writer's ``lock.mdb`` is deleted.
+
+    py-lmdb knows an open environment by the inodes of its data and lock files, but a reader (``lock=False``) holds
+    only the data file open. A lock file left behind would, once the database is deleted, free an inode that a new
+    file can take, and that file would then be refused as "already open in this process".
+    """
+    dst = tmp_path / "db"
+    _run(split_folder, dst, short_side=64)
+    assert {p.name for p in dst.iterdir()} == {store_format.DATA_FILE, store_format.REPORT_FILE}
+    assert len(LmdbImageDataset(dst, "val")) == 9
+    assert {p.name for p in dst.iterdir()} == {store_format.DATA_FILE, store_format.REPORT_FILE, "verified.json"}
+
+
 def test_worker_processes_give_the_same_database(split_folder, database, tmp_path):
     """Converting in two worker processes stores the same records in the same order as in-process."""
     dst = tmp_path / "db"

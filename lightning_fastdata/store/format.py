@@ -1,6 +1,6 @@
 """The on-disk layout of a lightning_fastdata image database, shared by the writer and the reader.
 
-A database is an LMDB environment directory (``data.mdb`` + ``lock.mdb``) holding:
+A database is an LMDB environment directory (``data.mdb``, and no ``lock.mdb``: readers never lock) holding:
 
 * one record per image under the key ``b"<split>/<index:010d>"``: a fixed 20-byte little-endian header followed
   by the encoded image bytes (see :data:`HEADER`);
@@ -53,6 +53,8 @@ FORMAT_VERSION = 1
 MAGIC = b"LF"
 META_KEY = b"__meta__"
 DATA_FILE = "data.mdb"
+#: the writer's LMDB lock file; readers open with ``lock=False``, so a finished database holds none
+LOCK_FILE = "lock.mdb"
 REPORT_FILE = "convert_report.json"
 #: in a copy staged from a bucket (:mod:`~lightning_fastdata.store.remote`): its URL and the marker it was staged from
 STAGED_RECORD = "staged.json"
