@@ -691,6 +691,29 @@ def test_incomplete_own_database_at_dst_is_replaced(split_folder, database_copy)
     assert read_meta(database_copy)["complete"] is True
 
 
+def test_replacing_a_database_this_process_read_leaves_no_claim_on_its_files(split_folder, database_copy, tmp_path):
+    """After ``--force`` replaces a database read here, a new database may reuse the old files' inodes.
+
+    The old database has a ``lock.mdb`` (written by an older converter, or any LMDB writer). A file system hands a
+    deleted file's inode to a new file; hard links stand in for that here, keeping the inodes alive and reusing them.
+    """
+    env = lmdb.open(str(database_copy), map_size=1 << 26)  # a writer: leaves a lock.mdb, as older converters did
+    env.close()
+    assert len(LmdbImageDataset(database_copy, "val")) == 9  # this process now has the old files open
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    for name in (store_format.DATA_FILE, "lock.mdb"):
+        os.link(database_copy / name, kept / name)
+    _run(split_folder, database_copy, short_side=64, force=True)
+    reused = tmp_path / "reused.lmdb"
+    reused.mkdir()
+    for name in (store_format.DATA_FILE, "lock.mdb"):
+        os.link(kept / name, reused / name)
+    env = lmdb.open(str(reused), readonly=True, lock=False)  # "already open in this process" had the old one stayed
+    env.close()
+    assert len(LmdbImageDataset(database_copy, "val")) == 9
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [

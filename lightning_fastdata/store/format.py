@@ -515,6 +515,21 @@ def open_readonly(path: str | os.PathLike[str]) -> lmdb.Environment:
         return env
 
 
+def close_readonly(path: str | os.PathLike[str]) -> None:
+    """Close this process's environment of ``path``, if :func:`open_readonly` opened one: its files are going away.
+
+    The converter calls it before replacing a database. An environment left open on deleted files keeps py-lmdb's
+    record of their inodes, and a new file that takes one of them (a lock file, which a ``lock=False`` reader does not
+    hold open) would then be refused as "already open in this process". The next :func:`open_readonly` opens the new
+    database.
+    """
+    key = str(Path(path).expanduser().absolute())
+    with _ENVS_LOCK:
+        cached = _ENVS.pop(key, None)
+    if cached is not None:
+        cached[1].close()
+
+
 #: how long the first-open walk of a data file may take; a database of 1.28 million records takes seconds
 WALK_TIMEOUT_S = 3600.0
 #: data files (device, inode, size, mtime, ctime) whose LMDB pages were walked without a crash, here or in a parent
