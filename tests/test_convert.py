@@ -714,6 +714,17 @@ def test_replacing_a_database_this_process_read_leaves_no_claim_on_its_files(spl
     assert len(LmdbImageDataset(database_copy, "val")) == 9
 
 
+def test_a_dataset_opened_before_its_database_was_replaced_says_so(split_folder, database_copy):
+    """Its records are gone with the old files: the error says to create the dataset again, not that data is damaged."""
+    old = LmdbImageDataset(database_copy, "val")
+    assert old[0][1] == 0
+    _run(split_folder, database_copy, short_side=64, force=True)
+    for read in (lambda: old[1], lambda: old.targets):
+        with pytest.raises(DatasetFormatError, match=r"replaced or deleted after this dataset opened it.*again"):
+            read()
+    assert LmdbImageDataset(database_copy, "val")[1][0].shape[0] == 3
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [

@@ -24,7 +24,7 @@ from torch.utils.data import Dataset, default_collate
 
 from lightning_fastdata._cv import cv2
 from lightning_fastdata._files import anonymous_file, path_of
-from lightning_fastdata.errors import CorruptRecordError, SampleError
+from lightning_fastdata.errors import CorruptRecordError, DatasetFormatError, FastDataError, SampleError
 from lightning_fastdata.store.format import (
     DATA_FILE,
     ENCODING_JPEG,
@@ -223,6 +223,25 @@ class LmdbImageDataset(Dataset):
             self._pid = os.getpid()
         return self._env
 
+    def _read_failed(self, what: str, err: lmdb.Error) -> FastDataError:
+        """The error for LMDB's ``err`` while ``what``: damage, unless the database was replaced since it was opened.
+
+        A conversion in this process that replaces the database closes the environment of the files it deletes
+        (:func:`~lightning_fastdata.store.format.close_readonly`); reading through it then fails here.
+        """
+        try:
+            st = os.stat(os.path.join(self.path, DATA_FILE))
+            replaced = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) != self._identity
+        except OSError:
+            replaced = True
+        if replaced:
+            return DatasetFormatError(
+                f"{what} failed: the database was replaced or deleted after this dataset opened it (by `convert"
+                " --force`, say), and the records it indexed are gone. Create the dataset again (a DataModule: call"
+                " `setup` again, or make a new one)."
+            )
+        return CorruptRecordError(f"{what} failed: {err}")
+
     def _where(self, index: int) -> str:
         return f"split {self.split!r} index {index} of {self.path!r}"
 
@@ -251,7 +270,7 @@ class LmdbImageDataset(Dataset):
             try:
                 txn = stack.enter_context(read_transaction(self._environment(), buffers=True))
             except lmdb.Error as err:
-                raise CorruptRecordError(f"reading {self.path!r} failed: {err}") from err
+                raise self._read_failed(f"reading {self.path!r}", err) from err
             yield functools.partial(self._read, txn, os.getpid())
 
     def _read(self, txn: lmdb.Transaction, opened_in: int, index: int) -> tuple[RecordHeader, memoryview]:
@@ -491,9 +510,7 @@ class LmdbImageDataset(Dataset):
             with read_transaction(self._environment(), buffers=True) as txn:
                 self._targets.gather(txn, self._identity, records, out)
         except lmdb.Error as err:
-            raise CorruptRecordError(
-                f"reading the targets of split {self.split!r} of {self.path!r} failed: {err}"
-            ) from err
+            raise self._read_failed(f"reading the targets of split {self.split!r} of {self.path!r}", err) from err
         return out
 
     def target(self, index: int, header: RecordHeader) -> Any:
@@ -541,9 +558,7 @@ class LmdbImageDataset(Dataset):
                 with read_transaction(self._environment(), buffers=True) as txn:
                     return self._targets.class_lists(txn, self._identity)
             except lmdb.Error as err:
-                raise CorruptRecordError(
-                    f"reading the targets of split {self.split!r} of {self.path!r} failed: {err}"
-                ) from err
+                raise self._read_failed(f"reading the targets of split {self.split!r} of {self.path!r}", err) from err
         if kind == "float":
             return self.targets_of(np.arange(self._length)).tolist()
         with self._label_array() as labels:
@@ -561,9 +576,7 @@ class LmdbImageDataset(Dataset):
                     )
                 yield np.frombuffer(raw, dtype="<i4")
         except lmdb.Error as err:
-            raise CorruptRecordError(
-                f"reading the labels of split {self.split!r} of {self.path!r} failed: {err}"
-            ) from err
+            raise self._read_failed(f"reading the labels of split {self.split!r} of {self.path!r}", err) from err
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
