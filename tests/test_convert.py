@@ -7,6 +7,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -694,35 +695,34 @@ def test_incomplete_own_database_at_dst_is_replaced(split_folder, database_copy)
 def test_replacing_a_database_this_process_read_leaves_no_claim_on_its_files(split_folder, database_copy, tmp_path):
     """After ``--force`` replaces a database read here, a new database may reuse the old files' inodes.
 
-    The old database has a ``lock.mdb`` (written by an older converter, or any LMDB writer). A file system hands a
-    deleted file's inode to a new file; hard links stand in for that here, keeping the inodes alive and reusing them.
+    The old database has a ``lock.mdb`` (written by an older converter, or any LMDB writer), which a reader neither
+    locks nor names. A file system hands a deleted file's inode to a new file; hard links stand in for that here.
     """
     env = lmdb.open(str(database_copy), map_size=1 << 26)  # a writer: leaves a lock.mdb, as older converters did
     env.close()
-    assert len(LmdbImageDataset(database_copy, "val")) == 9  # this process now has the old files open
+    old = LmdbImageDataset(database_copy, "val")
+    assert len(old) == 9  # this process now has the old database open
     kept = tmp_path / "kept"
     kept.mkdir()
-    for name in (store_format.DATA_FILE, "lock.mdb"):
-        os.link(database_copy / name, kept / name)
+    os.link(database_copy / "lock.mdb", kept / "lock.mdb")
     _run(split_folder, database_copy, short_side=64, force=True)
-    reused = tmp_path / "reused.lmdb"
-    reused.mkdir()
-    for name in (store_format.DATA_FILE, "lock.mdb"):
-        os.link(kept / name, reused / name)
-    env = lmdb.open(str(reused), readonly=True, lock=False)  # "already open in this process" had the old one stayed
+    reused = shutil.copytree(database_copy, tmp_path / "reused.lmdb")
+    os.link(kept / "lock.mdb", reused / "lock.mdb")  # the old lock file's inode, as a new file
+    env = lmdb.open(str(reused), map_size=1 << 26)  # "already open in this process" had the reader named it
     env.close()
-    assert len(LmdbImageDataset(database_copy, "val")) == 9
+    assert len(LmdbImageDataset(reused, "val")) == 9
+    assert old[0][1] == 0  # the old files are still open here: the dataset reads what it indexed
 
 
 def test_a_dataset_opened_before_its_database_was_replaced_says_so(split_folder, database_copy):
-    """Its records are gone with the old files: the error says to create the dataset again, not that data is damaged."""
+    """Opening the new database closes the old one's environment: reading the old dataset says to create it again."""
     old = LmdbImageDataset(database_copy, "val")
     assert old[0][1] == 0
     _run(split_folder, database_copy, short_side=64, force=True)
+    assert LmdbImageDataset(database_copy, "val")[1][0].shape[0] == 3
     for read in (lambda: old[1], lambda: old.targets):
         with pytest.raises(DatasetFormatError, match=r"replaced or deleted after this dataset opened it.*again"):
             read()
-    assert LmdbImageDataset(database_copy, "val")[1][0].shape[0] == 3
 
 
 @pytest.mark.parametrize(

@@ -462,8 +462,9 @@ if hasattr(os, "register_at_fork"):
 def open_readonly(path: str | os.PathLike[str]) -> lmdb.Environment:
     """This process's read-only environment of the database at ``path`` (opened once, shared).
 
-    Opened with ``readonly=True, lock=False, readahead=False, meminit=False``: no lock file is written, so a
-    read-only directory works, and many processes can read at once.
+    Opened with ``readonly=True, lock=False, readahead=False, meminit=False``, on ``data.mdb`` itself
+    (``subdir=False``): no lock file is written or named, so a read-only directory works, many processes can read at
+    once, and a ``lock.mdb`` that an LMDB writer left beside it plays no part.
 
     The first open of a data file walks every lookup the reader will make in a throwaway child process, so that
     damaged LMDB pages (which crash LMDB itself) are a :class:`DatasetFormatError` here instead of a crash in
@@ -500,8 +501,12 @@ def open_readonly(path: str | os.PathLike[str]) -> lmdb.Environment:
             cached[1].close()
             del _ENVS[str(path)]
         try:
+            # the data file itself (``subdir=False``): py-lmdb knows an open environment by the inodes of its data and
+            # lock files, and refuses a second open of either in one process. A reader never locks, nor holds a lock
+            # file open: named, a deleted database's lock file would leave its inode to a new file, which would then
+            # be refused as "already open in this process". The data file it holds open, so its inode stays its own.
             env = lmdb.open(
-                str(path), readonly=True, lock=False, readahead=False, meminit=False, subdir=True, max_spare_txns=4
+                str(data), readonly=True, lock=False, readahead=False, meminit=False, subdir=False, max_spare_txns=4
             )
         except lmdb.Error as err:
             raise DatasetFormatError(f"{str(path)!r} cannot be opened as an LMDB database: {err}") from err
@@ -513,21 +518,6 @@ def open_readonly(path: str | os.PathLike[str]) -> lmdb.Environment:
             raise
         _ENVS[str(path)] = (identity, env)
         return env
-
-
-def close_readonly(path: str | os.PathLike[str]) -> None:
-    """Close this process's environment of ``path``, if :func:`open_readonly` opened one: its files are going away.
-
-    The converter calls it before replacing a database. An environment left open on deleted files keeps py-lmdb's
-    record of their inodes, and a new file that takes one of them (a lock file, which a ``lock=False`` reader does not
-    hold open) would then be refused as "already open in this process". The next :func:`open_readonly` opens the new
-    database.
-    """
-    key = str(Path(path).expanduser().absolute())
-    with _ENVS_LOCK:
-        cached = _ENVS.pop(key, None)
-    if cached is not None:
-        cached[1].close()
 
 
 #: how long the first-open walk of a data file may take; a database of 1.28 million records takes seconds

@@ -226,8 +226,8 @@ class LmdbImageDataset(Dataset):
     def _read_failed(self, what: str, err: lmdb.Error) -> FastDataError:
         """The error for LMDB's ``err`` while ``what``: damage, unless the database was replaced since it was opened.
 
-        A conversion in this process that replaces the database closes the environment of the files it deletes
-        (:func:`~lightning_fastdata.store.format.close_readonly`); reading through it then fails here.
+        Once the database at :attr:`path` is replaced, the next open of that path in this process closes the old
+        environment (:func:`~lightning_fastdata.store.format.open_readonly`); reading through it then fails here.
         """
         try:
             st = os.stat(os.path.join(self.path, DATA_FILE))
@@ -237,8 +237,7 @@ class LmdbImageDataset(Dataset):
         if replaced:
             return DatasetFormatError(
                 f"{what} failed: the database was replaced or deleted after this dataset opened it (by `convert"
-                " --force`, say), and the records it indexed are gone. Create the dataset again (a DataModule: call"
-                " `setup` again, or make a new one)."
+                " --force`, say), and the records it indexed are gone. Create the dataset again (or the DataModule)."
             )
         return CorruptRecordError(f"{what} failed: {err}")
 

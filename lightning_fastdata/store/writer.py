@@ -39,7 +39,6 @@ from lightning_fastdata.store.format import (
     META_KEY,
     PROGRESS_FILE,
     REPORT_FILE,
-    close_readonly,
     converter_of,
     converter_record,
     describe_converter,
@@ -663,7 +662,6 @@ def _publish(tmp: Path, dst: Path) -> None:
     nothing. The files in ``tmp`` must be synced already.
     """
     if dst.exists():
-        close_readonly(dst)
         old = dst.parent / f".{dst.name}.old"
         shutil.rmtree(old, ignore_errors=True)  # left by a publish that died after moving the new one in
         os.replace(dst, old)
