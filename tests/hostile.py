@@ -22,7 +22,6 @@ from PIL import Image
 from lightning_fastdata.store.format import (
     FORMAT_VERSION,
     HEADER,
-    LOCK_FILE,
     MAGIC,
     META_KEY,
     dump_meta,
@@ -180,7 +179,7 @@ def write_database(
                 txn.delete(key)
             else:
                 txn.put(key, value)
-    _close(env, path)
+    env.close()
     return path
 
 
@@ -194,10 +193,4 @@ def damage_record(db: Path, index: int, split: str = "train") -> None:
             value[HEADER.size + 10] ^= 0xFF
             txn.put(key, bytes(value))
     finally:
-        _close(env, db)
-
-
-def _close(env: lmdb.Environment, path: Path) -> None:
-    """Close a writing environment and delete its lock file, as the converter does (see ``_LmdbWriter.close``)."""
-    env.close()
-    (path / LOCK_FILE).unlink(missing_ok=True)
+        env.close()

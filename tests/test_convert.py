@@ -135,20 +135,6 @@ def test_summary_and_report_of_a_clean_conversion(split_folder, tmp_path):
     assert _leftovers(dst) == []
 
 
-def test_a_converted_database_holds_no_lock_file(split_folder, tmp_path):
-    """Only the data file and the report: readers never lock, and the writer's ``lock.mdb`` is deleted.
-
-    py-lmdb knows an open environment by the inodes of its data and lock files, but a reader (``lock=False``) holds
-    only the data file open. A lock file left behind would, once the database is deleted, free an inode that a new
-    file can take, and that file would then be refused as "already open in this process".
-    """
-    dst = tmp_path / "db"
-    _run(split_folder, dst, short_side=64)
-    assert {p.name for p in dst.iterdir()} == {store_format.DATA_FILE, store_format.REPORT_FILE}
-    assert len(LmdbImageDataset(dst, "val")) == 9
-    assert {p.name for p in dst.iterdir()} == {store_format.DATA_FILE, store_format.REPORT_FILE, "verified.json"}
-
-
 def test_worker_processes_give_the_same_database(split_folder, database, tmp_path):
     """Converting in two worker processes stores the same records in the same order as in-process."""
     dst = tmp_path / "db"
@@ -695,11 +681,10 @@ def test_incomplete_own_database_at_dst_is_replaced(split_folder, database_copy)
 def test_replacing_a_database_this_process_read_leaves_no_claim_on_its_files(split_folder, database_copy, tmp_path):
     """After ``--force`` replaces a database read here, a new database may reuse the old files' inodes.
 
-    The old database has a ``lock.mdb`` (written by an older converter, or any LMDB writer), which a reader neither
-    locks nor names. A file system hands a deleted file's inode to a new file; hard links stand in for that here.
+    The old database has the writer's ``lock.mdb``, which a reader neither locks nor names. A file system hands a
+    deleted file's inode to a new file; hard links stand in for that here.
     """
-    env = lmdb.open(str(database_copy), map_size=1 << 26)  # a writer: leaves a lock.mdb, as older converters did
-    env.close()
+    assert (database_copy / "lock.mdb").exists()
     old = LmdbImageDataset(database_copy, "val")
     assert len(old) == 9  # this process now has the old database open
     kept = tmp_path / "kept"
@@ -707,6 +692,7 @@ def test_replacing_a_database_this_process_read_leaves_no_claim_on_its_files(spl
     os.link(database_copy / "lock.mdb", kept / "lock.mdb")
     _run(split_folder, database_copy, short_side=64, force=True)
     reused = shutil.copytree(database_copy, tmp_path / "reused.lmdb")
+    (reused / "lock.mdb").unlink()
     os.link(kept / "lock.mdb", reused / "lock.mdb")  # the old lock file's inode, as a new file
     env = lmdb.open(str(reused), map_size=1 << 26)  # "already open in this process" had the reader named it
     env.close()

@@ -1,6 +1,6 @@
 """The on-disk layout of a lightning_fastdata image database, shared by the writer and the reader.
 
-A database is an LMDB environment directory (``data.mdb``, and no ``lock.mdb``: readers never lock) holding:
+A database is an LMDB environment directory (``data.mdb`` + ``lock.mdb``) holding:
 
 * one record per image under the key ``b"<split>/<index:010d>"``: a fixed 20-byte little-endian header followed
   by the encoded image bytes (see :data:`HEADER`);
@@ -53,8 +53,6 @@ FORMAT_VERSION = 1
 MAGIC = b"LF"
 META_KEY = b"__meta__"
 DATA_FILE = "data.mdb"
-#: the writer's LMDB lock file; readers open with ``lock=False``, so a finished database holds none
-LOCK_FILE = "lock.mdb"
 REPORT_FILE = "convert_report.json"
 #: in a copy staged from a bucket (:mod:`~lightning_fastdata.store.remote`): its URL and the marker it was staged from
 STAGED_RECORD = "staged.json"
@@ -464,7 +462,7 @@ def open_readonly(path: str | os.PathLike[str]) -> lmdb.Environment:
 
     Opened with ``readonly=True, lock=False, readahead=False, meminit=False``, on ``data.mdb`` itself
     (``subdir=False``): no lock file is written or named, so a read-only directory works, many processes can read at
-    once, and a ``lock.mdb`` that an LMDB writer left beside it plays no part.
+    once, and the writer's ``lock.mdb`` beside it plays no part.
 
     The first open of a data file walks every lookup the reader will make in a throwaway child process, so that
     damaged LMDB pages (which crash LMDB itself) are a :class:`DatasetFormatError` here instead of a crash in

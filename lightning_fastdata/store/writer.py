@@ -35,7 +35,6 @@ from lightning_fastdata.store.encode import EncodeOptions, encode_all
 from lightning_fastdata.store.format import (
     DATA_FILE,
     FORMAT_VERSION,
-    LOCK_FILE,
     META_KEY,
     PROGRESS_FILE,
     REPORT_FILE,
@@ -78,7 +77,6 @@ class _LmdbWriter:
     """Batches puts into transactions and grows ``map_size`` (doubling) whenever the database is full."""
 
     def __init__(self, path: Path, map_size: int) -> None:
-        self.path = path
         self.map_size = map_size
         self.env = lmdb.open(str(path), map_size=map_size, subdir=True, readahead=False, meminit=False, sync=False)
         self._pending: list[tuple[bytes, bytes]] = []
@@ -108,12 +106,6 @@ class _LmdbWriter:
         self.flush()
         self.env.sync(True)
         self.env.close()
-        # Readers never lock (``lock=False``), yet py-lmdb identifies an open environment by the inodes of its data
-        # *and* lock files, and refuses a second open of either in one process. A reader does not hold the lock file
-        # open: once the database is deleted, that inode is free for a new file, which then cannot be opened while
-        # the old reader lives ("already open in this process"). Without a lock file, a reader's identity is its data
-        # file alone, which it holds open.
-        (self.path / LOCK_FILE).unlink(missing_ok=True)
 
 
 def _existing_meta(dst: Path) -> dict[str, Any] | None:
