@@ -90,6 +90,8 @@ def test_check_target_returns_what_the_writer_stores_or_says_why_not():
         (["cat", "dog"], "class"),
         (["0", "3", ""], "class"),
         (["0.5", "cat"], "class"),  # not all numbers: names
+        (["cat", "dog", "7", "Na", "NONE"], "class"),  # mostly names: `Na` and `NONE` are names to pandas too
+        (["1", "cat", "dog"], "class"),  # one number is not "mostly numbers"
         ([], "class"),
     ],
 )
@@ -106,6 +108,11 @@ def test_infer_list_kind_reads_classes_where_that_is_unambiguous(labels, kind):
         (["1", "2", "NA"], "|", "numbers, not all class indices .'NA'."),  # a gap in values, not a class `NA`
         (["1.0", "10.0", "2.0"], "|", "not all class indices .'1.0'."),  # would be classes '1.0' < '10.0' < '2.0'
         (["-3", "4"], "|", "not all class indices .'-3'."),
+        (["1", "2", "#N/A"], "|", "not all class indices .'#N/A'."),  # one of pandas' missing markers
+        (["1", "2", "inf"], "|", "not all class indices .'inf'."),  # a float to pandas, not a missing value
+        (["1", "2", "3", "cat"], "|", r"mostly numbers .3 of 4., but 1 is not: row 4 'cat'\. Correct those rows"),
+        (["0.5", "1.5", "-", "2", "?"], "|", r"mostly numbers .3 of 5., but 2 are not: row 3 '-', row 5 '\?'\."),
+        (["1", "2", "NONE"], "|", "mostly numbers .2 of 3., but 1 is not: row 3 'NONE'"),  # pandas: `None` only
         ([["a", "b"], "c"], "|", "is a list: pass `--targets multilabel`"),
         (["[a, b]"], "|", "is a list: pass `--targets multilabel`"),
         (["cat|outdoor", "dog"], "|", "holds the separator '|': pass `--targets multilabel`"),
@@ -119,6 +126,31 @@ def test_infer_list_kind_refuses_labels_of_another_kind_in_one_line(labels, sepa
     assert "\n" not in str(err.value)
     assert "`--targets class`" in str(err.value)
     assert isinstance(err.value, SourceLayoutError)
+
+
+def test_the_missing_markers_are_pandas_defaults_matched_as_pandas_matches_them():
+    """pandas' default ``na_values`` are missing values, case and all; ``-``, ``?``, ``inf`` and ``NAN`` are not."""
+    pandas_defaults = ["", "#N/A", "#N/A N/A", "#NA", "-1.#IND", "-1.#QNAN", "-NaN", "-nan", "1.#IND", "1.#QNAN",
+                       "<NA>", "N/A", "NA", "NULL", "NaN", "None", "n/a", "nan", "null"]  # fmt: skip
+    assert sorted(tg.MISSING_MARKERS) == sorted(pandas_defaults)
+    assert all(tg.is_missing(marker) for marker in pandas_defaults)
+    assert not any(tg.is_missing(text) for text in ["-", "?", "inf", "NAN", "Na", "none", "NONE", "n/A", "0"])
+
+
+def test_a_mostly_numeric_label_column_names_at_most_five_rows_that_are_not_numbers():
+    """38 numbers, ``n/a`` (missing) and 7 words: refused in one line naming the first 5 rows (as given) and a count;
+    the missing value is not among them."""
+    labels = [f"{0.1 * n}" for n in range(38)] + ["n/a"] + [f"word{n}" for n in range(7)]
+    rows = list(range(2, 2 + len(labels)))
+    with pytest.raises(AmbiguousTargetsError) as err:
+        infer_list_kind(labels, "list.csv", rows=rows)
+    message = str(err.value)
+    assert "\n" not in message
+    assert "the labels are mostly numbers (38 of 46), but 7 are not: row 41 'word0', row 42 'word1'," in message
+    assert "row 45 'word4' and 2 more." in message
+    assert "'n/a'" not in message
+    assert "`--targets float`" in message
+    assert "`--targets class`" in message
 
 
 def test_split_label_reads_separated_names_json_lists_and_bracketed_text():
@@ -210,6 +242,48 @@ def test_float_labels_are_refused_without_targets_and_stored_as_values_with_floa
     assert ds[0][1].dtype.is_floating_point
     _run(src, tmp_path / "classes", targets="class")  # explicit: each distinct value a class, as before kinds
     assert LmdbImageDataset(tmp_path / "classes").classes == ["0.374", "1.5", "2"]
+
+
+def test_a_numeric_column_with_stray_text_is_refused_and_converts_with_either_kind(tmp_path):
+    """Issue 42's list: 38 numbers, ``n/a`` and ``high``. Refused without ``targets`` naming row 40 (not 40 classes);
+    ``float`` stores the 38 values, skipping the missing one and the word with their reasons; ``class`` makes each
+    distinct label a class named as written (``0.30``, never ``0.3`` or ``0.30000000000000004``)."""
+    names = _images(tmp_path, 40)
+    labels = ["0.30", "0.1", "1e1"] + [str(n) for n in range(3, 38)] + ["n/a", "high"]
+    src = tmp_path / "list.csv"
+    src.write_text("path,label\n" + "".join(f"{n},{v}\n" for n, v in zip(names, labels, strict=True)))
+    with pytest.raises(AmbiguousTargetsError, match=r"mostly numbers \(38 of 40\), but 1 is not: row 40 'high'\."):
+        _run(src, tmp_path / "db")
+    assert not (tmp_path / "db").exists()
+    summary = _run(src, tmp_path / "db", targets="float")
+    assert LmdbImageDataset(tmp_path / "db").targets == pytest.approx([0.3, 0.1, 10.0, *range(3, 38)])
+    assert [(Path(s.path).name, s.reason) for s in summary.skipped] == [
+        ("list.csv row 39", "float target: a missing value ('n/a')"),
+        ("list.csv row 40", "float target: 'high' is not a number"),
+    ]
+    _run(src, tmp_path / "classes", targets="class")
+    classes = LmdbImageDataset(tmp_path / "classes").classes
+    assert len(classes) == 40
+    assert {"0.30", "0.1", "1e1", "n/a", "high"} <= set(classes)
+
+
+def test_a_json_lists_number_labels_keep_their_text(tmp_path):
+    """JSON numbers are labels as written: ``0.30`` and ``1e2`` are the classes '0.30' and '1e2' (never a float's repr
+    '0.3' or '100.0'), a list of them one class written as the file writes it; as floats they are their values."""
+    names = _images(tmp_path, 4)
+    src = tmp_path / "list.json"
+    src.write_text(
+        f'[{{"path": "{names[0]}", "label": 0.30}}, {{"path": "{names[1]}", "label": 1e2}},'
+        f' {{"path": "{names[2]}", "label": 0.1}}, {{"path": "{names[3]}", "label": 0.30}}]'
+    )
+    _run(src, tmp_path / "classes", targets="class")
+    ds = LmdbImageDataset(tmp_path / "classes")
+    assert (ds.classes, ds.targets) == (["0.1", "0.30", "1e2"], [1, 2, 0, 1])
+    _run(src, tmp_path / "values", targets="float")
+    assert LmdbImageDataset(tmp_path / "values").targets == pytest.approx([0.3, 100.0, 0.1, 0.3])
+    src.write_text(f'[{{"path": "{names[0]}", "label": [1, 2.50]}}, {{"path": "{names[1]}", "label": [3, 4]}}]')
+    _run(src, tmp_path / "lists", targets="class")
+    assert LmdbImageDataset(tmp_path / "lists").classes == ["[1, 2.50]", "[3, 4]"]
 
 
 @pytest.mark.parametrize("suffix", ["csv", "tsv", "json"])

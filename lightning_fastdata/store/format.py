@@ -142,8 +142,10 @@ def unpack_record(record: bytes | memoryview, verify: bool = True) -> tuple[Reco
     return RecordHeader(encoding, label, height, width), payload
 
 
-def parse_json(text: str | bytes) -> Any:
+def parse_json(text: str | bytes, **hooks: Any) -> Any:
     """``json.loads`` for JSON from elsewhere (a database's metadata and sources, a marker or list file).
+
+    ``hooks``: ``json.loads``'s ``parse_int``, ``parse_float``... (a list file keeps its numbers' text).
 
     Raises:
         ValueError: the text is not JSON (``json.JSONDecodeError``), not UTF-8 (``UnicodeDecodeError``), or nests its
@@ -151,7 +153,7 @@ def parse_json(text: str | bytes) -> Any:
 
     """
     try:
-        return json.loads(text)
+        return json.loads(text, **hooks)
     except RecursionError:
         raise ValueError("its arrays and objects nest too deeply to parse") from None
 

@@ -32,6 +32,7 @@ from lightning_fastdata.store.targets import (
     TargetSpec,
     check_target,
     infer_list_kind,
+    is_missing,
     split_label,
 )
 
@@ -432,6 +433,18 @@ def scan_folder(src: Path, targets: str | None = None) -> ConversionPlan:
     return plan
 
 
+class _JsonNumber(str):
+    """A number of a JSON list file as its text (``0.30``, ``1e2``, ``NaN``): what a label is, whichever the kind.
+
+    A class is named by the text as written, a float is parsed from it; a list of them is written as the file does.
+    """
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
 def _read_list(src: Path, columns: tuple[str, ...] = ("path", "label")) -> list[dict[str, Any]]:
     """The rows of a CSV or TSV (with a header) or JSON (a list of objects) list file, keys lower-cased.
 
@@ -442,8 +455,8 @@ def _read_list(src: Path, columns: tuple[str, ...] = ("path", "label")) -> list[
     except (OSError, UnicodeDecodeError) as err:
         raise SourceLayoutError(f"`src` {str(src)!r} cannot be read as a UTF-8 list file: {err}") from None
     if src.suffix.lower() == ".json":
-        try:
-            rows = parse_json(text)
+        try:  # numbers keep their text (`0.30` is the class '0.30', never a float's repr '0.3')
+            rows = parse_json(text, parse_int=_JsonNumber, parse_float=_JsonNumber, parse_constant=_JsonNumber)
         except ValueError as err:
             raise SourceLayoutError(f"`src` {str(src)!r} is not valid JSON: {err}.\n{_LAYOUT_HELP}") from None
         if not isinstance(rows, list) or not all(isinstance(row, dict) for row in rows):
@@ -568,21 +581,28 @@ def scan_list(src: Path, targets: str | None = None, label_separator: str = LABE
     Args:
         src: the list file (``.csv``, ``.tsv`` or ``.json``).
         targets: the kind of the labels (:mod:`~lightning_fastdata.store.targets`); ``None``: classes, unless the
-            labels could be read otherwise (numbers that are not integers, lists, names joined by
-            ``label_separator``), which is refused naming ``--targets``.
+            labels could be read otherwise (numbers that are not integers, mostly numbers with a few other labels,
+            lists, names joined by ``label_separator``), which is refused naming ``--targets``.
         label_separator: what separates the class names of a ``multilabel`` label (``cat|outdoor``).
 
+    An image listed twice (the same path, relative to the list file's folder, once normalised: ``./a.jpg`` is
+    ``a.jpg``) with the same target in the same split is converted once; its later rows are skipped and listed, so
+    ``strict`` refuses them as it refuses every row it cannot convert as listed.
+
     Raises:
-        SourceLayoutError: the file cannot be read, lacks a column, or its labels are ambiguous
-            (:class:`~lightning_fastdata.store.targets.AmbiguousTargetsError`).
+        SourceLayoutError: the file cannot be read, lacks a column, lists an image twice with different targets or in
+            two splits, or its labels are ambiguous (:class:`~lightning_fastdata.store.targets.AmbiguousTargetsError`).
 
     """
     check_targets_option(targets, label_separator)
     rows = _read_list(src, ("path",) if targets in ("none", "float") else ("path", "label"))
     labels = [_label_of(row) for row in rows]
     if targets is None:
-        listed = [label for row, label in zip(rows, labels, strict=True) if _has_path(row)]
-        targets = infer_list_kind(listed, str(src), label_separator)
+        # the rows that list an image, numbered as the skipped rows are (the first after the header is row 1)
+        pairs = enumerate(zip(rows, labels, strict=True), start=1)
+        labelled = [(number, label) for number, (row, label) in pairs if _has_path(row)]
+        numbers = [number for number, _ in labelled]
+        targets = infer_list_kind([label for _, label in labelled], str(src), label_separator, numbers)
     scan = _Scan()
     scan.digest.update(src.read_bytes())
     if targets == "multilabel":  # the separator decides the classes: another one reads another dataset
@@ -591,20 +611,66 @@ def scan_list(src: Path, targets: str | None = None, label_separator: str = LABE
     split_names = [str(row.get("split") or "train").strip() for row in rows]
     counts = Counter(split_names)
     warn_split_typos({name: f"{n} row(s) with split" for name, n in counts.items()}, f"`src` {str(src)!r}")
-    for line, (row, value, split_name) in enumerate(zip(rows, values, split_names, strict=True), start=2):
+    seen: dict[str, tuple[int, str, Any]] = {}  # an image's normalised path: its first row, split and target
+    conflicts: list[str] = []
+    for number, (row, value, split_name) in enumerate(zip(rows, values, split_names, strict=True), start=1):
         listed = str(row.get("path") or "").strip()
         split = canonical_split(split_name) or split_name
         if not listed or isinstance(value, _Missing):
             reason = value.reason if listed and isinstance(value, _Missing) else _NO_PATH_OR_LABEL
-            scan.skipped.append(SkippedFile(f"{src} row {line - 1}", reason))
+            scan.skipped.append(SkippedFile(f"{src} row {number}", reason))
             continue
-        scan.add(split, str(src.parent / Path(listed).expanduser()), value, listed)
+        path = str(src.parent / Path(listed).expanduser())
+        first, first_split, first_value = seen.setdefault(os.path.normpath(path), (number, split, value))
+        if first == number:
+            scan.add(split, path, value, listed)
+        elif first_split != split or first_value != value:
+            conflicts.append(_conflict(listed, (first, rows[first - 1], first_split), (number, row, split), targets))
+        else:
+            reason = f"{listed!r} again, as in row {first}, with the same target: converted once; remove the row"
+            scan.skipped.append(SkippedFile(f"{src} row {number}", reason))
+    if conflicts:
+        more = (
+            f" ({len(conflicts) - 1} more row(s) conflict with an earlier row of their image.)" if conflicts[1:] else ""
+        )
+        raise SourceLayoutError(f"`src` {str(src)!r}: {conflicts[0]}.{more}")
     plan = scan.plan(src, classes)
     plan.targets = spec
     return plan
 
 
 _NO_PATH_OR_LABEL = "row without a path or a label"
+
+
+def _conflict(
+    listed: str, first: tuple[int, Mapping[str, Any], str], again: tuple[int, Mapping[str, Any], str], kind: str
+) -> str:
+    """Why an image listed twice, as ``first`` and ``again`` (row number, row, split), cannot be converted."""
+    (row_a, cells_a, split_a), (row_b, cells_b, split_b) = first, again
+    if split_a != split_b:  # a leak: whichever split it is dropped from, the conversion would guess
+        return (
+            f"{listed!r} is listed in split {split_a!r} (row {row_a}) and in split {split_b!r} (row {row_b}): the"
+            " model would be evaluated on an image it trained on. Keep each image in one split: remove one of the rows"
+        )
+    fix = "keep one row per image"
+    label_a, label_b = _label_of(cells_a), _label_of(cells_b)
+    if kind in ("class", "multilabel") and isinstance(label_a, str) and isinstance(label_b, str):
+        both = f"`{label_a}{LABEL_SEPARATOR}{label_b}`" if kind == "class" else "its classes"
+        fix += f", or name {both} in one row" + (" and pass `--targets multilabel`" if kind == "class" else "")
+    return (
+        f"{listed!r} is listed twice with different labels: row {row_a} ({_cells(cells_a)}) and row {row_b}"
+        f" ({_cells(cells_b)}). An image has one target: {fix}"
+    )
+
+
+def _cells(row: Mapping[str, Any]) -> str:
+    """A row's cells but ``path`` and ``split``, for a message: ``label 'cat'``, ``x '1', y '2'``."""
+    return ", ".join(f"{key} {_short_text(value)}" for key, value in row.items() if key not in ("path", "split"))
+
+
+def _short_text(value: Any) -> str:
+    text = repr(value if isinstance(value, (list, tuple)) else str(value if value is not None else "").strip())
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 @dataclass(frozen=True)
@@ -625,10 +691,15 @@ def _list_targets(
         spec = _float_spec(src, rows, columns)
         values: list[Any] = []
         for row in rows:
+            raw = _float_values(row, columns)
             try:
-                values.append(check_target(spec, _float_values(row, columns)))
+                values.append(check_target(spec, raw))
             except ValueError as err:
-                values.append(_Missing(f"float target: {err}"))
+                # a missing value says so (as pandas reads one: `NA`, `n/a`, empty, JSON null), not "not a number"
+                items = raw if isinstance(raw, list) else [raw]
+                gap = next((i for i in items if i is None or (isinstance(i, str) and is_missing(i.strip()))), False)
+                reason = f"a missing value ({_short_text(gap)})" if gap is not False else str(err)
+                values.append(_Missing(f"float target: {reason}"))
         return spec, [], values
     kept = [_has_path(row) for row in rows]
     if kind == "multilabel":
