@@ -3,6 +3,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import io
+import itertools
 import json
 import os
 import random
@@ -762,6 +763,60 @@ def test_tiny_initial_map_size_grows(tmp_path):
         assert int(np.argmin(diffs)) == source
 
 
+def _sizes(low: int, high: int, count: int, seed: int = 0) -> list[int]:
+    return [int(n) for n in np.random.default_rng(seed).integers(low, high, count)]
+
+
+@pytest.mark.parametrize(
+    ("splits", "most"),
+    [
+        ({"train": _sizes(6000, 14000, 1500)}, 1.02),  # photos at short side 256: 2-4 overflow pages each
+        ({"train": _sizes(300, 1900, 3000)}, 1.05),  # thumbnails, in the leaf pages
+        ({"train": _sizes(1900, 2300, 2000)}, 1.05),  # either side of LMDB's overflow threshold
+        ({"train": [196_628] * 200}, 1.01),  # raw 256x256 pixels: 49 pages each
+        ({"train": _sizes(200, 200_000, 800)}, 1.02),
+        ({s: _sizes(300, 1900, 1000, i) for i, s in enumerate(("train", "val", "test"))}, 1.5),  # test before train
+    ],
+    ids=["photos", "thumbnails", "threshold", "raw", "mixed", "splits-out-of-order"],
+)
+def test_the_disk_space_estimate_is_never_below_what_lmdb_writes(tmp_path, splits, most):
+    """The writer's bound of ``data.mdb`` (what a full disk's message says the database needs) holds its size for
+    records of any size, put as a conversion puts them (issue 42: the records' bytes were 50-98% of it)."""
+    from lightning_fastdata.store.writer import _LmdbWriter
+
+    writer = _LmdbWriter(tmp_path, 1 << 20)  # grown by doubling as it fills
+    writer.put(store_format.META_KEY, b"m" * 700)
+    writer.flush()
+    rng = random.Random(0)
+    for split, sizes in splits.items():
+        for i, size in enumerate(sizes):
+            writer.put(store_format.record_key(split, i), rng.randbytes(size))
+    for split, sizes in splits.items():
+        writer.put(store_format.labels_key(split), bytes(4 * len(sizes)))
+        writer.put(
+            store_format.sources_key(split), json.dumps([f"class_{i % 7}/{i}.jpg" for i in range(len(sizes))]).encode()
+        )
+    writer.put(store_format.META_KEY, b"m" * 900)
+    bound = writer.bound.nbytes()
+    writer.close()
+    size = (tmp_path / store_format.DATA_FILE).stat().st_size
+    assert size <= bound <= most * size
+
+
+@pytest.mark.parametrize(("euid", "blocks", "free"), [(1000, 100, 10 * 4096), (0, 100, 25 * 4096), (1000, 0, None)])
+def test_the_free_space_checked_before_each_commit(tmp_path, monkeypatch, euid, blocks, free):
+    """Root may write into the blocks a file system reserves for it; a file system that reports no size is not
+    checked (a FUSE mount reporting nothing free must not stop a conversion)."""
+    from lightning_fastdata.store import writer
+
+    # f_bsize, f_frsize, f_blocks, f_bfree, f_bavail, ...: 25 blocks free, 10 of them for anyone
+    monkeypatch.setattr(
+        writer.os, "statvfs", lambda path: os.statvfs_result((4096, 4096, blocks, 25, 10, 0, 0, 0, 0, 255))
+    )
+    monkeypatch.setattr(writer.os, "geteuid", lambda: euid)
+    assert writer._free_space(tmp_path) == free
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # convert_dataset
 # ---------------------------------------------------------------------------------------------------------------
@@ -819,6 +874,32 @@ def test_convert_dataset_of_encoded_bytes(tmp_path):
     assert payload[:3] == b"\xff\xd8\xff"
     assert (header.height, header.width) == (20, 50)
     assert tuple(ds[1][0].shape) == (3, 20, 50)
+
+
+class _ReadInWorkers:
+    """A dataset that refuses reads in the process that made it past its first sample (which sets the target kind)."""
+
+    def __init__(self) -> None:
+        self.parent = os.getpid()
+        self.samples = _pil_samples(40)
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> tuple[Image.Image, int]:
+        if index > 0 and os.getpid() == self.parent:
+            raise RuntimeError("read in the process that forks the pool")
+        return self.samples[index]
+
+
+def test_the_default_reads_a_dataset_of_ones_own_only_in_the_pool(tmp_path, monkeypatch):
+    """``num_workers=None`` times the first files in this process before it starts a pool, but never a dataset of
+    one's own: its reads could open handles (a file, a database) that the forked workers would then share."""
+    from lightning_fastdata.store import encode
+
+    monkeypatch.setattr(encode, "usable_cpu_count", lambda: 2)
+    summary = convert_dataset(_ReadInWorkers(), tmp_path / "db", num_workers=None, progress=False)
+    assert (summary.written, summary.skipped, summary.workers) == (40, [], 2)
 
 
 class _NamedDataset(list):
@@ -1027,6 +1108,106 @@ def test_in_process_conversion_keeps_the_callers_thread_count(split_folder_copy,
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+# A conversion of a dataset whose labels say what the encoding worker had loaded: 0 no torch, 1 torch capped at one
+# thread, 2 torch with more. A script file, not `-c`: a spawned worker imports the main module to unpickle `Probe`
+_WORKER_IMPORTS = textwrap.dedent(
+    """
+    import io, multiprocessing, sys
+    from PIL import Image
+    from lightning_fastdata import convert_dataset
+
+    class Probe:
+        def __init__(self, jpeg):
+            self.jpeg = jpeg
+
+        def __len__(self):
+            return 8
+
+        def __getitem__(self, index):
+            torch = sys.modules.get("torch")
+            return self.jpeg, 0 if torch is None else 1 if torch.get_num_threads() == 1 else 2
+
+    if __name__ == "__main__":
+        multiprocessing.set_start_method(sys.argv[1])
+        if sys.argv[3] == "torch":
+            import torch
+
+            torch.set_num_threads(2)
+        out = io.BytesIO()
+        Image.new("RGB", (8, 8), "red").save(out, format="JPEG")
+        convert_dataset(Probe(out.getvalue()), sys.argv[2], classes=["none", "one", "more"], num_workers=2,
+                        progress=False)
+    """
+)
+
+
+@pytest.mark.parametrize(
+    ("method", "parent", "label"), [("fork", "", 0), ("spawn", "", 0), ("forkserver", "", 0), ("fork", "torch", 1)]
+)
+def test_pool_workers_import_no_torch(tmp_path, method, parent, label):
+    """A conversion worker loads no torch (it took ~5 s per worker), under every start method; a parent's torch,
+    inherited by fork, is capped at one thread per worker."""
+    script = tmp_path / "probe.py"
+    script.write_text(_WORKER_IMPORTS)
+    proc = subprocess.run(
+        [sys.executable, str(script), method, str(tmp_path / "db"), parent], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert LmdbImageDataset(tmp_path / "db").targets == [label] * 8
+
+
+def test_the_default_converts_a_few_images_without_a_pool(split_folder_copy, tmp_path, monkeypatch):
+    """``num_workers=None`` starts no pool where it would not pay (a pool took seconds to start, longer than the
+    conversion); an explicit worker count is honoured."""
+    from types import SimpleNamespace
+
+    from lightning_fastdata.store import encode
+
+    def no_pool(*args, **kwargs):
+        raise AssertionError("a pool was started for a few images")
+
+    clock = itertools.count(0.0, 0.001)  # a millisecond an image, whatever the machine's load
+    with monkeypatch.context() as patch:
+        patch.setattr(encode, "time", SimpleNamespace(perf_counter=lambda: next(clock)))
+        patch.setattr(encode.multiprocessing, "get_context", no_pool)
+        summary = _run(split_folder_copy, tmp_path / "db", num_workers=None)
+    assert (summary.written, summary.workers) == (33, 0)
+    assert _run(split_folder_copy, tmp_path / "db2", num_workers=2).workers == 2
+
+
+def test_a_pool_started_after_the_first_images_gives_the_same_database(split_folder, database, tmp_path, monkeypatch):
+    """The default encodes the first images here, then (when they were slow) the rest in a pool: same records."""
+    from types import SimpleNamespace
+
+    from lightning_fastdata.store import encode
+
+    clock = itertools.chain([0.0] * 4, itertools.repeat(10.0))  # three images in 10 s: a pool pays for the rest
+    monkeypatch.setattr(encode, "time", SimpleNamespace(perf_counter=lambda: next(clock)))
+    monkeypatch.setattr(encode, "usable_cpu_count", lambda: 2)
+    dst = tmp_path / "db"
+    assert _run(split_folder, dst, short_side=64, num_workers=None).workers == 2
+    for split in ("train", "val"):
+        mixed, pooled = LmdbImageDataset(dst, split), LmdbImageDataset(database, split)
+        assert [mixed.read_record(i) for i in range(len(mixed))] == [pooled.read_record(i) for i in range(len(pooled))]
+
+
+@pytest.mark.parametrize(
+    ("seconds_per_task", "remaining", "workers", "method", "pays"),
+    [
+        (0.002, 50, 2, "fork", False),  # 0.1 s of work: not worth a pool
+        (0.002, 5000, 2, "fork", True),
+        (0.002, 500, 2, "spawn", False),  # a spawned worker imports this package first
+        (0.002, 5000, 2, "forkserver", True),
+        (1.0, 100, 1, "fork", False),  # one worker is this process, slower
+    ],
+)
+def test_a_pool_is_started_only_where_it_pays(seconds_per_task, remaining, workers, method, pays):
+    """The default's choice between a pool and this process, from the time per image of the first ones."""
+    from lightning_fastdata.store.encode import _pool_pays
+
+    assert _pool_pays(seconds_per_task, remaining, workers, method) is pays
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1257,6 +1438,55 @@ def test_a_list_row_without_a_label_is_skipped_and_makes_no_class(tmp_path, labe
     assert (train.classes, train.targets) == (classes, targets)
 
 
+def test_an_image_listed_twice_with_the_same_label_is_converted_once_and_refused_under_strict(tmp_path):
+    """The same path twice (``./`` and ``x/../`` spellings too) with the same label: one record, the later rows
+    skipped and listed naming the first; ``strict=True`` refuses them as every row it cannot convert as listed."""
+    _tree(tmp_path / "images", {"x": 2})
+    src = tmp_path / "list.csv"
+    rows = ["images/x/0.jpg,cat", "images/x/1.jpg,dog", "./images/x/0.jpg,cat", "images/x/../x/0.jpg,cat"]
+    src.write_text("path,label\n" + "\n".join(rows) + "\n")
+    result = _run(src, tmp_path / "db")
+    assert (result.written, LmdbImageDataset(tmp_path / "db").targets) == (2, [0, 1])
+    again = "again, as in row 1, with the same target: converted once; remove the row"
+    assert [(Path(s.path).name, s.reason) for s in result.skipped] == [
+        ("list.csv row 3", f"'./images/x/0.jpg' {again}"),
+        ("list.csv row 4", f"'images/x/../x/0.jpg' {again}"),
+    ]
+    assert "list.csv row 3: './images/x/0.jpg' again, as in row 1" in result.format()
+    with pytest.raises(ConversionError, match=r"2 input\(s\) could not be converted and `strict` is set.*row 3"):
+        _run(src, tmp_path / "strict", strict=True)
+    assert not (tmp_path / "strict").exists()
+
+
+@pytest.mark.parametrize(
+    ("header", "rows", "targets", "match"),
+    [
+        ("path,label", ["0.jpg,cat", "1.jpg,dog", "0.jpg,dog"], None,
+         r"`src` '.*list.csv': '0.jpg' is listed twice with different labels: row 1 \(label 'cat'\) and row 3 \(label"
+         r" 'dog'\)\. An image has one target: keep one row per image, or name `cat\|dog` in one row and pass"
+         r" `--targets multilabel`\.$"),
+        ("path,label", ["0.jpg,cat|dog", "0.jpg,cat"], "multilabel",
+         r"row 1 \(label 'cat\|dog'\) and row 2 \(label 'cat'\)\. An image has one target: keep one row per image, or"
+         r" name its classes in one row\.$"),
+        ("path,x,y", ["0.jpg,1,2", "0.jpg,1,3"], "float", r"row 1 \(x '1', y '2'\) and row 2 \(x '1', y '3'\)"),
+        ("path,label,split", ["0.jpg,cat,train", "1.jpg,cat,train", "0.jpg,cat,val", "1.jpg,dog,val"], None,
+         r"'0.jpg' is listed in split 'train' \(row 1\) and in split 'val' \(row 3\): the model would be evaluated"
+         r" on an image it trained on\. Keep each image in one split: remove one of the rows\. \(1 more row\(s\)"
+         r" conflict with an earlier row of their image\.\)$"),
+        ("path,split", ["0.jpg,train", "0.jpg,test"], "none", "listed in split 'train' .row 1. and in split 'test'"),
+    ],
+)  # fmt: skip
+def test_an_image_listed_twice_with_different_labels_or_splits_is_refused(tmp_path, header, rows, targets, match):
+    """The same path with another label (values, classes), or in two splits (a leak), is a ``SourceLayoutError``
+    naming the path, both rows and what differs, and how to fix it; nothing is written."""
+    _tree(tmp_path, {".": 2})
+    src = tmp_path / "list.csv"
+    src.write_text(header + "\n" + "\n".join(rows) + "\n")
+    with pytest.raises(SourceLayoutError, match=match):
+        _run(src, tmp_path / "db", targets=targets)
+    assert not (tmp_path / "db").exists()
+
+
 class _HfLike:
     """A duck-typed stand-in for a Hugging Face ``datasets.Dataset``: mapping rows and a ``ClassLabel`` feature."""
 
@@ -1378,8 +1608,9 @@ def test_a_misspelled_split_warns_naming_the_closest_known_one(tmp_path):
     """A CSV row with split ``trian`` warns, naming ``trian`` and ``train``; a custom split name stays silent."""
     _save(tmp_path / "a.jpg")
     _save(tmp_path / "b.jpg", seed=1)
+    _save(tmp_path / "c.jpg", seed=2)
     listing = tmp_path / "list.csv"
-    listing.write_text("path,label,split\na.jpg,cat,trian\nb.jpg,dog,train\na.jpg,cat,holdout\n")
+    listing.write_text("path,label,split\na.jpg,cat,trian\nb.jpg,dog,train\nc.jpg,cat,holdout\n")
     with pytest.warns(UserWarning, match=r"1 row\(s\) with split 'trian'.*Did you mean 'train'\?") as record:
         summary = _run(listing, tmp_path / "db")
     assert summary.splits == {"trian": 1, "train": 1, "holdout": 1}  # stored as given, as documented

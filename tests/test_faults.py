@@ -8,6 +8,7 @@ import faulthandler
 import gc
 import hashlib
 import json
+import mmap
 import multiprocessing
 import os
 import random
@@ -397,13 +398,23 @@ def test_a_page_damaged_after_its_walk_was_recorded_is_still_a_clear_error(fault
 
 _DISK_FULL_SCRIPT = textwrap.dedent(
     """
-    import collections, resource, shutil, signal, sys
+    import os, resource, signal, sys
     from lightning_fastdata import convert
 
     src, dst, limit = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    if len(sys.argv) > 4:  # the disk as a full one looks: `free` bytes left once the writes fail
-        usage = collections.namedtuple("usage", "total used free")
-        shutil.disk_usage = lambda path: usage(10 * limit, 10 * limit - int(sys.argv[4]), int(sys.argv[4]))
+    if len(sys.argv) > 4:  # a disk with `free` bytes left, or ("limit") what the file may still grow by
+        real_statvfs = os.statvfs
+        partial = os.path.join(os.path.dirname(dst), f".{os.path.basename(dst)}.partial", "data.mdb")
+
+        def statvfs(path):
+            st = real_statvfs(path)
+            if sys.argv[4] == "limit":
+                free = max(0, limit - (os.path.getsize(partial) if os.path.exists(partial) else 0)) // st.f_frsize
+            else:
+                free = int(sys.argv[4]) // st.f_frsize
+            return os.statvfs_result((st.f_bsize, st.f_frsize, st.f_blocks, free, free, *tuple(st)[5:]))
+
+        os.statvfs = statvfs
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG instead of killing us
     resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
     try:
@@ -472,33 +483,65 @@ def test_disk_full_during_conversion_publishes_nothing(tmp_path: Path) -> None:
     assert _tree_digest(src) == source_before
 
 
-def test_a_full_disk_is_named_with_the_space_the_database_needs(tmp_path: Path) -> None:
-    """A write failing on a full disk says ENOSPC, the free space, and the space needed, estimated from the source."""
-    src = make_image_folder(
-        tmp_path / "src", num_classes=2, train_per_class=30, val_per_class=0, min_size=120, max_size=200, noise=8
-    )
-    limit = 200 << 10
-    dst = tmp_path / "out" / "db.lmdb"
+def _convert_onto_a_small_disk(src: Path, dst: Path, limit: int, free: str) -> str:
+    """What converting ``src`` to ``dst`` printed in a child whose disk holds ``limit`` bytes (``_DISK_FULL_SCRIPT``:
+    ``free`` is what ``statvfs`` says is free, in bytes, or ``limit``); it must have raised the ConversionError."""
     proc = subprocess.run(
-        [sys.executable, "-c", _DISK_FULL_SCRIPT, str(src), str(dst), str(limit), "4096"],
+        [sys.executable, "-c", _DISK_FULL_SCRIPT, str(src), str(dst), str(limit), free],
         capture_output=True,
         text=True,
         timeout=120,
     )
     text = proc.stdout + proc.stderr
     assert proc.returncode == 3, text
+    return text
+
+
+def test_a_full_disk_is_named_with_the_space_the_database_needs(tmp_path: Path) -> None:
+    """A disk too small for the next commit stops the conversion before LMDB writes it, naming the free space and the
+    space needed: never less than the database takes (LMDB's whole pages, not the records' bytes: issue 42)."""
+    src = make_image_folder(
+        tmp_path / "src", num_classes=2, train_per_class=30, val_per_class=0, min_size=120, max_size=200, noise=8
+    )
+    dst = tmp_path / "out" / "db.lmdb"
+    text = _convert_onto_a_small_disk(src, dst, 200 << 10, "4096")
     found = re.search(
-        r"RAISED ConversionError: writing the database under '.*\.db\.lmdb\.partial' failed: the disk is full \(ENOSPC;"
-        r" LMDB said: .*\)\. 4.0 KiB is free on the disk of '.*out'; the database needs about ([\d.]+) (KiB|MiB)"
-        r" \(estimated from ([\d.]+) KiB per image so far, for 60 images\), so free about [\d.]+ (KiB|MiB) more",
+        r"RAISED ConversionError: writing the database under '.*\.db\.lmdb\.partial' stopped before filling the disk"
+        r" \(its next commit alone needs [\d.]+ (?:KiB|MiB)\)\. 4.0 KiB is free on the disk of '.*out'; the"
+        r" database needs about ([\d.]+) (KiB|MiB) \(estimated from LMDB's pages of the images so far: [\d.]+ KiB per"
+        r" image, for 60 images\), so free about [\d.]+ (KiB|MiB) more",
         text,
     )
     assert found, text
-    needed = float(found.group(1)) * (1024 if found.group(2) == "MiB" else 1)
-    assert needed == pytest.approx(60 * float(found.group(3)), rel=0.05)
-    assert needed * 1024 > limit  # more than was written before the disk filled up
+    needed = float(found.group(1)) * (1 << (20 if found.group(2) == "MiB" else 10))
     assert "nothing was published" in text
     assert not dst.exists()
+    assert sorted(p.name for p in dst.parent.iterdir()) == []
+
+    convert(src, dst, short_side=0, num_workers=0, progress=False)
+    takes = sum(path.stat().st_size for path in dst.iterdir())
+    assert takes <= needed <= 1.25 * takes
+
+
+def test_a_disk_that_fills_during_a_commit_is_named_as_full(tmp_path: Path) -> None:
+    """A commit that passes the check before it (its overflow pages fit) and then fills the disk, so that LMDB says
+    ``mdb_txn_commit: Input/output error`` (a short write), is reported as the full disk it is (issue 42: with less free
+    than the database needs but more than the records' bytes, it was LMDB's error alone)."""
+    src = make_image_folder(
+        tmp_path / "src", num_classes=2, train_per_class=30, val_per_class=0, min_size=120, max_size=200, noise=8
+    )
+    reference = tmp_path / "reference.lmdb"
+    convert(src, reference, short_side=0, num_workers=0, progress=False)
+    page = min(mmap.PAGESIZE, 1 << 15)  # LMDB's: the system's, at most 32 KiB
+    limit = (reference / store_format.DATA_FILE).stat().st_size - 2 * page  # two pages short of the database
+    dst = tmp_path / "out" / "db.lmdb"
+    text = _convert_onto_a_small_disk(src, dst, limit, "limit")
+    assert re.search(
+        r"RAISED ConversionError: writing the database under '.*\.db\.lmdb\.partial' failed: the disk is full \(ENOSPC;"
+        r" LMDB said: .*(Input/output error|File too large)\)\. [\d.]+ (B|KiB) is free on the disk of '.*out';"
+        r" the database needs about [\d.]+ KiB \(estimated from LMDB's pages",
+        text,
+    ), text
     assert sorted(p.name for p in dst.parent.iterdir()) == []
 
 

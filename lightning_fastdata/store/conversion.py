@@ -47,9 +47,11 @@ keep_original: store the source bytes untouched wherever the source already is a
     when larger than ``short_side``. Small JPEGs are always stored untouched.
 encoding: ``"jpeg"`` (compact, decoded per read) or ``"raw"`` (uint8 pixels: about 10x the size, no decode at
     all when reading; for datasets that fit the page cache and CPU-bound input pipelines).
-num_workers: worker processes; default: the CPUs this process may use (affinity and cgroup quota). ``0``
+num_workers: worker processes; default: up to the CPUs this process may use (affinity and cgroup quota), and
+    none for a conversion too small to pay for starting them (the first images, encoded here, tell). ``0``
     converts in this process. A dataset reaches the workers by fork, or is pickled once under spawn.
-strict: fail, writing nothing, if any input is skipped (corrupt, truncated, empty, not an image).
+strict: fail, writing nothing, if any input is skipped (corrupt, truncated, empty, not an image; a list file's row
+    without a usable label, or listing an image again).
 force: rebuild even if ``dst`` is up to date, or replace a database converted from another source.
 progress: show a progress bar with images/s and ETA.
 initial_map_size: the first LMDB map size in bytes; it doubles by itself whenever the database fills it."""

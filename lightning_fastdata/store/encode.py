@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import io
+import itertools
 import math
 import multiprocessing
 import signal
+import sys
+import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
@@ -22,6 +25,7 @@ import simplejpeg
 from PIL import Image, UnidentifiedImageError
 
 from lightning_fastdata._cv import cv2
+from lightning_fastdata.cpus import usable_cpu_count
 from lightning_fastdata.store.format import ENCODING_JPEG, ENCODING_RAW, MAX_SIDE
 from lightning_fastdata.store.summary import image_error_reason
 from lightning_fastdata.store.targets import MIXED_KINDS, TargetSpec, check_target, kind_of_value
@@ -214,10 +218,13 @@ def _init_worker(
     _STATE["datasets"] = datasets
     _STATE["opts"] = opts
     _STATE["targets"] = targets
-    with contextlib.suppress(Exception):  # one thread per worker: the pool already uses every core
-        import torch
-
-        torch.set_num_threads(1)
+    # One thread per worker: the pool already uses every core. Encoding needs no torch (importing it took ~5 s per
+    # worker, more than a small conversion); torch is capped only where it is already loaded: inherited by fork from
+    # a caller that uses it, or imported by a dataset that reached this worker pickled.
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        with contextlib.suppress(Exception):
+            torch.set_num_threads(1)
 
 
 def _load_task(task: Task) -> tuple[Any, Any, int]:
@@ -258,30 +265,71 @@ def _work(task: Task) -> EncodeResult:
     return EncodeResult(label, size, encoding, height, width, payload, None)
 
 
+class Encoded(NamedTuple):
+    """What :func:`encode_all` yields: the results in task order, and how many worker processes make them."""
+
+    results: Iterator[EncodeResult]
+    workers: int  # 0: this process
+
+
+#: Without a worker count given, tasks are encoded in this process for up to this long first: what that took per task
+#: says whether a pool would pay for its start (:func:`_pool_pays`); a small conversion ends here, without one.
+_PROBE_S = 0.25
+
+
+def _pool_pays(seconds_per_task: float, remaining: int, workers: int, method: str | None) -> bool:
+    """Whether a pool of ``workers`` encodes ``remaining`` tasks sooner than this process, counting its start.
+
+    A forked worker starts in milliseconds; a spawned or forkserver one (Python 3.14's default on Linux) imports this
+    package first, about 0.3 s here. The pool must save twice a generous start time, so it never costs time.
+    """
+    if workers < 2:  # one worker only moves the work out of this process
+        return False
+    start = 0.1 if method == "fork" else 1.0
+    return seconds_per_task * remaining * (1 - 1 / workers) > 2 * start
+
+
 @contextlib.contextmanager
 def encode_all(
     tasks: list[Task],
     datasets: Mapping[str, Any] | None,
     opts: EncodeOptions,
-    workers: int,
+    workers: int | None,
     targets: tuple[TargetSpec, dict[str, int] | None, bool] | None = None,
-) -> Iterator[Iterator[EncodeResult]]:
+) -> Iterator[Encoded]:
     """The :class:`EncodeResult` of each task in order, from a process pool (``workers > 0``) or this process.
 
-    ``datasets`` (``convert_dataset``'s, by split) reach the pool's workers by fork, or are pickled once under spawn.
+    ``workers=None`` uses up to the usable CPUs, and for files none where a pool would not pay for its start: the
+    first tasks are encoded here (:data:`_PROBE_S`), and the rest too unless :func:`_pool_pays`. Pool workers import
+    only what encoding needs (not torch) and run one thread each. ``datasets`` (``convert_dataset``'s, by split)
+    reach the pool's workers by fork, or are pickled once under spawn and forkserver.
     """
-    if workers == 0:
-        # not `_init_worker`: its one-thread cap is for pool workers and must not stick to the caller's process
-        _STATE["datasets"] = datasets
-        _STATE["opts"] = opts
-        _STATE["targets"] = targets
-        try:
-            yield map(_work, tasks)
-        finally:
-            _STATE.clear()
-        return
-    chunksize = max(1, min(32, len(tasks) // (workers * 8)))
-    with multiprocessing.get_context().Pool(
-        workers, initializer=_init_worker, initargs=(datasets, opts, Image.MAX_IMAGE_PIXELS, targets)
-    ) as pool:
-        yield pool.imap(_work, tasks, chunksize=chunksize)
+    # not `_init_worker` here: its one-thread cap is for pool workers and must not stick to the caller's process
+    _STATE.update(datasets=datasets, opts=opts, targets=targets)
+    try:
+        done: list[EncodeResult] = []
+        # files only: reading a dataset of one's own here, before the pool forks, would hand the workers whatever
+        # handles its reads opened lazily (an HDF5 file, a database, a socket)
+        probe = workers is None and datasets is None
+        if workers is None:
+            workers = min(usable_cpu_count(), len(tasks))
+        if probe:
+            started = time.perf_counter()
+            while len(done) < len(tasks) and time.perf_counter() - started < _PROBE_S:
+                done.append(_work(tasks[len(done)]))
+            per_task = (time.perf_counter() - started) / max(1, len(done))
+            method = multiprocessing.get_start_method(allow_none=True) or multiprocessing.get_all_start_methods()[0]
+            if not _pool_pays(per_task, len(tasks) - len(done), workers, method):
+                workers = 0
+        rest = tasks[len(done) :]
+        if workers == 0 or not rest:
+            yield Encoded(itertools.chain(done, map(_work, rest)), 0)
+            return
+        workers = min(workers, len(rest))
+        chunksize = max(1, min(32, len(rest) // (workers * 8)))
+        with multiprocessing.get_context().Pool(
+            workers, initializer=_init_worker, initargs=(datasets, opts, Image.MAX_IMAGE_PIXELS, targets)
+        ) as pool:
+            yield Encoded(itertools.chain(done, pool.imap(_work, rest, chunksize=chunksize)), workers)
+    finally:
+        _STATE.clear()

@@ -15,6 +15,8 @@ import dataclasses
 import errno
 import json
 import logging
+import math
+import mmap
 import os
 import shutil
 import stat
@@ -29,7 +31,6 @@ import lmdb
 from tqdm.auto import tqdm
 
 from lightning_fastdata.__about__ import __version__
-from lightning_fastdata.cpus import usable_cpu_count
 from lightning_fastdata.errors import ConversionError, DatasetFormatError, DestinationError, ReadOnlyDestinationError
 from lightning_fastdata.store.encode import EncodeOptions, encode_all
 from lightning_fastdata.store.format import (
@@ -72,23 +73,138 @@ INITIAL_MAP_SIZE = 1 << 28  # 256 MiB; doubled whenever the database fills it
 _TXN_RECORDS = 512
 _TXN_BYTES = 64 << 20
 
+# LMDB's page layout (mdb.c of LMDB 0.9; checked on 0.9.36, which py-lmdb 3.0 bundles): what an entry costs on disk
+_PAGE_HEADER = 16  # PAGEHDRSZ
+_NODE_HEADER = 8  # NODESIZE: before each key in a leaf or branch page
+_NODE_SLOT = 2  # sizeof(indx_t): the node's place in its page's index
+_PAGE_NUMBER = 8  # sizeof(pgno_t): what a leaf node holds of a value kept on overflow pages
+#: pages a commit may take from LMDB's free list rather than from the disk: the few that the commits before it freed
+_REUSABLE_PAGES = 64
+#: LMDB's largest page (MAX_PAGESIZE): on a system with larger pages (64 KiB on some arm64 kernels) it uses this
+_MAX_PAGE = 1 << 15
+#: beside ``data.mdb``: LMDB's ``lock.mdb`` (8 KiB) and the conversion report
+_OTHER_FILES = 64 << 10
+
+
+class _PageBound:
+    """An upper bound of the size of ``data.mdb`` once it holds the entries put so far: the disk space it needs.
+
+    From LMDB's page layout: a value whose node (header, key, value) is over ``nodemax`` (2038 bytes with 4 KiB pages)
+    gets whole overflow pages of its own, ``(15 + size) // page + 1`` (a 10 KiB record takes 12 KiB), and its leaf
+    node holds their first page's number. Leaves filled in key order are simulated: LMDB moves a full leaf's last node
+    to the new page with the next one. Keys put between others (a split whose name sorts before one written, the
+    labels, sources and metadata) are counted in half-full pages, as branch pages are. Each commit copies the pages it
+    changes (the path to the leaf, the free list's), freeing the old ones for the commits after the next to reuse.
+    """
+
+    def __init__(self, page_size: int) -> None:
+        self.page_size = page_size
+        self._room = page_size - _PAGE_HEADER
+        self._node_max = ((self._room // 2) & ~1) - _NODE_SLOT
+        self.overflow = 0  # overflow pages
+        self.commits = 0
+        self._leaves = 1  # the leaves of the keys put in order, simulated
+        self._fill = self._last = 0  # the bytes of the last such leaf, and of its last node
+        self._between = self._between_runs = self._between_largest = 0  # the keys put between others
+        self._top = self._previous = b""
+        self._longest_key = 0
+
+    def overflow_pages(self, key: bytes, size: int) -> int:
+        """The overflow pages a value of ``size`` bytes under ``key`` takes (0: it lies in its leaf)."""
+        if _NODE_HEADER + len(key) + size <= self._node_max:
+            return 0
+        return (_PAGE_HEADER - 1 + size) // self.page_size + 1
+
+    def add(self, key: bytes, size: int) -> None:
+        """Count an entry put under ``key`` with a value of ``size`` bytes."""
+        pages = self.overflow_pages(key, size)
+        self.overflow += pages
+        self._longest_key = max(self._longest_key, len(key))
+        node = _NODE_HEADER + len(key) + (_PAGE_NUMBER if pages else size)
+        node += (node & 1) + _NODE_SLOT
+        if key > self._top:
+            if self._fill + node > self._room:
+                self._leaves += 1
+                self._fill = self._last + node
+            else:
+                self._fill += node
+            self._last, self._top = node, key
+        else:
+            self._between += node
+            self._between_largest = max(self._between_largest, node)
+            self._between_runs += key < self._previous or self._between_runs == 0
+        self._previous = key
+
+    def nbytes(self, scale: float = 1.0) -> int:
+        """The bound, in bytes; ``scale`` projects the entries so far to ``scale`` times as many alike."""
+        half = (self._room - self._between_largest) // 2
+        leaves = math.ceil(self._leaves * scale) + math.ceil(self._between * scale / half) + 2 * self._between_runs
+        depth, level, branches = 1, leaves, 0
+        per_branch = self._room // 2 // (_NODE_HEADER + self._longest_key + 1 + _NODE_SLOT)  # a node per child page
+        while level > 1:
+            level = math.ceil(level / per_branch)
+            branches += level
+            depth += 1
+        # pages freed by a commit are reused two commits later: three commits' copies at a time, and a page of the
+        # free list now and then
+        copied = 3 * (depth + 2) + math.ceil(self.commits * scale / 8)
+        return self.page_size * (2 + math.ceil(self.overflow * scale) + leaves + branches + copied)
+
+
+class _NoRoom(OSError):
+    """A commit that cannot fit on the disk, found before LMDB writes it."""
+
+
+def _free_space(path: Path) -> int | None:
+    """The bytes this process may still write on the disk of ``path``; ``None`` where the file system does not say.
+
+    For root, the blocks the file system reserves for it count too (ext4 keeps 5%): root writes into them.
+    """
+    if not hasattr(os, "statvfs"):  # Windows
+        try:
+            return shutil.disk_usage(path).free
+        except OSError:
+            return None
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    if st.f_blocks == 0:  # a pseudo or FUSE file system that reports no size
+        return None
+    return (st.f_bfree if os.geteuid() == 0 else st.f_bavail) * st.f_frsize
+
 
 class _LmdbWriter:
-    """Batches puts into transactions and grows ``map_size`` (doubling) whenever the database is full."""
+    """Batches puts into transactions and grows ``map_size`` (doubling) whenever the database is full.
 
-    def __init__(self, path: Path, map_size: int) -> None:
+    ``bound`` counts what LMDB writes (:class:`_PageBound`); before each commit, the overflow pages it surely adds are
+    checked against the free disk space, so a full disk stops the conversion with :class:`_NoRoom` before LMDB writes
+    a page of it (LMDB reports a short write as ``mdb_txn_commit: Input/output error``, and the disk stays full).
+    """
+
+    def __init__(self, path: Path, map_size: int, bound: _PageBound | None = None) -> None:
+        self.path = path
         self.map_size = map_size
         self.env = lmdb.open(str(path), map_size=map_size, subdir=True, readahead=False, meminit=False, sync=False)
+        self.bound = bound if bound is not None else _PageBound(self.env.stat()["psize"])
         self._pending: list[tuple[bytes, bytes]] = []
         self._pending_bytes = 0
+        self._pending_pages = 0  # overflow pages
 
     def put(self, key: bytes, value: bytes) -> None:
         self._pending.append((key, value))
         self._pending_bytes += len(value)
+        self._pending_pages += self.bound.overflow_pages(key, len(value))
+        self.bound.add(key, len(value))
         if len(self._pending) >= _TXN_RECORDS or self._pending_bytes >= _TXN_BYTES:
             self.flush()
 
     def flush(self) -> None:
+        if self._pending_pages > _REUSABLE_PAGES:
+            needed = (self._pending_pages - _REUSABLE_PAGES) * self.bound.page_size
+            free = _free_space(self.path)
+            if free is not None and free < needed:
+                raise _NoRoom(errno.ENOSPC, f"its next commit alone needs {human_bytes(needed)}")
         while self._pending:
             try:
                 with self.env.begin(write=True) as txn:
@@ -99,13 +215,16 @@ class _LmdbWriter:
                 log.debug("LMDB map full; growing map_size to %d bytes", self.map_size)
                 self.env.set_mapsize(self.map_size)
                 continue
+            self.bound.commits += 1
             self._pending.clear()
-            self._pending_bytes = 0
+            self._pending_bytes = self._pending_pages = 0
 
     def close(self) -> None:
-        self.flush()
-        self.env.sync(True)
-        self.env.close()
+        try:
+            self.flush()
+            self.env.sync(True)
+        finally:  # a full disk too: an environment left open in this process blocks a later open of its files
+            self.env.close()
 
 
 def _existing_meta(dst: Path) -> dict[str, Any] | None:
@@ -519,37 +638,46 @@ def _report_stale(dst: Path) -> None:
         )
 
 
-def _write_failure(err: BaseException, tmp: Path, dst: Path, plan: ConversionPlan, summary: ConversionSummary) -> str:
-    """Why writing failed: a full disk, named with the free space and an estimate of what the database needs."""
-    try:
-        free: int | None = shutil.disk_usage(dst.parent).free
-    except OSError:
-        free = None
+def _write_failure(
+    err: BaseException, tmp: Path, dst: Path, plan: ConversionPlan, summary: ConversionSummary, bound: _PageBound
+) -> str:
+    """Why writing failed: a full disk, named with the free space and what the database needs (:class:`_PageBound`).
+
+    A full disk is the one clear error, whether it was found before a commit (:class:`_NoRoom`) or LMDB's commit
+    failed on it (``ENOSPC``, or the ``Input/output error`` of a short write where less is free than still needed).
+    """
+    free = _free_space(dst.parent)
     try:
         written = (tmp / DATA_FILE).stat().st_size
     except OSError:
         written = 0
     total = sum(len(tasks) for tasks in plan.tasks.values())
-    if summary.written > 0:  # the records handed to LMDB so far, committed or not
-        needed = summary.bytes_out / summary.written * total
-        basis = f"{human_bytes(round(summary.bytes_out / summary.written))} per image so far, for {total} images"
+    if summary.written > 0:  # the records handed to LMDB so far, committed or not; the sources list is put last
+        names = sum(len(name) + 4 for split_names in plan.names.values() for name in split_names)
+        needed = bound.nbytes(total / summary.written) + names + _OTHER_FILES
+        basis = f"LMDB's pages of the images so far: {human_bytes(round(needed / total))} per image, for {total} images"
     else:
-        needed = float(plan.source_bytes)
+        needed = plan.source_bytes
         basis = f"the {human_bytes(plan.source_bytes)} of the {total} source images"
     code = getattr(err, "errno", None)
-    full = code in (errno.ENOSPC, errno.EDQUOT) or isinstance(err, lmdb.DiskError)
+    full = isinstance(err, _NoRoom) or code in (errno.ENOSPC, errno.EDQUOT) or isinstance(err, lmdb.DiskError)
     full = full or (free is not None and needed > 0 and free < needed - written)
     if not full:
         return (
             f"writing the database under {str(tmp)!r} failed: {err}. Check free disk space and permissions of"
             f" {str(dst.parent)!r}, then run the conversion again; nothing was published."
         )
-    missing = max(0.0, needed - written - (free or 0))
+    missing = max(0, needed - written - (free or 0))
+    what = (
+        f"stopped before filling the disk ({err.strerror})"
+        if isinstance(err, _NoRoom)
+        else f"failed: the disk is full (ENOSPC; LMDB said: {err})"
+    )
     return (
-        f"writing the database under {str(tmp)!r} failed: the disk is full (ENOSPC; LMDB said: {err})."
-        f" {human_bytes(free or 0)} is free on the disk of {str(dst.parent)!r}; the database needs about"
-        f" {human_bytes(round(needed))} (estimated from {basis}), so free about {human_bytes(round(missing))}"
-        " more, or convert onto another disk, then run the conversion again; nothing was published."
+        f"writing the database under {str(tmp)!r} {what}. {human_bytes(free or 0)} is free on the disk of"
+        f" {str(dst.parent)!r}; the database needs about {human_bytes(needed)} (estimated from {basis}), so free about"
+        f" {human_bytes(missing)} more, or convert onto another disk, then run the conversion again; nothing was"
+        " published."
     )
 
 
@@ -575,10 +703,9 @@ def write_database(
     dst = Path(dst).absolute()
     _make_parent(dst)
     encoding_meta = asdict(opts)
-    workers = usable_cpu_count() if num_workers is None else num_workers
-    if workers < 0:
-        raise ValueError(f"`num_workers` must be >= 0 (0 converts in this process), got {workers}.")
-    summary = ConversionSummary(destination=str(dst), workers=workers, ignored=list(plan.ignored))
+    if num_workers is not None and num_workers < 0:
+        raise ValueError(f"`num_workers` must be >= 0 (0 converts in this process), got {num_workers}.")
+    summary = ConversionSummary(destination=str(dst), workers=num_workers or 0, ignored=list(plan.ignored))
     start = time.perf_counter()
     with _target_lock(dst) as read_only:
         if read_only is None:
@@ -616,11 +743,12 @@ def write_database(
         shutil.rmtree(dst.parent / f".{dst.name}.old", ignore_errors=True)
         tmp.mkdir()
         summary.skipped.extend(plan.skipped)
+        bound = _PageBound(min(mmap.PAGESIZE, _MAX_PAGE))  # LMDB's page is the system's, at most 32 KiB
         try:
             try:
-                meta = _write(plan, tmp, datasets, opts, workers, progress, initial_map_size, summary)
+                meta = _write(plan, tmp, datasets, opts, num_workers, progress, initial_map_size, summary, bound)
             except (lmdb.Error, OSError) as err:
-                raise ConversionError(_write_failure(err, tmp, dst, plan, summary)) from err
+                raise ConversionError(_write_failure(err, tmp, dst, plan, summary, bound)) from err
             summary.seconds = time.perf_counter() - start
             if strict and summary.skipped:
                 raise ConversionError(
@@ -670,10 +798,11 @@ def _write(
     tmp: Path,
     datasets: Mapping[str, Any] | None,
     opts: EncodeOptions,
-    workers: int,
+    workers: int | None,
     progress: bool,
     initial_map_size: int,
     summary: ConversionSummary,
+    bound: _PageBound,
 ) -> dict[str, Any]:
     meta: dict[str, Any] = {
         "format_version": FORMAT_VERSION,
@@ -697,12 +826,13 @@ def _write(
     class_to_idx = {name: i for i, name in enumerate(plan.classes)} if plan.classes is not None else None
     bar = tqdm(total=len(all_tasks), unit="img", desc=f"convert {Path(plan.source).name}", disable=not progress)
     # The pool starts before the LMDB environment opens: a forked child must never inherit an open environment.
-    with bar, encode_all(all_tasks, datasets, opts, workers, (spec, class_to_idx, plan.targets_inferred)) as results:
-        writer = _LmdbWriter(tmp, initial_map_size)
+    with bar, encode_all(all_tasks, datasets, opts, workers, (spec, class_to_idx, plan.targets_inferred)) as encoded:
+        summary.workers = encoded.workers
+        writer = _LmdbWriter(tmp, initial_map_size, bound)
         try:
             writer.put(META_KEY, dump_meta(meta))  # complete=False until the very end
             writer.flush()
-            for task, name, result in zip(all_tasks, all_names, results, strict=True):
+            for task, name, result in zip(all_tasks, all_names, encoded.results, strict=True):
                 split = task[0]
                 summary.bytes_in += result.bytes_in
                 if result.reason is not None or result.payload is None:
