@@ -99,7 +99,14 @@ def _add_convert(sub: argparse._SubParsersAction) -> None:
         metavar="S",
         help="what separates the class names of a multilabel label (default |: cat|outdoor)",
     )
-    p.add_argument("--workers", type=int, default=None, metavar="N", help="worker processes (default: the usable CPUs)")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        metavar="N",
+        help="worker processes (default: up to the usable CPUs, none for a conversion too small to pay for them);"
+        " 0 converts in this process",
+    )
     p.add_argument("--strict", action="store_true", help="fail, writing nothing, if any file has to be skipped")
     p.add_argument(
         "--force",
@@ -693,14 +700,34 @@ def _help_columns() -> int:
     return min(shutil.get_terminal_size().columns, HELP_COLUMNS)
 
 
-def _help_cache(command: str) -> Path:
-    """Where ``lightning-fastdata COMMAND --help``'s text is kept, keyed by everything it depends on."""
+def _help_dir() -> Path | None:
+    """Where ``--help`` texts are kept: the user's cache folder (``$XDG_CACHE_HOME``, else ``~/.cache``).
+
+    Not ``$LIGHTNING_FASTDATA_CACHE``: that names where databases go (often a job's scratch disk), while the text
+    depends only on what is installed; a new data cache made the first ``fit --help`` import Lightning again.
+    ``None`` for a user without a home (a container's arbitrary uid): nothing is cached.
+    """
+    base = os.environ.get("XDG_CACHE_HOME")
+    if not base:
+        try:
+            base = str(Path.home() / ".cache")
+        except (RuntimeError, KeyError):  # no $HOME and no passwd entry
+            return None
+    return Path(base).expanduser() / "lightning_fastdata" / "cli-help"
+
+
+def _help_cache(command: str, columns: int | None = None) -> Path | None:
+    """Where ``lightning-fastdata COMMAND --help``'s text is kept, keyed by everything it depends on.
+
+    ``None`` where there is no cache folder (:func:`_help_dir`).
+    """
+    folder = _help_dir()
+    if folder is None:
+        return None
     import hashlib
     from importlib import metadata
 
-    from lightning_fastdata.store.cache import default_cache_dir
-
-    parts = [__version__, sys.version, sys.executable, command, str(_help_columns())]
+    parts = [__version__, sys.version, sys.executable, command, str(columns or _help_columns())]
     for package in ("lightning", "jsonargparse", "torch"):
         try:
             parts.append(metadata.version(package))
@@ -711,7 +738,7 @@ def _help_cache(command: str) -> Path:
     parts += [f"{p.relative_to(package_dir)}:{p.stat().st_mtime_ns}" for p in sorted(package_dir.rglob("*.py"))]
     parts += sorted(f"{k}={v}" for k, v in os.environ.items() if k.startswith("JSONARGPARSE"))
     digest = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:20]
-    return default_cache_dir() / "cli-help" / f"{command}-{digest}.txt"
+    return folder / f"{command}-{digest}.txt"
 
 
 def _render_help(command: str, from_console: bool = False) -> tuple[int | str | None, str]:
@@ -758,6 +785,8 @@ def cache_help(commands: Sequence[str] = LIGHTNING_COMMANDS) -> list[Path]:
         if command not in LIGHTNING_COMMANDS:
             raise ValueError(f"{command!r} is not one of LightningCLI's commands {LIGHTNING_COMMANDS}")
         path = _help_cache(command)
+        if path is None:  # no cache folder for this user
+            continue
         if not path.is_file():
             code, text = _render_help(command)
             if code not in (0, None) or not text:
@@ -770,20 +799,115 @@ def cache_help(commands: Sequence[str] = LIGHTNING_COMMANDS) -> list[Path]:
 def _lightning_help(command: str, from_console: bool) -> NoReturn:
     """``COMMAND --help``: LightningCLI's text, kept in the cache, so that only the first call imports Lightning."""
     path = _help_cache(command)
-    with contextlib.suppress(OSError, UnicodeDecodeError):
-        sys.stdout.write(path.read_text())
-        raise SystemExit(0)
+    if path is not None:
+        with contextlib.suppress(OSError, UnicodeDecodeError):
+            sys.stdout.write(path.read_text())
+            raise SystemExit(0)
     code, text = _render_help(command, from_console)
     sys.stdout.write(text)
-    if code in (0, None) and text:
+    if path is not None and code in (0, None) and text:
         _keep_help(path, text)
     raise SystemExit(code)
+
+
+def _cached_options(command: str) -> list[str] | None:
+    """The option strings of ``COMMAND``'s parser, from its cached ``--help`` text; ``None`` when none is cached."""
+    path = _help_cache(command, HELP_COLUMNS)
+    try:
+        text = path.read_text() if path is not None else ""
+    except (OSError, UnicodeDecodeError):
+        return None
+    options = []
+    for line in text.splitlines():
+        if line.startswith("  -"):  # `  -c CONFIG, --config CONFIG   Path to ...`: the option strings, then the text
+            head = re.split(r"\s{2,}", line.strip(), maxsplit=1)[0]
+            options += [part.split()[0] for part in head.split(", ") if part.startswith("-")]
+    return options or None
+
+
+def _quick_usage_error(command: str, args: list[str]) -> str | None:
+    """A misspelled top-level or ``trainer`` key, in ``args`` or a config file, told from the cached ``--help`` text.
+
+    Parsing the command line needs Lightning (seconds to import) only to find such a typo; this finds it first, saying
+    what the parser would (:func:`_usage_line`), and gives up (``None``) wherever that is not certain: no cached text,
+    no close match, a key under ``model``, ``data``, the optimizer or a class's ``init_args``, an abbreviated option.
+    """
+    import yaml
+
+    options = _cached_options(command)
+    if options is None:
+        return None
+    keys = list(dict.fromkeys(opt[2:].rstrip("+") for opt in options if opt.startswith("--")))
+    keys = [key for key in keys if not key.endswith(".help")]  # `--trainer.logger.help CLASS`: no key of a config
+    tops = {key for key in keys if "." not in key} - {"model", "data", "optimizer", "lr_scheduler"}
+
+    def unknown(name: str) -> bool:  # a key no option is or holds (`trainer.logger` holds `trainer.logger.init_args.x`)
+        return name not in keys and not any(name.startswith(f"{key}.") for key in keys if "." in key)
+
+    def nearest(name: str, candidates: list[str]) -> str | None:
+        others = [key for key in candidates if not name.startswith(f"{key}.")]
+        close = difflib.get_close_matches(name, others, n=1, cutoff=0.6)
+        return close[0] if close else None
+
+    def first_leaf(name: str, value: Any) -> str | None:  # jsonargparse names a mapping's first key in full
+        while isinstance(value, dict):
+            if not value or "class_path" in value or "init_args" in value:  # named otherwise: left to jsonargparse
+                return None
+            key, value = next(iter(value.items()))
+            name = f"{name}.{key}"
+        return name
+
+    configs, i = [], 0
+    while i < len(args):
+        arg = args[i]
+        name, eq, value = arg.partition("=")
+        if name in ("-c", "--config"):
+            configs.append(value if eq else args[i + 1] if i + 1 < len(args) else "")
+            i += 1 if eq else 2
+            continue
+        if arg.startswith("--") and name not in options and not any(opt.startswith(name) for opt in options):
+            top = name[2:].split(".")[0]
+            if unknown(name[2:]) and (top in tops or top not in keys):  # not a class's argument (`--data.x`)
+                close = nearest(name, options)
+                return f"unrecognized option `{name}`; did you mean `{close}`?" if close else None
+        i += 1
+    for config in configs:
+        try:
+            loaded = yaml.safe_load(Path(config).read_text())
+        except (OSError, UnicodeDecodeError, yaml.YAMLError):
+            return None
+        if not isinstance(loaded, dict):
+            return None
+        for top, value in loaded.items():
+            found = None
+            if not isinstance(top, str) or "." in top:
+                return None
+            if top not in keys:
+                found = first_leaf(top, value)
+            elif top == "trainer" and isinstance(value, dict):
+                for sub, sub_value in value.items():
+                    if not isinstance(sub, str) or "." in sub:
+                        return None
+                    if f"trainer.{sub}" not in keys:
+                        found = first_leaf(f"trainer.{sub}", sub_value)
+                        break
+            if found is not None:
+                close = nearest(found, keys)
+                return f"unknown key `{found}`; did you mean `{close}`?" if close else None
+    return None
 
 
 def _lightning(argv: list[str], from_console: bool) -> int:
     """A LightningCLI sub-command; its usage errors and this package's errors are one ``error:`` line."""
     if argv[1:] in (["--help"], ["-h"]):
         _lightning_help(argv[0], from_console)
+    try:
+        quick = _quick_usage_error(argv[0], argv[1:])
+    except Exception:  # a shortcut, never a new way to fail: the full parser decides
+        quick = None
+    if quick is not None:  # said without importing Lightning
+        print(f"error: {quick}", file=sys.stderr)
+        return 2
     try:
         # LightningCLI reads sys.argv itself when run from the console: passing it as `args` as well makes it warn
         # that `args` "is intended to run from within Python" on every run

@@ -299,7 +299,7 @@ def test_top_level_help_lists_the_lightning_commands(capsys):
 
 def test_fit_help_a_second_time_imports_neither_torch_nor_lightning(tmp_path, monkeypatch, capsys):
     """``fit --help`` is LightningCLI's text; kept in the cache, a later call prints it without importing Lightning."""
-    monkeypatch.setenv("LIGHTNING_FASTDATA_CACHE", str(tmp_path))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # where --help is cached
     monkeypatch.setenv("COLUMNS", "100")
     monkeypatch.setattr(sys, "argv", ["lightning-fastdata"])  # pytest's own arguments are not the CLI's
     with pytest.raises(SystemExit) as info:
@@ -318,7 +318,7 @@ def test_cache_help_ahead_makes_the_first_call_quick_in_any_wide_terminal(tmp_pa
     ``fit --help`` in a wider terminal then prints it without importing torch or Lightning."""
     from lightning_fastdata.cli import HELP_COLUMNS, cache_help
 
-    monkeypatch.setenv("LIGHTNING_FASTDATA_CACHE", str(tmp_path))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # where --help is cached
     monkeypatch.delenv("COLUMNS", raising=False)
     monkeypatch.setattr(sys, "argv", ["lightning-fastdata"])
     (path,) = cache_help(["fit"])
@@ -342,7 +342,7 @@ def test_fit_help_cache_is_keyed_by_the_subpackages_too(tmp_path, monkeypatch):
     from lightning_fastdata import cli
     from lightning_fastdata.monitor import verdict
 
-    monkeypatch.setenv("LIGHTNING_FASTDATA_CACHE", str(tmp_path))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # where --help is cached
     before = cli._help_cache("fit")
     source = Path(verdict.__file__)
     stat = source.stat()
@@ -352,6 +352,138 @@ def test_fit_help_cache_is_keyed_by_the_subpackages_too(tmp_path, monkeypatch):
     finally:
         os.utime(source, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     assert cli._help_cache("fit") == before
+
+
+def test_the_help_cache_does_not_move_with_the_data_cache(tmp_path, monkeypatch):
+    """``--help`` is cached in the user's cache folder, not ``$LIGHTNING_FASTDATA_CACHE``: pointing the databases
+    elsewhere (a job's scratch disk) does not make the first ``fit --help`` import Lightning again (it took 16 s)."""
+    from lightning_fastdata.cli import cache_help
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setenv("LIGHTNING_FASTDATA_CACHE", str(tmp_path / "databases"))
+    monkeypatch.delenv("COLUMNS", raising=False)
+    monkeypatch.setattr(sys, "argv", ["lightning-fastdata"])
+    (path,) = cache_help(["fit"])
+    assert path.is_relative_to(tmp_path / "xdg")
+    monkeypatch.setenv("LIGHTNING_FASTDATA_CACHE", str(tmp_path / "scratch"))
+    out, imported = _main_in_a_new_process("fit", "--help")
+    assert imported == []
+    assert out == path.read_text()
+
+
+def test_a_user_without_a_home_gets_no_help_cache_and_the_full_parser(monkeypatch, capsys):
+    """A container's arbitrary uid has no home (``Path.home()`` raises): nothing is cached, and a command still runs
+    to the full parser's answer instead of a traceback."""
+    from lightning_fastdata import cli
+
+    def no_home() -> Path:
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setattr(Path, "home", staticmethod(no_home))
+    assert cli._help_dir() is None
+    assert cli.cache_help(["fit"]) == []
+    assert cli._quick_usage_error("fit", ["--trainer.max_epohcs=3"]) is None
+    assert main(["fit", "--trainer.max_epohcs=3"]) != 0
+    assert "error:" in capsys.readouterr().err
+
+
+_TYPO = (
+    "import sys\n"
+    "from lightning_fastdata.cli import main\n"
+    "code = main(sys.argv[1:])\n"
+    "print(code, sorted(m for m in ('torch', 'lightning', 'torchvision') if m in sys.modules), file=sys.stderr)"
+)
+
+
+def test_a_misspelled_trainer_key_is_told_without_importing_lightning(tmp_path, monkeypatch):
+    """With ``fit --help`` cached, ``trainer: {max_epoch: 2}`` in a config is the parser's one ``error:`` line, exit 2,
+    without importing torch or Lightning (it took 10-14 s)."""
+    from lightning_fastdata.cli import cache_help
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("COLUMNS", raising=False)
+    monkeypatch.setattr(sys, "argv", ["lightning-fastdata"])
+    cache_help(["fit"])
+    config = tmp_path / "trainer.yaml"
+    config.write_text("trainer:\n  max_epoch: 2\n")
+    proc = subprocess.run(
+        [sys.executable, "-c", _TYPO, "fit", "--config", "examples/configs/cpu.yaml", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")},
+        check=True,
+    )
+    *lines, last = proc.stderr.strip().splitlines()
+    assert lines == ["error: unknown key `trainer.max_epoch`; did you mean `trainer.max_epochs`?"]
+    assert last == "2 []"
+
+
+_TYPOS = {
+    "trainer.yaml": "trainer:\n  max_epochs: 1\n  acelerator: cpu\n",
+    "top.yaml": "trainr:\n  max_epochs: 2\n  accelerator: cpu\n",
+    "seed.yaml": "seed_everythin: 1\n",
+    "optimizer.yaml": "optimzer:\n  class_path: torch.optim.SGD\n  init_args:\n    lr: 0.1\n",
+    "nothing_near.yaml": "zzz: 1\n",
+}
+
+
+@pytest.mark.usefixtures("in_repo")
+@pytest.mark.parametrize(
+    ("extra", "told"),
+    [
+        (["--config", "trainer.yaml"], True),
+        (["--config=top.yaml"], True),
+        (["-c", "seed.yaml"], True),
+        (["--config", "optimizer.yaml"], False),  # jsonargparse names a class's argument: `optimzer.init_args.lr`
+        (["--config", "nothing_near.yaml"], False),
+        (["--trainer.max_epochz", "1"], True),
+        (["--trainer.acelerator=cpu"], True),
+        (["--trainr.max_epochs", "1"], True),
+        (["--ckpt_pth", "x"], True),
+        (["--zzz", "1"], False),
+        (["--data.init_args.data_dri", "x"], False),
+        (["--trainer.logger.init_args.save_dirr", "x"], False),
+        (["--trainer.callbacks+=LoaderMonitr"], False),
+    ],
+)
+def test_a_typo_told_from_the_cached_help_is_what_the_parser_says(tmp_path, monkeypatch, capsys, extra, told):
+    """Each misspelling the cached ``--help`` text can tell is reported as LightningCLI's parser reports it; the others
+    (a class's arguments, no close key) are left to the parser."""
+    from lightning_fastdata import cli
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    cli.cache_help(["fit"])
+    for name, text in _TYPOS.items():
+        (tmp_path / name).write_text(text)
+    extra = [str(tmp_path / arg) if arg in _TYPOS else arg.replace("=top", f"={tmp_path}/top") for arg in extra]
+    argv = ["fit", "--config", "examples/configs/cpu.yaml", *extra]
+    quick = cli._quick_usage_error("fit", argv[1:])
+    assert (quick is not None) is told, quick
+    monkeypatch.setattr(cli, "_quick_usage_error", lambda command, args: None)
+    assert main(argv) == 2
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert quick is None or said == [f"error: {quick}"]
+
+
+@pytest.mark.usefixtures("in_repo")
+def test_the_quick_typo_check_passes_every_valid_argument(tmp_path, monkeypatch):
+    """The example configs with options of every form (abbreviated, appended to, a class's, nested) are no typo."""
+    from lightning_fastdata import cli
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    cli.cache_help()
+    options = [
+        *("--trainer.callbacks+=lightning_fastdata.LoaderMonitor", "--trainer.callbacks+", "LoaderMonitor"),
+        *("--trainer.logger", "false", "--trainer.logger.init_args.save_dir", "z", "--trainer.devices+", "1"),
+        *("--data.init_args.data_dir", "x", "--data.data_dir", "y", "--model", "tiny.Tested", "--model.lr", "0.1"),
+        *("--optimizer", "SGD", "--optimizer.lr", "0.1", "--lr_scheduler", "StepLR", "--seed_everything", "1"),
+        *("--trainer.max_epoch", "1", "--trainer.enable_progress_bar=false", "--ckpt_path", "c", "--print_config"),
+    ]
+    for config in sorted((ROOT / "examples" / "configs").glob("*.yaml")):
+        for command in ("fit", "validate", "test", "predict"):
+            assert cli._quick_usage_error(command, ["--config", str(config), *options]) is None, (config, command)
 
 
 @pytest.mark.parametrize(
@@ -381,7 +513,7 @@ def test_a_misspelled_option_of_our_commands_names_the_nearest(argv, expected, c
 
 @pytest.fixture
 def in_repo(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Run from the repository root, so the example configs' `examples.*` class paths import."""
+    """Run from the repository root, so the example configs' `fastdata_examples.*` class paths import."""
     monkeypatch.chdir(ROOT)
     monkeypatch.syspath_prepend(str(ROOT))
     monkeypatch.setattr(sys, "argv", ["lightning-fastdata"])  # pytest's own arguments are not the CLI's
@@ -447,7 +579,7 @@ def test_the_monitor_is_a_callback_known_by_its_name(monkeypatch):
 def test_fit_help_says_how_to_see_the_datamodules_arguments(tmp_path, monkeypatch, capsys):
     """``fit --help`` ends saying that ``fit --data.help FastImageDataModule`` lists the DataModule's arguments,
     and that command lists them."""
-    monkeypatch.setenv("LIGHTNING_FASTDATA_CACHE", str(tmp_path))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # where --help is cached
     monkeypatch.setattr(sys, "argv", ["lightning-fastdata"])
     with pytest.raises(SystemExit) as info:
         main(["fit", "--help"])
