@@ -22,8 +22,8 @@ demo: $(STAMP)
 	MAKE_DEMO_STARTED=$(MAKE_STARTED) $(BIN)/python examples/demo.py
 
 lint: $(STAMP)
-	$(BIN)/ruff check lightning_fastdata tests examples benchmarks
-	$(BIN)/ruff format --check lightning_fastdata tests examples benchmarks
+	$(BIN)/ruff check lightning_fastdata tests examples fastdata_examples benchmarks
+	$(BIN)/ruff format --check lightning_fastdata tests examples fastdata_examples benchmarks
 
 # Two pytest processes, a test file each: most of the suite waits on subprocesses (DDP runs, killed-and-resumed
 # runs, spawned readers). A module's fixtures stay in one process. PYTEST_WORKERS=0 runs it in one process.

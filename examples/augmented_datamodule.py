@@ -3,8 +3,9 @@
 Its random numbers come from ``sample_rng()``: a function of (seed, epoch, sample), so two runs with the same seed
 train on the same batches, with either engine, and a resumed run continues exactly.
 
-Use it from a config with ``class_path: examples.augmented_datamodule.JitterDataModule``; every argument of
-FastImageDataModule passes through ``**kwargs``.
+Use it from a config with ``class_path: fastdata_examples.augmented_datamodule.JitterDataModule`` (this file, by a
+name no other package uses: see ``fastdata_examples/__init__.py``); every argument of FastImageDataModule passes through
+``**kwargs``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Stand-ins shared by the tests: a Trainer that says which device a DataModule trains on."""
+"""Stand-ins shared by the tests: a Trainer that says which device a DataModule trains on, a machine without CUDA,
+and CUDA streams and events on the CPU (classes, as torch's are)."""
 
 from __future__ import annotations
 
@@ -27,8 +28,27 @@ def fake_trainer(device: str | torch.device = "cpu", **kwargs: Any) -> Any:
     return SimpleNamespace(**{**defaults, **kwargs})
 
 
+def hide_cuda(monkeypatch: Any) -> None:
+    """A machine without CUDA (nor Apple's MPS), as torch and Lightning's ``accelerator="auto"`` both see it.
+
+    ``torch.cuda.is_available`` alone is not enough on a GPU host: Lightning picks ``"cuda"`` from
+    ``torch.cuda.device_count()`` (``CUDAAccelerator.is_available``), and then builds, for ``devices=2``, a Trainer
+    on GPUs the host may not have.
+    """
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+
+
 class _FakeStream:
-    """A CUDA stream for ``prefetch_to_device``: ``wait_stream`` does nothing."""
+    """A CUDA stream for ``prefetch_to_device``: ``wait_stream`` does nothing.
+
+    A class, as ``torch.cuda.Stream`` is: a module imported while it stands in may use it as one
+    (``torch.cuda.Stream | None`` in an annotation, ``isinstance``).
+    """
+
+    def __init__(self, device: Any = None, **kwargs: Any) -> None:
+        pass
 
     def wait_stream(self, other: Any) -> None:
         pass
@@ -61,7 +81,7 @@ def patch_cuda_streams(monkeypatch: Any) -> None:
 
     compute = _FakeStream()
     monkeypatch.setattr(streams, "_SIDE_STREAMS", {})
-    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: _FakeStream())
+    monkeypatch.setattr(torch.cuda, "Stream", _FakeStream)
     monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: compute)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)

@@ -329,7 +329,9 @@ def test_cache_list_shows_databases_convert_wrote_elsewhere_and_never_removes_th
 
 
 @pytest.mark.parametrize(
-    "damage", [b"{not json", b"[" * 100_000, b'["a", "b"]', b'{"/x": "y", "/z": [1, {}]}', b"\xff\xfe"]
+    "damage",
+    [b"{not json", b"[" * 100_000, b'["a", "b"]', b'{"/x": "y", "/z": [1, {}]}', b"\xff\xfe"],
+    ids=["not-json", "nested-100k", "a-list", "wrong-shapes", "not-utf8"],
 )
 def test_a_damaged_registry_never_stops_a_conversion(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], damage: bytes

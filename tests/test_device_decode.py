@@ -15,7 +15,7 @@ from unittest.mock import Mock
 import numpy as np
 import pytest
 import torch
-from fakes import fake_trainer, patch_cuda_streams
+from fakes import fake_trainer, hide_cuda, patch_cuda_streams
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, Dataset
 from torchvision.io import ImageReadMode, decode_jpeg
@@ -66,7 +66,7 @@ def databases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture
 def no_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     """Behave as a machine without CUDA (a datamodule without a Trainer then decodes on the CPU)."""
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    hide_cuda(monkeypatch)
 
 
 def _dm(data_dir: Path, cls: type[FastImageDataModule] = FastImageDataModule, **kwargs: Any) -> Any:

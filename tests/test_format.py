@@ -189,7 +189,9 @@ def test_load_meta_none_means_not_our_database():
     assert "lightning-fastdata convert" in str(info.value)
 
 
-@pytest.mark.parametrize("raw", [b"{not json", b"\xff\xfe\x00", b"", b"[" * 200_000])
+@pytest.mark.parametrize(
+    "raw", [b"{not json", b"\xff\xfe\x00", b"", b"[" * 200_000], ids=["not-json", "not-utf8", "empty", "nested-200k"]
+)
 def test_load_meta_bad_json(raw):
     """Undecodable metadata (nested too deeply too: a RecursionError) is reported as damaged, naming the path and
     the fix."""

@@ -483,7 +483,12 @@ def test_device_decode_runs_nvjpeg_on_its_own_stream(monkeypatch: pytest.MonkeyP
         return [Output() for _ in inputs]
 
     monkeypatch.setattr(streams, "_SIDE_STREAMS", {})
-    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: Stream("decode"))
+
+    class DecodeStream(Stream):  # a class, as `torch.cuda.Stream` is
+        def __init__(self, device: Any = None) -> None:
+            super().__init__("decode")
+
+    monkeypatch.setattr(torch.cuda, "Stream", DecodeStream)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[-1])
     monkeypatch.setattr(torch.cuda, "stream", Context)
     monkeypatch.setattr(device_decode, "decode_jpeg", fake_decode)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import re
 import sys
 from pathlib import Path
@@ -27,7 +29,7 @@ CONFIGS = sorted((ROOT / "examples" / "configs").glob("*.yaml"))
 
 @pytest.fixture
 def in_repo(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Run from the repository root, so the configs' `examples.*` class paths import (sys.path is restored)."""
+    """Run from the repository root, so the configs' `fastdata_examples.*` class paths import (sys.path is restored)."""
     monkeypatch.chdir(ROOT)
     monkeypatch.syspath_prepend(str(ROOT))
     monkeypatch.setattr(sys, "argv", ["lightning-fastdata"])  # pytest's own arguments are not the CLI's
@@ -50,10 +52,10 @@ def test_config_parses(config: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every example config parses with the `lightning-fastdata` LightningCLI into an importable model and data."""
     cfg = _parse(monkeypatch, "--config", str(config))
     assert cfg.seed_everything == 0
-    assert cfg.model.class_path == "examples.classifier.ImageClassifier"
+    assert cfg.model.class_path == "fastdata_examples.classifier.ImageClassifier"
     assert cfg.data.class_path in {
         "lightning_fastdata.FastImageDataModule",
-        "examples.augmented_datamodule.JitterDataModule",
+        "fastdata_examples.augmented_datamodule.JitterDataModule",
     }
     assert cfg.data.init_args.data_dir == ".demo/images"
     assert cfg.data.init_args.num_workers == "auto"  # FastImageDataModule's defaults fill the rest
@@ -68,7 +70,7 @@ def test_cpu_config_values(monkeypatch: pytest.MonkeyPatch) -> None:
     assert cfg.trainer.max_epochs == 2
     assert cfg.trainer.precision is None
     assert cfg.model.init_args.arch == "resnet18"
-    assert cfg.data.class_path == "examples.augmented_datamodule.JitterDataModule"
+    assert cfg.data.class_path == "fastdata_examples.augmented_datamodule.JitterDataModule"
     assert cfg.data.init_args.jitter == 0.2
     assert cfg.data.init_args.image_size == 96
     assert cfg.data.init_args.batch_size == 32
@@ -179,7 +181,7 @@ def test_cpu_config_fits(tmp_path: Path) -> None:
     assert len([p for p in cache.iterdir() if p.suffix == ".lmdb"]) == 1  # converted into `cache_dir`
     checkpoints = sorted(out.rglob("*.ckpt"))
     assert len(checkpoints) == 1
-    checkpoint = torch.load(checkpoints[0], map_location="cpu", weights_only=False)
+    checkpoint = torch.load(checkpoints[0], map_location="cpu", weights_only=True)
     assert checkpoint["global_step"] == 2
     assert checkpoint["hyper_parameters"]["num_classes"] == 2
     assert checkpoint["datamodule_hyper_parameters"]["image_size"] == 32
@@ -230,22 +232,52 @@ def test_a_misspelled_argument_is_one_line_naming_the_nearest_key(tmp_path: Path
         assert line.startswith(f"error: {expected}"), line
 
 
+def _another_packages_examples(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another installed package's top-level ``examples`` first on ``sys.path``, as on a GPU node with such a package.
+
+    A regular package: Python imports it before the repository's ``examples/`` folder (no ``__init__.py``) wherever
+    each is on ``sys.path``. Neither it nor the example modules are left imported.
+    """
+    site = tmp_path / "site-packages"
+    (site / "examples").mkdir(parents=True)
+    (site / "examples" / "__init__.py").write_text('"""Another package\'s examples."""\n')
+    monkeypatch.syspath_prepend(str(site))
+    for name in [name for name in sys.modules if name.partition(".")[0] in ("examples", "fastdata_examples")]:
+        monkeypatch.delitem(sys.modules, name)
+
+
+@pytest.mark.usefixtures("in_repo")
+def test_the_example_configs_import_their_classes_beside_another_packages_examples(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The configs name their classes by a name no other package uses (``fastdata_examples.*``), so another installed
+    package's top-level ``examples`` changes nothing: each class is the one in the repository's ``examples/``."""
+    _another_packages_examples(tmp_path, monkeypatch)
+    for config in CONFIGS:
+        cfg = _parse(monkeypatch, "--config", str(config))
+        for class_path in (cfg.model.class_path, cfg.data.class_path):
+            module, _, name = class_path.rpartition(".")
+            assert module.partition(".")[0] in ("fastdata_examples", "lightning_fastdata"), class_path
+            folder = "examples" if module.startswith("fastdata_examples") else "lightning_fastdata"
+            assert Path(inspect.getfile(getattr(importlib.import_module(module), name))).parent == ROOT / folder
+    assert "examples" not in sys.modules  # nothing asked for another package's
+
+
 def test_an_example_config_run_outside_the_repository_says_where_to_run_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
 ) -> None:
-    """An example config's ``examples.*`` class, run from another folder: one line saying to run from the repository
-    root (or to put it on PYTHONPATH), exit 2."""
+    """An example config's ``fastdata_examples.*`` class, run from another folder: one line saying to run from the
+    repository root (or to put it on PYTHONPATH), exit 2, even beside another package's top-level ``examples``."""
+    _another_packages_examples(tmp_path, monkeypatch)
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "argv", ["lightning-fastdata"])
     monkeypatch.setattr(sys, "path", [p for p in sys.path if Path(p or ".").resolve() != ROOT])
-    for name in [name for name in sys.modules if name == "examples" or name.startswith("examples.")]:
-        monkeypatch.delitem(sys.modules, name)
     assert main(["fit", "--config", str(ROOT / "examples" / "configs" / "cpu.yaml")]) == 2
     line = _one_error_line(capsys.readouterr().err)
     assert line.startswith(
-        "error: `model.class_path` 'examples.classifier.ImageClassifier': No module named 'examples'; `examples` is"
-        " imported from the working directory or PYTHONPATH: run from the folder that holds `examples/` (for"
-        " examples/configs/*.yaml, the repository root), or add that folder to PYTHONPATH"
+        "error: `model.class_path` 'fastdata_examples.classifier.ImageClassifier': No module named 'fastdata_examples';"
+        " `fastdata_examples` is imported from the working directory or PYTHONPATH: run from the folder that holds"
+        " `fastdata_examples/` (for examples/configs/*.yaml, the repository root), or add that folder to PYTHONPATH"
     ), line
 
 
@@ -254,7 +286,7 @@ def test_a_missing_data_dir_is_one_line(tmp_path: Path, capsys) -> None:
     """No ``data_dir`` in the config, or one that does not exist: one ``error:`` line naming it, exit 2."""
     config = tmp_path / "no_data_dir.yaml"
     config.write_text(
-        "model:\n  class_path: examples.classifier.ImageClassifier\n"
+        "model:\n  class_path: fastdata_examples.classifier.ImageClassifier\n"
         "data:\n  class_path: lightning_fastdata.FastImageDataModule\n"
     )
     assert main(["fit", "--config", str(config)]) == 2
@@ -273,7 +305,7 @@ def test_a_missing_data_dir_is_one_line(tmp_path: Path, capsys) -> None:
 def test_a_value_of_the_wrong_type_is_one_line_with_the_reason(tmp_path: Path, capsys) -> None:
     """A value jsonargparse rejects, or a misspelled class_path: one line that keeps the reason, exit 2."""
     config = tmp_path / "typo.yaml"
-    config.write_text("model:\n  class_path: examples.classifier.ImageClassifer\n")
+    config.write_text("model:\n  class_path: fastdata_examples.classifier.ImageClassifer\n")
     hint = " (`lightning-fastdata fit --help` lists every option)"
     cases = [
         (["--data.init_args.batch_size", "abc"], "`data.init_args.batch_size`: expected an int, got 'abc'" + hint),
@@ -287,8 +319,8 @@ def test_a_value_of_the_wrong_type_is_one_line_with_the_reason(tmp_path: Path, c
         ),
         (
             ["--config", str(config)],
-            "`model.class_path` 'examples.classifier.ImageClassifer': module 'examples.classifier' has no attribute"
-            " 'ImageClassifer'; did you mean `examples.classifier.ImageClassifier`?",
+            "`model.class_path` 'fastdata_examples.classifier.ImageClassifer': module 'fastdata_examples.classifier'"
+            " has no attribute 'ImageClassifer'; did you mean `fastdata_examples.classifier.ImageClassifier`?",
         ),
     ]
     for extra, expected in cases:
@@ -312,7 +344,7 @@ def test_a_value_the_datamodule_rejects_is_one_line(capsys) -> None:
 def test_test_without_a_test_split_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
     """``test`` on data without a ``test/`` split: one line naming the database and its splits, exit 2."""
     (tmp_path / "tiny_model.py").write_text(
-        "from examples.classifier import ImageClassifier\n\n\n"
+        "from fastdata_examples.classifier import ImageClassifier\n\n\n"
         "class Tested(ImageClassifier):\n    def test_step(self, batch, batch_idx):\n        pass\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -389,14 +421,14 @@ def test_image_size_schedule_is_a_cli_argument(database: Path, tmp_path: Path) -
 def test_fit_a_multilabel_list_file_from_the_command_line(tmp_path: Path) -> None:
     """``lightning-fastdata fit --data.data_dir tags.csv --data.targets multilabel --data.return_index true``: the
     list converts as multi-label, the saved hyperparameters hold both, and the tagger trains on its batches."""
-    from examples.multilabel_tagger import make_tagged_images
+    from fastdata_examples.multilabel_tagger import make_tagged_images
 
     listing = make_tagged_images(tmp_path / "tags", 24)
     out = tmp_path / "out"
     code = main(
         [
             "fit",
-            "--model", "examples.multilabel_tagger.Tagger", "--model.num_classes", "4",
+            "--model", "fastdata_examples.multilabel_tagger.Tagger", "--model.num_classes", "4",
             "--data", "FastImageDataModule", "--data.data_dir", str(listing), "--data.targets", "multilabel",
             "--data.return_index", "true", "--data.cache_dir", str(tmp_path / "cache"), "--data.image_size", "32",
             "--data.batch_size", "8", "--data.num_workers", "0", "--data.short_side", "0",
@@ -407,7 +439,7 @@ def test_fit_a_multilabel_list_file_from_the_command_line(tmp_path: Path) -> Non
     )  # fmt: skip
     assert code == 0
     (checkpoint,) = sorted(out.rglob("*.ckpt"))
-    saved = torch.load(checkpoint, map_location="cpu", weights_only=False)
+    saved = torch.load(checkpoint, map_location="cpu", weights_only=True)
     assert saved["global_step"] == 2
     assert saved["datamodule_hyper_parameters"]["targets"] == "multilabel"
     assert saved["datamodule_hyper_parameters"]["return_index"] is True
@@ -421,7 +453,7 @@ def test_dino_views_parse_from_yaml(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     counts its views and gives each view its group's probabilities."""
     config = tmp_path / "dino.yaml"
     config.write_text(
-        "model:\n  class_path: examples.classifier.ImageClassifier\n"
+        "model:\n  class_path: fastdata_examples.classifier.ImageClassifier\n"
         "data:\n  class_path: lightning_fastdata.FastImageDataModule\n  init_args:\n    data_dir: x\n    views:\n"
         "      - {size: 96, count: 6, scale: [0.05, 0.4], blur_p: 0.5}\n"
         "      - {size: 224, scale: [0.4, 1.0], flip: 0.5, blur_p: 1.0}\n"

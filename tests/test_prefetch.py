@@ -79,11 +79,16 @@ class _FakeCuda:
         self.current = self.compute
         self.created: list[_FakeStream] = []
         self.entered: list[_FakeStream] = []
+        cuda = self
 
-    def Stream(self, device: int | None = None) -> _FakeStream:
-        stream = _FakeStream(self.log, f"side{device}")
-        self.created.append(stream)
-        return stream
+        class Stream(_FakeStream):
+            """``torch.cuda.Stream(device)``: a class, as torch's is (a module imported meanwhile may use it as one)."""
+
+            def __init__(self, device: int | None = None) -> None:
+                super().__init__(cuda.log, f"side{device}")
+                cuda.created.append(self)
+
+        self.Stream = Stream
 
     @contextlib.contextmanager
     def stream(self, stream: _FakeStream) -> Iterator[None]:

@@ -35,6 +35,13 @@ def dataset(database: Path) -> LmdbImageDataset:
     return LmdbImageDataset(database, transform=RandomResizedCropFlip(16))
 
 
+def _child_env() -> dict[str, str]:
+    """This environment for a child ``python``, the repository first on its ``PYTHONPATH``: the caller's
+    ``PYTHONPATH`` kept, which may be where the installed packages are (``pip install --target``)."""
+    paths = [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(path for path in paths if path)}
+
+
 def _pool(count: int = 2, shared: bool = False) -> SlotPool:
     return SlotPool(SlotMemory(SlotLayout(4, (2, 2, 3)), count, shared=shared))
 
@@ -220,7 +227,7 @@ _RESERVE_UNDER_A_LIMIT = textwrap.dedent(
 def test_a_reservation_that_cannot_be_mapped_keeps_no_descriptor_and_names_the_size() -> None:
     """Under an address-space limit the pages are reserved but the mapping fails: each failure closes the memfd (and
     frees its pages) and says how much was asked for, however often it is tried."""
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = _child_env()
     proc = subprocess.run(
         [sys.executable, "-c", _RESERVE_UNDER_A_LIMIT], capture_output=True, text=True, env=env, timeout=120
     )
@@ -269,7 +276,7 @@ def test_kept_batches_built_in_fresh_memory_hold_no_descriptor(tmp_path: Path, d
     "Too many open files" part-way), and each holds the samples of a fresh read."""
     script = tmp_path / "keep.py"
     script.write_text(_KEEP_UNDER_A_DESCRIPTOR_LIMIT)
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = _child_env()
     proc = subprocess.run(
         [sys.executable, str(script), str(database), context], capture_output=True, text=True, env=env, timeout=300
     )
