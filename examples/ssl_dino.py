@@ -2,14 +2,15 @@
 
 ``FastImageDataModule(views=[...])`` decodes each training image once and crops every view from it; a training batch is
 ``(views, targets)``, ``views`` a list of ``[B, 3, S, S]`` tensors, the large (global) views first, the list lightly and
-solo-learn hand over. The step takes ``views, targets = batch[0], batch[1]`` as lightly's examples do, so it runs on a
-lightly loader unchanged, and lightly's steps run on this one (solo-learn's take ``indexes, views, targets``: see
-docs/datamodule.md). The targets (the generated folder's classes; ``-1`` for an unlabeled set) are not used. DINO (Caron
-et al., 2021): the student sees every view, the teacher, an exponential moving average of the student, sees the large
-views only; the loss is the cross-entropy between the teacher's centred, sharpened (low temperature) distribution over
-``out_dim`` prototypes and the student's, over every pair of different views. Over the first epochs the loss often
-rises, since the centring spreads the teacher over more prototypes and the teacher's entropy is part of the loss; the
-agreement rises: how often the student's prototype on a view is the teacher's on another view of the image.
+solo-learn hand over. The step takes ``views, targets = batch[0], batch[1]`` as lightly's examples do, so it runs
+unchanged on a lightly loader (whose batches are ``(views, targets, filenames)``) and on this one (``(views, targets,
+index)`` with ``return_index=True``); solo-learn's steps take ``indexes, views, targets``: see docs/datamodule.md. The
+targets (the generated folder's classes; ``-1`` for an unlabeled set) are not used. DINO (Caron et al., 2021): the
+student sees every view, the teacher, an exponential moving average of the student, sees the large views only; the loss
+is the cross-entropy between the teacher's centred, sharpened (low temperature) distribution over ``out_dim`` prototypes
+and the student's, over every pair of different views. Over the first epochs the loss often rises, since the centring
+spreads the teacher over more prototypes and the teacher's entropy is part of the loss; the agreement rises: how often
+the student's prototype on a view is the teacher's on another view of the image.
 
 This runs in seconds on a CPU: 2 x 48 px and 4 x 24 px views, a four-layer CNN and a small projection head. To scale it
 up, keep the training step and change the sizes: DINO's recipe is ``views=[ViewGroup(224, count=2, scale=(0.4, 1.0)),

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import copy
+import inspect
+import types
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -9,14 +12,14 @@ from typing import Any, Literal
 import torch
 from lightning.fabric.utilities.data import AttributeDict
 from lightning.pytorch import LightningDataModule
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
 from lightning_fastdata import loaders, resizing, resolve
 from lightning_fastdata.errors import InvalidArgumentError
 from lightning_fastdata.hparams import HPARAMS_PREFIX as HPARAMS_PREFIX
-from lightning_fastdata.hparams import clashes, for_loggers, say_clashes
+from lightning_fastdata.hparams import clashes, for_loggers, plain, refused_by_weights_only, say_clashes
 from lightning_fastdata.pipeline import DeviceStage
 from lightning_fastdata.pipeline.color import BatchColor
 from lightning_fastdata.pipeline.device import batch_dtype, loader_output, trainer_device, trains_on_cuda, uses_prefetch
@@ -38,6 +41,9 @@ from lightning_fastdata.transforms import (
 from lightning_fastdata.tuning import LoaderConfig
 from lightning_fastdata.workers import AUTO_PROCESSES_MIN_WORKERS as AUTO_PROCESSES_MIN_WORKERS
 from lightning_fastdata.workers import WorkerChoice, budget_for
+
+#: the (class, argument names) already warned about as not loading from a checkpoint
+_WARNED_UNLOADABLE: set[tuple[Any, ...]] = set()
 
 
 class FastImageDataModule(LightningDataModule):
@@ -80,7 +86,8 @@ class FastImageDataModule(LightningDataModule):
         num_workers: loader threads (or worker processes, see ``engine``) per training process; ``"auto"`` budgets
             them from the usable CPUs; ``"tune"`` measures 0 up to the budget for a few seconds on the training data,
             each count on the engine it would train on, and keeps the cheapest count within 5% of the fastest (cached
-            under ``cache_dir``, keyed by database, transforms, batch size, engine and CPUs).
+            under ``cache_dir``, keyed by database, transforms, batch size, engine and CPUs); ``num_workers`` then
+            reads the pick.
         engine: ``"threads"`` builds batches on ``num_workers`` threads in the training process; ``"processes"`` on
             ``num_workers`` DataLoader worker processes, straight into batch slots shared with it. ``"auto"``: worker
             processes for CUDA training with 4 workers or more, else threads; logged once (:meth:`resolved_engine`).
@@ -126,9 +133,10 @@ class FastImageDataModule(LightningDataModule):
             --targets``. ``None``: inferred where unambiguous, else the conversion refuses naming this argument. For a
             database, the kind it must hold (a mismatch is an error); a folder gives classes, or ``"none"``.
         label_separator: what separates a list file's class names in one ``multilabel`` label (``cat|outdoor``).
-        return_index: batches are ``(images, targets, index)``, ``index`` each sample's dataset index (``int64
-            [B]``) in the database split it was read from (a held-out validation sample's in ``train``), on every
-            split and engine; :meth:`sources` names the file of each.
+        return_index: training and predict batches are ``(images, targets, index)``, ``index`` each sample's dataset
+            index (``int64 [B]``) in the database split it was read from, on every engine; :meth:`sources` names the
+            file of each. Validation and test batches stay ``(images, targets)``, as solo-learn's and lightly's
+            evaluation steps unpack them.
         views: self-supervised training: view groups (:class:`~lightning_fastdata.ViewGroup`, or mappings of its
             fields), e.g. DINO's 2 x 224 at scale ``(0.4, 1)`` and 6 x 96 at ``(0.05, 0.4)``, each image decoded once.
             Training batches are ``(views, targets[, index])``, ``views`` a list of ``[B, 3, S, S]`` tensors, large
@@ -143,6 +151,10 @@ class FastImageDataModule(LightningDataModule):
         blur_p: probability of a Gaussian blur, per training sample, sigma uniform in ``blur_sigma``.
         blur_sigma: the blur's sigma range ``(low, high)``, in pixels.
         solarize_p: probability of solarization (values >= 128 inverted), per training sample.
+        worker_nice: lower the worker processes' priority (``engine="processes"``) by this nice increment, 0-19: the
+            training process's thread, which launches the GPU's work, then gets a core the moment it wakes, while the
+            workers keep every core it leaves idle. For CUDA training with workers on every core (19: the lowest
+            priority); not for CPU training, whose step would take the workers' cores (docs/datamodule.md).
 
     Example:
         >>> from lightning.pytorch import Trainer
@@ -191,6 +203,7 @@ class FastImageDataModule(LightningDataModule):
         blur_p: float = 0.0,
         blur_sigma: tuple[float, float] = (0.1, 2.0),
         solarize_p: float = 0.0,
+        worker_nice: int = 0,
     ) -> None:
         super().__init__()
         if image_size < 1 or batch_size < 1:
@@ -207,6 +220,11 @@ class FastImageDataModule(LightningDataModule):
             raise InvalidArgumentError(f"`decode` must be 'cpu' or 'device', got {decode!r}.")
         if on_bad_sample not in ("raise", "skip"):
             raise InvalidArgumentError(f"`on_bad_sample` must be 'raise' or 'skip', got {on_bad_sample!r}.")
+        if isinstance(worker_nice, bool) or not isinstance(worker_nice, int) or not 0 <= worker_nice <= 19:
+            raise InvalidArgumentError(
+                f"`worker_nice` must be an int from 0 (the training process's priority) to 19 (the lowest), got"
+                f" {worker_nice!r}."
+            )
         if max_pixels is not None and max_pixels < 1:
             raise InvalidArgumentError(f"`max_pixels` must be >= 1 or None (no limit), got {max_pixels}.")
         if targets is not None and targets not in KINDS:
@@ -236,6 +254,8 @@ class FastImageDataModule(LightningDataModule):
         self._sizes = (image_size, *(self.image_size_schedule or {}).values(), *(g.size for g in groups or ()))
         self.batch_size = batch_size
         self.num_workers = num_workers
+        #: whether `num_workers` is (or will be) the pick of `num_workers="tune"`
+        self._tunes_workers = num_workers == "tune"
         self.engine = engine
         self.pin_memory = pin_memory
         self.persistent_workers = persistent_workers
@@ -259,6 +279,7 @@ class FastImageDataModule(LightningDataModule):
         self.targets = targets
         self.label_separator = label_separator
         self.return_index = return_index
+        self.worker_nice = worker_nice
         #: the training batches' colour augmentation (``None``: none), see :mod:`lightning_fastdata.pipeline.color`
         self._color = BatchColor.create(
             color_jitter, color_jitter_p, grayscale_p, blur_p, blur_sigma, solarize_p, views=groups
@@ -322,6 +343,11 @@ class FastImageDataModule(LightningDataModule):
         )  # fmt: skip
 
     @property
+    def tunes_workers(self) -> bool:
+        """Whether ``num_workers`` is ``num_workers="tune"``'s pick (measured on this machine), once it is made."""
+        return self._tunes_workers
+
+    @property
     def skipped_samples(self) -> int:
         """Samples left out so far under ``on_bad_sample="skip"`` (counted across DataLoader workers)."""
         return self._skip_counter.value
@@ -345,6 +371,43 @@ class FastImageDataModule(LightningDataModule):
         return len(classes) if self.target_kind in ("class", "multilabel") else 0
 
     # --- Hyperparameters ----------------------------------------------------------------------------------------
+
+    @override
+    def save_hyperparameters(
+        self,
+        *args: Any,
+        ignore: Sequence[str] | str | None = None,
+        frame: types.FrameType | None = None,
+        logger: bool = True,
+    ) -> None:
+        """As Lightning's, with every value saved in the plain form a checkpoint loads back (:func:`.hparams.plain`).
+
+        Lightning loads checkpoints with ``torch.load(weights_only=True)``: a ``ViewGroup`` is saved as its mapping, a
+        ``Path`` as its string, an enum as its value, which the constructor takes again, so ``fit(ckpt_path=...)`` and
+        ``load_from_checkpoint`` rebuild this DataModule (and a subclass's own arguments). A value that still would not
+        load warns, naming its argument.
+        """
+        if frame is None:  # the caller's: Lightning collects the constructor's arguments from it
+            current = inspect.currentframe()
+            frame = current.f_back if current is not None else None
+        super().save_hyperparameters(*args, ignore=ignore, frame=frame, logger=logger)
+        saved = dict(self.hparams)
+        converted = {name: plain(value) for name, value in saved.items()}
+        if any(converted[name] is not saved[name] for name in saved):
+            self.hparams.update(converted)
+            # the frozen copy `hparams_initial` reads, made as Lightning's `save_hyperparameters` makes it (no setter)
+            self._hparams_initial = copy.deepcopy(self._hparams)
+        refused = refused_by_weights_only(converted)
+        if refused and (type(self), *refused) not in _WARNED_UNLOADABLE:  # once per class and arguments
+            _WARNED_UNLOADABLE.add((type(self), *refused))
+            found = ", ".join(f"`{name}` ({type(converted[name]).__name__})" for name in refused)
+            rank_zero_warn(
+                f"{type(self).__name__}: the saved argument(s) {found} would not load from a checkpoint: Lightning"
+                " loads checkpoints with `torch.load(weights_only=True)`, which refuses their classes, so"
+                " `fit(ckpt_path=...)` and `load_from_checkpoint` would fail. Pass plain values (numbers, strings,"
+                " lists, mappings, paths, dataclasses, enums), or leave an argument out of the checkpoint with"
+                " `self.hparams.pop(name)` after `super().__init__(...)` (then pass it again when loading)."
+            )
 
     @property
     @override
@@ -375,7 +438,7 @@ class FastImageDataModule(LightningDataModule):
                 self.label_separator,
             )  # fmt: skip
         if self.num_workers == "tune":  # measured here, on one process per node, so the ranks read the cache
-            self._workers.tuned_workers(self)
+            self.num_workers = self._workers.tuned_workers(self)
 
     @override
     def setup(self, stage: str) -> None:
@@ -437,8 +500,14 @@ class FastImageDataModule(LightningDataModule):
         return budget_for(self.trainer)
 
     def resolved_num_workers(self) -> int:
-        """The worker count the loaders use (``"auto"`` resolved; a value above the budget warns once)."""
-        return self._workers.num_workers(self)
+        """The worker count the loaders use (``"auto"`` resolved; a value above the budget warns once).
+
+        ``num_workers="tune"``'s pick is also ``num_workers`` from then on; the saved hyperparameter stays ``"tune"``.
+        """
+        workers = self._workers.num_workers(self)
+        if self.num_workers == "tune":
+            self.num_workers = workers
+        return workers
 
     def resolved_engine(self, workers: int | None = None) -> Literal["threads", "processes"]:
         """The engine the loaders use: ``engine``, or ``"auto"``'s choice, logged once (``WorkerChoice.engine``)."""
@@ -450,7 +519,13 @@ class FastImageDataModule(LightningDataModule):
             self.setup("fit")
         assert self.train_dataset is not None
         return loaders.split_loader(
-            self, self.train_dataset, shuffle=True, drop_last=self.drop_last, train=True, config=config
+            self,
+            self.train_dataset,
+            shuffle=True,
+            drop_last=self.drop_last,
+            train=True,
+            config=config,
+            return_index=self.return_index,
         )
 
     def _on_cuda(self) -> bool:
@@ -492,7 +567,9 @@ class FastImageDataModule(LightningDataModule):
         assert self.train_dataset is not None
         if self.drop_last:
             self.clamp_batch_size()
-        return loaders.split_loader(self, self.train_dataset, shuffle=True, drop_last=self.drop_last, train=True)
+        return loaders.split_loader(
+            self, self.train_dataset, shuffle=True, drop_last=self.drop_last, train=True, return_index=self.return_index
+        )
 
     def clamp_batch_size(self) -> int:
         """Lower ``batch_size`` to this process's share of the training split when larger, with a warning; returns it.
@@ -529,7 +606,9 @@ class FastImageDataModule(LightningDataModule):
         """Batches of :meth:`resolved_predict_split`, in order; :meth:`predict_sources` maps them back to files."""
         if self.predict_dataset is None:
             self.predict_dataset = self.build_dataset(self.resolved_predict_split(), self.val_transform())
-        return loaders.split_loader(self, self.predict_dataset, shuffle=False, drop_last=False)
+        return loaders.split_loader(
+            self, self.predict_dataset, shuffle=False, drop_last=False, return_index=self.return_index
+        )
 
     # --- On the device ------------------------------------------------------------------------------------------
 

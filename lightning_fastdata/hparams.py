@@ -8,13 +8,22 @@ renames the DataModule's to ``datamodule/<name>``, and :func:`say_clashes` warns
 Every argument stays saved under its own name (``hparams``, and the checkpoint's ``datamodule_hyper_parameters``), so
 ``load_from_checkpoint`` and LightningCLI rebuild the DataModule as it was; only the loggers get the renamed one,
 beside the model's. A name both saved with the same value (``image_size=224`` in both) is logged once.
+
+Lightning loads checkpoints with ``torch.load(weights_only=True)``, which refuses every class it does not know: a
+``ViewGroup``, a ``pathlib.Path``, an enum. :func:`plain` saves each argument as the plain value that the constructor
+takes back (a mapping, a string, the enum's value), and :func:`refused_by_weights_only` names what still would not load.
 """
 
 from __future__ import annotations
 
+import collections
+import dataclasses
+import enum
+import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import numpy as np
 import torch
 from lightning.fabric.utilities.data import AttributeDict
 from lightning.pytorch import LightningModule, Trainer
@@ -22,6 +31,61 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 #: the prefix under which loggers get a saved argument that the model also saved, with another value
 HPARAMS_PREFIX = "datamodule/"
+
+
+_PRIMITIVES = (bool, int, float, complex, str, bytes, type(None))
+
+
+def plain(value: Any) -> Any:
+    """``value`` as what ``torch.load(weights_only=True)`` reads back and the DataModule's constructor takes again.
+
+    A dataclass becomes the mapping of its fields (``ViewGroup(96, count=6)`` -> ``{"size": 96, "count": 6, ...}``), a
+    path its string, an enum its value, a named tuple a tuple, a NumPy scalar or array a number or list, a subclass of
+    ``str``/``int``/``float`` the plain type; lists, tuples, sets and mappings are converted item by item. Tensors,
+    dtypes and devices load as they are. Anything else is returned unchanged (:func:`refused_by_weights_only`).
+    """
+    if type(value) in _PRIMITIVES or isinstance(value, (torch.Tensor, torch.dtype, torch.device)):
+        return value
+    if isinstance(value, enum.Enum):  # before the str/int subclasses: `class Mode(str, Enum)` is one of them
+        return plain(value.value)
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {field.name: plain(getattr(value, field.name)) for field in dataclasses.fields(value)}
+    if isinstance(value, (np.generic, np.ndarray)):
+        return value.tolist()
+    for kind in _PRIMITIVES[:-1]:  # a subclass of a primitive pickles as its own class
+        if isinstance(value, kind):
+            return kind(value)
+    if isinstance(value, Mapping):
+        return {plain(key): plain(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [plain(item) for item in value]
+    if isinstance(value, tuple):  # a named tuple too: its class would not load
+        return tuple(plain(item) for item in value)
+    if isinstance(value, (set, frozenset)):
+        return {plain(item) for item in value}
+    return value
+
+
+def _loadable(value: Any) -> bool:
+    """Whether ``torch.load(weights_only=True)`` reads ``value`` back, by type: nothing is pickled to find out.
+
+    Primitives, tensors, dtypes and devices, in lists, tuples, sets and dicts.
+    """
+    kind = type(value)
+    if kind in _PRIMITIVES or kind in (torch.Tensor, torch.nn.Parameter, torch.dtype, torch.device):
+        return True
+    if kind in (list, tuple, set):
+        return all(_loadable(item) for item in value)
+    if kind in (dict, collections.OrderedDict):
+        return all(_loadable(key) and _loadable(item) for key, item in value.items())
+    return False
+
+
+def refused_by_weights_only(hparams: Mapping[str, Any]) -> list[str]:
+    """The names of ``hparams`` whose values ``torch.load(weights_only=True)`` would refuse, sorted."""
+    return sorted(name for name, value in hparams.items() if not _loadable(value))
 
 
 def _lightning_differs(a: Any, b: Any) -> bool:

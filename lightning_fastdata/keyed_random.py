@@ -232,3 +232,32 @@ def sample_rng() -> np.random.Generator:
     if drawn is None:
         return np.random.default_rng(random.getrandbits(64))
     return np.random.default_rng((drawn[0] * (1 << 53)).astype(np.uint64).tolist())
+
+
+def draws_process_generators(read: Callable[[int], Any], samples: Sequence[int], key: AugmentKey) -> bool | None:
+    """Whether reading ``samples`` as a loader thread does draws from :mod:`random` or NumPy's global generator.
+
+    Each sample is read by ``read(sample)`` within its key (:func:`sample_key`) on a thread of its own, as on a loader
+    thread, where those process-wide generators cannot be keyed; their states before and after tell, and are put back.
+    ``None`` when a read raised (nothing can be said). The caller's threads must not draw from them meanwhile.
+    """
+    found: list[bool | None] = [None]
+
+    def probe() -> None:
+        python, numpy = random.getstate(), np.random.get_state()
+        try:
+            for sample in samples:
+                with sample_key(key, sample):
+                    read(sample)
+            now = np.random.get_state()
+            found[0] = random.getstate() != python or now[2] != numpy[2] or not np.array_equal(now[1], numpy[1])
+        except Exception:
+            return
+        finally:
+            random.setstate(python)
+            np.random.set_state(numpy)
+
+    thread = threading.Thread(target=probe, name="lightning_fastdata-probe", daemon=True)
+    thread.start()
+    thread.join()
+    return found[0]

@@ -27,9 +27,18 @@ from lightning_fastdata.workers import quiet_lightning_worker_check
 
 
 def split_loader(
-    dm: Any, dataset: Dataset, shuffle: bool, drop_last: bool, train: bool = False, config: LoaderConfig | None = None
+    dm: Any,
+    dataset: Dataset,
+    shuffle: bool,
+    drop_last: bool,
+    train: bool = False,
+    config: LoaderConfig | None = None,
+    return_index: bool = False,
 ) -> FastLoader:
     """The loader of one split of ``dm``, with its settings (or ``config``'s, for tuning).
+
+    ``return_index``: batches end with each sample's dataset index (the training and predict loaders, where the
+    conventions put it, with ``dm.return_index``).
 
     Keeps the loader's device stage on ``dm`` (``_stage``, which ``on_after_batch_transfer`` reuses) and whether the
     loader runs it itself (``_stage_in_loader``).
@@ -43,6 +52,11 @@ def split_loader(
         prefetch_factor, pin_memory = config.prefetch_factor, config.pin_memory
     if engine == "threads" and workers > 0:
         quiet_lightning_worker_check()
+        if dm.worker_nice:
+            rank_zero_warn(
+                f"`worker_nice={dm.worker_nice}` lowers the priority of worker processes, but this loader builds its"
+                " batches on threads of the training process: it has no effect. Pass `engine='processes'` to use it."
+            )
     trainer = dm.trainer
     # A DistributedSampler seeded with `seed` in every case: Lightning leaves a DistributedSampler in place and
     # calls its `set_epoch` each epoch, so shuffling changes by epoch, is reproducible from `seed`, and shards
@@ -80,8 +94,9 @@ def split_loader(
         device=dm._device() if dm.uses_prefetch() else None,
         device_stage=dm._stage,
         limit_batches=limit if isinstance(limit, (int, float)) else 1.0,
-        return_index=dm.return_index,
+        return_index=return_index,
         color=color,
+        worker_nice=dm.worker_nice,
         before_epoch=functools.partial(resizing.start_epoch, dm, dm._stage, train and config is None),
     )
     dm._stage_in_loader = loader.prefetching

@@ -162,7 +162,9 @@ class ResumeCheckpoint(ModelCheckpoint):
     checkpoint). On the very first run ``"last"`` finds nothing: Lightning warns and trains from the start.
 
     Only ``last.ckpt`` is kept (``save_top_k=0``); add a ``ModelCheckpoint(monitor=...)`` of your own for the best
-    model. A kill loses at most ``every_n_train_steps - 1`` steps, which the resumed run trains again.
+    model. A kill loses at most ``every_n_train_steps - 1`` steps, which the resumed run trains again. The end of a
+    completed fit is saved too, whatever the step: running the same command once more restores it, says the fit is
+    complete and trains nothing (raise ``max_epochs`` or ``max_steps`` to train on from it).
 
     Args:
         every_n_train_steps: save ``last.ckpt`` every this many optimizer steps. Each save writes the model and
@@ -222,6 +224,43 @@ class ResumeCheckpoint(ModelCheckpoint):
         """Set the default folder, then as ``ModelCheckpoint``."""
         self._default_dirpath(trainer)
         super().setup(trainer, pl_module, stage)
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_fit_start(trainer, pl_module)
+        self._steps_at_start: int | None = None  # set when training starts: not at all when the restored fit is done
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
+        self._steps_at_start = trainer.global_step
+
+    @override
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Say so when the restored checkpoint was a completed fit, so this run trained nothing."""
+        loop = trainer.fit_loop
+        if self._steps_at_start is not None or trainer.ckpt_path is None:
+            return
+        # `loop.done` would say "`Trainer.fit` stopped" a second time: its two limits, read directly
+        steps_done = 0 <= loop.max_steps <= trainer.global_step
+        epochs_done = loop.max_epochs is not None and 0 <= loop.max_epochs <= loop.epoch_progress.current.processed
+        if steps_done or epochs_done:
+            limit = f"max_steps={loop.max_steps}" if steps_done else f"max_epochs={loop.max_epochs}"
+            rank_zero_info(
+                f"ResumeCheckpoint: {trainer.ckpt_path} is the end of a completed fit ({limit}, step"
+                f" {trainer.global_step}): this run trained nothing. Raise `max_epochs` or `max_steps` to train on from"
+                " it, or pass another `dirpath` (or `default_root_dir`) to start a new run."
+            )
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Save ``last.ckpt`` at the fit's last step when the periodic saves stopped short of it."""
+        start = getattr(self, "_steps_at_start", None)
+        stepped = start is not None and trainer.global_step > start
+        if stepped and not self._should_skip_saving_checkpoint(trainer):
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+        else:  # ModelCheckpoint's own (recent Lightning saves `last.ckpt` there when nothing was saved yet)
+            super().on_train_end(trainer, pl_module)
 
     @override
     def _find_last_checkpoints(self, trainer: pl.Trainer) -> set[str]:

@@ -21,6 +21,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_fastdata import cpus
+from lightning_fastdata.keyed_random import draws_process_generators
 from lightning_fastdata.pipeline.kernel import fuses
 from lightning_fastdata.store import format as _format
 from lightning_fastdata.tuning import LoaderConfig, TuneCache, quick_tune
@@ -205,11 +206,13 @@ class WorkerChoice:
         return self.tuned
 
     def say_shared_generators(self, dm: _DataModule) -> None:
-        """Say once that loader threads cannot key a training transform's draws from :mod:`random` or NumPy's.
+        """Say once that the training transform draws from :mod:`random` or NumPy's, which loader threads cannot key.
 
         A transform or dataset of one's own is read sample by sample, within the sample's key
-        (:mod:`lightning_fastdata.keyed_random`): its torch draws are keyed on every engine, its draws from Python's
-        and NumPy's process-wide generators only in worker processes and on the training thread.
+        (:mod:`lightning_fastdata.keyed_random`): its torch draws and :func:`~.keyed_random.sample_rng`'s are keyed on
+        every engine, its draws from Python's and NumPy's process-wide generators only in worker processes and on the
+        training thread. Two samples are read once here, as a loader thread reads them, to see whether it draws from
+        those (a transform that does not is not told to change).
         """
         if self.said_generators or dm.train_dataset is None or fuses(dm.train_dataset):
             return
@@ -218,11 +221,15 @@ class WorkerChoice:
             workers = dm.worker_budget() if dm.num_workers in ("auto", "tune") else int(dm.num_workers)
         if workers == 0 or dm.resolved_engine(workers) != "threads":
             return
+        dataset = dm.train_dataset
+        samples = range(min(2, len(dataset)))  # type: ignore[arg-type]
+        if not draws_process_generators(dataset.__getitem__, samples, (dm.seed, 0)):
+            return
         self.said_generators = True
-        rank_zero_info(
-            f"FastImageDataModule: the training transform (or dataset) is your own, read on {workers} loader threads:"
-            " its torch random draws (torchvision transforms) are keyed per sample, the same in every run and after a"
-            " resume, but draws from Python's `random` or NumPy's global generator are not (the threads share them)."
-            " Draw from `lightning_fastdata.keyed_random.sample_rng()` instead, or pass `engine='processes'`, which"
-            " keys those too."
+        rank_zero_warn(
+            f"FastImageDataModule: the training transform (or dataset) is your own, read on {workers} loader threads,"
+            " and draws from Python's `random` or NumPy's global generator: the threads share those, so its"
+            " augmentation differs between runs and after a resume (torch's random draws, as in torchvision's"
+            " transforms, are keyed per sample). Draw from `lightning_fastdata.keyed_random.sample_rng()` instead, or"
+            " pass `engine='processes'`, which keys those too."
         )

@@ -48,7 +48,9 @@ class ValidatedModel(RecordingModel):
         return super().training_step(batch, batch_idx)
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
-        images, labels, _ = batch
+        if not isinstance(self.trainer.datamodule, IndexedDataModule):  # its own dataset gives each sample's index
+            assert len(batch) == 2, "`return_index` leaves validation batches `(images, targets)`"
+        images, labels = batch[0], batch[1]
         self.log("val_loss", F.cross_entropy(self.layer(images.mean(dim=(2, 3))), labels), sync_dist=True)
 
 

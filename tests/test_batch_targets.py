@@ -126,17 +126,20 @@ def test_a_skipped_sample_takes_its_target_and_index_with_it(
 
 
 class _CheckingModel(LightningModule):
-    """Checks every training and validation batch's targets against the database, and records the indices."""
+    """Checks every training batch's targets against the database and records its indices; keeps validation's targets.
+
+    With ``return_index`` a training batch is ``(images, targets, index)`` and a validation batch ``(images, targets)``,
+    as solo-learn's and lightly's evaluation steps unpack it.
+    """
 
     def __init__(self, db: Path, classes: int) -> None:
         super().__init__()
         self.dataset = LmdbImageDataset(db)
         self.layer = torch.nn.Linear(3, max(classes, 1))
-        self.seen: dict[str, list[int]] = {"train": [], "val": []}
+        self.seen: list[int] = []
+        self.val_targets: list[torch.Tensor] = []
 
-    def _step(self, batch: Any, stage: str) -> torch.Tensor:
-        images, targets, index = batch
-        self.seen[stage] += _check((images, targets.cpu(), index.cpu()), self.dataset).tolist()
+    def _loss(self, images: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         out = self.layer(images.mean(dim=(2, 3)))
         kind = self.dataset.target_kind
         if kind == "multilabel":
@@ -146,13 +149,17 @@ class _CheckingModel(LightningModule):
         return torch.nn.functional.cross_entropy(out, targets)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        return self._step(batch, "train")
+        images, targets, index = batch
+        self.seen += _check((images, targets.cpu(), index.cpu()), self.dataset).tolist()
+        return self._loss(images, targets)
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
-        self._step(batch, "val")
+        images, targets = batch  # solo-learn's `X, targets = batch`: no index, even with `return_index`
+        self.val_targets.append(targets.cpu())
+        self._loss(images, targets)
 
     def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        return batch[2]
+        return batch[2].cpu()
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.01)
@@ -177,7 +184,8 @@ def _trainer(**kwargs: Any) -> Trainer:
 def test_fit_batches_hold_the_targets_of_the_databases_kind(
     kinds: dict[str, Path], kind: str, engine: str, workers: int
 ) -> None:
-    """A fit on a multilabel or float database, on each engine: every batch's targets are its samples', typed."""
+    """A fit on a multilabel or float database, on each engine: every batch's targets are its samples', typed; the
+    training batches carry their indices, the validation batches are ``(images, targets)`` of the held-out samples."""
     db = kinds[kind]
     dm = FastImageDataModule(
         str(db), image_size=16, batch_size=4, num_workers=workers, engine=engine, val_fraction=0.25, drop_last=False,
@@ -187,31 +195,37 @@ def test_fit_batches_hold_the_targets_of_the_databases_kind(
     assert (dm.num_classes, dm.target_dim) == ((4, 0) if kind == "multilabel" else (0, 3))
     model = _CheckingModel(db, 4 if kind == "multilabel" else 3)
     _trainer(max_epochs=1).fit(model, datamodule=dm)
-    held_out = set(dm.val_dataset.indices.tolist())  # type: ignore[union-attr]
-    assert sorted(model.seen["train"]) == sorted(set(range(TRAIN)) - held_out)
-    assert sorted(model.seen["val"]) == sorted(held_out)  # indices into `train`, which the held-out view reads
+    held_out = dm.val_dataset.indices.tolist()  # type: ignore[union-attr]
+    assert sorted(model.seen) == sorted(set(range(TRAIN)) - set(held_out))
+    # in order: the held-out samples' records in `train`, which the held-out view reads
+    np.testing.assert_array_equal(torch.cat(model.val_targets).numpy(), model.dataset.targets_of(held_out))
     assert dm.hparams["return_index"] is True
 
 
-def test_return_index_names_the_source_of_each_sample_on_every_split(database: Path, tmp_path: Path) -> None:
-    """``sources(split)[index]`` names each batch's file: train and val of a folder's database, and predict."""
+def test_return_index_names_the_source_of_each_training_and_predicted_sample(database: Path) -> None:
+    """``sources(split)[index]`` names each training and predict batch's file; validation and test batches stay
+    ``(images, targets)`` with ``return_index`` (solo-learn's ``X, targets = batch``)."""
     dm = FastImageDataModule(str(database), image_size=16, batch_size=4, num_workers=2, return_index=True)
     classes = dm.classes
 
     class Named(_CheckingModel):
-        def _step(self, batch: Any, stage: str) -> torch.Tensor:
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
             images, labels, index = batch
-            split = "train" if stage == "train" else "val"
-            sources = dm.sources(split)
+            sources = dm.sources("train")
             for label, i in zip(labels.tolist(), index.tolist(), strict=True):
                 assert Path(sources[i]).parent.name == classes[label]
-            self.seen[stage] += index.tolist()
-            return torch.nn.functional.cross_entropy(self.layer(images.mean(dim=(2, 3))), labels)
+            self.seen += index.tolist()
+            return self._loss(images, labels)
+
+        def test_step(self, batch: Any, batch_idx: int) -> None:
+            self.validation_step(batch, batch_idx)
 
     model = Named(database, len(classes))
-    _trainer(max_epochs=1).fit(model, datamodule=dm)
-    assert sorted(model.seen["val"]) == list(range(len(dm.sources("val"))))
-    assert sorted(model.seen["train"])[: len(dm.sources("train"))] == sorted(set(model.seen["train"]))
+    _trainer(max_epochs=1, num_sanity_val_steps=1).fit(model, datamodule=dm)  # the sanity check unpacks two too
+    assert sorted(model.seen)[: len(dm.sources("train"))] == sorted(set(model.seen))
+    val_labels = [classes.index(Path(source).parent.name) for source in dm.sources("val")]
+    assert torch.cat(model.val_targets).tolist() == val_labels[:4] + val_labels  # the sanity check's batch, then all
+    assert {len(batch) for batch in dm.val_dataloader()} == {2}
     predicted = torch.cat(_trainer().predict(model, datamodule=dm)).tolist()  # type: ignore[arg-type]
     assert predicted == list(range(len(dm.predict_sources())))
     assert dm.sources() == dm.sources("train")
@@ -219,19 +233,22 @@ def test_return_index_names_the_source_of_each_sample_on_every_split(database: P
         dm.sources("nope")
 
 
-def test_the_held_out_view_and_predict_split_index_their_database_splits(kinds: dict[str, Path]) -> None:
-    """A converted dataset's database: a held-out sample's index is its record in ``train``; predict's in ``test``."""
+def test_the_predict_split_indexes_its_database_split_and_the_held_out_view_has_none(kinds: dict[str, Path]) -> None:
+    """A converted dataset's database: predict's index is its record in ``test``; the held-out validation view's
+    batches are ``(images, targets)`` of its records in ``train``, in order."""
     dm = FastImageDataModule(str(kinds["multilabel"]), image_size=16, batch_size=4, num_workers=0, return_index=True)
     dm.setup("fit")
-    val = torch.cat([batch[2] for batch in dm.val_dataloader()]).tolist()
-    assert val == dm.val_dataset.indices.tolist()  # type: ignore[union-attr]
-    assert len(val) == round(TRAIN * 0.1)
-    assert [dm.sources("train")[i] for i in val] == [str(i) for i in val]
+    val = list(dm.val_dataloader())
+    assert {len(batch) for batch in val} == {2}
+    held_out = dm.val_dataset.indices.tolist()  # type: ignore[union-attr]
+    assert len(held_out) == round(TRAIN * 0.1)
+    train = LmdbImageDataset(kinds["multilabel"], "train")
+    assert torch.equal(torch.cat([b[1].cpu() for b in val]), torch.from_numpy(train.targets_of(held_out)))
     predict = [batch for batch in dm.predict_dataloader()]
-    assert torch.cat([b[2] for b in predict]).tolist() == list(range(TEST))
+    assert torch.cat([b[2].cpu() for b in predict]).tolist() == list(range(TEST))
     assert dm.predict_sources() == dm.sources("test")
     test = LmdbImageDataset(kinds["multilabel"], "test")
-    assert torch.equal(torch.cat([b[1] for b in predict]), torch.from_numpy(test.targets_of(range(TEST))))
+    assert torch.equal(torch.cat([b[1].cpu() for b in predict]), torch.from_numpy(test.targets_of(range(TEST))))
 
 
 def test_num_classes_and_target_kind_of_every_kind(kinds: dict[str, Path]) -> None:

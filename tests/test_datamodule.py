@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+import enum
+import inspect
+import io
 import json
 import os
 import random
@@ -21,7 +25,14 @@ from lightning.pytorch.tuner import Tuner
 from torch.utils.data import DataLoader
 from torchvision.transforms import v2
 
-from lightning_fastdata import FastImageDataModule, LmdbImageDataset, convert, make_image_folder
+from lightning_fastdata import (
+    FastImageDataModule,
+    LmdbImageDataset,
+    ResumeCheckpoint,
+    ViewGroup,
+    convert,
+    make_image_folder,
+)
 from lightning_fastdata.transforms import IMAGENET_MEAN, IMAGENET_STD, CenterCropResize, RandomResizedCropFlip
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -434,6 +445,183 @@ def test_hyperparameters_saved() -> None:
     assert dm.hparams.val_fraction == 0.1
 
 
+def _loaded(hparams: Any) -> dict[str, Any]:
+    """``hparams`` after ``torch.save`` and ``torch.load(weights_only=True)``, as Lightning loads a checkpoint."""
+    buffer = io.BytesIO()
+    torch.save(dict(hparams), buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+#: a value of each of FastImageDataModule's arguments in a form a Python caller passes: paths, dataclasses, tuples,
+#: NumPy values; every argument of the signature is here (the test says which one is missing)
+_ARGUMENT_FORMS: dict[str, Any] = {
+    "data_dir": Path("some/where"),
+    "cache_dir": Path("/tmp/fastdata-cache-form"),
+    "image_size": np.int64(32),
+    "image_size_schedule": {0: 16, 2: 32},
+    "batch_size": 8,
+    "num_workers": "tune",
+    "engine": "processes",
+    "pin_memory": True,
+    "persistent_workers": False,
+    "prefetch_factor": 3,
+    "val_fraction": 0.2,
+    "seed": 7,
+    "mean": np.array([0.5, 0.4, 0.3]),
+    "std": [0.2, 0.25, 0.3],
+    "scale": (0.1, 1.0),
+    "crop_fraction": np.float32(0.75),
+    "short_side": 128,
+    "quality": 80,
+    "encoding": "raw",
+    "channels_last": True,
+    "drop_last": False,
+    "prefetch_to_device": False,
+    "decode": "device",
+    "on_bad_sample": "skip",
+    "predict_split": "val",
+    "prepare_data_per_node": False,
+    "max_pixels": None,
+    "targets": "multilabel",
+    "label_separator": ";",
+    "return_index": True,
+    "views": [ViewGroup(12, count=3, scale=(0.05, 0.4)), ViewGroup(24, count=2, blur_p=1.0)],
+    "color_jitter": (0.4, 0.4, 0.2, 0.1),
+    "color_jitter_p": 0.5,
+    "grayscale_p": 0.2,
+    "blur_p": 0.1,
+    "blur_sigma": (0.2, 1.5),
+    "solarize_p": 0.2,
+    "worker_nice": 19,
+}
+#: arguments that cannot go together: views are refused with a size schedule and with device decode
+_APART = {"views": ("image_size_schedule", "decode")}
+
+
+@pytest.mark.parametrize("name", sorted(_ARGUMENT_FORMS))
+def test_every_argument_is_saved_as_what_a_checkpoint_loads_back(name: str) -> None:
+    """Each argument of the signature, in the form a Python caller passes it (a ``ViewGroup``, a ``Path``, a tuple, a
+    NumPy value), is saved as a value ``torch.load(weights_only=True)`` reads back and the constructor takes again."""
+    parameters = set(inspect.signature(FastImageDataModule.__init__).parameters) - {"self"}
+    assert parameters == set(_ARGUMENT_FORMS), "give each argument of FastImageDataModule a form in _ARGUMENT_FORMS"
+    kwargs = {"data_dir": "some/where", name: _ARGUMENT_FORMS[name]}
+    dm = FastImageDataModule(**kwargs)
+    loaded = _loaded(dm.hparams)  # raised UnpicklingError (Unsupported global) for a ViewGroup or a Path
+    rebuilt = FastImageDataModule(**loaded)
+    assert _loaded(rebuilt.hparams) == loaded
+    settings = {  # what each argument sets, where it is not an attribute of the same name
+        "mean": lambda m: m.normalizer.mean,
+        "std": lambda m: m.normalizer.std,
+        **{key: lambda m: repr(m._color) for key in ("color_jitter", "color_jitter_p", "grayscale_p", "blur_p")},
+        **{key: lambda m: repr(m._color) for key in ("blur_sigma", "solarize_p")},
+    }
+    setting = settings.get(name, lambda m: getattr(m, name, None))
+    assert setting(rebuilt) == setting(dm) or str(setting(rebuilt)) == str(setting(dm))
+
+
+class _Mode(str, enum.Enum):
+    FAST = "fast"
+    CAREFUL = "careful"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Region:
+    left: int
+    size: tuple[int, int]
+
+
+class _OwnArguments(FastImageDataModule):
+    """A subclass with arguments of its own: an enum, a dataclass and a path, taken back in their plain forms."""
+
+    def __init__(
+        self,
+        mode: _Mode = _Mode.FAST,
+        region: _Region | dict[str, Any] | None = None,
+        notes: Path | str = "notes.txt",
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.mode = _Mode(mode)
+        self.region = _Region(**region) if isinstance(region, dict) else region
+        self.notes = Path(notes)
+
+
+def test_a_subclasss_enum_dataclass_and_path_arguments_load_back_from_a_checkpoint(recwarn: Any) -> None:
+    """A subclass's own arguments are saved plainly too: the enum's value, the dataclass's fields, the path's text."""
+    dm = _OwnArguments(
+        mode=_Mode.CAREFUL, region=_Region(3, (4, 5)), notes=Path("/x/notes.txt"), data_dir=Path("some/where")
+    )
+    loaded = _loaded(dm.hparams)
+    assert (loaded["mode"], loaded["region"], loaded["notes"]) == (
+        "careful",
+        {"left": 3, "size": (4, 5)},
+        "/x/notes.txt",
+    )
+    rebuilt = _OwnArguments(**loaded)
+    assert (rebuilt.mode, rebuilt.region, rebuilt.notes) == (_Mode.CAREFUL, _Region(3, (4, 5)), Path("/x/notes.txt"))
+    assert not [w for w in recwarn if "would not load" in str(w.message)]
+
+
+def test_an_argument_that_cannot_load_from_a_checkpoint_warns_naming_it() -> None:
+    """An object of a class of one's own (not a dataclass) would make every resume fail: a warning names it, once."""
+
+    class _Opaque:
+        pass
+
+    class _WithObject(FastImageDataModule):
+        def __init__(self, thing: Any = None, **kwargs: Any) -> None:
+            super().__init__(**kwargs)
+
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            _WithObject(thing=_Opaque(), data_dir="some/where")
+    said = [str(w.message) for w in record if "would not load" in str(w.message)]
+    assert len(said) == 1  # once per class
+    assert "the saved argument(s) `thing` (_Opaque) would not load from a checkpoint" in said[0]
+    assert "`self.hparams.pop(name)`" in said[0]
+
+
+def test_a_fit_with_view_groups_and_paths_resumes_and_loads_from_its_checkpoint(
+    make_database: Callable[..., Path], tmp_path: Path
+) -> None:
+    """``views=[ViewGroup(...)]`` with ``data_dir`` and ``cache_dir`` as paths, what ``make_image_folder`` returns:
+    the run's ``last.ckpt`` resumes under Lightning's default loading; ``load_from_checkpoint`` rebuilds the module."""
+    folder = make_image_folder(tmp_path / "images", num_classes=2, train_per_class=8, val_per_class=0, min_size=24,
+                               max_size=32)  # fmt: skip
+    views = [ViewGroup(16, count=2, scale=(0.4, 1.0)), ViewGroup(8, count=2, scale=(0.1, 0.4))]
+
+    def fit(max_steps: int) -> Trainer:
+        dm = FastImageDataModule(folder, cache_dir=tmp_path / "cache", image_size=16, batch_size=4, num_workers=0,
+                                 views=views, val_fraction=0)  # fmt: skip
+        trainer = Trainer(
+            accelerator="cpu", max_steps=max_steps, default_root_dir=tmp_path, logger=False, enable_progress_bar=False,
+            enable_model_summary=False, callbacks=[ResumeCheckpoint(every_n_train_steps=2)],
+        )  # fmt: skip
+        trainer.fit(_ViewsTinyModel(), datamodule=dm, ckpt_path="last")
+        return trainer
+
+    fit(max_steps=2)
+    assert fit(max_steps=3).global_step == 3  # restored step 2 from the checkpoint, then trained one more
+    restored = FastImageDataModule.load_from_checkpoint(tmp_path / "checkpoints" / "last.ckpt")
+    assert restored.views == tuple(sorted(views, key=lambda g: -g.size))
+    assert (restored.data_dir, restored.cache_dir) == (str(folder), str(tmp_path / "cache"))
+
+
+class _ViewsTinyModel(LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(3, 2)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        views, targets = batch
+        return sum(torch.nn.functional.cross_entropy(self.layer(v.mean(dim=(2, 3))), targets) for v in views)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "name"),
     [
@@ -526,7 +714,7 @@ def test_jitter_subclass_changes_train_transform_only(
 ) -> None:
     """The example `JitterDataModule` jitters training crops and leaves validation untouched."""
     monkeypatch.syspath_prepend(str(ROOT))
-    from examples.augmented_datamodule import JitterDataModule
+    from fastdata_examples.augmented_datamodule import JitterDataModule
 
     plain = _dm(split_root, shared_cache)
     jitter = _dm(split_root, shared_cache, cls=JitterDataModule, jitter=0.4)
@@ -575,7 +763,7 @@ def test_jitter_subclass_batches_are_the_same_in_every_run(
     """The example draws from ``sample_rng()``: two runs with the same seed train on the same jittered batches, on
     loader threads too (it drew from the global ``random`` before, and no two runs matched)."""
     monkeypatch.syspath_prepend(str(ROOT))
-    from examples.augmented_datamodule import JitterDataModule
+    from fastdata_examples.augmented_datamodule import JitterDataModule
 
     def first_batch() -> torch.Tensor:
         return next(
@@ -635,33 +823,76 @@ def test_a_random_torchvision_transform_gives_the_same_batches_on_every_engine_a
                 assert labels.tolist() == expected_labels.tolist()
 
 
+class _PythonRandomAugmented(FastImageDataModule):
+    """A transform of one's own that draws from Python's `random` (a flip), which loader threads cannot key."""
+
+    def train_transform(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        base = super().train_transform()
+        return lambda image: base(image).flip(-1) if random.random() < 0.5 else base(image)
+
+
+class _NumpyRandomAugmented(FastImageDataModule):
+    """A transform of one's own that draws from NumPy's global generator."""
+
+    def train_transform(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        base = super().train_transform()
+        return lambda image: base(image).add(int(np.random.randint(0, 2))).clamp(0, 255).to(torch.uint8)
+
+
+def _jitter_datamodule(data_dir: str, **kwargs: Any) -> FastImageDataModule:
+    """The shipped example (examples/configs/cpu.yaml's data module), whose draws come from ``sample_rng()``."""
+    import sys
+
+    sys.path.insert(0, str(ROOT))
+    try:
+        from fastdata_examples.augmented_datamodule import JitterDataModule
+    finally:
+        sys.path.remove(str(ROOT))
+    return JitterDataModule(data_dir=data_dir, jitter=0.2, **kwargs)
+
+
 @pytest.mark.parametrize(
     ("cls", "engine", "workers", "said"),
     [
-        (_TorchvisionAugmented, "threads", 2, True),
-        (_TorchvisionAugmented, "processes", 2, False),
-        (_TorchvisionAugmented, "threads", 0, False),
+        (_PythonRandomAugmented, "threads", 2, True),
+        (_NumpyRandomAugmented, "threads", 2, True),
+        (_PythonRandomAugmented, "processes", 2, False),
+        (_PythonRandomAugmented, "threads", 0, False),
+        (_TorchvisionAugmented, "threads", 2, False),
+        (_jitter_datamodule, "threads", 2, False),
         (FastImageDataModule, "threads", 2, False),
     ],
 )
-def test_setup_says_once_when_loader_threads_cannot_key_random_and_numpy(
-    database: Path, monkeypatch: pytest.MonkeyPatch, cls: type, engine: str, workers: int, said: bool
+def test_setup_warns_once_when_a_transform_draws_what_loader_threads_cannot_key(
+    database: Path,
+    recwarn: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    cls: Callable[..., FastImageDataModule],
+    engine: str,
+    workers: int,
+    said: bool,
 ) -> None:
-    """A transform of one's own on loader threads: setup says, once, that Python's and NumPy's global draws are not
-    keyed there and names the engine that keys them; nothing is said where they are keyed or nothing is one's own."""
+    """A transform of one's own that draws from Python's or NumPy's global generator, on loader threads: setup warns,
+    once, naming ``sample_rng()`` and the engine that keys them; nothing is said where they are keyed (worker
+    processes, the training thread), for torch's draws (torchvision) or ``sample_rng()``'s (the shipped
+    ``JitterDataModule``, which cpu.yaml trains, was told otherwise), or for the built-in transforms."""
     infos: list[str] = []
     monkeypatch.setattr("lightning_fastdata.workers.rank_zero_info", lambda message, *a, **k: infos.append(message))
     dm = cls(str(database), image_size=16, batch_size=4, num_workers=workers, engine=engine)
     dm.trainer = fake_trainer("cpu")
+    state = (random.getstate(), np.random.get_state()[2])
     dm.setup("fit")
     dm.setup("fit")
-    expected = [
-        "FastImageDataModule: the training transform (or dataset) is your own, read on 2 loader threads: its torch"
-        " random draws (torchvision transforms) are keyed per sample, the same in every run and after a resume, but"
-        " draws from Python's `random` or NumPy's global generator are not (the threads share them). Draw from"
-        " `lightning_fastdata.keyed_random.sample_rng()` instead, or pass `engine='processes'`, which keys those too."
-    ]
-    assert [i for i in infos if "your own" in i] == (expected if said else [])
+    assert (random.getstate(), np.random.get_state()[2]) == state  # the probe's draws are not the caller's concern
+    found = [text for text in [str(w.message) for w in recwarn] + infos if "loader threads" in text]
+    expected = (
+        "FastImageDataModule: the training transform (or dataset) is your own, read on 2 loader threads, and draws"
+        " from Python's `random` or NumPy's global generator: the threads share those, so its augmentation differs"
+        " between runs and after a resume (torch's random draws, as in torchvision's transforms, are keyed per"
+        " sample). Draw from `lightning_fastdata.keyed_random.sample_rng()` instead, or pass `engine='processes'`,"
+        " which keys those too."
+    )
+    assert found == ([expected] if said else [])
 
 
 class _TwoViews:
@@ -758,7 +989,7 @@ def test_a_transform_returning_two_views_trains_on_normalized_views_on_every_eng
 
 def _recording_classifier() -> Any:
     """The example `ImageClassifier` (resnet18), recording the dtype and shape of each training batch it gets."""
-    from examples.classifier import ImageClassifier
+    from fastdata_examples.classifier import ImageClassifier
 
     class Recording(ImageClassifier):
         def __init__(self, **kwargs: Any) -> None:
@@ -992,7 +1223,7 @@ _READ_ONLY_CACHE_SCRIPT = """
 import contextlib, io, json, os, sys, traceback, warnings
 
 src, cache, empty, root = sys.argv[1:5]
-sys.path.append(root)  # for `examples.*` in the config; the package itself as installed
+sys.path.append(root)  # for `fastdata_examples.*` in the config; the package itself as installed
 from lightning_fastdata import FastImageDataModule, datamodule, resizing, resolve, workers
 from lightning_fastdata.cli import main
 
@@ -1198,3 +1429,35 @@ def test_a_list_files_kind_and_classes_are_known_before_it_is_converted(tmp_path
     assert (dm.target_kind, dm.num_classes, dm.classes) == ("multilabel", 3, ["a", "b", "c"])
     dm.prepare_data()
     assert (dm.target_kind, dm.num_classes, dm.classes) == ("multilabel", 3, ["a", "b", "c"])
+
+
+class _PriorityImages(FastImageDataModule):
+    """Each training image's pixels are 20 + the nice value of the process that made it."""
+
+    def train_transform(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        return lambda image: torch.full((3, 8, 8), 20 + os.getpriority(os.PRIO_PROCESS, 0), dtype=torch.uint8)
+
+
+def test_worker_nice_reaches_the_worker_processes_of_the_training_loader(database: Path) -> None:
+    """``FastImageDataModule(worker_nice=3, engine="processes")``: the training batches are built by processes 3 nice
+    levels below the training process, which keeps its own."""
+    own = os.getpriority(os.PRIO_PROCESS, 0)
+    dm = _PriorityImages(
+        str(database), image_size=8, batch_size=4, num_workers=2, engine="processes", worker_nice=3,
+        mean=(0.0, 0.0, 0.0), std=(1 / 255,) * 3,
+    )  # fmt: skip
+    dm.trainer = fake_trainer("cpu")
+    loader = dm.train_dataloader()
+    images = next(iter(loader))[0]  # normalized with mean 0 and std 1/255: the pixel values themselves
+    assert images.unique().tolist() == [20.0 + min(19, own + 3)]
+    assert os.getpriority(os.PRIO_PROCESS, 0) == own
+    del loader
+
+
+def test_worker_nice_on_loader_threads_warns_that_it_does_nothing(database: Path) -> None:
+    """Threads share the training process's priority: ``worker_nice`` there warns, naming the engine that uses it."""
+    dm = FastImageDataModule(str(database), image_size=8, batch_size=4, num_workers=1, engine="threads", worker_nice=5)
+    dm.trainer = fake_trainer("cpu")
+    with pytest.warns(UserWarning, match=r"`worker_nice=5` .* no effect\. Pass `engine='processes'`"):
+        loader = dm.train_dataloader()
+    del loader

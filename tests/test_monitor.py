@@ -396,8 +396,8 @@ def test_warmup_epoch_is_left_out_of_the_summary():
     assert summary["verdict"] == "compute-bound"  # the 500 ms warmup waits would make it input-bound
     assert summary["advice"] == []
     assert summary["ranks"] == [{"rank": 0, "wait_mean_ms": pytest.approx(0.1), "step_mean_ms": pytest.approx(10.0)}]
-    # one line per epoch, the warmup named; the first line says why GPU utilization is not logged
-    assert [c.args[0] for c in info.call_args_list][1:] == [
+    # one line per epoch, the warmup named; nothing about GPU utilization on a CPU fit
+    assert [c.args[0] for c in info.call_args_list] == [
         "LoaderMonitor epoch 0: data wait 500.0 ms, step 10.0 ms (means of 3 batches), data fraction 98%,"
         " input-bound (warmup: not in the verdict)",
         "LoaderMonitor epoch 1: data wait 0.1 ms, step 10.0 ms (means of 3 batches), data fraction 1%, compute-bound",
@@ -694,7 +694,8 @@ def test_cpu_training_on_busy_cpus_is_not_told_to_add_workers(workers):
 def test_a_tuned_worker_count_is_kept(database):
     """A count that `num_workers="tune"` measured on this machine is not overruled by the budget."""
     datamodule = FastImageDataModule(str(database), num_workers="tune")
-    loader = DataLoader(_in_memory(4))  # the tuner's pick: 0
+    datamodule.num_workers = 0  # the tuner's pick, as `prepare_data` or `resolved_num_workers` leave it
+    loader = DataLoader(_in_memory(4))
     with patch("lightning_fastdata.cpus.usable_cpu_count", return_value=2):
         tuned = _advice(loader, cuda=True, datamodule=datamodule, summary={"cpu_util": 0.5})
         busy = _advice(loader, datamodule=datamodule, summary={"cpu_util": 0.98})
@@ -746,17 +747,21 @@ def test_epoch_restart_bursty_waits_and_idle_gpu_advice():
 
 
 class _FakeCuda:
-    """A fake GPU (ms): ``now`` is the end of its queued work, ``done`` how far it has run; ``event()`` stands in
-    for ``torch.cuda.Event``."""
+    """A fake GPU (ms): ``now`` is the end of its queued work, ``done`` how far it has run; ``Event`` stands in for
+    ``torch.cuda.Event``, a class as torch's is (a module imported while it stands in may use it as one)."""
 
     def __init__(self) -> None:
         self.now = 0.0
         self.done = 0.0
         self.synchronized = 0
+        cuda = self
 
-    def event(self, enable_timing: bool = False) -> _FakeEvent:
-        assert enable_timing
-        return _FakeEvent(self)
+        class Event(_FakeEvent):
+            def __init__(self, enable_timing: bool = False) -> None:
+                assert enable_timing
+                super().__init__(cuda)
+
+        self.Event = Event
 
 
 class _FakeEvent:
@@ -815,7 +820,7 @@ def test_cuda_wait_and_step_come_from_completed_events_without_waiting_for_the_g
         patch("lightning_fastdata.cpus.CpuMeter"),
         patch(f"{CALLBACK}.nvml_handles", return_value=(nvml, ["gpu0"])) as handles,
         patch(PERF_COUNTER, side_effect=clock),
-        patch(CUDA_EVENT, side_effect=cuda.event),
+        patch(CUDA_EVENT, cuda.Event),
     ):
         monitor.on_train_start(trainer, module)
         handles.assert_called_once_with(0)
@@ -933,8 +938,8 @@ def test_nvml_handles_reports_why_nvml_is_unusable(monkeypatch):
     assert "pip install nvidia-ml-py" in nvml_handles(0)
 
 
-def test_cpu_training_logs_one_line_and_starts_no_sampler():
-    """On a CPU module `on_train_start` says once why GPU utilization is not logged, and polls nothing."""
+def test_cpu_training_says_nothing_of_gpus_and_starts_no_sampler():
+    """On a CPU module `on_train_start` says nothing about GPU utilization (no GPU to speak of) and polls nothing."""
     monitor = LoaderMonitor()
     with (
         patch(f"{CALLBACK}.rank_zero_info") as info,
@@ -942,9 +947,7 @@ def test_cpu_training_logs_one_line_and_starts_no_sampler():
         patch(f"{CALLBACK}.GpuSampler") as sampler,
     ):
         monitor.on_train_start(_mock_trainer(), _cpu_module())
-    info.assert_called_once()
-    assert "GPU utilization is not logged" in info.call_args.args[0]
-    assert "training runs on cpu" in info.call_args.args[0]
+    info.assert_not_called()
     handles.assert_not_called()
     sampler.assert_not_called()
     assert monitor._gpu is None
@@ -1012,7 +1015,7 @@ def test_loop_timer_reads_only_completed_events_until_synchronized():
     """`read_events()` returns the GPU times of completed batches only (`query()`), oldest first; `synchronize`
     completes the rest with one `synchronize()`. A batch without a reported fetch has no GPU wait."""
     cuda, profiler, timer = _FakeCuda(), PassThroughProfiler(), LoopTimer()
-    with patch(CUDA_EVENT, side_effect=cuda.event):
+    with patch(CUDA_EVENT, cuda.Event):
         timer.watch(profiler, cuda=True)
         for index, fetched in enumerate([True, True, False]):
             if fetched:
@@ -1039,12 +1042,18 @@ def test_loop_timer_reads_only_completed_events_until_synchronized():
 def test_loop_timer_queues_no_events_off_cuda():
     """Off CUDA a batch keeps its host times: no event is recorded or queued."""
     profiler, timer = PassThroughProfiler(), LoopTimer()
-    with patch(CUDA_EVENT) as event:
+    made: list[Any] = []
+
+    class Event:
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            made.append(self)
+
+    with patch(CUDA_EVENT, Event):
         timer.watch(profiler, cuda=False)
         with profiler.profile(TRAIN_STEP):
             pass
         timer.queue_events(0)
-    event.assert_not_called()
+    assert not made
     assert timer.first_unread() is None
     assert timer.take("train", "step") is not None
 
@@ -1326,7 +1335,7 @@ def test_nvml_thread_stops_when_the_fit_raises():
     nvml = _fake_nvml({"gpu0": 50.0}, {"gpu0": 2**30})
     with (
         patch(f"{CALLBACK}.nvml_handles", return_value=(nvml, ["gpu0"])),
-        patch(CUDA_EVENT, side_effect=_FakeCuda().event),
+        patch(CUDA_EVENT, _FakeCuda().Event),
         pytest.raises(RuntimeError, match="step failed"),
     ):
         _fit(monitor, _in_memory(4), _FailingCudaModel(), profiler=profiler)
@@ -1505,13 +1514,12 @@ def _fit_with_bar(bar: ProgressBar, *, bar_first: bool = False) -> list[str]:
 
 
 def _assert_own_lines(screen: list[str]) -> None:
-    """The monitor's note, its two epoch lines and its table each start a line, and nothing is glued after them."""
+    """The monitor's two epoch lines and its table each start a line, and nothing is glued after them."""
     lines = [line for line in screen if "LoaderMonitor" in line]
-    assert lines[0] == "LoaderMonitor: GPU utilization is not logged: training runs on cpu, not CUDA."
     epochs = [line for line in lines if "epoch" in line]
     assert [EPOCH_LINE.fullmatch(line)[1] for line in epochs] == ["0", "1"], lines  # type: ignore[index]
     assert lines[-1] == "LoaderMonitor summary"
-    assert len(lines) == 4, lines
+    assert len(lines) == 3, lines
 
 
 @pytest.mark.parametrize(
@@ -1559,13 +1567,22 @@ def test_monitor_prints_through_the_trainers_progress_bar_and_logs_without_one()
     with patch(f"{CALLBACK}.rank_zero_info") as info:
         _fit(monitor, _in_memory(6), callbacks=[monitor, bar], enable_progress_bar=True)
     info.assert_not_called()
-    assert len(bar.printed) == 4
-    assert EPOCH_LINE.fullmatch(bar.printed[1])
+    assert len(bar.printed) == 3
+    assert EPOCH_LINE.fullmatch(bar.printed[0])
     assert bar.printed[-1] == monitor.format_table()
     monitor = LoaderMonitor(warmup_epochs=0)
     with patch(f"{CALLBACK}.rank_zero_info") as info:
         _fit(monitor, _in_memory(6))  # enable_progress_bar=False: no bar
     logged = [c.args[0] for c in info.call_args_list]
-    assert logged[0] == bar.printed[0]
-    assert [EPOCH_LINE.fullmatch(line)[1] for line in logged[1:3]] == ["0", "1"]  # type: ignore[index]
-    assert logged[3:] == [monitor.format_table()]
+    assert [EPOCH_LINE.fullmatch(line)[1] for line in logged[:2]] == ["0", "1"]  # type: ignore[index]
+    assert logged[2:] == [monitor.format_table()]
+
+
+def test_a_fit_shorter_than_log_every_n_steps_keeps_its_cpu_row():
+    """A fit of 6 steps with `log_every_n_steps=50` logs no interval, yet the summary measures its CPU use over the
+    whole fit and the end table has its CPU row."""
+    monitor = LoaderMonitor(warmup_epochs=0, verbose=False)
+    _fit(monitor, _in_memory(6), log_every_n_steps=50)
+    assert len(monitor.cpu_util) == 1
+    assert 0.0 <= monitor.summary["cpu_util"] <= 1.0
+    assert "CPU utilization" in monitor.format_table()

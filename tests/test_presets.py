@@ -9,6 +9,7 @@ from unittest.mock import Mock
 
 import pytest
 import torch
+from fakes import hide_cuda
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.cli import LightningCLI
@@ -37,8 +38,8 @@ def info(monkeypatch: pytest.MonkeyPatch) -> Mock:
 
 @pytest.fixture
 def no_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A machine without CUDA, wherever the tests run."""
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    """A machine without CUDA, wherever the tests run: for the presets and for the Trainer's ``accelerator="auto"``."""
+    hide_cuda(monkeypatch)
 
 
 @pytest.fixture
@@ -254,7 +255,7 @@ def test_gpu_presets_name_a_gpu() -> None:
 
 @pytest.fixture
 def in_repo(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Run from the repository root, so the configs' `examples.*` class paths import (sys.path is restored)."""
+    """Run from the repository root, so the configs' `fastdata_examples.*` class paths import (sys.path is restored)."""
     monkeypatch.chdir(ROOT)
     monkeypatch.syspath_prepend(str(ROOT))
     monkeypatch.setattr(sys, "argv", ["lightning-fastdata"])  # pytest's own arguments are not the CLI's
@@ -324,20 +325,45 @@ def _fit_with_resume_checkpoint(root: Path, max_steps: int, **fit: Any) -> tuple
     return trainer, model
 
 
+def _saved_step(root: Path) -> int:
+    """The step of ``last.ckpt``, loaded as Lightning loads it (``weights_only=True``)."""
+    return int(torch.load(root / "checkpoints" / "last.ckpt", weights_only=True)["global_step"])
+
+
 def test_resume_checkpoint_saves_last_every_n_steps_in_one_folder_across_logger_versions(tmp_path: Path) -> None:
     """``last.ckpt`` every 3 steps in ``<default_root_dir>/checkpoints``, which the next run (a new logger version)
-    finds with ``ckpt_path="last"``: it trains on from step 6, not from 0."""
-    first, _ = _fit_with_resume_checkpoint(tmp_path, max_steps=7)
+    finds with ``ckpt_path="last"``: it trains on from where the first stopped, not from 0."""
+    first, _ = _fit_with_resume_checkpoint(tmp_path, max_steps=5)
     assert first.logger is not None
     assert first.logger.version == 0
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["last.ckpt"]  # save_top_k=0
-    assert torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 6
     second, model = _fit_with_resume_checkpoint(tmp_path, max_steps=10, ckpt_path="last")
     assert second.logger is not None
     assert second.logger.version == 1
-    assert model.trained == 4  # steps 7 to 10
+    assert model.trained == 5  # steps 6 to 10
     assert second.global_step == 10
-    assert torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 9
+    assert _saved_step(tmp_path) == 10
+
+
+def test_resume_checkpoint_saves_the_end_of_a_fit_and_a_rerun_says_it_is_done(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fit of 7 steps saved every 3 ends with ``last.ckpt`` at step 7, not 6; the same command again restores it,
+    trains nothing and says the fit is complete; raising ``max_steps`` trains on from 7."""
+    monitor_infos: list[str] = []
+    monkeypatch.setattr(presets, "rank_zero_info", lambda message, *a, **k: monitor_infos.append(message))
+    _fit_with_resume_checkpoint(tmp_path, max_steps=7, ckpt_path="last")
+    assert _saved_step(tmp_path) == 7
+    _, again = _fit_with_resume_checkpoint(tmp_path, max_steps=7, ckpt_path="last")
+    assert again.trained == 0
+    assert _saved_step(tmp_path) == 7
+    said = [line for line in monitor_infos if line.startswith("ResumeCheckpoint:")]
+    assert len(said) == 1
+    assert "is the end of a completed fit (max_steps=7, step 7): this run trained nothing" in said[0]
+    _, more = _fit_with_resume_checkpoint(tmp_path, max_steps=9, ckpt_path="last")
+    assert more.trained == 2
+    assert _saved_step(tmp_path) == 9
+    assert len([line for line in monitor_infos if line.startswith("ResumeCheckpoint:")]) == 1
 
 
 def test_resume_checkpoint_takes_an_explicit_folder(tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ Trainings run in child processes, each in its own mount and PID namespace (``uns
 from __future__ import annotations
 
 import multiprocessing
+import os
 import queue
 import re
 import shutil
@@ -136,7 +137,9 @@ def _in_private_shm(tmp_path: Path, code: str, *args: str, how: str = "finish", 
         *("sh", "-c", _WRAPPER, "wrapper", sys.executable, "-c", code, *args),
     ]
     env = {"PATH": "/usr/bin:/bin:/usr/sbin:/sbin", "HOW": how, "OUT": str(out), "SHM_SIZE": shm_size}
-    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+    # the repository, then the caller's PYTHONPATH: where the installed packages may be (`pip install --target`)
+    paths = [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]
+    env["PYTHONPATH"] = os.pathsep.join(path for path in paths if path)
     subprocess.run(command, env=env, timeout=300, check=False)
     return out.read_text()
 
@@ -433,3 +436,38 @@ def test_a_task_queue_sent_to_a_spawned_process_writes_its_tasks_there_too() -> 
     assert [index_queue.get(timeout=60) for _ in tasks] == tasks
     child.join(timeout=60)
     assert child.exitcode == 0
+
+
+class _Priorities(torch.utils.data.Dataset):
+    """Each sample is the nice value of the process that reads it."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int) -> int:
+        return os.getpriority(os.PRIO_PROCESS, 0)
+
+
+@pytest.mark.parametrize("nice", [0, 7])
+def test_worker_nice_lowers_the_worker_processes_priority_only(nice: int) -> None:
+    """``worker_nice`` raises each worker process's nice value by that much; the training process keeps its own."""
+    from lightning_fastdata.pipeline import create_loader
+
+    own = os.getpriority(os.PRIO_PROCESS, 0)
+    loader = create_loader(_Priorities(), 2, engine="processes", workers=2, output=None, worker_nice=nice)
+    seen = {int(value) for batch in loader for value in batch}
+    assert seen == {min(19, own + nice)}
+    assert os.getpriority(os.PRIO_PROCESS, 0) == own
+    del loader
+
+
+@pytest.mark.parametrize("bad", [-1, 20, 1.5, True])
+def test_worker_nice_outside_0_to_19_is_refused(bad: Any) -> None:
+    """A nice increment outside 0-19 is an error naming ``worker_nice``, from the loader and the DataModule."""
+    from lightning_fastdata import FastImageDataModule
+    from lightning_fastdata.pipeline import create_loader
+
+    with pytest.raises(ValueError, match="`worker_nice` must be an int from 0"):
+        create_loader(_Priorities(), 2, engine="processes", workers=1, output=None, worker_nice=bad)
+    with pytest.raises(ValueError, match="`worker_nice` must be an int from 0"):
+        FastImageDataModule("some/where", worker_nice=bad)

@@ -467,7 +467,7 @@ def _train_until_killed(database: Path, out: Path, devices: int, every: int, kil
 
 def _loader_state(checkpoint: Path) -> list[dict[str, Any]]:
     """The training loaders' states that Lightning saved in a checkpoint."""
-    return torch.load(checkpoint, map_location="cpu", weights_only=False)["loops"]["fit_loop"]["state_dict"][
+    return torch.load(checkpoint, map_location="cpu", weights_only=True)["loops"]["fit_loop"]["state_dict"][
         "combined_loader"
     ]
 
@@ -733,7 +733,7 @@ def _kill_after_last_checkpoint(proc: subprocess.Popen, out: Path, last: Path) -
     finally:
         _kill(proc)
     assert proc.returncode == -signal.SIGKILL
-    return int(torch.load(last, map_location="cpu", weights_only=False)["global_step"])
+    return int(torch.load(last, map_location="cpu", weights_only=True)["global_step"])
 
 
 def _check_resumed_from_last(killed: list[dict[str, Any]], resumed: list[dict[str, Any]], k: int) -> None:

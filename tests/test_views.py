@@ -39,14 +39,23 @@ def _epoch(database: Path, engine: str, workers: int, batch_size: int = 4, **kwa
     return [([v.clone() for v in views], *(t.clone() for t in rest)) for views, *rest in loader]
 
 
+def _difference(a: torch.Tensor, b: torch.Tensor) -> str:
+    """How two tensors that should be equal differ: where they are, what they hold, or which values differ."""
+    if (a.device, a.dtype, a.shape) != (b.device, b.dtype, b.shape):
+        return f"{a.device} {a.dtype} {tuple(a.shape)} against {b.device} {b.dtype} {tuple(b.shape)}"
+    differ = (a.cpu().double() - b.cpu().double()).abs()
+    return f"{int((differ > 0).sum())} of {differ.numel()} values differ, by up to {float(differ.max()):g}"
+
+
 def _assert_same(first: list[Any], second: list[Any]) -> None:
+    """The same batches bit for bit; a difference names the batch, the element and how it differs."""
     assert len(first) == len(second) > 1
-    for (views_a, *rest_a), (views_b, *rest_b) in zip(first, second, strict=True):
+    for n, ((views_a, *rest_a), (views_b, *rest_b)) in enumerate(zip(first, second, strict=True)):
         assert [v.shape[-1] for v in views_a] == [v.shape[-1] for v in views_b] == SIZES
-        for a, b in zip(views_a, views_b, strict=True):
-            assert torch.equal(a, b)
-        for a, b in zip(rest_a, rest_b, strict=True):
-            assert torch.equal(a, b)
+        for v, (a, b) in enumerate(zip(views_a, views_b, strict=True)):
+            assert torch.equal(a, b), f"batch {n}, view {v}: {_difference(a, b)}"
+        for i, (a, b) in enumerate(zip(rest_a, rest_b, strict=True), start=1):
+            assert torch.equal(a, b), f"batch {n}, element {i} ({type(a).__name__}): {_difference(a, b)}"
 
 
 def test_views_are_checked_and_sorted_largest_first() -> None:
@@ -182,6 +191,59 @@ def test_fit_trains_on_views(database: Path, tmp_path: Path) -> None:
     val_images, _ = next(iter(dm.val_dataloader()))
     assert isinstance(val_images, torch.Tensor)
     assert val_images.shape[-1] == 16
+
+
+class _SoloLearnMethod(LightningModule):
+    """solo-learn's ``BaseMethod`` steps as they unpack batches: ``_, X, targets`` in training, ``X, targets`` after."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(3, 3)
+        self.steps = {"train": 0, "val": 0}
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        _, X, targets = batch  # solo-learn's names
+        assert len(X) == 5
+        self.steps["train"] += 1
+        return sum(torch.nn.functional.cross_entropy(self.layer(x.mean(dim=(2, 3))), targets) for x in X[:2])
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        X, targets = batch
+        assert isinstance(X, torch.Tensor)
+        assert len(targets) == len(X)
+        self.steps["val"] += 1
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class _SoloLearnOnFastData(_SoloLearnMethod):
+    """docs/datamodule.md's solo-learn recipe, word for word: only the training step reorders the batch."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        views, targets, indexes = batch  # FastImageDataModule(..., views=[...], return_index=True)
+        return super().training_step((indexes, views, targets), batch_idx)
+
+
+def test_the_solo_learn_recipe_fits_with_a_validation_split(database: Path, tmp_path: Path) -> None:
+    """With ``return_index`` the training batches carry the index, the validation batches are ``(images, targets)``:
+    solo-learn's validation step (and the sanity check before training) runs unchanged."""
+    dm = FastImageDataModule(str(database), image_size=16, batch_size=4, num_workers=0, views=GROUPS, return_index=True)
+    model = _SoloLearnOnFastData()
+    trainer = Trainer(
+        accelerator="cpu",
+        max_epochs=1,
+        limit_train_batches=2,
+        limit_val_batches=2,
+        num_sanity_val_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(model, datamodule=dm)
+    assert model.steps == {"train": 2, "val": 3}  # the sanity check's batch, then the fit's validation
 
 
 def test_views_refuse_device_decode_and_a_size_schedule() -> None:

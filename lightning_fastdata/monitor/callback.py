@@ -166,15 +166,15 @@ class LoaderMonitor(Callback):
                 nvml, handles = found
                 self._gpu = GpuSampler(nvml, handles, self.gpu_poll_interval)
                 self._gpu.start()
-        else:
-            self._say(
-                trainer, f"LoaderMonitor: GPU utilization is not logged: training runs on {device.type}, not CUDA."
-            )
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._stop()
         self._read_gpu_times(synchronize=True)
+        if self._cpu is not None and not self.cpu_util:  # a fit shorter than `log_every_n_steps`: its whole span
+            cpu = self._cpu.take()
+            if cpu is not None:
+                self.cpu_util.append(cpu / 100.0)
         self.summary = summary = summarize(
             wait_ms=self.wait_ms,
             step_ms=self.step_ms,

@@ -180,7 +180,7 @@ def advise(
     workers = int(getattr(loader, "workers", loader.num_workers))
     unit = "loader threads" if engine == "threads" else "worker processes"
     # a count FastImageDataModule(num_workers="tune") measured on this machine stands against the budget
-    tuned = getattr(getattr(trainer, "datamodule", None), "num_workers", None) == "tune"
+    tuned = getattr(getattr(trainer, "datamodule", None), "tunes_workers", False) is True
     busy = None if cuda else summary.get("cpu_util")
     if workers > budget:
         advice.append(

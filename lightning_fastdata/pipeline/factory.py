@@ -64,6 +64,7 @@ def create_loader(
     return_index: bool = False,
     before_epoch: Callable[[int], Hashable] | None = None,
     color: BatchColor | None = None,
+    worker_nice: int = 0,
 ) -> FastLoader:
     """The loader of one split: every choice of the batch path, made here.
 
@@ -102,18 +103,22 @@ def create_loader(
             ``int64 [B]`` (for a subset of a database split, the index into that split), on every engine.
         color: each batch carries its samples' colour parameters, drawn from their keys, last
             (:mod:`~lightning_fastdata.pipeline.color`); the device stage applies them and takes them off.
+        worker_nice: raise each worker process's nice value by this much (0-19), below the training process's
+            priority (``engine="processes"``; threads share the training process's).
 
     A batch's targets are of the database's kind: ``int64 [B]`` classes, multi-hot ``float32 [B, C]``, ``float32
     [B, K]`` values (``[B]`` when K = 1), or ``int64 [B]`` of ``-1`` (no targets).
 
     Raises:
-        ValueError: an unknown ``engine``, or a negative ``workers``.
+        ValueError: an unknown ``engine``, a negative ``workers``, or ``worker_nice`` outside 0-19.
 
     """
     if engine not in ("threads", "processes"):
         raise ValueError(f"`engine` must be 'threads' or 'processes', got {engine!r}.")
     if workers < 0:
         raise ValueError(f"`workers` must be >= 0, got {workers}.")
+    if isinstance(worker_nice, bool) or not isinstance(worker_nice, int) or not 0 <= worker_nice <= 19:
+        raise ValueError(f"`worker_nice` must be an int from 0 to 19 (19: the lowest priority), got {worker_nice!r}.")
     reader = dataset
     if output is not None and not isinstance(dataset, BatchReader):
         reader = BatchReader(
@@ -143,7 +148,8 @@ def create_loader(
         kwargs["num_workers"] = workers
         if workers > 0:
             kwargs["persistent_workers"] = True if persistent_workers is None else persistent_workers
-            kwargs["worker_init_fn"] = _worker_init
+            init = functools.partial(_worker_init, nice=worker_nice) if worker_nice else _worker_init
+            kwargs["worker_init_fn"] = init
             if prefetch_factor is not None:
                 kwargs["prefetch_factor"] = prefetch_factor
     return FastLoader(

@@ -21,6 +21,7 @@ Workers import this module to unpickle the ``worker_init_fn``, so it imports nei
 from __future__ import annotations
 
 import multiprocessing.queues
+import os
 import queue
 import select
 import sys
@@ -59,12 +60,16 @@ def with_slots(memory: SlotMemory, init: Callable[[int], None] | None, worker_id
         init(worker_id)
 
 
-def _worker_init(worker_id: int) -> None:
+def _worker_init(worker_id: int, nice: int = 0) -> None:
     """One intra-op thread per worker process: the workers already use every core the budget gives them.
 
-    OpenCV needs nothing here: :mod:`lightning_fastdata._cv` switched its thread pool off in the parent.
+    OpenCV needs nothing here: :mod:`lightning_fastdata._cv` switched its thread pool off in the parent. ``nice``:
+    how much lower than the training process's this worker's priority is (``os.nice``), so the training thread, which
+    launches the GPU's work, gets a core the moment it wakes, while the workers keep every core it leaves idle.
     """
     torch.set_num_threads(1)
+    if nice and hasattr(os, "nice"):  # POSIX
+        os.nice(nice)
 
 
 #: whether a torch profiler records (private in torch; where it is missing, every task gets torch's range)
