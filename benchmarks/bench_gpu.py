@@ -8,7 +8,8 @@ defaults, then prints two tables from one run:
    the data fraction and GPU utilization it measured. Rows: one strided convolution (the loader sets the pace),
    resnet18, resnet50. Columns: data-free (one normalized batch already on the GPU), torchvision ``ImageFolder``
    float32 (the standard recipe), ``ImageFolder`` uint8 normalized on the GPU, FastImageDataModule with each engine,
-   and with ``decode="device"``. Every loader gets the same workers (default: every usable CPU).
+   worker processes below the training process's priority (``worker_nice=19``), and with ``decode="device"``. Every
+   loader gets the same workers (default: every usable CPU).
 2. **The loader alone**, batches copied into GPU memory (FastImageDataModule's are normalized there), over 1, 4, 8
    and 16 workers or threads: each engine and ``ImageFolder`` uint8, with the training process's CPU time per image
    beside each rate. Above them, **the ceiling**: as many standalone processes decoding, cropping and resizing the
@@ -69,6 +70,7 @@ COLUMNS = {
     "imagefolder-uint8": "ImageFolder uint8 + GPU normalize",
     "threads": "FastImageDataModule (threads)",
     "processes": 'engine="processes"',
+    "processes-nice": 'engine="processes", worker_nice=19',
     "device": 'decode="device"',
 }
 VIEW_COLUMNS = {
@@ -193,6 +195,8 @@ def train_cell(column: str, images: Path, workdir: Path, p: Plan) -> dict[str, A
         fit = {"train_dataloaders": imagefolder_loader(images, p, uint8=True)}
     elif column == "device":
         fit = {"datamodule": fast_datamodule(images, workdir, p, decode="device")}
+    elif column == "processes-nice":  # the training thread before the workers, for every core
+        fit = {"datamodule": fast_datamodule(images, workdir, p, engine="processes", worker_nice=19)}
     else:
         fit = {"datamodule": fast_datamodule(images, workdir, p, engine=column)}
     monitor = _fit(p, None, net=_model(p), **fit)
