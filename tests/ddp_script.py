@@ -17,9 +17,9 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-import torch
 from indexed import IndexedDataModule, RecordingModel
 from lightning.pytorch import Trainer
+from ranks import end_process_group
 from torch.nn import functional as F
 
 from lightning_fastdata import FastImageDataModule, ViewGroup, cpus
@@ -93,11 +93,8 @@ def main(data_dir: str, out_dir: str, seed: int, epochs: int, kind: str = "class
         "processes_per_node": cpus.processes_per_node(trainer.world_size, trainer.num_nodes),
     }
     Path(out_dir, f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
-    # torchrun leaves the process group to the script: one left to the interpreter's exit can abort the process as
-    # gloo's threads die ("terminate called without an active exception", pytorch/pytorch#190489)
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), *sys.argv[5:6])
+    end_process_group()

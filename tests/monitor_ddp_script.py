@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.pytorch import LightningModule, Trainer
+from ranks import end_process_group
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_fastdata import LoaderMonitor
@@ -66,3 +67,4 @@ def main(out_dir: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    end_process_group()

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
+from ranks import end_process_group
 from torch.nn import functional as F
 
 from lightning_fastdata import FastImageDataModule, PredictionWriter
@@ -88,3 +89,4 @@ def main(data_dir: str, output_path: str, interrupt: bool = False) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2], sys.argv[3:] == ["interrupt"])
+    end_process_group()

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from indexed import IndexedDataModule, RecordingModel
 from lightning.pytorch import Trainer
+from ranks import end_process_group
 
 from lightning_fastdata.pipeline import FastLoader
 
@@ -63,3 +64,4 @@ def main(data_dir: str, out_dir: str, epochs: int) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
+    end_process_group()

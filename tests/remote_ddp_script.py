@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from indexed import IndexedDataModule, RecordingModel
 from lightning.pytorch import Trainer
+from ranks import end_process_group
 
 
 def main(url: str, cache_dir: str, out_dir: str, epochs: int) -> None:
@@ -50,3 +51,4 @@ def main(url: str, cache_dir: str, out_dir: str, epochs: int) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]))
+    end_process_group()

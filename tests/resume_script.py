@@ -37,6 +37,7 @@ import torch
 from indexed import IndexedDataModule
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
+from ranks import end_process_group
 from torch.nn import functional as F
 
 from lightning_fastdata import FastImageDataModule, ResumeCheckpoint
@@ -187,3 +188,4 @@ if __name__ == "__main__":
         schedule,
         views,
     )
+    end_process_group()
