@@ -24,6 +24,7 @@ from lightning_fastdata.pipeline import DeviceStage
 from lightning_fastdata.pipeline.color import BatchColor
 from lightning_fastdata.pipeline.device import batch_dtype, loader_output, trainer_device, trains_on_cuda, uses_prefetch
 from lightning_fastdata.pipeline.kernel import Output
+from lightning_fastdata.pipeline.processes import check_nice
 from lightning_fastdata.pipeline.views import MultiViewCrop, ViewGroup, check_views
 from lightning_fastdata.skipping import SkipCounter
 from lightning_fastdata.splits import missing_split, open_splits, pick_predict_split, split_sources
@@ -220,11 +221,7 @@ class FastImageDataModule(LightningDataModule):
             raise InvalidArgumentError(f"`decode` must be 'cpu' or 'device', got {decode!r}.")
         if on_bad_sample not in ("raise", "skip"):
             raise InvalidArgumentError(f"`on_bad_sample` must be 'raise' or 'skip', got {on_bad_sample!r}.")
-        if isinstance(worker_nice, bool) or not isinstance(worker_nice, int) or not 0 <= worker_nice <= 19:
-            raise InvalidArgumentError(
-                f"`worker_nice` must be an int from 0 (the training process's priority) to 19 (the lowest), got"
-                f" {worker_nice!r}."
-            )
+        check_nice(worker_nice)
         if max_pixels is not None and max_pixels < 1:
             raise InvalidArgumentError(f"`max_pixels` must be >= 1 or None (no limit), got {max_pixels}.")
         if targets is not None and targets not in KINDS:

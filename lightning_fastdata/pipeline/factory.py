@@ -20,7 +20,7 @@ from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 from lightning_fastdata.pipeline.color import BatchColor
 from lightning_fastdata.pipeline.device import DeviceStage, prefetch_to_device
 from lightning_fastdata.pipeline.kernel import BatchReader, KeyedIndices, Output, _batch_as_is
-from lightning_fastdata.pipeline.processes import WorkerIterator, _worker_init, shared_slots, with_slots
+from lightning_fastdata.pipeline.processes import WorkerIterator, _worker_init, check_nice, shared_slots, with_slots
 from lightning_fastdata.pipeline.resume import ResumableSampler, batches_per_epoch, position_state, restore_position
 from lightning_fastdata.pipeline.slots import SlotLayout, SlotPool
 from lightning_fastdata.pipeline.threads import private_slots, threaded_batches
@@ -117,8 +117,7 @@ def create_loader(
         raise ValueError(f"`engine` must be 'threads' or 'processes', got {engine!r}.")
     if workers < 0:
         raise ValueError(f"`workers` must be >= 0, got {workers}.")
-    if isinstance(worker_nice, bool) or not isinstance(worker_nice, int) or not 0 <= worker_nice <= 19:
-        raise ValueError(f"`worker_nice` must be an int from 0 to 19 (19: the lowest priority), got {worker_nice!r}.")
+    check_nice(worker_nice)
     reader = dataset
     if output is not None and not isinstance(dataset, BatchReader):
         reader = BatchReader(

@@ -34,6 +34,7 @@ import torch
 from torch.utils.data import _utils, get_worker_info
 from torch.utils.data.dataloader import _DatasetKind, _MultiProcessingDataLoaderIter
 
+from lightning_fastdata.errors import InvalidArgumentError
 from lightning_fastdata.pipeline.slots import SLOTS_HELD, SlotLayout, SlotMemory, SlotPool
 
 
@@ -58,6 +59,21 @@ def with_slots(memory: SlotMemory, init: Callable[[int], None] | None, worker_id
     info.dataset.slots = memory  # type: ignore[attr-defined]
     if init is not None:
         init(worker_id)
+
+
+def check_nice(worker_nice: Any) -> int:
+    """``worker_nice`` checked: an int from 0 (the training process's priority) to 19 (the lowest).
+
+    Raises:
+        InvalidArgumentError: anything else (a ``ValueError``).
+
+    """
+    if isinstance(worker_nice, bool) or not isinstance(worker_nice, int) or not 0 <= worker_nice <= 19:
+        raise InvalidArgumentError(
+            f"`worker_nice` must be an int from 0 (the training process's priority) to 19 (the lowest), got"
+            f" {worker_nice!r}."
+        )
+    return worker_nice
 
 
 def _worker_init(worker_id: int, nice: int = 0) -> None:

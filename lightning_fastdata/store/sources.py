@@ -33,6 +33,7 @@ from lightning_fastdata.store.targets import (
     check_target,
     infer_list_kind,
     is_missing,
+    short_repr,
     split_label,
 )
 
@@ -669,8 +670,9 @@ def _cells(row: Mapping[str, Any]) -> str:
 
 
 def _short_text(value: Any) -> str:
-    text = repr(value if isinstance(value, (list, tuple)) else str(value if value is not None else "").strip())
-    return text if len(text) <= 40 else text[:37] + "..."
+    """A list file's cell for a message: a JSON list as it is, anything else as stripped text."""
+    cell = value if isinstance(value, (list, tuple)) else str(value if value is not None else "").strip()
+    return short_repr(cell, 40)
 
 
 @dataclass(frozen=True)

@@ -241,14 +241,14 @@ def check_target(spec: TargetSpec, value: Any, class_to_idx: dict[str, int] | No
         return None
     if kind == "class":
         if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or int(value) < 0:
-            raise ValueError(f"label must be a non-negative int, got {_short(value)}")
+            raise ValueError(f"label must be a non-negative int, got {short_repr(value)}")
         return int(value)
     items = _as_items(value)
     if kind == "multilabel":
         if len(items) > 1 and all(isinstance(i, (float, np.floating, bool, np.bool_)) and i in (0, 1) for i in items):
             raise ValueError(
-                f"{_short(value)} looks like a multi-hot vector: give each sample's class indices (`np.flatnonzero(v)`)"
-                " or names"
+                f"{short_repr(value)} looks like a multi-hot vector: give each sample's class indices"
+                " (`np.flatnonzero(v)`) or names"
             )
         indices = set()
         for item in items:
@@ -259,18 +259,18 @@ def check_target(spec: TargetSpec, value: Any, class_to_idx: dict[str, int] | No
                     raise ValueError(f"class index {int(item)} is outside the {spec.num_classes} classes")
                 indices.add(int(item))
             else:
-                raise ValueError(f"{_short(item)} is not one of the classes")
+                raise ValueError(f"{short_repr(item)} is not one of the classes")
         return tuple(sorted(indices))
     values = []
     for item in items:
         if isinstance(item, (bool, np.bool_)) or not isinstance(item, (int, float, np.integer, np.floating, str)):
-            raise ValueError(f"{_short(item)} is not a number")
+            raise ValueError(f"{short_repr(item)} is not a number")
         try:
             number = float(item)
         except ValueError:
-            raise ValueError(f"{_short(item)} is not a number") from None
+            raise ValueError(f"{short_repr(item)} is not a number") from None
         if not math.isfinite(number) or abs(number) > float(np.finfo(np.float32).max):
-            raise ValueError(f"the value {_short(item)} is not a finite float32")
+            raise ValueError(f"the value {short_repr(item)} is not a finite float32")
         values.append(number)
     if len(values) != spec.dim:
         raise ValueError(f"{len(values)} value(s), where every sample has {spec.dim}")
@@ -289,9 +289,10 @@ def _as_items(value: Any) -> list[Any]:
     return [value]
 
 
-def _short(value: Any) -> str:
+def short_repr(value: Any, limit: int = 60) -> str:
+    """``repr(value)`` for a message, cut to ``limit`` characters."""
     text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -490,7 +491,7 @@ def infer_list_kind(
     listed = next((label for _, label in texts if _looks_like_list(label)), None)
     if listed is not None:
         raise AmbiguousTargetsError(
-            f"`src` {where!r}: the label {_short(listed)} is a list: pass {_option('multilabel')} to store each"
+            f"`src` {where!r}: the label {short_repr(listed)} is a list: pass {_option('multilabel')} to store each"
             f" sample's classes, or {_option('class')} to make each list one class."
         )
     strings = [(row, str(label).strip()) for row, label in texts]
@@ -519,7 +520,7 @@ def infer_list_kind(
     # mostly numbers and a few labels that are not: stray text in a column of values, or names among class indices;
     # as classes they would each be one more class, silently, so the rows are named for the user to decide
     elif numbers >= 2 and numbers > len(others):
-        shown = ", ".join(f"row {row} {_short(label)}" for row, label in others[:_SHOWN])
+        shown = ", ".join(f"row {row} {short_repr(label)}" for row, label in others[:_SHOWN])
         more = f" and {len(others) - _SHOWN} more" if len(others) > _SHOWN else ""
         verb = "is" if len(others) == 1 else "are"
         raise AmbiguousTargetsError(
