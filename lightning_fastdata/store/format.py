@@ -15,7 +15,7 @@ A database is an LMDB environment directory (``data.mdb`` + ``lock.mdb``) holdin
 Beside a database ``DST`` a conversion keeps, while it runs, the hidden working copy ``.DST.partial`` (renamed to
 ``DST`` when complete) and the lock file ``.DST.lock``, which holds the converter's process id and host as JSON and
 is removed when the conversion ends. A database opened once records that its LMDB pages were walked in
-``verified.json`` (see :func:`open_readonly`).
+``verified.json`` where the reading user owns the folder, else in that user's cache (see :func:`open_readonly`).
 
 Nothing is ever unpickled: reading a database someone else made runs none of their code.
 """
@@ -28,14 +28,16 @@ import json
 import logging
 import os
 import socket
+import stat
 import struct
 import tempfile
 import threading
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import lmdb
 
@@ -60,6 +62,8 @@ STAGED_RECORD = "staged.json"
 PROGRESS_FILE = "progress.json"
 #: beside ``data.mdb``: the identity of the data file whose LMDB pages were walked without a crash
 VERIFIED_FILE = "verified.json"
+#: the most bytes a ``verified.json`` is read as: the record this package writes takes about 200
+_MARKER_MAX_BYTES = 1 << 16
 
 ENCODING_JPEG = 1
 ENCODING_PNG = 2
@@ -293,11 +297,10 @@ def converter_of(dst: Path) -> dict[str, Any] | None:
     """
     if fcntl is None:  # pragma: no cover - Windows
         return None
-    try:
-        fh = open(lock_path(dst), "rb")  # noqa: SIM115 - closed below; read-only, so a read-only folder works
-    except OSError:
+    opened = _open_regular(lock_path(dst))  # read-only, so a read-only folder works; a FIFO there never blocks
+    if opened is None:
         return None
-    with fh:
+    with opened[0] as fh:
         try:
             fcntl.flock(fh, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -310,6 +313,31 @@ def converter_of(dst: Path) -> dict[str, Any] | None:
             return None
         fcntl.flock(fh, fcntl.LOCK_UN)
     return None
+
+
+def _open_regular(path: Path, follow_links: bool = True) -> tuple[BinaryIO, os.stat_result] | None:
+    """``path`` opened for reading in binary, with its ``fstat``, if it is a regular file; else ``None``.
+
+    ``None`` too where it cannot be opened or, with ``follow_links=False``, is a symbolic link. Opened without blocking
+    (``O_NONBLOCK``): a FIFO, device or socket planted under the name of a file this package reads is never read, nor
+    waited on (the open of a FIFO waits for a writer that may never come). The ``fstat`` is the opened file's own,
+    not the name's, which could be swapped between a check and the open.
+    """
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0)
+    if not follow_links:
+        flags |= getattr(os, "O_NOFOLLOW", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        st = None
+    if st is None or not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        return None
+    return os.fdopen(fd, "rb"), st
 
 
 def converter_record() -> bytes:
@@ -352,7 +380,8 @@ def _incomplete_message(path: Path) -> str:
 # ---------------------------------------------------------------------------------------------------------------
 # LMDB refuses a second open of the same files in one process, so readers of one database (train and val, say)
 # share an environment. A forked child must not use its parent's environments: they are closed in the child right
-# after the fork, and reopened on first use.
+# after the fork, and reopened on first use. A database replaced at its path is reopened there; its old environment
+# is closed once no read transaction is open on it (:class:`_Holds`), never under one.
 
 _ENVS: dict[str, tuple[tuple[int, int, int], lmdb.Environment]] = {}
 _ENVS_LOCK = threading.Lock()
@@ -421,15 +450,71 @@ class _ForkGate:
         return clean
 
 
+class _Holds:
+    """The read transactions open on each environment, and the environments of replaced databases still in use.
+
+    A read transaction hands out views of the memory map, which a loader thread decodes with the GIL released
+    (``simplejpeg``, OpenCV): closing the environment unmaps those pages under it, and the process dies (SIGSEGV).
+    So when the database at a path is replaced and the path opened again, its old environment is only retired here:
+    closed at once if no transaction is open on it, else by the thread that ends the last one. A dataset that reads
+    through it afterwards finds it closed, and says the database was replaced
+    (:meth:`~lightning_fastdata.store.reader.LmdbImageDataset._read_failed`). Environments are closed under the lock:
+    a transaction starting meanwhile waits, then finds the environment closed, never a map unmapped under it.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._open: dict[int, int] = {}  # id(env): read transactions open on it (it is alive while they are)
+        self._retired: dict[int, lmdb.Environment] = {}  # replaced at its path: closed when its last one ends
+
+    @contextlib.contextmanager
+    def holding(self, env: lmdb.Environment) -> Iterator[None]:
+        """Keep ``env`` open (mapped) until the ``with`` block ends."""
+        key = id(env)
+        with self._lock:
+            self._open[key] = self._open.get(key, 0) + 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                left = self._open.pop(key, 1) - 1  # absent in a child forked inside the block: counts start afresh
+                if left > 0:
+                    self._open[key] = left
+                elif key in self._retired:
+                    self._retired.pop(key).close()
+
+    def retire(self, env: lmdb.Environment) -> None:
+        """Close ``env`` (replaced at its path) now if no transaction is open on it, else when the last one ends."""
+        with self._lock:
+            if self._open.get(id(env)):
+                self._retired[id(env)] = env
+            else:
+                env.close()
+
+    def after_fork_in_child(self) -> list[lmdb.Environment]:
+        """Start afresh (the parent's other threads are gone); the retired environments, for the child to close."""
+        retired = list(self._retired.values())
+        self.__init__()  # type: ignore[misc]
+        return retired
+
+
 _GATE = _ForkGate()
+_HOLDS = _Holds()
 #: environments a child could not close (another thread was inside them at the fork): kept, never deallocated
 _ABANDONED: list[lmdb.Environment] = []
 
 
 @contextlib.contextmanager
 def read_transaction(env: lmdb.Environment, buffers: bool = False) -> Any:
-    """A read transaction of ``env`` that holds forks back until it ends (see :class:`_ForkGate`)."""
-    with _GATE.inside():
+    """A read transaction of ``env`` that holds forks back until it ends (see :class:`_ForkGate`).
+
+    ``env`` stays open meanwhile, even if its database is replaced and its path opened again (see :class:`_Holds`).
+
+    Raises:
+        lmdb.Error: ``env`` was closed: its database was replaced (or this process forked) since it was opened.
+
+    """
+    with _GATE.inside(), _HOLDS.holding(env):
         txn = env.begin(buffers=buffers)
         try:
             yield txn
@@ -439,7 +524,7 @@ def read_transaction(env: lmdb.Environment, buffers: bool = False) -> Any:
 
 def _close_inherited() -> None:
     clean = _GATE.after_fork_in_child()
-    for _, env in _ENVS.values():
+    for env in [env for _, env in _ENVS.values()] + _HOLDS.after_fork_in_child():
         if clean:
             env.close()
         else:  # closing would wait forever on the calls in flight in the parent's other threads
@@ -469,13 +554,19 @@ def open_readonly(path: str | os.PathLike[str]) -> lmdb.Environment:
     The first open of a data file walks every lookup the reader will make in a throwaway child process, so that
     damaged LMDB pages (which crash LMDB itself) are a :class:`DatasetFormatError` here instead of a crash in
     training. A walk that passes is recorded in ``verified.json`` beside ``data.mdb`` (or, where the database's
-    directory is read-only, under ``default_cache_dir()/verified``) with the data file's inode, size, mtime and
-    ctime; later opens by any process that find the same identity skip the walk, and any change to the file walks
-    it again. A record that cannot be written costs only speed: the next process walks again.
+    directory is read-only or another user's, under ``default_cache_dir()/verified``) with the data file's inode,
+    size, mtime and ctime; later opens by any process of this user that find the same identity skip the walk, and any
+    change to the file walks it again. A record is trusted only where this user wrote it: a regular file of theirs,
+    with one link, in their cache or in a database folder they own; one shipped in someone else's folder is ignored
+    (:func:`_marker_paths`). A record that cannot be written costs only speed: the next process walks again.
+
+    Once the database at ``path`` is replaced (re-converted, copied over), the next open returns a new environment;
+    the old one stays open until no read transaction is open on it, then is closed (:class:`_Holds`).
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
-        DatasetFormatError: ``path`` is not an LMDB database directory, or its pages are damaged.
+        DatasetFormatError: ``path`` is not an LMDB database directory, its ``data.mdb`` is not a regular file (a FIFO
+            or a device, never opened: opening a FIFO would wait forever), or its pages are damaged.
 
     """
     path = Path(path).expanduser().absolute()
@@ -491,6 +582,12 @@ def open_readonly(path: str | os.PathLike[str]) -> lmdb.Environment:
             f"{str(path)!r} is not a lightning_fastdata database (no {DATA_FILE} in it)."
             " Create one with `lightning-fastdata convert SRC DST` and pass DST."
         ) from None
+    if not stat.S_ISREG(st.st_mode):  # checked before LMDB opens it: the open of a FIFO waits for a writer
+        raise DatasetFormatError(
+            f"{str(path)!r} is not a lightning_fastdata database: its {DATA_FILE} is {_file_kind(st.st_mode)}, not the"
+            " regular file LMDB writes. Convert the source again with `lightning-fastdata convert`, or copy the"
+            " database again from an intact copy."
+        )
     # the size too: a data file cut short in place (same inode) must be checked again, not read past its end
     identity = (st.st_dev, st.st_ino, st.st_size)
     with _ENVS_LOCK:
@@ -498,8 +595,8 @@ def open_readonly(path: str | os.PathLike[str]) -> lmdb.Environment:
         if cached is not None and cached[0] == identity:
             return cached[1]
         if cached is not None:  # the database was replaced (re-converted) or its file changed size since we opened it
-            cached[1].close()
             del _ENVS[str(path)]
+            _HOLDS.retire(cached[1])  # closed once no read transaction is open on it: never unmapped under a reader
         try:
             # the data file itself (``subdir=False``): py-lmdb knows an open environment by the inodes of its data and
             # lock files, and refuses a second open of either in one process. A reader never locks, nor holds a lock
@@ -520,6 +617,18 @@ def open_readonly(path: str | os.PathLike[str]) -> lmdb.Environment:
         return env
 
 
+def _file_kind(mode: int) -> str:
+    """What a file that is not a regular file is, from its ``st_mode``: ``"a named pipe (FIFO)"``, ..."""
+    kinds = (
+        (stat.S_ISDIR, "a folder"),
+        (stat.S_ISFIFO, "a named pipe (FIFO)"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    )
+    return next((name for is_kind, name in kinds if is_kind(mode)), "a special file")
+
+
 #: how long the first-open walk of a data file may take; a database of 1.28 million records takes seconds
 WALK_TIMEOUT_S = 3600.0
 #: data files (device, inode, size, mtime, ctime) whose LMDB pages were walked without a crash, here or in a parent
@@ -532,7 +641,7 @@ def _file_identity(st: os.stat_result) -> dict[str, int]:
 
 
 def _verify_once(path: Path, st: os.stat_result) -> None:
-    """Walk the pages of ``path`` unless this file, unchanged, was walked before (in any process)."""
+    """Walk the pages of ``path`` unless this file, unchanged, was walked before (in any process of this user)."""
     key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
     if key in _VERIFIED:
         return
@@ -553,9 +662,25 @@ def _verify_once(path: Path, st: os.stat_result) -> None:
 
 
 def _marker_paths(path: Path, st: os.stat_result) -> list[Path]:
-    """Where the walk of ``path`` is recorded: in the database, else in the user's cache (per device and inode)."""
+    """Where the walk of ``path`` is recorded, and trusted: this user's own places, never someone else's.
+
+    In the database's folder if this user owns it, and in the user's cache (per device and inode). A record in a
+    folder someone else owns is neither trusted nor written: whoever made the database there could have copied its
+    data file's inode, size and times into one, and so skipped the walk that would refuse its damaged pages.
+    """
     digest = hashlib.sha256(f"{path}\0{st.st_dev}\0{st.st_ino}".encode()).hexdigest()[:32]
-    return [path / VERIFIED_FILE, default_cache_dir() / "verified" / f"{digest}.json"]
+    in_cache = default_cache_dir() / "verified" / f"{digest}.json"
+    try:
+        mine = _owned(path.stat())
+    except OSError:
+        mine = False
+    return [path / VERIFIED_FILE, in_cache] if mine else [in_cache]
+
+
+def _owned(st: os.stat_result) -> bool:
+    """Whether this process's user owns the file ``st`` describes (everything, where there are no users)."""
+    geteuid = getattr(os, "geteuid", None)
+    return geteuid is None or st.st_uid == geteuid()
 
 
 def _writable(folder: Path) -> bool:
@@ -567,15 +692,34 @@ def _writable(folder: Path) -> bool:
 
 
 def _read_marker(marker: Path) -> dict[str, Any] | None:
+    """The data file's identity that a record of a walk holds, if this user wrote the record, else ``None``.
+
+    Only a regular file of this user's with no other link (not a symbolic link, FIFO or device, nor a link to a file
+    written for another database) is read, and only up to its size: :data:`_MARKER_MAX_BYTES` at most.
+    """
+    opened = _open_regular(marker, follow_links=False)
+    if opened is None:
+        return None
+    fh, st = opened
+    with fh:
+        if not _owned(st) or st.st_nlink != 1 or st.st_size > _MARKER_MAX_BYTES:
+            return None
+        try:
+            raw = fh.read(st.st_size)
+        except OSError:
+            return None
     try:
-        record = parse_json(marker.read_text())
-    except (OSError, ValueError):
+        record = parse_json(raw.decode())
+    except ValueError:
         return None
     return record.get(DATA_FILE) if isinstance(record, dict) else None
 
 
 def _write_marker(path: Path, st: os.stat_result, identity: dict[str, int]) -> None:
-    """Record the walk atomically (a temporary file renamed into place) in the first place that can be written."""
+    """Record the walk atomically (a temporary file renamed into place) in the first place that can be written.
+
+    Its places are :func:`_marker_paths`'s: this user's own, where a later open trusts it.
+    """
     record = {
         DATA_FILE: identity,
         "database": str(path),
