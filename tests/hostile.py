@@ -1,7 +1,8 @@
 """Hostile images, records and databases, written byte by byte: what a database you did not make may hold.
 
-Shared by the tests of the reader's limits (``tests/test_dataset.py``, ``tests/test_kernel.py``) and the fuzz of
-hostile databases (``tests/test_hostile.py``, whose cases run in ``tests/hostile_script.py``). Imports no torch.
+Shared by the tests of the reader's limits (``tests/test_dataset.py``, ``tests/test_kernel.py``), the fuzz of
+hostile databases (``tests/test_hostile.py``, whose cases run in ``tests/hostile_script.py``) and of hostile target
+values (``tests/test_hostile_values.py``). Imports no torch.
 """
 
 from __future__ import annotations
@@ -69,6 +70,58 @@ def _flat_jpeg(height: int, width: int, components: int) -> bytes:
             b"\xff\xd9",
         ]
     )
+
+
+def progressive_jpeg(
+    height: int,
+    width: int,
+    components: int = 3,
+    bands: tuple[tuple[int, int], ...] = ((1, 63),),
+    bits: int = 0,
+) -> bytes:
+    """A valid progressive JPEG of any size (mid-grey, 4:4:4), as libjpeg reads it without a warning, scan by scan.
+
+    One DC scan of every component (1 bit a block), then for each component and each band ``(Ss, Se)`` of AC
+    coefficients a first scan of its bits from ``bits`` (successive approximation, ``Al`` up to 13) and one refinement
+    scan of each lower bit: ``1 + components * len(bands) * (bits + 1)`` scans. Each AC scan is runs of 32,767 empty
+    blocks (the symbol EOB14 and 14 bits), a few bytes whatever the image's size, and costs its decoder a pass over the
+    component's blocks all the same: with ``bands`` each coefficient alone (``(k, k)``, k = 1..63) and ``bits=13``, an
+    8192 x 6144 image of 2,647 scans took 29.8 s to decode (issue 43).
+    """
+    blocks = math.ceil(height / 8) * math.ceil(width / 8)
+    one_code = bytes([1] + [0] * 15)  # a single code, of length 1
+    ids = range(1, components + 1)
+    dc_bits = blocks * components  # each block's DC difference: category 0, the one code
+    dc = bytes(dc_bits // 8) + (bytes([0xFF >> (dc_bits % 8)]) if dc_bits % 8 else b"")
+    ac_bits = ("0" + "1" * 14) * math.ceil(blocks / 32767)  # EOB14 and a run of 2**14 + 16383 blocks
+    ac_bits += "1" * (-len(ac_bits) % 8)
+    ac = int(ac_bits, 2).to_bytes(len(ac_bits) // 8, "big")
+    parts = [
+        b"\xff\xd8",
+        _segment(0xDB, b"\x00" + bytes([1] * 64)),
+        _segment(0xC2, struct.pack(">BHHB", 8, height, width, components) + b"".join(bytes([i, 0x11, 0]) for i in ids)),
+        _segment(0xC4, b"\x00" + one_code + b"\x00"),  # DC table 0: difference 0
+        _segment(0xC4, b"\x10" + one_code + b"\xe0"),  # AC table 0: EOB14, a run of 16,384 to 32,767 blocks
+        _segment(0xDA, bytes([components]) + b"".join(bytes([i, 0]) for i in ids) + b"\x00\x00\x00"),
+        dc.replace(b"\xff", b"\xff\x00"),  # a 0xFF byte of entropy-coded data is followed by a stuffed 0x00
+    ]
+    for i in ids:
+        for first, last in bands:
+            for bit in range(bits, -1, -1):
+                refines = 0 if bit == bits else bit + 1
+                parts += [
+                    _segment(0xDA, bytes([1, i, 0, first, last, refines << 4 | bit])),
+                    ac.replace(b"\xff", b"\xff\x00"),
+                ]
+    parts.append(b"\xff\xd9")
+    return b"".join(parts)
+
+
+def pil_jpeg(height: int, width: int, seed: int = 0, **options: Any) -> bytes:
+    """A real RGB JPEG of random pixels saved by PIL with ``options`` (``progressive=True``, ``subsampling=0``, ...)."""
+    out = io.BytesIO()
+    Image.fromarray(pixels(height, width, seed)).save(out, format="JPEG", **options)
+    return out.getvalue()
 
 
 def pixels(height: int, width: int, seed: int = 0) -> np.ndarray:
@@ -181,6 +234,19 @@ def write_database(
                 txn.put(key, value)
     env.close()
     return path
+
+
+def write_float_database(path: Path, records: list[bytes], values: np.ndarray, split: str = "train") -> Path:
+    """A ``float`` database of ``records`` whose targets are ``values`` (``[N, K]``, any float32 values, NaN and
+    infinities too, which the writer refuses), with the CRC32 of their array in the metadata as the writer writes it."""
+    values = np.asarray(values, dtype="<f4").reshape(len(records), -1)
+    raw = values.tobytes()
+    meta = {
+        "classes": [],
+        "targets": {"kind": "float", "dim": values.shape[1], "names": []},
+        "splits": {split: {"length": len(records), "class_counts": [], "targets_crc32": zlib.crc32(raw)}},
+    }
+    return write_database(path, records, [], meta=meta, split=split, extra={f"__targets__/{split}".encode(): raw})
 
 
 def damage_record(db: Path, index: int, split: str = "train") -> None:

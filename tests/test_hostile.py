@@ -1,23 +1,35 @@
-"""A database you did not make can't hurt you: a fuzz of hostile record headers, payloads and metadata.
+"""A database you did not make can't hurt you: a fuzz of hostile record headers, payloads, targets and metadata.
 
 Each hostile database is written byte by byte (``tests/hostile.py``) and read every way a reader can (``dataset[i]``
 as tensors and PIL images, the batch path with and without the skip policy, device decode's host side) in a child
 process (``tests/hostile_script.py``). Every read must end in this package's own error, naming the record, or in a
 skip under ``on_bad_sample="skip"``, within 10 s, growing the reader's peak memory by at most 256 MiB.
+
+The JPEG marker walk that finds a progressive frame's scans and coefficient buffer before it is decoded is tested here
+too, with the records it refuses on every path (issue 43); hostile target values are in ``test_hostile_values.py``.
 """
 
 from __future__ import annotations
 
+import io
 import json
+import re
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 from typing import Any
 
 import hostile
 import numpy as np
 import pytest
+from PIL import Image, ImageFile
 
+from lightning_fastdata import CorruptRecordError, LmdbImageDataset
+from lightning_fastdata.pipeline import create_loader
+from lightning_fastdata.pipeline.device_decode import EncodedCropDataset
+from lightning_fastdata.skipping import SkipCounter
+from lightning_fastdata.store import reader
 from lightning_fastdata.store.format import (
     ENCODING_JPEG,
     ENCODING_PNG,
@@ -26,11 +38,16 @@ from lightning_fastdata.store.format import (
     META_KEY,
     labels_key,
 )
+from lightning_fastdata.store.reader import MAX_JPEG_SCANS, JpegFrame, jpeg_frame
+from lightning_fastdata.store.targets import targets_key
+from lightning_fastdata.transforms import CenterCropResize
 
 #: the figures every read must keep to
 SECONDS = 10.0
 GROWTH = 256 << 20
 CLASSES = ["a", "b", "c"]
+#: every AC coefficient in a band of its own: with ``bits=13``, 882 scans a component (issue 43's record: 2,647)
+EACH = tuple((k, k) for k in range(1, 64))
 
 
 def _record_cases() -> list[tuple[str, bytes | None, str, bool]]:
@@ -103,6 +120,21 @@ def _record_cases() -> list[tuple[str, bytes | None, str, bool]]:
         ("JPEG SOF 6144x8192 over a 48x64 scan", rec(jpeg_, 0, 6144, 8192, hostile.claiming(jpg, 6144, 8192))),
         ("PNG IHDR 6144x8192 over a 48x64 image", rec(png_, 0, 6144, 8192, hostile.claiming(png, 6144, 8192))),
     ]
+    progressive = [  # issue 43: a multi-scan JPEG's scans, and the coefficient buffer it decodes through, are limited
+        (
+            "progressive 6144 x 8192 4:4:4 JPEG: 288 MiB of coefficients",
+            rec(jpeg_, 0, 6144, 8192, hostile.progressive_jpeg(6144, 8192)),
+        ),
+        (
+            "progressive 6144 x 8192 4:4:4 JPEG of 2,647 scans",
+            rec(jpeg_, 0, 6144, 8192, hostile.progressive_jpeg(6144, 8192, bands=EACH, bits=13)),
+        ),
+        (
+            "progressive 6144 x 8192 grey JPEG of 883 scans",
+            rec(jpeg_, 0, 6144, 8192, hostile.progressive_jpeg(6144, 8192, 1, bands=EACH, bits=13)),
+        ),
+        ("progressive 64 x 64 JPEG of 2,647 scans", rec(jpeg_, 0, 64, 64, _many_scans())),
+    ]
     sound = [  # extreme but sound: read (as tensors and batches at least: see BUDGET)
         ("real 6144 x 8192 JPEG: max_pixels exactly", rec(jpeg_, 0, 6144, 8192, hostile.gray_jpeg(6144, 8192))),
         ("real 8 x 65500 JPEG", rec(jpeg_, 0, 8, 65500, hostile.gray_jpeg(8, 65500))),
@@ -116,15 +148,20 @@ def _record_cases() -> list[tuple[str, bytes | None, str, bool]]:
             "real 6144 x 5120 CMYK JPEG: as PIL, 5/8 of max_pixels",
             rec(jpeg_, 0, 6144, 5120, hostile.cmyk_jpeg(6144, 5120)),
         ),
+        (
+            "progressive 6144 x 8192 grey JPEG of 64 scans",
+            rec(jpeg_, 0, 6144, 8192, hostile.progressive_jpeg(6144, 8192, 1, bands=EACH)),
+        ),
     ]
     expected = {
         "JPEG scan scrawled over": "either",
         "real 6144 x 8192 RGBA PNG": "tensor",
         "real 6144 x 8192 16-bit grey PNG": "tensor",
         "real 6144 x 8192 CMYK JPEG": "refused",
+        "progressive 6144 x 8192 grey JPEG of 64 scans": "tensor",  # 5 bytes a pixel; 7 as a PIL image
     }
     return [
-        *((name, value, "error", True) for name, value in header_damage + bombs),
+        *((name, value, "error", True) for name, value in header_damage + bombs + progressive),
         *((name, value, expected.get(name, "error"), name.startswith("PNG")) for name, value in decode_damage),
         *((name, value, expected.get(name, "ok"), False) for name, value in sound),
     ]
@@ -133,7 +170,8 @@ def _record_cases() -> list[tuple[str, bytes | None, str, bool]]:
 #: how a read of each mode ends for an image within ``max_pixels`` whose decode takes more than its memory budget
 #: (``DECODE_BUDGET`` bytes a pixel of ``max_pixels``) on some paths: ``"tensor"``, one that reads as tensors and
 #: batches but as a PIL image takes too much (RGBA, 16-bit); ``"refused"``, one that takes too much every way it is
-#: decoded on the host (a CMYK JPEG: device decode's host side leaves a JPEG to the device)
+#: decoded (a CMYK JPEG, 7 bytes a pixel: device decode's host side refuses it before its bytes travel, as the CPU
+#: decode that stands in for the device's would take as much)
 BUDGET = {
     "tensor": {
         "dataset": "ok",
@@ -147,9 +185,30 @@ BUDGET = {
         "dataset_pil": "error",
         "loader_raise": "error",
         "loader_skip": "skip",
-        "encoded_skip": "ok",
+        "encoded_skip": "skip",
     },
 }
+
+
+def _many_scans() -> bytes:
+    """A valid 64 x 64 progressive JPEG of 2,647 scans, as issue 43's (which is 8192 x 6144): 2 ms to decode."""
+    return hostile.progressive_jpeg(64, 64, bands=EACH, bits=13)
+
+
+def _float_values(values: list[Any]) -> dict[str, Any]:
+    """``write_database`` arguments of a ``float`` database of 4 records whose targets are ``values``."""
+    raw = np.asarray(values, dtype="<f4").tobytes()
+    split = {"length": 4, "class_counts": [], "targets_crc32": zlib.crc32(raw)}
+    meta = {"classes": [], "targets": {"kind": "float", "dim": 1, "names": []}, "splits": {"train": split}}
+    return {"meta": meta, "extra": {targets_key("train"): raw}}
+
+
+#: ``(name, values, index)``: a ``float`` database's targets (one a sample) and the record under test
+FLOAT_CASES = [
+    ("float target NaN", [0.5, 1.5, float("nan"), 2.5], 2),
+    ("float target +inf", [0.5, 1.5, float("inf"), 2.5], 2),
+    ("float target -inf", [0.5, 1.5, 2.5, float("-inf")], 3),
+]
 
 
 def _meta_cases() -> list[tuple[str, dict[str, Any]]]:
@@ -192,6 +251,9 @@ def _meta_cases() -> list[tuple[str, dict[str, Any]]]:
         ("sources an object", {"sources": b'{"length": 10000000000}'}),
         ("metadata nested 200,000 deep", {"extra": {META_KEY: b"[" * 200_000}}),
         ("sources nested 200,000 deep", {"sources": b"[" * 200_000}),
+        ("label array holding -1", {"labels": np.array([0, 1, -1, 2], dtype="<i4").tobytes()}),
+        ("label array holding 3 of 3 classes", {"labels": np.array([0, 3, 1, 2], dtype="<i4").tobytes()}),
+        *((f"{name}, read by `targets`", _float_values(values)) for name, values, _ in FLOAT_CASES),
     ]
 
 
@@ -204,6 +266,10 @@ def _write(tmp_path: Path) -> list[dict[str, Any]]:
         {"name": name, "db": str(db), "index": 2 + i, "expected": expected, "host": host}
         for i, (name, _, expected, host) in enumerate(records)
     ]
+    for i, (name, values, index) in enumerate(FLOAT_CASES):  # each read every way, beside the good records 0 and 1
+        floats = [hostile.record(ENCODING_JPEG, -1, 48, 64, hostile.jpeg(48, 64, seed=j)) for j in range(4)]
+        path = hostile.write_database(tmp_path / f"float{i}", floats, CLASSES, **_float_values(values))
+        cases.append({"name": name, "db": str(path), "index": index, "expected": "error", "host": True})
     for i, (name, kwargs) in enumerate(_meta_cases()):
         path = hostile.write_database(tmp_path / f"meta{i}", good, CLASSES, **kwargs)
         cases.append({"name": name, "db": str(path), "index": None, "expected": "error", "host": True})
@@ -282,3 +348,116 @@ def test_hostile_databases_end_in_a_clear_error_or_a_skip_in_time_and_memory(tmp
         f" ({slowest['case']} [{slowest['mode']}]); largest peak growth {largest(False)}, with output='pil'"
         f" {largest(True)}; peak reset per read: {results[0]['resettable']}"
     )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Multi-scan JPEGs (issue 43): the marker walk, the scan limit and the coefficient buffer, on every read path
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _with(data: bytes, at: int, inserted: bytes) -> bytes:
+    return data[:at] + inserted + data[at:]
+
+
+def _grey_jpeg(**options: Any) -> bytes:
+    """A real 48 x 64 greyscale JPEG of random pixels saved by PIL with ``options``."""
+    out = io.BytesIO()
+    Image.fromarray(hostile.pixels(48, 64)[..., 0]).save(out, format="JPEG", **options)
+    return out.getvalue()
+
+
+def test_jpeg_frame_reads_the_frame_type_sampling_and_scans_as_libjpeg_does() -> None:
+    """The walk over a JPEG's markers gives its frame type, size, sampling factors and the scans libjpeg reads: one
+    for a single-scan frame (the walk stops there), every SOS of a progressive one, however its scans' data is coded
+    (stuffed bytes, restart markers), and none of the bytes that only look like a SOS marker (in a comment)."""
+    y444, y420 = ((1, 1),) * 3, ((2, 2), (1, 1), (1, 1))
+    assert jpeg_frame(hostile.pil_jpeg(48, 64)) == JpegFrame(0xC0, 48, 64, y420, 1, False)
+    progressive = hostile.pil_jpeg(48, 64, progressive=True, subsampling=0)
+    assert jpeg_frame(progressive) == JpegFrame(0xC2, 48, 64, y444, 10, True)  # libjpeg's progression for colour
+    grey = _grey_jpeg(progressive=True)
+    assert jpeg_frame(grey) == JpegFrame(0xC2, 48, 64, ((1, 1),), 6, True)  # ... for grey
+    restarts = hostile.pil_jpeg(48, 64, progressive=True, restart_marker_blocks=1)
+    assert restarts.count(b"\xff\xd0") > 1
+    assert jpeg_frame(restarts).scans == 10  # type: ignore[union-attr]
+    sos_alike = b"\xff\xda\x00\x08\x01\x01\x00\x00\x3f\x00" * 20
+    commented = _with(progressive, 2, hostile._segment(0xFE, sos_alike))  # a COM segment right after SOI
+    assert jpeg_frame(commented) == jpeg_frame(progressive)
+    junk = _with(progressive, progressive.index(b"\xff\xc2"), b"junk\xff\x00")  # skipped, as libjpeg skips it
+    assert jpeg_frame(junk) == jpeg_frame(progressive)
+    many = jpeg_frame(_many_scans())
+    assert many == JpegFrame(0xC2, 64, 64, y444, 2647, True)
+    assert jpeg_frame(_many_scans(), count_to=200).scans == 200  # type: ignore[union-attr]
+    # the buffer of the whole image's coefficients (2 bytes each, 64 a block): 6 bytes a pixel for 4:4:4, 3 for 4:2:0
+    assert many.buffer_bytes() == 6 * 64 * 64  # type: ignore[union-attr]
+    assert jpeg_frame(hostile.pil_jpeg(48, 64, progressive=True)).buffer_bytes() == 3 * 48 * 64  # type: ignore[union-attr]
+    assert jpeg_frame(hostile.pil_jpeg(48, 64)).buffer_bytes() == 0  # type: ignore[union-attr]
+    for nothing in (b"", hostile.png(8, 8), progressive[: progressive.index(b"\xff\xda")], b"\xff\xd8" + bytes(100)):
+        assert jpeg_frame(nothing) is None
+
+
+def test_a_jpeg_of_too_many_scans_is_a_bad_sample_on_every_path(tmp_path: Path) -> None:
+    """A valid progressive JPEG of 2,647 scans (issue 43's, at 64 x 64: 2,647 passes over 8192 x 6144 took 29.8 s) is
+    a one-line ``CorruptRecordError`` naming the record, its scans and the limit, as a tensor, a PIL image, a batch,
+    and on device decode's host side; skipped under the skip policy. ``max_pixels=None`` (a trusted database) reads it.
+    """
+    good = [hostile.record(ENCODING_JPEG, 0, 64, 64, hostile.jpeg(64, 64, seed=i)) for i in range(2)]
+    db = hostile.write_database(
+        tmp_path / "db", [good[0], hostile.record(ENCODING_JPEG, 0, 64, 64, _many_scans()), good[1]], ["a"]
+    )
+    refusal = re.escape(
+        f"split 'train' index 1 of {str(db)!r}: the progressive JPEG has 2,647 scans, over the {MAX_JPEG_SCANS} a JPEG"
+        " may have"
+    )
+    for output in ("tensor", "pil"):
+        with pytest.raises(CorruptRecordError, match=refusal) as info:
+            LmdbImageDataset(db, output=output)[1]  # type: ignore[arg-type]
+        assert "\n" not in str(info.value)
+    dataset = LmdbImageDataset(db, transform=CenterCropResize(16))
+    with pytest.raises(CorruptRecordError, match=refusal):
+        list(create_loader(dataset, 3, engine="threads", workers=0))
+    for output in ("uint8", "encoded"):
+        counter = SkipCounter()
+        batches = list(create_loader(dataset, 3, output=output, skip_counter=counter, return_index=True))
+        assert [batch[-1].tolist() for batch in batches] == [[0, 2]]
+        assert counter.value == 1
+    with pytest.raises(CorruptRecordError, match=refusal):
+        EncodedCropDataset(LmdbImageDataset(db), lambda height, width: (0, 0, height, width), 0.0)[1]
+    assert LmdbImageDataset(db, max_pixels=None)[1][0].shape == (3, 64, 64)
+
+
+@pytest.mark.parametrize(
+    ("output", "what", "cost"),
+    [("tensor", "progressive JPEG", 3), ("pil", "RGB progressive JPEG read as a PIL image", 4)],
+)
+def test_a_progressive_jpeg_s_coefficient_buffer_counts_against_the_decode_budget(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, output: str, what: str, cost: int
+) -> None:
+    """A progressive 4:4:4 JPEG decodes through a buffer of its DCT coefficients, 6 bytes a pixel, beside its image (3
+    bytes a pixel as a tensor, 4 as a PIL image): refused undecoded over the budget (5 bytes a pixel of
+    ``max_pixels``), naming both (issue 43: 8192 x 6144 grew a reader by 433 MiB, 482 as PIL); read within it."""
+    db = hostile.write_database(
+        tmp_path / "db", [hostile.record(ENCODING_JPEG, 0, 48, 64, hostile.progressive_jpeg(48, 64))], ["a"]
+    )
+    enough = -(-48 * 64 * (cost + 6) // 5)
+    with monkeypatch.context() as patched:
+
+        def decoded(*args: object, **kwargs: object) -> None:
+            raise AssertionError("the image was decoded")
+
+        patched.setattr(reader.simplejpeg, "decode_jpeg", decoded)
+        patched.setattr(ImageFile.ImageFile, "load", decoded)
+        with pytest.raises(CorruptRecordError) as info:
+            LmdbImageDataset(db, output=output, max_pixels=enough - 1)[0]  # type: ignore[arg-type]
+        if output == "tensor":  # device decode's host side refuses it too, before its bytes travel
+            with pytest.raises(CorruptRecordError):
+                EncodedCropDataset(LmdbImageDataset(db, max_pixels=enough - 1), lambda h, w: (0, 0, h, w), 0.0)[0]
+    message = str(info.value)
+    assert message.startswith(
+        f"split 'train' index 0 of {str(db)!r}: the image is a 48x64 {what} (3,072 pixels), whose decode takes"
+        f" {cost + 6} bytes a pixel (0 MiB: {cost} a pixel for the image and 0 MiB for the buffer of its DCT"
+        " coefficients"
+    )
+    assert f"`max_pixels` ({enough - 1:,})" in message
+    assert "\n" not in message
+    image, _ = LmdbImageDataset(db, output=output, max_pixels=enough)[0]  # type: ignore[arg-type]
+    assert (np.asarray(image) == 128).all()

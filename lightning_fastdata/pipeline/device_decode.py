@@ -156,7 +156,9 @@ def encoded_sample(
     ``with_target``, the header's label, for a reader that reads the batch's targets at once.
 
     JPEG bytes are copied out of ``payload`` (which may be a view of the memory map) once their frame header is checked
-    against the record's size and ``max_pixels`` (no image larger reaches the decoder); other encodings (raw pixels,
+    against the record's size and ``max_pixels``, and their markers against the reader's limits (at most
+    ``MAX_JPEG_SCANS`` scans, a decode within ``DECODE_BUDGET`` with a progressive frame's coefficient buffer): no JPEG
+    reaches nvJPEG, or the CPU decode standing in for it, that the CPU path would refuse. Other encodings (raw pixels,
     PNG), which nvJPEG cannot take, travel decoded.
     """
     if header.encoding == _format.ENCODING_JPEG:

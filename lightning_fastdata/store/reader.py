@@ -9,11 +9,12 @@ import contextlib
 import functools
 import io
 import os
+import re
 import struct
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import lmdb
 import numpy as np
@@ -38,7 +39,7 @@ from lightning_fastdata.store.format import (
     record_key,
     unpack_record,
 )
-from lightning_fastdata.store.targets import NO_LABEL, SplitTargets, TargetSpec
+from lightning_fastdata.store.targets import NO_LABEL, SplitTargets, TargetSpec, first_bad_label
 
 Output = Literal["tensor", "pil", "encoded"]
 
@@ -53,6 +54,25 @@ DEFAULT_MAX_PIXELS = 3 * 2**24
 DECODE_BUDGET = 5
 #: bytes a pixel that libjpeg-turbo (simplejpeg) takes for a CMYK or YCCK JPEG decoded to RGB: the CMYK image, then RGB
 _CMYK_COST = 7
+#: the most scans a JPEG may have (unless ``max_pixels`` is ``None``). libjpeg decodes a progressive JPEG scan by scan,
+#: each a pass over the 8x8 blocks of its components however few bytes it holds (about 6 ms a scan of a 48 MiP
+#: greyscale image here): a valid record of 2,647 scans, each a run of empty blocks, took 29.8 s (issue 43). Encoders
+#: write about 10 (libjpeg's progression: 10 for colour, 6 for grey, 60 at most, for 10 components); 100 keep a 48 MiP
+#: image under about 1 s. libjpeg-turbo's own fuzzers stop at 500 scans (``TJPARAM_SCANLIMIT``), on images of at most
+#: 1 MP, whose scans cost 1/48 of these.
+MAX_JPEG_SCANS = 100
+#: scans are counted up to this many (a message names the count): the walk over them stays a few ms
+_SCANS_COUNTED = 1 << 16
+#: a marker between segments (libjpeg skips other bytes there), and the marker that ends a scan's entropy-coded data, in
+#: which a 0xFF byte is followed by 0x00 (a stuffed data byte), by 0xFF (fill) or is a restart marker (0xD0 to 0xD7)
+_MARKER = re.compile(rb"\xff[^\x00\xff]")
+_SCAN_END = re.compile(rb"\xff[^\x00\xd0-\xd7\xff]")
+#: markers without a length: TEM, the restart markers, SOI and EOI (0xD9)
+_NO_LENGTH = frozenset((0x01, *range(0xD0, 0xDA)))
+#: the frame headers (SOF0 to SOF15 but DHT 0xC4, JPG 0xC8 and DAC 0xCC), the progressive and the lossless ones
+_SOF = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
+_PROGRESSIVE_SOF = frozenset((0xC2, 0xC6, 0xCA, 0xCE))
+_LOSSLESS_SOF = frozenset((0xC3, 0xC7, 0xCB, 0xCF))
 #: the only format PIL may read a record of each encoding as (none of its other, rarer, decoders)
 _PIL_FORMATS = {ENCODING_JPEG: "JPEG", ENCODING_PNG: "PNG"}
 _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -63,6 +83,106 @@ _RAISE_HINT = (
     "If you trust this database, raise `max_pixels` (LmdbImageDataset or FastImageDataModule, `--data.max_pixels` on"
     " the command line), or pass None for no limit."
 )
+
+
+class JpegFrame(NamedTuple):
+    """What a JPEG's markers say of its decode, read by :func:`jpeg_frame` before anything decodes it."""
+
+    #: the frame header's marker: 0xC0 (baseline), 0xC2 (progressive), ...
+    sof: int
+    height: int
+    width: int
+    #: each component's sampling factors ``(horizontal, vertical)``
+    sampling: tuple[tuple[int, int], ...]
+    #: the scans (SOS markers) the decoder reads: 1 for a single-scan frame, whose walk stops at its scan
+    scans: int
+    #: whether libjpeg decodes it through a buffer of the whole image's coefficients: a progressive frame, or one whose
+    #: first scan holds only some of its components (``has_multiple_scans`` in libjpeg's ``jdinput.c``)
+    buffered: bool
+
+    @property
+    def progressive(self) -> bool:
+        """Whether the frame is progressive (SOF2, SOF6, SOF10, SOF14)."""
+        return self.sof in _PROGRESSIVE_SOF
+
+    def buffer_bytes(self) -> int:
+        """The bytes of the whole-image buffer libjpeg decodes a :attr:`buffered` frame through, else 0.
+
+        As ``jdcoefct.c`` sizes it: per component, its blocks (rounded up to whole MCUs) of 64 coefficients of 2 bytes
+        (``JBLOCK``), 6 bytes a pixel for a 4:4:4 colour image, 3 for 4:2:0; a lossless frame keeps 2 bytes a sample at
+        most.
+        """
+        if not self.buffered or not self.sampling:
+            return 0
+        lossless = self.sof in _LOSSLESS_SOF
+        side, unit = (1, 2) if lossless else (8, 128)
+        h_max = max(max(h for h, _ in self.sampling), 1)
+        v_max = max(max(v for _, v in self.sampling), 1)
+        total = 0
+        for h, v in self.sampling:
+            h, v = max(h, 1), max(v, 1)  # a factor of 0 does not decode
+            columns = -(-self.width * h // (h_max * side))
+            rows = -(-self.height * v // (v_max * side))
+            total += -(-columns // h) * h * -(-rows // v) * v * unit
+        return total
+
+
+def jpeg_frame(data: bytes | bytearray | memoryview, count_to: int = _SCANS_COUNTED) -> JpegFrame | None:
+    """A JPEG's frame type, size, sampling factors and scans, from a walk over its markers: no pixel is decoded.
+
+    The walk reads the markers as libjpeg does (bytes between segments are skipped to the next marker), from segment
+    to segment by their lengths; a single-scan frame ends it at its scan. The scans of a multi-scan frame are counted:
+    each scan's entropy-coded data is skipped in one search (C speed, no copy) to the marker that ends it, there being
+    no other marker inside it. It stops after ``count_to`` scans, at the end of the image (EOI) or of the data.
+
+    Returns:
+        The frame, or ``None`` where no frame header and scan are found (nothing decodes: the decoder says why).
+
+    """
+    size = len(data)
+    if size < 4 or data[0] != 0xFF or data[1] != 0xD8:  # libjpeg wants SOI first
+        return None
+    unpack = struct.unpack_from
+    pos, frame, scans, buffered = 2, None, 0, False
+    while pos + 4 <= size:
+        if data[pos] == 0xFF and data[pos + 1] not in (0x00, 0xFF):
+            marker = data[pos + 1]
+        else:  # bytes before a marker (or fill): skipped, as libjpeg's `next_marker` does
+            found = _MARKER.search(data, pos)
+            if found is None:
+                break
+            pos = found.start()
+            marker = data[pos + 1]
+        if marker in _NO_LENGTH:
+            if marker == 0xD9:  # EOI
+                break
+            pos += 2
+            continue
+        if pos + 4 > size:  # a marker whose length is cut off: the data ends
+            break
+        (length,) = unpack(">H", data, pos + 2)
+        body, pos = pos + 4, pos + 2 + max(length, 2)
+        if marker == 0xDA:  # SOS
+            if frame is None or body >= size:
+                return None  # a scan before a frame header does not decode
+            scans += 1
+            if scans == 1:
+                buffered = frame[0] in _PROGRESSIVE_SOF or data[body] < len(frame[3])
+                if not buffered:  # libjpeg reads no second scan of a single-scan frame
+                    break
+            if scans >= count_to:
+                break
+            found = _SCAN_END.search(data, pos)
+            if found is None:
+                break
+            pos = found.start()
+        elif marker in _SOF and frame is None and body + 6 <= size:
+            _, height, width, count = unpack(">BHHB", data, body)
+            sampling = tuple((factors >> 4, factors & 15) for factors in data[body + 7 : body + 6 + 3 * count : 3])
+            frame = (marker, height, width, sampling)
+    if frame is None or scans == 0:
+        return None
+    return JpegFrame(*frame, scans, buffered)
 
 
 def _png_size(data: bytearray | memoryview) -> tuple[int, int]:
@@ -145,9 +265,11 @@ class LmdbImageDataset(Dataset):
             SOF, PNG IHDR) before it is decoded; a larger image is a :class:`~lightning_fastdata.CorruptRecordError`
             naming it (skipped under ``on_bad_sample="skip"``), so a database you did not make cannot have a reader
             decode a decompression bomb. Nor may a decode take more than :data:`DECODE_BUDGET` (5) bytes a pixel of
-            it (240 MiB by default): a CMYK JPEG (7 bytes a pixel), or an RGBA, 16-bit or CMYK image read as a PIL
-            image (6 to 8), is refused above the pixels that fit. Raise it for trusted databases of larger images;
-            ``None``: no limit.
+            it (240 MiB by default): a CMYK JPEG (7 bytes a pixel), a progressive JPEG (3 and its buffer of DCT
+            coefficients: 9 for 4:4:4 colour, 6 for 4:2:0, 5 for grey), or an RGBA, 16-bit or CMYK image read as a
+            PIL image (6 to 8), is refused above the pixels that fit; nor may a JPEG have more than
+            :data:`MAX_JPEG_SCANS` (100) scans, each a pass of the decoder over the image. Raise it for trusted
+            databases of larger images; ``None``: no limit (on scans either).
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
@@ -249,8 +371,9 @@ class LmdbImageDataset(Dataset):
 
         Raises:
             IndexError: ``index`` is out of range.
-            CorruptRecordError: the record is missing or damaged, or its header declares more than ``max_pixels``;
-                the message names the split and index.
+            CorruptRecordError: the record is missing or damaged, its header declares more than ``max_pixels``, or
+                its target is damaged (a class label outside the classes, a float value that is not finite); the
+                message names the split and index.
 
         """
         with self.records() as read:
@@ -296,12 +419,23 @@ class LmdbImageDataset(Dataset):
                 f"{self._where(index)}: {err}. The database is damaged: convert the source again with"
                 " `lightning-fastdata convert --force`."
             ) from err
-        if self.target_spec.kind == "class" and not 0 <= header.label < len(self.classes):
-            raise CorruptRecordError(
-                f"{self._where(index)}: label {header.label} is outside the {len(self.classes)} classes"
-            )
+        kind = self.target_spec.kind
+        if kind == "class" and not 0 <= header.label < len(self.classes):
+            raise self._bad_label(index, header.label)
+        if kind == "float":  # its values, checked with the arrays' checksum once: a dictionary look-up a record
+            try:
+                self._targets.check_records(txn, self._identity, index)
+            except lmdb.Error as err:
+                raise self._read_failed(f"reading the targets of {self._where(index)}", err) from err
         self._check_pixels(index, header.height, header.width)
         return header, payload
+
+    def _bad_label(self, index: int, label: int) -> CorruptRecordError:
+        """The error for sample ``index``'s class ``label`` outside the classes (its header's or the label array's)."""
+        return CorruptRecordError(
+            f"{self._where(index)}: label {label} is outside the {len(self.classes)} classes. The database is damaged:"
+            " convert the source again with `lightning-fastdata convert --force`."
+        )
 
     def _check_pixels(self, index: int, height: int, width: int) -> None:
         """Refuse an image of more than :attr:`max_pixels` pixels, before anything is allocated for it."""
@@ -311,29 +445,44 @@ class LmdbImageDataset(Dataset):
                 f" ({self.max_pixels:,}). {_RAISE_HINT}"
             )
 
-    def _check_cost(self, index: int, what: str, height: int, width: int, cost: int) -> None:
+    def _check_cost(self, index: int, what: str, height: int, width: int, cost: int, buffer: int = 0) -> None:
         """Refuse an image whose decode takes more than ``DECODE_BUDGET`` bytes a pixel of ``max_pixels``, undecoded.
 
-        ``cost``: the bytes a pixel of the image that its decode takes; ``what``: its kind and how it is decoded.
+        ``cost``: the bytes a pixel of the image that its decode takes; ``buffer``: the bytes of the buffer it is
+        decoded through beside (a multi-scan JPEG's coefficients, :meth:`JpegFrame.buffer_bytes`); ``what``: its kind
+        and how it is decoded.
         """
-        if self.max_pixels is None or height * width * cost <= DECODE_BUDGET * self.max_pixels:
+        pixels = height * width
+        total = pixels * cost + buffer
+        if self.max_pixels is None or total <= DECODE_BUDGET * self.max_pixels:
             return
+        takes = f"{cost} bytes a pixel ({total / 2**20:.0f} MiB)"
+        if buffer:
+            takes = (
+                f"{total / pixels:.3g} bytes a pixel ({total / 2**20:.0f} MiB: {cost} a pixel for the image and"
+                f" {buffer / 2**20:.0f} MiB for the buffer of its DCT coefficients that a multi-scan JPEG is decoded"
+                " through)"
+            )
         raise CorruptRecordError(
-            f"{self._where(index)}: the image is a {height}x{width} {what} ({height * width:,} pixels), whose decode"
-            f" takes {cost} bytes a pixel ({height * width * cost / 2**20:.0f} MiB), over the"
-            f" {DECODE_BUDGET * self.max_pixels / 2**20:.0f} MiB that `max_pixels` ({self.max_pixels:,}) allows an"
-            f" image ({DECODE_BUDGET} bytes a pixel). {_RAISE_HINT}"
+            f"{self._where(index)}: the image is a {height}x{width} {what} ({pixels:,} pixels), whose decode takes"
+            f" {takes}, over the {DECODE_BUDGET * self.max_pixels / 2**20:.0f} MiB that `max_pixels`"
+            f" ({self.max_pixels:,}) allows an image ({DECODE_BUDGET} bytes a pixel). {_RAISE_HINT}"
         )
 
-    def _check_frame(self, index: int, header: RecordHeader, data: bytearray | memoryview) -> None:
+    def _check_frame(self, index: int, header: RecordHeader, data: bytearray | memoryview) -> JpegFrame | None:
         """Check a JPEG or PNG record's own frame header (SOF, IHDR) before anything decodes it; no pixels are touched.
 
         A decoder sizes its output by the frame header, not the record's: a record header within ``max_pixels`` may
         carry a frame header that asks for far more (a decompression bomb). It must give the record's size exactly.
+        A JPEG's markers are checked too (:meth:`_check_jpeg`): its scans, and what its decode to RGB takes.
+
+        Returns:
+            A JPEG's frame as its markers give it (``None`` for a PNG, or with ``max_pixels`` ``None``).
 
         Raises:
             CorruptRecordError: the frame header does not parse, is over ``max_pixels``, or differs from the record
-                header's size; the message names the split and index.
+                header's size, or a JPEG's scans or decode are over their limits; the message names the split and
+                index.
 
         """
         kind = _PIL_FORMATS[header.encoding]
@@ -350,6 +499,48 @@ class LmdbImageDataset(Dataset):
                 f"{self._where(index)}: the {kind} frame header's size {(height, width)} differs from the stored"
                 f" {(header.height, header.width)}"
             )
+        return self._check_jpeg(index, header, data) if header.encoding == ENCODING_JPEG else None
+
+    def _check_jpeg(self, index: int, header: RecordHeader, data: bytearray | memoryview) -> JpegFrame | None:
+        """Check a JPEG's markers before it is decoded (:func:`jpeg_frame`: a few us, no pixel decoded, no copy).
+
+        Its frame header gives the record's size, within ``max_pixels``; it has at most :data:`MAX_JPEG_SCANS` scans;
+        and its decode to RGB (3 bytes a pixel, 7 for a CMYK or YCCK JPEG, plus the coefficient buffer of a progressive
+        or other multi-scan frame) fits :data:`DECODE_BUDGET`. Nothing is checked with ``max_pixels`` ``None``.
+
+        Returns:
+            The frame, or ``None`` where its markers give none (nothing decodes: the decoder says why) or nothing is
+            checked.
+
+        Raises:
+            CorruptRecordError: the frame is over one of these limits or unlike the record's size, naming the split and
+                index.
+
+        """
+        if self.max_pixels is None:
+            return None
+        frame = jpeg_frame(data)
+        if frame is None:
+            return None
+        self._check_pixels(index, frame.height, frame.width)
+        if (frame.height, frame.width) != (header.height, header.width):
+            raise CorruptRecordError(
+                f"{self._where(index)}: the JPEG frame header's size {(frame.height, frame.width)} differs from the"
+                f" stored {(header.height, header.width)}"
+            )
+        kind = "progressive JPEG" if frame.progressive else "multi-scan JPEG" if frame.buffered else "JPEG"
+        if frame.scans > MAX_JPEG_SCANS:
+            counted = f"{frame.scans:,}" if frame.scans < _SCANS_COUNTED else f"more than {_SCANS_COUNTED - 1:,}"
+            raise CorruptRecordError(
+                f"{self._where(index)}: the {kind} has {counted} scans, over the {MAX_JPEG_SCANS} a JPEG may have"
+                " (each scan is a pass of the decoder over the whole image; encoders write about 10). If you trust"
+                " this database, pass `max_pixels=None`, which lifts this limit too."
+            )
+        if len(frame.sampling) == 4:  # CMYK or YCCK: libjpeg-turbo decodes it to CMYK, then converts it to RGB
+            kind = kind.replace("JPEG", "CMYK JPEG")
+        cost = _CMYK_COST if len(frame.sampling) == 4 else 3
+        self._check_cost(index, kind, frame.height, frame.width, cost, frame.buffer_bytes())
+        return frame
 
     def decode(self, index: int, header: RecordHeader, data: bytearray) -> Any:
         """Decode a record read by :meth:`read_record` into this dataset's ``output`` form (before ``transform``).
@@ -381,22 +572,22 @@ class LmdbImageDataset(Dataset):
         Each takes 3 bytes a pixel, but for a CMYK JPEG (7: refused over :data:`DECODE_BUDGET`).
 
         A JPEG decodes into exactly the ``height * width * 3`` bytes its record header declares (checked against
-        ``max_pixels`` when the record was read): libjpeg-turbo reads the JPEG's own frame header first and refuses a
-        larger image before it decodes a pixel, so a decompression bomb costs no memory and no separate look at its
-        frame header per image; :meth:`_check_frame` only explains a failure.
+        ``max_pixels`` when the record was read), once a walk over its markers (:meth:`_check_jpeg`, a few us) has
+        found its frame header of that size, its scans within :data:`MAX_JPEG_SCANS` and its decode within
+        :data:`DECODE_BUDGET`; libjpeg-turbo, which reads the JPEG's own frame header first, would refuse a larger
+        image too before it decodes a pixel. :meth:`_check_frame` explains a failure.
 
         Raises:
             CorruptRecordError: the bytes do not decode to the stored size, their frame header is over
-                ``max_pixels``, or their decode would take more than :data:`DECODE_BUDGET`; the message names the split
-                and index.
+                ``max_pixels``, a JPEG has more than :data:`MAX_JPEG_SCANS` scans, or their decode would take more than
+                :data:`DECODE_BUDGET`; the message names the split and index.
 
         """
         if header.encoding == ENCODING_RAW:
             return self._raw_image(index, header, data)
         if header.encoding != ENCODING_JPEG:
             return self._png_image(index, header, data)
-        if self.max_pixels is not None and header.height * header.width * _CMYK_COST > DECODE_BUDGET * self.max_pixels:
-            self._check_jpeg_cost(index, header, data)  # only so large a JPEG can be over budget, if it is CMYK
+        self._check_jpeg(index, header, data)
         nbytes = header.height * header.width * 3
         out = np.empty(nbytes, dtype=np.uint8) if buffer is None else buffer[:nbytes]
         try:
@@ -411,15 +602,6 @@ class LmdbImageDataset(Dataset):
                 f" {(header.height, header.width)}"
             )
         return image
-
-    def _check_jpeg_cost(self, index: int, header: RecordHeader, data: bytearray | memoryview) -> None:
-        """Refuse a CMYK (or YCCK) JPEG that libjpeg-turbo would take more than the decode budget to decode to RGB."""
-        try:
-            colorspace = simplejpeg.decode_jpeg_header(data)[2]
-        except ValueError:
-            return  # the decode says what is wrong
-        if colorspace in ("CMYK", "YCCK"):
-            self._check_cost(index, f"{colorspace} JPEG", header.height, header.width, _CMYK_COST)
 
     def _png_image(self, index: int, header: RecordHeader, data: bytearray | memoryview) -> np.ndarray:
         self._check_frame(index, header, data)
@@ -436,15 +618,17 @@ class LmdbImageDataset(Dataset):
     def _pil_image(self, index: int, header: RecordHeader, data: bytearray | memoryview) -> Image.Image:
         if header.encoding == ENCODING_RAW:
             return Image.fromarray(self._raw_image(index, header, data))
-        self._check_frame(index, header, data)
+        frame = self._check_frame(index, header, data)
         failures = (OSError, SyntaxError, ValueError, Image.DecompressionBombError)
         try:
             image = Image.open(io.BytesIO(data), formats=[_PIL_FORMATS[header.encoding]])
         except failures as err:
             raise CorruptRecordError(f"{self._where(index)}: the image does not decode: {err}") from err
         # its mode is known once its header is read, before its pixels are: what decoding and converting it takes
-        what = f"{image.mode} {_PIL_FORMATS[header.encoding]} read as a PIL image"
-        self._check_cost(index, what, header.height, header.width, _pil_cost(image.mode))
+        kind = "progressive JPEG" if frame is not None and frame.progressive else _PIL_FORMATS[header.encoding]
+        what = f"{image.mode} {kind} read as a PIL image"
+        buffer = frame.buffer_bytes() if frame is not None else 0  # libjpeg's, as for a tensor
+        self._check_cost(index, what, header.height, header.width, _pil_cost(image.mode), buffer)
         try:
             image.load()
             if image.mode != "RGB":  # an RGB image is not copied again (PIL holds 4 bytes a pixel)
@@ -484,7 +668,8 @@ class LmdbImageDataset(Dataset):
         per process); into ``out`` when given. ``class`` targets come from the label array, ``none`` are ``-1``.
 
         Raises:
-            CorruptRecordError: the target arrays are missing or damaged.
+            CorruptRecordError: the target arrays are missing or damaged, or a sample's target is (a class label
+                outside the classes, a float value that is not finite), naming the first such sample.
 
         """
         spec = self.target_spec
@@ -496,11 +681,9 @@ class LmdbImageDataset(Dataset):
         if spec.kind == "class":
             with self._label_array() as labels:
                 out[...] = labels[records]
-            if records.size and (out.min() < 0 or out.max() >= len(self.classes)):
-                raise CorruptRecordError(
-                    f"the label array of split {self.split!r} of {self.path!r} holds a label outside the"
-                    f" {len(self.classes)} classes: it is damaged"
-                )
+            bad = first_bad_label(out, len(self.classes))
+            if bad is not None:
+                raise self._bad_label(int(records[bad]), int(out[bad]))
             return out
         if spec.kind == "none":
             out[...] = NO_LABEL
@@ -548,6 +731,11 @@ class LmdbImageDataset(Dataset):
 
         Class indices (``class``), lists of class indices (``multilabel``), values (``float``: a list of K, or one
         when K = 1) or ``-1`` (``none``).
+
+        Raises:
+            CorruptRecordError: a class label is outside the classes, a float value is not finite, or the arrays are
+                damaged; the message names the first such sample's split, index and value.
+
         """
         kind = self.target_spec.kind
         if kind == "none":
@@ -558,9 +746,12 @@ class LmdbImageDataset(Dataset):
                     return self._targets.class_lists(txn, self._identity)
             except lmdb.Error as err:
                 raise self._read_failed(f"reading the targets of split {self.split!r} of {self.path!r}", err) from err
-        if kind == "float":
+        if kind == "float":  # a value that is not finite is refused, naming its sample (`SplitTargets.check_records`)
             return self.targets_of(np.arange(self._length)).tolist()
         with self._label_array() as labels:
+            bad = first_bad_label(labels, len(self.classes))  # as every other read of a label refuses it
+            if bad is not None:
+                raise self._bad_label(bad, int(labels[bad]))
             return labels.tolist()
 
     @contextmanager

@@ -18,7 +18,10 @@ kind           stored per split (little-endian arrays, never pickled)      in a 
 Records of the kinds other than ``class`` carry the label ``-1`` in their header. The arrays of a split are checked
 once per process, when a batch first needs them (:class:`SplitTargets`): their sizes against the split's length, a
 CRC32 stored in the metadata, and for multi-label offsets that ascend and indices below the class count; then each
-batch reads its samples' targets straight from the memory map, a few bytes each. Nothing is held per sample.
+batch reads its samples' targets straight from the memory map, a few bytes each. Nothing is held per sample but, for
+a ``float`` split whose values are not all finite (NaN, infinities: the writer stores none), one bit marking each
+sample that holds one: such a sample is damaged, refused wherever it is read (:meth:`SplitTargets.check_records`) as a
+record that fails its checksum is. A class label outside ``0 <= label < C`` is refused alike (:func:`first_bad_label`).
 
 The helpers at the end read targets from elsewhere: labels of a list file (:func:`list_targets`) and a dataset's
 target values (:func:`kind_of_value`), inferring a kind only where it is unambiguous and otherwise refusing in one line
@@ -217,6 +220,16 @@ class TargetColumn:
         return info
 
 
+def first_bad_label(labels: np.ndarray, num_classes: int) -> int | None:
+    """The position of the first of ``labels`` (class indices) outside ``0 <= label < num_classes``, else ``None``.
+
+    One vectorised pass: what every reader of class labels checks (a record header's label, the split's label array).
+    """
+    if not labels.size or (labels.min() >= 0 and labels.max() < num_classes):
+        return None
+    return int(np.flatnonzero((labels < 0) | (labels >= num_classes))[0])
+
+
 def arrays_crc(arrays: Any) -> int:
     """The CRC32 of a split's target arrays, one after the other (in key order: offsets, then indices)."""
     crc = 0
@@ -299,8 +312,10 @@ def short_repr(value: Any, limit: int = 60) -> str:
 # Reading: a split's targets, checked once per process, then gathered per batch from the memory map
 # ---------------------------------------------------------------------------------------------------------------
 
-#: splits whose arrays passed their check, by (database path, data file identity, split): inherited by forked workers
-_CHECKED: set[tuple[str, tuple[int, ...], str]] = set()
+#: splits whose arrays passed their check, by (database path, data file identity, split), each with the samples of a
+#: ``float`` split whose values are not all finite, a bit a sample (``np.packbits``), or ``None`` (none, or another
+#: kind): inherited by forked workers
+_CHECKED: dict[tuple[str, tuple[int, ...], str], np.ndarray | None] = {}
 
 
 class SplitTargets:
@@ -353,11 +368,11 @@ class SplitTargets:
         arrays = tuple(np.frombuffer(value, dtype=dtype) for value, dtype in zip(raw, dtypes, strict=True))
         key = (self.where, identity, self.split)
         if key not in _CHECKED:
-            self._check(raw, arrays)
-            _CHECKED.add(key)
+            _CHECKED[key] = self._check(raw, arrays)
         return arrays
 
-    def _check(self, raw: Sequence[Any], arrays: Sequence[np.ndarray]) -> None:
+    def _check(self, raw: Sequence[Any], arrays: Sequence[np.ndarray]) -> np.ndarray | None:
+        """Check the arrays once: raise if the split is damaged, else the bits of samples holding a value not finite."""
         if arrays_crc(raw) != self.crc:
             raise self._damaged("its target arrays fail their checksum: they were modified after conversion")
         if self.spec.kind == "multilabel":
@@ -366,6 +381,45 @@ class SplitTargets:
                 raise self._damaged("its multi-label offsets do not ascend from 0 to the number of indices")
             if indices.size and (indices.min() < 0 or indices.max() >= self.spec.num_classes):
                 raise self._damaged(f"a multi-label class index is outside the {self.spec.num_classes} classes")
+            return None
+        # values the writer refuses, NaN and infinities, in a checksum that holds: the database was written by
+        # something else; the samples that hold one are damaged, the others are not (one pass, once per process)
+        if np.isfinite(arrays[0]).all():
+            return None
+        return np.packbits(~np.isfinite(arrays[0].reshape(self.length, self.spec.dim)).all(axis=1))
+
+    def check_records(self, txn: Any, identity: tuple[int, ...], records: np.ndarray | int) -> None:
+        """Refuse samples ``records`` (an index, or an array of them) whose stored targets are not what the kind allows.
+
+        The arrays' check (the checksum, once per process) marks the samples of a ``float`` split that hold a value that
+        is not finite; each is refused where it is read, by every read path, as a record failing its checksum is. Costs
+        a dictionary look-up while no sample is marked. Other kinds' arrays are checked whole: nothing to do here.
+
+        Raises:
+            CorruptRecordError: a sample holds a NaN or an infinity, naming the split, its index and its values; or the
+                split's arrays are damaged.
+
+        """
+        if self.spec.kind != "float":
+            return
+        key = (self.where, identity, self.split)
+        if key not in _CHECKED:
+            self._arrays(txn, identity)
+        bad = _CHECKED[key]
+        if bad is None:
+            return
+        records = np.asarray(records, dtype=np.int64).reshape(-1)
+        hit = np.flatnonzero(bad[records >> 3] & (0x80 >> (records & 7)).astype(np.uint8))
+        if not hit.size:
+            return
+        index = int(records[hit[0]])
+        values = self._arrays(txn, identity)[0].reshape(self.length, self.spec.dim)[index]
+        shown = short_repr(values.tolist() if self.spec.dim > 1 else float(values[0]))
+        raise CorruptRecordError(
+            f"split {self.split!r} index {index} of {self.where!r}: its float target {shown} is not finite (NaN or"
+            " infinite: the writer stores none). The database is damaged: convert the source again with"
+            " `lightning-fastdata convert --force`."
+        )
 
     def _damaged(self, problem: str) -> CorruptRecordError:
         return CorruptRecordError(
@@ -386,6 +440,7 @@ class SplitTargets:
             return
         arrays = self._arrays(txn, identity)
         if kind == "float":
+            self.check_records(txn, identity, records)
             out.reshape(len(records), -1)[...] = arrays[0].reshape(self.length, self.spec.dim)[records]
             return
         offsets, indices = arrays
