@@ -2,8 +2,9 @@
 
 Each process streams its rows, tagged with their sample index, to a part file beside the output; after the last
 batch, rank zero checks that they hold every sample of the split, merges them in sample order, drops the duplicates
-that ``DistributedSampler`` pads with, and publishes the file under its final name by a rename. A run that stops
-early publishes nothing; one whose parts miss samples raises and keeps them.
+that ``DistributedSampler`` pads with (once it has checked that they agree), and publishes the file under its final
+name by a rename. A run that stops early publishes nothing; one whose parts miss samples, or predict a sample twice
+with different results, raises and keeps them.
 """
 
 from __future__ import annotations
@@ -22,10 +23,11 @@ import numpy as np
 import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import BasePredictionWriter
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_fastdata.errors import InvalidArgumentError
+from lightning_fastdata.errors import InvalidArgumentError, SampleError
+from lightning_fastdata.pipeline.kernel import BatchReader
 
 try:
     import fcntl
@@ -44,6 +46,10 @@ _COLUMNS = ("index", "source", "label", "class", "labels", "classes", "value", "
 #: a part file's row kinds: a class (``label``, ``class``), the classes of a multi-label sample (``labels``,
 #: ``classes``), a float target's values (``value``, or one column per name) or a raw model output (``output``)
 _CLASS, _MULTI, _VALUES, _RAW = b"c", b"m", b"v", b"r"
+#: two predictions of one sample agree when each float differs by at most this fraction of the largest magnitude in
+#: them: two steps of bfloat16 (a padded sample is predicted again in another batch, where a GPU may sum in another
+#: order, in TF32 or under bf16-mixed precision); anything else (a class, an integer, a string) must be equal
+_REPEAT_TOLERANCE = 2.0**-6
 
 
 class PredictionWriter(BasePredictionWriter):
@@ -51,7 +57,9 @@ class PredictionWriter(BasePredictionWriter):
 
     Each row holds the sample's ``index`` in the predicted split and its ``source`` (the image's path relative to
     the converted folder, from :meth:`~lightning_fastdata.FastImageDataModule.predict_sources`), then what
-    ``predict_step`` returned for it:
+    ``predict_step`` returned for it. When the predict dataset is a ``torch.utils.data.Subset`` (or a subset of one),
+    ``index`` is the sample's index in the dataset the subsets view, so ``index`` and ``source`` name the sample that
+    was predicted; the rows follow the subset's order. The row's content:
 
     - a float tensor of shape ``(N, C)`` with ``C`` the DataModule's number of classes is read as logits (or
       probabilities): ``label`` is the arg-max and ``class`` its class name;
@@ -70,9 +78,13 @@ class PredictionWriter(BasePredictionWriter):
 
     **Under DDP** every process streams its rows, with their sample indices, to a hidden part file beside
     ``output_path`` (``.NAME.rank<R>.part``), so no process holds the predictions in memory. After the last batch,
-    rank zero merges the parts in sample order, keeps each sample once (``DistributedSampler`` repeats a few to give
-    every process as many batches) and removes the parts. On several nodes ``output_path`` must be on storage every
-    node shares.
+    rank zero merges the parts in sample order, keeps each sample once (``DistributedSampler`` repeats up to
+    ``world_size - 1`` to give every process as many batches) and removes the parts. A sample predicted more than
+    once must get the same prediction each time (floats within float noise: two steps of bfloat16 of the
+    prediction's largest value): otherwise rank zero raises a :class:`~lightning_fastdata.SampleError` naming the
+    sample and both predictions, writes nothing and keeps the parts. More repeats than the sampler pads with
+    (a loader that reads samples twice) warn, and each sample is written once. On several nodes ``output_path`` must
+    be on storage every node shares.
 
     The file appears whole, under its name, only when the run completes: it is written under a temporary name and
     renamed. A run that stops early (an error, Ctrl-C) leaves no new file and no parts, and a previous file of that
@@ -141,6 +153,9 @@ class PredictionWriter(BasePredictionWriter):
         #: those the loader has, when `limit_predict_batches` cut it short
         self._samples: int | None = None
         self._limited: tuple[int, int] | None = None
+        #: each sample index of the predict loader's dataset -> its index in the dataset its subsets view (``None``:
+        #: no subset, the same index)
+        self._indices: np.ndarray | None = None
         #: every rank's part was complete: a failed merge keeps them
         self._parts_complete = False
 
@@ -184,6 +199,7 @@ class PredictionWriter(BasePredictionWriter):
         self.output_path.parent.mkdir(parents=True, exist_ok=True)
         self._close()
         self._samples, self._limited = _split_to_cover(trainer)
+        self._indices = _viewed_indices(getattr(_predict_loader(trainer), "dataset", None))
         self._parts_complete = False
         self._part = open(self.part_path(trainer.global_rank), "wb")  # noqa: SIM115 - open until the merge
 
@@ -277,11 +293,14 @@ class PredictionWriter(BasePredictionWriter):
     def _merge(self, world_size: int, samples: int | None = None) -> int:
         """Write the rows of the parts of ranks ``0..world_size-1``, each sample once, in sample order; remove them.
 
-        With ``samples``, the parts must cover samples ``0..samples-1`` of the split, and no other (repeats are the
-        sampler's padding); otherwise nothing is written and the parts are kept. Returns the number of rows written.
+        With ``samples``, the parts must cover samples ``0..samples-1`` of the split, and no other; otherwise nothing is
+        written and the parts are kept. A sample's repeats (the sampler's padding) must agree with its first row, and
+        more of them than ``DistributedSampler`` pads ``world_size`` processes with warn. Returns the number of rows
+        written.
 
         Raises:
             FileNotFoundError: a part is missing (another node's disk).
+            SampleError: a sample has two rows whose predictions differ (a ``RuntimeError``).
             RuntimeError: ``samples`` are not all covered, or indices lie beyond them.
 
         """
@@ -293,9 +312,10 @@ class PredictionWriter(BasePredictionWriter):
                 " must be on storage that every node shares."
             )
         # where each sample's first row is: part and byte offset, one pair of integers per sample (not its row)
-        part_of, offset_of, kinds = self._index(parts)
+        part_of, offset_of, kinds, repeats = self._index(parts)
         if samples is not None:
             self._check_coverage(part_of, samples, parts)
+        self._say_repeats(repeats, world_size, samples)
         self._remove_dead_merges()
         tmp = self.output_path.with_name(f".{self.output_path.name}.{os.getpid()}.tmp")
         rows = 0
@@ -348,9 +368,11 @@ class PredictionWriter(BasePredictionWriter):
             " first batches (`limit_predict_batches`)."
         )
 
-    @staticmethod
-    def _index(parts: Sequence[Path]) -> tuple[np.ndarray, np.ndarray, set[bytes]]:
-        """Per sample index: the part holding its first row (-1: none) and the row's byte offset; the row kinds."""
+    def _index(self, parts: Sequence[Path]) -> tuple[np.ndarray, np.ndarray, set[bytes], int]:
+        """Per sample index: its first row's part (-1: none) and byte offset; the row kinds; the repeated rows.
+
+        Each row that repeats a sample is checked against the sample's first row (:meth:`_check_repeat`).
+        """
         size = 0
         for part in parts:
             with open(part, "rb") as fh:
@@ -359,17 +381,87 @@ class PredictionWriter(BasePredictionWriter):
         part_of = np.full(size, -1, dtype=np.int32)
         offset_of = np.zeros(size, dtype=np.int64)
         kinds: set[bytes] = set()
-        for number, part in enumerate(parts):
-            offset = 0
-            with open(part, "rb") as fh:
-                for line in fh:
-                    index, kind, _ = line.split(b"\t", 2)
-                    i = int(index)
-                    if part_of[i] < 0:
-                        part_of[i], offset_of[i] = number, offset
-                        kinds.add(kind)
-                    offset += len(line)
-        return part_of, offset_of, kinds
+        repeats = 0
+        with contextlib.ExitStack() as stack:
+            # each part opened once more, to read a repeated sample's first row back (repeats are few: the padding)
+            firsts: list[IO[bytes] | None] = [None] * len(parts)
+            for number, part in enumerate(parts):
+                offset = 0
+                with open(part, "rb") as fh:
+                    for line in fh:
+                        index, kind, _ = line.split(b"\t", 2)
+                        i = int(index)
+                        if part_of[i] < 0:
+                            part_of[i], offset_of[i] = number, offset
+                            kinds.add(kind)
+                        else:
+                            repeats += 1
+                            first_part = int(part_of[i])
+                            first = firsts[first_part]
+                            if first is None:
+                                first = firsts[first_part] = stack.enter_context(open(parts[first_part], "rb"))
+                            first.seek(int(offset_of[i]))
+                            self._check_repeat(i, first.readline(), first_part, line, number, parts)
+                        offset += len(line)
+        return part_of, offset_of, kinds, repeats
+
+    def _check_repeat(
+        self, index: int, first: bytes, first_rank: int, again: bytes, rank: int, parts: Sequence[Path]
+    ) -> None:
+        """Raise unless two rows of sample ``index`` (part lines of ranks ``first_rank`` and ``rank``) agree."""
+        first_kind, first_value = first.rstrip(b"\n").split(b"\t", 2)[1:]
+        kind, value = again.rstrip(b"\n").split(b"\t", 2)[1:]
+        if first_kind == kind and (first_value == value or _agree(json.loads(first_value), json.loads(value))):
+            return
+        where = f"sample {index}"
+        database_index = self._database_index(index)
+        if database_index != index:
+            where += f" of the predict dataset (index {database_index} of the dataset it views)"
+        source = self._source(database_index)
+        if source is not None:
+            where += f", {source!r},"
+        raise SampleError(
+            f"{where} was predicted twice with different results: {_shown(first_kind, first_value)} by rank"
+            f" {first_rank} and {_shown(kind, value)} by rank {rank}. A sample predicted more than once (the"
+            " `DistributedSampler` pads the processes with repeats) must get the same prediction, or the file could"
+            " hold either: a `predict_step` that draws (dropout left on, a random test-time augmentation) or a"
+            " dataset whose index names another sample on each process gives different ones. Make `predict_step`"
+            " deterministic and give every process the same dataset. `output_path`"
+            f" {str(self.output_path)!r} was not written; the part files are kept:"
+            f" {', '.join(str(part) for part in parts)}."
+        )
+
+    @staticmethod
+    def _say_repeats(repeats: int, world_size: int, samples: int | None) -> None:
+        """Warn when more rows repeat a sample than ``DistributedSampler`` pads ``world_size`` processes with."""
+        # `DistributedSampler` (without `drop_last`) pads the ranks to equal shares with the first samples again:
+        # up to `world_size - 1` of them, exactly `-samples % world_size` when the split's size is known
+        padding = (-samples) % world_size if samples is not None else world_size - 1
+        if repeats <= padding:
+            return
+        rows = "row repeats a sample" if repeats == 1 else "rows repeat samples"
+        processes = "1 process" if world_size == 1 else f"{world_size} processes"
+        pads = f"the {padding} repeats `DistributedSampler` pads {processes} with"
+        pads += f" for {samples} samples" if samples is not None else " at most"
+        rank_zero_warn(
+            f"PredictionWriter: {repeats} prediction {rows} already predicted, more than {pads}. Their"
+            " predictions agree and each sample is written once, but the predict loader read those samples more"
+            " than once: a sampler of one's own that draws with replacement, or one that gives every process all"
+            " the samples (a `DistributedSampler` with `num_replicas=1` under DDP), predicts the data twice or more."
+            " If that was not meant, give the predict loader a sampler that reads each sample once."
+        )
+
+    def _database_index(self, index: int) -> int:
+        """Sample ``index`` of the predict loader's dataset as an index of the dataset its subsets view."""
+        if self._indices is None or not 0 <= index < len(self._indices):
+            return index
+        return int(self._indices[index])
+
+    def _source(self, index: int) -> str | None:
+        """The source of the viewed dataset's sample ``index``; ``None`` when unknown."""
+        if self._sources is None or not 0 <= index < len(self._sources):
+            return None
+        return self._sources[index]
 
     def _has(self, column: str, kinds: set[bytes]) -> bool:
         if column == "index":
@@ -389,9 +481,11 @@ class PredictionWriter(BasePredictionWriter):
         return _RAW in kinds
 
     def _row(self, index: int, kind: bytes, value: Any) -> dict[str, Any]:
+        # the index and source of the sample itself, not its position in a subset of the dataset
+        index = self._database_index(index)
         row: dict[str, Any] = {"index": index}
         if self._sources is not None:
-            row["source"] = self._sources[index] if index < len(self._sources) else None
+            row["source"] = self._source(index)
         if kind == _CLASS:
             row["label"] = value
             if self._classes is not None:
@@ -437,10 +531,7 @@ def _split_to_cover(trainer: Trainer) -> tuple[int | None, tuple[int, int] | Non
     Every sample of the split when every batch of the loader runs; ``None`` when that cannot be told (a loader or
     dataset without a length) or ``limit_predict_batches`` stops the loader early on purpose.
     """
-    loaders = trainer.predict_dataloaders
-    if isinstance(loaders, Mapping):
-        loaders = next(iter(loaders.values()), None)
-    loader = loaders[0] if isinstance(loaders, list | tuple) and loaders else loaders
+    loader = _predict_loader(trainer)
     try:
         samples, batches = len(loader.dataset), len(loader)  # type: ignore[union-attr,arg-type]
     except (AttributeError, TypeError):
@@ -449,6 +540,77 @@ def _split_to_cover(trainer: Trainer) -> tuple[int | None, tuple[int, int] | Non
     if run < batches:
         return None, (int(run), batches)
     return samples, None
+
+
+def _predict_loader(trainer: Trainer) -> Any:
+    """The Trainer's (first) predict loader; ``None`` when it has none."""
+    loaders = trainer.predict_dataloaders
+    if isinstance(loaders, Mapping):
+        loaders = next(iter(loaders.values()), None)
+    return loaders[0] if isinstance(loaders, list | tuple) and loaders else loaders
+
+
+def _viewed_indices(dataset: Any) -> np.ndarray | None:
+    """Each sample of ``dataset`` as an index of the dataset it views through subsets; ``None`` for no subset.
+
+    A subset is what has the dataset it views as ``dataset`` and its indices into it as ``indices``
+    (``torch.utils.data.Subset``, the DataModule's held-out view), nested to any depth: the indices of each level
+    are mapped through those of the level below. A :class:`BatchReader` (what a loader of this package reads its
+    dataset through) is looked through.
+    """
+    indices: np.ndarray | None = None
+    while isinstance(dataset, BatchReader) or (
+        getattr(dataset, "indices", None) is not None and getattr(dataset, "dataset", None) is not None
+    ):
+        if isinstance(dataset, BatchReader):  # a reader of the subset: its `indices` are the subset's own
+            dataset = dataset.dataset
+            continue
+        try:
+            level = np.asarray(dataset.indices, dtype=np.int64).reshape(-1)
+        except (TypeError, ValueError):  # indices of a kind of one's own: the samples are not mapped
+            return indices
+        inner = dataset.dataset
+        with contextlib.suppress(TypeError):  # a negative index counts from the end, as `inner[index]` reads it
+            level = np.where(level < 0, level + len(inner), level)
+        indices = level if indices is None else level[indices]
+        dataset = inner
+    return indices
+
+
+def _agree(first: Any, again: Any) -> bool:
+    """Whether two predictions of one sample (JSON values) are the same: floats up to float noise, the rest equal."""
+    scale = max((abs(x) for x in _floats(first) + _floats(again)), default=0.0)
+    return _same(first, again, _REPEAT_TOLERANCE * scale)
+
+
+def _floats(value: Any) -> list[float]:
+    """Every float in a JSON value."""
+    if isinstance(value, float):
+        return [value]
+    if isinstance(value, list):
+        return [x for item in value for x in _floats(item)]
+    if isinstance(value, dict):
+        return [x for item in value.values() for x in _floats(item)]
+    return []
+
+
+def _same(first: Any, again: Any, tolerance: float) -> bool:
+    """JSON values equal, but for floats that differ by at most ``tolerance``."""
+    if isinstance(first, float) and isinstance(again, float):
+        return abs(first - again) <= tolerance
+    if isinstance(first, list) and isinstance(again, list):
+        return len(first) == len(again) and all(_same(a, b, tolerance) for a, b in zip(first, again, strict=True))
+    if isinstance(first, dict) and isinstance(again, dict):
+        return first.keys() == again.keys() and all(_same(first[k], again[k], tolerance) for k in first)
+    return type(first) is type(again) and first == again
+
+
+def _shown(kind: bytes, value: bytes, limit: int = 120) -> str:
+    """A part row's prediction for a message: its JSON text, cut to ``limit`` characters, and its kind."""
+    text = value.decode("utf-8", "replace")
+    text = text if len(text) <= limit else text[: limit - 3] + "..."
+    name = {_CLASS: "class", _MULTI: "classes", _VALUES: "values", _RAW: "output"}.get(kind, "row")
+    return f"{name} {text}"
 
 
 def _per_sample(

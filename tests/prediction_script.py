@@ -1,10 +1,11 @@
 """Models whose predictions can be checked, and a real two-process DDP prediction run on CPU (``test_prediction.py``).
 
-Usage: ``python prediction_script.py DATA_DIR OUTPUT_PATH [interrupt]``: predicts the database's predict split on two
-CPU processes with :class:`OneHotModel` and a :class:`~lightning_fastdata.PredictionWriter` writing ``OUTPUT_PATH``;
-each rank writes the number of samples it predicted (the sampler's padding included) to ``rank<R>.json`` beside it.
-With ``interrupt``: on one process, with a model that raises ``KeyboardInterrupt`` (as Ctrl-C does) on its second
-batch.
+Usage: ``python prediction_script.py DATA_DIR OUTPUT_PATH [interrupt | disagree]``: predicts the database's predict
+split on two CPU processes with :class:`OneHotModel` and a :class:`~lightning_fastdata.PredictionWriter` writing
+``OUTPUT_PATH``; each rank writes the number of samples it predicted (the sampler's padding included) to
+``rank<R>.json`` beside it. With ``interrupt``: on one process, with a model that raises ``KeyboardInterrupt`` (as
+Ctrl-C does) on its second batch. With ``disagree``: with :class:`RankModel`, whose ranks predict the sample the
+sampler pads with differently.
 """
 
 from __future__ import annotations
@@ -71,7 +72,16 @@ class InterruptedModel(OneHotModel):
         return super().predict_step(batch, batch_idx)
 
 
-def main(data_dir: str, output_path: str, interrupt: bool = False) -> None:
+class RankModel(OneHotModel):
+    """Predicts each sample's label plus its rank, as a class index: a sample both ranks predict gets two classes."""
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.predicted += len(batch[1])
+        return (batch[1] + self.global_rank) % self.num_classes
+
+
+def main(data_dir: str, output_path: str, mode: str = "") -> None:
+    interrupt = mode == "interrupt"
     dm = FastImageDataModule(data_dir, image_size=16, batch_size=2, num_workers=0)
     trainer = Trainer(
         accelerator="cpu",
@@ -82,11 +92,11 @@ def main(data_dir: str, output_path: str, interrupt: bool = False) -> None:
         enable_model_summary=False,
         callbacks=[PredictionWriter(output_path)],
     )
-    model = InterruptedModel() if interrupt else OneHotModel()
+    model = InterruptedModel() if interrupt else RankModel() if mode == "disagree" else OneHotModel()
     trainer.predict(model, datamodule=dm, return_predictions=False)
     Path(output_path).with_name(f"rank{trainer.global_rank}.json").write_text(json.dumps(model.predicted))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], sys.argv[3:] == ["interrupt"])
+    main(sys.argv[1], sys.argv[2], *sys.argv[3:4])
     end_process_group()

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -17,11 +18,11 @@ from kinds import CLASSES, kind_target, make_kind_database
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.cli import LightningCLI
 from prediction_script import FailingModel, LabelModel, OneHotModel, RawModel
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, Subset, TensorDataset
 
-from lightning_fastdata import FastImageDataModule, InvalidArgumentError, PredictionWriter
+from lightning_fastdata import FastImageDataModule, InvalidArgumentError, PredictionWriter, SampleError
 from lightning_fastdata.cli import lightning_cli, main
-from lightning_fastdata.prediction import _per_sample
+from lightning_fastdata.prediction import _agree, _per_sample
 
 SCRIPT = Path(__file__).with_name("prediction_script.py")
 
@@ -131,6 +132,15 @@ def test_plain_dataloaders_get_index_and_label_rows(tmp_path: Path) -> None:
     assert _csv(out) == [{"index": str(i), "label": str(int(label))} for i, label in enumerate(labels)]
 
 
+def test_a_plain_subset_gets_the_index_of_the_sample_it_views(tmp_path: Path) -> None:
+    """A plain `DataLoader` of a `Subset`: each row has the index in the dataset the subset views, in its order."""
+    out = tmp_path / "predictions.csv"
+    labels = torch.tensor([2, 0, 1, 1, 0])
+    loader = DataLoader(Subset(TensorDataset(torch.zeros(5, 3, 4, 4), labels), [4, 0, 2]), batch_size=2)
+    _predict_loader(loader, out)
+    assert _csv(out) == [{"index": str(i), "label": str(int(labels[i]))} for i in (4, 0, 2)]
+
+
 def test_what_a_batch_output_means() -> None:
     """Logits need as many columns as classes; class indices an int vector; anything else is raw, or an error."""
     classes = ["a", "b", "c"]
@@ -195,16 +205,23 @@ def test_the_skip_policy_is_refused_before_predicting(database: Path, tmp_path: 
     assert _leftovers(tmp_path) == []
 
 
-def test_merge_keeps_each_sample_once_in_order(tmp_path: Path) -> None:
-    """Parts of interleaved ranks, padded with repeats and out of order, merge into each sample once, in order."""
-    writer = PredictionWriter(str(tmp_path / "p.jsonl"))
-    rank0 = [(0, b"c", 1), (2, b"c", 0), (4, b"r", [4]), (0, b"c", 2)]  # the last one repeats sample 0: padding
-    rank1 = [(3, b"c", 1), (1, b"c", 2), (5, b"c", 0), (2, b"c", 1)]
-    for rank, rows in enumerate((rank0, rank1)):
+def _write_rows(writer: PredictionWriter, *ranks: list[tuple[int, bytes, Any]]) -> None:
+    """Part files of ``(index, kind, value)`` rows, one per rank."""
+    for rank, rows in enumerate(ranks):
         writer.part_path(rank).write_bytes(
             b"".join(b"%d\t%s\t%s\n" % (i, k, json.dumps(v).encode()) for i, k, v in rows)
         )
-    assert writer._merge(2, samples=6) == 6  # the padding repeat is no error: every sample is there
+
+
+def test_merge_keeps_each_sample_once_in_order(tmp_path: Path) -> None:
+    """Parts of interleaved ranks, padded with a repeat and out of order, merge into each sample once, in order."""
+    writer = PredictionWriter(str(tmp_path / "p.jsonl"))
+    rank0 = [(0, b"c", 1), (2, b"c", 0), (4, b"r", [4]), (6, b"c", 2)]
+    rank1 = [(3, b"c", 1), (1, b"c", 2), (5, b"c", 0), (0, b"c", 1)]  # the last one repeats sample 0: padding
+    _write_rows(writer, rank0, rank1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the padding repeat is no error and no warning: every sample is there
+        assert writer._merge(2, samples=7) == 7
     rows = _jsonl(tmp_path / "p.jsonl")
     assert rows == [
         {"index": 0, "label": 1},
@@ -213,8 +230,90 @@ def test_merge_keeps_each_sample_once_in_order(tmp_path: Path) -> None:
         {"index": 3, "label": 1},
         {"index": 4, "output": [4]},
         {"index": 5, "label": 0},
+        {"index": 6, "label": 2},
     ]
     assert _leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize(
+    ("first", "again", "shown"),
+    [
+        ((b"c", 1), (b"c", 2), "class 1 by rank 0 and class 2 by rank 1"),
+        ((b"v", [1.0, 2.0]), (b"v", [1.0, 2.5]), r"values \[1.0, 2.0\] by rank 0 and values \[1.0, 2.5\] by rank 1"),
+        ((b"r", {"p": 0.5}), (b"r", {"q": 0.5}), r'output \{"p": 0.5\} by rank 0 and output \{"q": 0.5\} by rank 1'),
+        ((b"c", 1), (b"r", [1.0]), r"class 1 by rank 0 and output \[1.0\] by rank 1"),
+        ((b"m", [0, 2]), (b"m", [0]), r"classes \[0, 2\] by rank 0 and classes \[0\] by rank 1"),
+    ],
+    ids=["class", "float beyond noise", "keys", "kind", "multilabel"],
+)
+def test_repeats_that_disagree_are_refused_and_the_parts_kept(
+    tmp_path: Path, first: tuple[bytes, Any], again: tuple[bytes, Any], shown: str
+) -> None:
+    """A sample predicted twice with different results (a random `predict_step`, another sample under that index on
+    another rank) is a `SampleError` naming the sample, its file and both predictions: the file could hold either.
+    Nothing is written and the parts stay, as for missing samples. Before, the second was dropped silently."""
+    out = tmp_path / "p.csv"
+    writer = PredictionWriter(str(out))
+    writer._sources = ["a.jpg", "b.jpg", "c.jpg"]
+    _write_rows(writer, [(0, b"c", 0), (2, *first)], [(1, b"c", 1), (2, *again)])
+    match = rf"^sample 2, 'c.jpg', was predicted twice with different results: {shown}\. .*part files are kept"
+    with pytest.raises(SampleError, match=match):
+        writer._merge(2, samples=3)
+    assert not out.exists()
+    assert _leftovers(tmp_path) == [".p.csv.rank0.part", ".p.csv.rank1.part"]
+
+
+def test_repeats_within_float_noise_agree(tmp_path: Path) -> None:
+    """A padded sample predicted again in another batch may differ by float noise (a GPU's other summation order,
+    TF32, bf16-mixed): within two steps of bfloat16 of the prediction's largest value it is the same prediction."""
+    assert _agree([8.0, 0.01, -3.0], [8.0 + 8 * 2**-7, 0.01 + 0.1, -3.0])  # one bf16 step at 8, noise near 0
+    assert not _agree([8.0, 0.01, -3.0], [8.0, 0.01 + 0.2, -3.0])
+    assert _agree({"p": [1e-6]}, {"p": [1.01e-6]})  # relative to the values' own scale
+    assert not _agree({"p": [1e-6]}, {"p": [2e-6]})
+    assert _agree([None, 1], [None, 1])  # a NaN is written as None; integers must be equal
+    assert not _agree([2, 1], [1, 1])
+    assert not _agree([1.0, 2.0], [1.0, 2.0, 3.0])
+    writer = PredictionWriter(str(tmp_path / "p.jsonl"))
+    _write_rows(writer, [(0, b"v", [8.0, 1.0]), (1, b"v", [2.0, 2.0])], [(2, b"v", [0.5, 0.5]), (0, b"v", [8.03, 1.0])])
+    assert writer._merge(2, samples=3) == 3
+    assert _jsonl(tmp_path / "p.jsonl")[0] == {"index": 0, "value": [8.0, 1.0]}  # the first row is kept
+
+
+def test_more_repeats_than_the_padding_warn(tmp_path: Path) -> None:
+    """More repeated rows than `DistributedSampler` pads the ranks with (here every sample read by both ranks) warn
+    with the count and the likely cause; the file has each sample once."""
+    writer = PredictionWriter(str(tmp_path / "p.jsonl"))
+    _write_rows(writer, [(i, b"c", i % 3) for i in range(5)], [(i, b"c", i % 3) for i in range(5)])
+    with pytest.warns(UserWarning, match=r"5 prediction rows repeat samples already predicted, more than the 1 repeats"
+                      r" `DistributedSampler` pads 2 processes with for 5 samples.*`num_replicas=1`"):  # fmt: skip
+        assert writer._merge(2, samples=5) == 5
+    assert [row["index"] for row in _jsonl(tmp_path / "p.jsonl")] == [0, 1, 2, 3, 4]
+    _write_rows(writer, [(0, b"c", 0), (1, b"c", 1), (0, b"c", 0)])  # one process: no padding at all
+    with pytest.warns(UserWarning, match=r"1 prediction row repeats a sample already predicted, more than the 0"):
+        writer._merge(1, samples=2)
+
+
+@pytest.mark.parametrize(
+    ("subset", "indices"),
+    [
+        (lambda ds: Subset(ds, [8, 9, 10, 11]), [8, 9, 10, 11]),
+        (lambda ds: Subset(Subset(ds, range(4, 24)), [19, 0, 7, -1]), [23, 4, 11, 23]),
+    ],
+    ids=["subset", "nested subsets"],
+)
+def test_a_subset_names_the_files_it_views(database: Path, tmp_path: Path, subset: Any, indices: list[int]) -> None:
+    """Predicting a `Subset` of the split (which the writer's error advises), each row has the index and file of the
+    sample the subset views, through nested subsets, and that sample's prediction. They named files 0-3 before."""
+    out = tmp_path / "predictions.csv"
+    dm = _dm(database, predict_split="train")
+    dm.predict_dataset = subset(dm.build_dataset("train", dm.val_transform()))
+    _predict(LabelModel(), dm, PredictionWriter(str(out)))
+    rows = _csv(out)
+    sources = dm.sources("train")
+    assert [row["source"] for row in rows] == [sources[i] for i in indices]
+    assert [int(row["index"]) for row in rows] == indices
+    for row in rows:  # the label predicted is that of the file named: the row is that sample's
+        assert row["class"] == Path(row["source"]).parent.name
 
 
 def _write_parts(writer: PredictionWriter, *ranks: list[int]) -> None:
@@ -352,8 +451,30 @@ def test_ddp_writes_each_sample_once_in_order(database: Path, tmp_path: Path) ->
     assert proc.returncode == 0, proc.stderr[-4000:]
     predicted = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
     assert predicted == [(SAMPLES + 1) // 2] * 2  # one sample predicted twice
+    assert "already predicted" not in proc.stdout + proc.stderr  # the padding's repeat agrees: no warning
     _check_class_rows(_csv(out), database)
     assert _leftovers(tmp_path) == []
+
+
+@pytest.mark.slow
+def test_ddp_ranks_that_disagree_on_the_padded_sample_publish_nothing(database: Path, tmp_path: Path) -> None:
+    """Two DDP processes whose predictions of the sample the sampler pads with differ (each adds its rank to the
+    label): rank zero refuses the merge naming the sample and both classes, the other rank fails with it, nothing is
+    written, and the parts stay for a look. Before, rank 0's prediction was written and rank 1's dropped silently."""
+    out = tmp_path / "predictions.csv"
+    env = {k: v for k, v in os.environ.items() if k not in _DIST_VARS}
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), str(database), str(out), "disagree"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode != 0, proc.stderr[-4000:]
+    source = _dm(database).predict_sources()[0]
+    assert f"SampleError: sample 0, {source!r}, was predicted twice with different results" in proc.stderr
+    assert not out.exists()
+    assert _leftovers(tmp_path) == [".predictions.csv.rank0.part", ".predictions.csv.rank1.part"]
 
 
 def test_a_killed_merges_leftover_is_removed_and_a_live_ones_kept(database: Path, tmp_path: Path) -> None:

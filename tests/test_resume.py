@@ -21,7 +21,7 @@ from fakes import fake_trainer, patch_cuda_streams
 from kinds import make_kind_database
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
 
-from lightning_fastdata import FastImageDataModule, LmdbImageDataset
+from lightning_fastdata import FastImageDataModule, InvalidArgumentError, LmdbImageDataset
 from lightning_fastdata.pipeline import FastLoader
 from lightning_fastdata.pipeline.resume import ResumableSampler
 
@@ -237,31 +237,35 @@ def test_epoch_end_under_limit_batches(limit: int | float, per_epoch: int) -> No
 @pytest.mark.parametrize(
     ("changes", "found"),
     [
-        ({"seed": 1}, "seed: checkpoint 0, now 1"),
-        ({"batch_size": 2}, "batch_size: checkpoint 4, now 2"),
-        ({"shuffle": False}, "shuffle: checkpoint True, now False"),
+        ({"seed": 1}, "`seed` 0 in the checkpoint, 1 now"),
+        ({"batch_size": 2}, "`batch_size` 4 in the checkpoint, 2 now"),
+        ({"shuffle": False}, "`shuffle` True in the checkpoint, False now"),
+        ({"num_replicas": 2}, "`num_samples` 22 in the checkpoint, 11 now (`num_samples` is the samples each"),
+        ({"dataset": _dataset(30)}, "`num_samples` 22 in the checkpoint, 30 now"),
     ],
 )
-def test_changed_data_warns_once_and_restarts_the_epoch(changes: dict[str, Any], found: str) -> None:
-    """A state saved for other data (seed, batch size, shuffle) warns once and starts its epoch from the beginning."""
+def test_a_state_of_other_data_is_refused(changes: dict[str, Any], found: str) -> None:
+    """A state saved for other data or settings (seed, batch size, shuffle, the split's size, the number of
+    processes) is refused, saying what differs and how to go on; the loader is left as it was.
+
+    Continued, its epoch would restart from the beginning of its order while the Trainer counts on from the saved
+    batch: some samples trained twice and some not at all, which only a warning said before.
+    """
     state = _take(_loader(), 2)
     state["epoch"] = 1
-    seed, batch_size = changes.get("seed", 0), changes.get("batch_size", BATCH)
-    loader = _loader(seed=seed, batch_size=batch_size)
-    if "shuffle" in changes:
-        loader.sampler.shuffle = changes["shuffle"]
-    with pytest.warns(UserWarning, match="The training data changed since the checkpoint") as record:
+    changes = dict(changes)  # the parameter's own dict stays whole
+    shuffle = changes.pop("shuffle", True)
+    loader = _loader(**changes)
+    loader.sampler.shuffle = shuffle
+    with pytest.raises(InvalidArgumentError, match="saved for other data or settings") as raised:
         loader.load_state_dict(state)
-    messages = [str(w.message) for w in record if "changed since the checkpoint" in str(w.message)]
-    assert len(messages) == 1
-    assert found in messages[0]
-    assert "epoch 1 restarts from the beginning of its order" in messages[0]
-    assert loader.sampler.epoch == 1
+    message = str(raised.value)
+    assert found in message
+    assert "epoch 1 cannot be continued where it stopped (after batch 2)" in message
+    assert "without `ckpt_path`" in message
+    assert "['combined_loader']` set to `{}`" in message
+    assert loader.sampler.epoch == 0
     assert loader.sampler.skip == 0
-    if "shuffle" in changes:
-        assert _ids(loader) == [list(range(i, min(i + BATCH, N))) for i in range(0, N, BATCH)]
-    else:
-        assert _ids(loader) == _reference(seed, 1, batch_size=batch_size)
 
 
 def test_empty_state_is_a_no_op() -> None:
