@@ -19,7 +19,11 @@ range is written once (what is hashed is what is published), a server cannot mak
 read (over HTTP), and a URL's user-info (and an http(s) query) is shown nowhere (:func:`redact_url`).
 
 Credentials and endpoints come from fsspec and its backend alone (``AWS_*`` variables, profiles and instance roles
-for s3fs, ``FSSPEC_<PROTOCOL>_<OPTION>`` variables such as ``FSSPEC_S3_ENDPOINT_URL``); this module holds none.
+for s3fs, ``FSSPEC_<PROTOCOL>_<OPTION>`` variables such as ``FSSPEC_S3_ENDPOINT_URL``); this module holds none. An
+object store's URL holding credentials (``s3://KEY:SECRET@bucket/...``) is refused before any request; an http(s)
+URL may hold them (``https://user:password@host/...``, a signed query), and then every error raised here is raised
+without the backend's error it came from (whose text holds the full URL), and fsspec's HTTP log records are redacted
+while staging or publishing runs (:func:`_keeping_secrets`).
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ import stat
 import tempfile
 import threading
 import time
+import traceback
+import urllib.parse
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -119,6 +125,12 @@ _CREDENTIALS = {
 }
 _CREDENTIALS.update({"s3a": _CREDENTIALS["s3"], "gcs": _CREDENTIALS["gs"]})
 _CREDENTIALS.update({"abfs": _CREDENTIALS["az"], "abfss": _CREDENTIALS["az"]})
+#: the schemes whose URL may name a container before an ``@``: adlfs reads ``abfs://container@account.dfs.core.
+#: windows.net/path``, so there only user-info holding a ``:`` (a key) is refused
+_CONTAINER_SCHEMES = ("az", "abfs", "abfss")
+#: a secret of a URL shorter than this is not looked for in free text (an error, a log record), where it would be found
+#: by chance (``?a=1`` in "line 1"); it is still cut from every URL shown (:func:`redact_url`)
+_SECRET_MIN = 4
 
 
 def is_url(path: str | os.PathLike[str] | None) -> bool:
@@ -160,6 +172,178 @@ def redact_text(text: str) -> str:
     return _URL.sub(redact, text)
 
 
+def _split_query(path: str) -> tuple[str, str]:
+    """An fsspec path (an http(s) URL keeps its scheme) and its query: ``("https://h/db.lmdb", "?token=x")``.
+
+    Only an http(s) URL has one; a fragment is dropped (it is never sent). Any other path is returned whole, with
+    ``""``: fsspec reads ``?`` and ``#`` as part of it.
+    """
+    cut = re.search(r"[?#]", path) if _scheme(path) in _QUERY_SCHEMES else None
+    if cut is None:
+        return path, ""
+    return path[: cut.start()], f"?{path[cut.end() :].partition('#')[0]}" if cut[0] == "?" else ""
+
+
+def _join(path: str, name: str) -> str:
+    """The path of the file ``name`` in the folder ``path``: before its query, over HTTP (``.../db.lmdb/x?token=t``)."""
+    base, query = _split_query(path)
+    return f"{base.rstrip('/')}/{name}{query}"
+
+
+def _secrets(url: str) -> list[str]:
+    """What ``url`` holds that is never shown, longest first.
+
+    Its user-info (whole, the user, the password) and, over HTTP, its query and fragment (whole, each ``key=value`` and
+    each value); each as written and percent-decoded.
+    """
+    found = _SCHEME.match(url)
+    if found is None:
+        return []
+    rest, parts = url[found.end() :], []
+    if found[1].lower() in _QUERY_SCHEMES and (cut := re.search(r"[?#]", rest)) is not None:
+        rest, tail = rest[: cut.start()], rest[cut.end() :]
+        parts.append(tail)
+        for piece in re.split(r"[&;#?]", tail):
+            parts += [piece, piece.partition("=")[2]]
+    info, at, _ = rest.partition("/")[0].rpartition("@")
+    if at:
+        parts += [info, *info.split(":", 1)]
+    found_parts = {text for part in parts for text in (part, urllib.parse.unquote_plus(part)) if text}
+    return sorted(found_parts, key=len, reverse=True)
+
+
+def _scrub(text: str, secrets: list[str]) -> str:
+    """``text`` with every one of ``secrets`` of :data:`_SECRET_MIN` characters or more replaced by ``***``."""
+    for secret in secrets:
+        if len(secret) >= _SECRET_MIN:
+            text = text.replace(secret, "***")
+    return text
+
+
+def _mentions(err: BaseException, secrets: list[str]) -> bool:
+    """Whether ``err``, its chain or its traceback shows one of ``secrets``, or any URL's user-info or http(s) query."""
+    text = "".join(traceback.format_exception(err))
+    return redact_text(text) != text or any(s in text for s in secrets if len(s) >= _SECRET_MIN)
+
+
+class _RedactRecords(logging.Filter):
+    """Redacts the records of fsspec's HTTP file system, which logs every URL it requests at DEBUG level.
+
+    Installed on its logger only while a call of this module with a secret in its URL runs (:func:`_keeping_secrets`):
+    a record's text (its message, its traceback) loses every URL's user-info and http(s) query, and every secret of the
+    URLs of the calls running (a server's reason phrase, in a traceback, can echo a token). It only ever rewrites a
+    record's text: no record is dropped, and a record of another user of fsspec that comes meanwhile loses nothing but
+    secrets.
+    """
+
+    #: the loggers that log a requested URL: fsspec's HTTP file system (``logger.debug(url)``, and the traceback of a
+    #: refused HEAD). Object stores' URLs hold no secret here (user-info is refused), so s3fs's and botocore's
+    #: records need nothing
+    LOGGERS = ("fsspec.http",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._secrets: list[list[str]] = []  # of each call running
+        self._lock = threading.Lock()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        """Rewrite ``record`` without user-info, http(s) query or a secret in its text; keep it."""
+        secrets = [secret for found in list(self._secrets) for secret in found]
+        try:
+            message = record.getMessage()
+        except Exception:  # a record whose arguments do not fit its message: logging reports it, as it would
+            return True
+        clean = _scrub(redact_text(message), secrets)
+        if clean != message:
+            record.msg, record.args = clean, None
+        if record.exc_info:
+            text = record.exc_text or logging.Formatter().formatException(record.exc_info)
+            record.exc_text, record.exc_info = _scrub(redact_text(text), secrets), None  # a handler shows the text
+        return True
+
+    @contextlib.contextmanager
+    def keeping(self, secrets: list[str]) -> Iterator[None]:
+        """Redact the records of :data:`LOGGERS` (``secrets`` among others) while the block runs."""
+        with self._lock:
+            if not self._secrets:
+                for name in self.LOGGERS:
+                    logging.getLogger(name).addFilter(self)
+            self._secrets.append(secrets)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._secrets.remove(secrets)
+                if not self._secrets:
+                    for name in self.LOGGERS:
+                        logging.getLogger(name).removeFilter(self)
+
+
+_REDACT_RECORDS = _RedactRecords()
+
+
+@contextlib.contextmanager
+def _keeping_secrets(url: str, doing: str) -> Iterator[None]:
+    """Keep the secrets of ``url`` out of what a call of this module raises and what fsspec's HTTP file system logs.
+
+    An error of this package is raised without the exception it came from (``__cause__`` and ``__context__`` cleared):
+    a backend's error names the full URL (aiohttp's ``ClientResponseError``: ``url='...?X-Amz-Signature=...'``), and
+    every traceback, ``trainer.fit``'s included, prints the chain. Its message, already redacted, is scrubbed again
+    (a server's reason phrase could echo a token). Any other error showing a secret becomes the one-line
+    :class:`RemoteStorageError` of what was being done (``doing``). A URL without secrets changes nothing.
+    """
+    secrets = _secrets(url)
+    if not secrets:
+        yield
+        return
+    with _REDACT_RECORDS.keeping(secrets):
+        try:
+            try:
+                yield
+            except FastDataError:
+                raise
+            except Exception as err:
+                if not _mentions(err, secrets):
+                    raise
+                raise _remote_error(err, url, doing) from None
+        except FastDataError as err:
+            err.__cause__ = err.__context__ = None  # `raise` below re-raises it as it is: no new context
+            err.__suppress_context__ = True
+            err.args = tuple(_scrub(arg, secrets) if isinstance(arg, str) else arg for arg in err.args)
+            raise
+
+
+def _refuse_credentials(url: str, argument: str) -> None:
+    """Refuse an object store's URL holding credentials (``s3://KEY:SECRET@bucket/...``), before any request.
+
+    s3fs, gcsfs and adlfs read no credentials from a URL (s3fs takes ``KEY:SECRET@bucket`` for a bucket name, and
+    botocore's error then prints it); a secret in a URL ends up in shell histories, job scripts, process lists and
+    logs. An Azure URL's container before the ``@`` (``abfs://container@account.dfs.core.windows.net/...``) is kept.
+
+    Raises:
+        RemoteStorageError: the URL holds user-info; the message shows it as ``***`` and says where credentials go.
+
+    """
+    scheme, found = _scheme(url), _SCHEME.match(url)
+    if scheme not in _CREDENTIALS or found is None:
+        return
+    info, at, _ = url[found.end() :].partition("/")[0].rpartition("@")
+    if not at or (scheme in _CONTAINER_SCHEMES and ":" not in info):
+        return
+    shown = f"{url[: found.end()]}***@{redact_url(url)[found.end() :]}"
+    container = (
+        " (a container may come before the '@' without a ':': az://container@account.dfs.core.windows.net/path)"
+        if scheme in _CONTAINER_SCHEMES
+        else ""
+    )
+    raise RemoteStorageError(
+        f"`{argument}` {shown!r} holds credentials before its '@', which {scheme}:// URLs do not take{container};"
+        f" nothing was read. Remove them from the URL and set {_CREDENTIALS[scheme]} instead (or fsspec's"
+        f" FSSPEC_{scheme.upper()}_<OPTION> variables): a secret in a URL ends up in shell histories, job scripts,"
+        " process lists and logs."
+    )
+
+
 def check_local(path: str | os.PathLike[str] | None, argument: str, why: str) -> None:
     """Refuse a URL where a local path is needed.
 
@@ -180,10 +364,14 @@ def _scheme(url: str) -> str:
 def filesystem(url: str, argument: str = "data_dir") -> tuple[AbstractFileSystem, str]:
     """The fsspec file system of ``url`` and the path in it (no trailing slash); makes no request.
 
+    Over HTTP the path is the URL, with its query: a file's path in it is :func:`_join`'s, the name before the query.
+
     Raises:
-        RemoteStorageError: fsspec, or the backend of the URL's scheme, is not installed, or the scheme is unknown.
+        RemoteStorageError: fsspec, or the backend of the URL's scheme, is not installed, or the scheme is unknown; or
+            an object store's URL holds credentials (:func:`_refuse_credentials`).
 
     """
+    _refuse_credentials(url, argument)
     scheme, shown = _scheme(url), redact_url(url)
     backend = _BACKENDS.get(scheme)
     install = "pip install 'lightning-fastdata[remote]'" + (f" {backend}" if backend not in (None, "s3fs") else "")
@@ -202,7 +390,8 @@ def filesystem(url: str, argument: str = "data_dir") -> tuple[AbstractFileSystem
             f"`{argument}` {shown!r}: fsspec cannot open {scheme}:// URLs ({redact_text(str(err))}). Pass an s3://,"
             " gs://, az://, https:// or file:// URL, or a local path."
         ) from None
-    return fs, path.rstrip("/")
+    base, query = _split_query(path)  # over HTTP the path is the URL: its query (a token) goes after each file name
+    return fs, base.rstrip("/") + query
 
 
 def staged_path(url: str, root: Path) -> Path:
@@ -230,12 +419,17 @@ def _remote_error(err: BaseException, url: str, doing: str) -> RemoteStorageErro
     :func:`redact_text`).
     """
     scheme, url = _scheme(url), redact_url(url)
+    if isinstance(err, FileNotFoundError) and getattr(err.__cause__, "status", None) in (401, 403):
+        err = err.__cause__  # fsspec's HTTP file system reports a size it was refused (a HEAD's 403) as not found
     names = {cls.__name__ for cls in type(err).__mro__}
     detail = redact_text(str(err).strip().splitlines()[0]) if str(err).strip() else type(err).__name__
     where = _CREDENTIALS.get(scheme, "the credentials your fsspec backend reads")
+    if scheme in _QUERY_SCHEMES:  # what a server of signed URLs refuses: an expired or wrong signature, or password
+        where = "the user-info or the signed query of the URL, which may have expired"
     if names & {"NoCredentialsError", "PartialCredentialsError", "DefaultCredentialsError"}:
         return RemoteStorageError(f"no credentials found for {url!r} while {doing} it ({detail}). Set {where}.")
-    if isinstance(err, PermissionError) or "AccessDenied" in detail or "Forbidden" in detail:
+    refused = getattr(err, "status", None) in (401, 403)  # aiohttp's ClientResponseError
+    if refused or isinstance(err, PermissionError) or "AccessDenied" in detail or "Forbidden" in detail:
         return RemoteStorageError(
             f"access to {url!r} was denied while {doing} it ({detail}). Check the credentials ({where}) and that they"
             " may read (and, to publish, write) this bucket."
@@ -264,7 +458,7 @@ def _remote(url: str, doing: str) -> Iterator[None]:
 def _missing_marker(fs: AbstractFileSystem, path: str, shown: str) -> RemoteStorageError:
     """Why ``shown`` (the URL, redacted) has no marker: an unfinished upload, a missing bucket, or nothing there."""
     with _remote(shown, "reading"):
-        if fs.exists(f"{path}/{DATA_FILE}"):
+        if fs.exists(_join(path, DATA_FILE)):
             return RemoteStorageError(
                 f"{shown!r} holds {DATA_FILE} but no {MARKER}, the marker uploaded last: an upload is under way or was"
                 f" interrupted, so it is not read. Publish it again with `lightning-fastdata convert SRC {shown}`."
@@ -325,10 +519,10 @@ def _read_marker(fs: AbstractFileSystem, path: str, shown: str) -> dict[str, Any
     with _remote(shown, "reading"):
         try:
             if _reads_http(fs):
-                with _HttpReply(fs, f"{path}/{MARKER}", 0, MARKER_LIMIT + 1) as reply:
+                with _HttpReply(fs, _join(path, MARKER), 0, MARKER_LIMIT + 1) as reply:
                     raw: bytes | None = bytes(reply.read(MARKER_LIMIT + 1))
             else:
-                raw = fs.cat_file(f"{path}/{MARKER}", start=0, end=MARKER_LIMIT + 1)
+                raw = fs.cat_file(_join(path, MARKER), start=0, end=MARKER_LIMIT + 1)
         except FileNotFoundError:
             raw = None
     if raw is None:
@@ -467,7 +661,9 @@ def stage(
     What a bucket says is checked before it is used: the marker may name only the files a publication holds, every
     staged file has the SHA-256 the marker lists (a file that does not is fetched again once, then refused), and the
     copy is opened before it is returned; a copy staged earlier that no longer opens is thrown away and staged again,
-    once, with a warning. Errors and logs show ``url`` without its user-info and an http(s) query (:func:`redact_url`).
+    once, with a warning. Errors and logs show ``url`` without its user-info and an http(s) query (:func:`redact_url`),
+    and an error is raised without the backend's error it came from when ``url`` holds either
+    (:func:`_keeping_secrets`). An http(s) query (a signature, a token) is sent with every file's request.
 
     Args:
         url: an fsspec URL of a database published by ``lightning-fastdata convert SRC URL``.
@@ -480,9 +676,10 @@ def stage(
         The :class:`StagedDatabase`: its local path, and what was done.
 
     Raises:
-        RemoteStorageError: a missing backend, bucket, object or marker, missing credentials, a network failure, a
-            marker naming a file a publication never holds, a file that does not match its marker twice, or a
-            publication that matches its marker but does not open. Nothing is published in the cache then.
+        RemoteStorageError: a missing backend, bucket, object or marker, missing credentials (or credentials in an
+            object store's URL), a network failure, a marker naming a file a publication never holds, a file that does
+            not match its marker twice, or a publication that matches its marker but does not open. Nothing is
+            published in the cache then.
         DestinationError: ``root`` is read-only (:class:`~lightning_fastdata.errors.ReadOnlyDestinationError`), has
             no file locks, or holds another user's lock file, and holds no staged copy of this publication; its disk
             has less free space than is left to fetch; or it holds a symbolic link, or another user's file or staged
@@ -490,6 +687,12 @@ def stage(
         DatasetFormatError: the copy in a read-only ``root`` does not open (it cannot be staged again there).
 
     """
+    with _keeping_secrets(url, "staging"):
+        return _stage(url, root, progress, argument, check)
+
+
+def _stage(url: str, root: str | os.PathLike[str], progress: bool, argument: str, check: bool) -> StagedDatabase:
+    """:func:`stage`, whose errors may name the URL's secrets in their chain: :func:`_keeping_secrets` clears it."""
     from lightning_fastdata.store.writer import (
         _fsync_dir,
         _publish,
@@ -563,8 +766,8 @@ def _etag(info: dict[str, Any]) -> str | None:
 def _check_source(fs: AbstractFileSystem, path: str, shown: str, name: str, want: dict[str, Any]) -> None:
     """Check that the object ``name`` is the one the marker lists: its size, and its ETag where both have one."""
     with _remote(shown, "reading"):
-        fs.invalidate_cache(f"{path}/{name}")
-        info = fs.info(f"{path}/{name}")
+        fs.invalidate_cache(_join(path, name))
+        info = fs.info(_join(path, name))
     etag = _etag(info)
     if info.get("size") != want["size"] or (etag and want.get("etag") and etag != want["etag"]):
         raise RemoteStorageError(
@@ -724,7 +927,7 @@ def _fetch_files(
             with lock:
                 if start in claimed[name] or name in whole:  # written, or coming, from a whole file the server sent
                     return 0
-            with reader.open(f"{path}/{name}", start, end, files[name]["size"]) as reply:
+            with reader.open(_join(path, name), start, end, files[name]["size"]) as reply:
                 if reply.whole:
                     return take_whole(name, reply)
                 data = reply.read(end - start + 1)  # one byte more than asked tells a longer reply, unread
@@ -984,7 +1187,8 @@ class _HttpReply(_Reply):
         found = re.match(r"bytes (\d+)-", self._response.headers.get("Content-Range", ""))
         if not self.whole and found is not None and int(found[1]) != start:
             self.close()
-            raise _BadReply(f"answered a read from byte {start} of {url.rsplit('/', 1)[-1]} with bytes from {found[1]}")
+            name = redact_url(url).rsplit("/", 1)[-1]  # without the query
+            raise _BadReply(f"answered a read from byte {start} of {name} with bytes from {found[1]}")
 
     async def _get(self, url: str, start: int, end: int) -> Any:
         session = await self._fs.set_session()
@@ -1071,6 +1275,12 @@ def check_destination(url: str) -> set[str]:
         RemoteStorageError: a missing backend, missing credentials, or a network failure.
 
     """
+    with _keeping_secrets(url, "publishing to"):
+        return _check_destination(url)
+
+
+def _check_destination(url: str) -> set[str]:
+    """:func:`check_destination`, whose errors may name the URL's secrets in their chain."""
     fs, path = filesystem(url, "dst")
     url = redact_url(url)  # from here on only shown
     with _remote(url, "publishing to"):
@@ -1105,7 +1315,8 @@ def publish(database: str | os.PathLike[str], url: str, progress: bool = True) -
 
     Raises:
         DestinationError: ``url`` holds objects that are not a published database's.
-        RemoteStorageError: a missing backend or bucket, missing credentials, or a network failure.
+        RemoteStorageError: a missing backend or bucket, missing credentials (or credentials in an object store's URL),
+            or a network failure.
 
     """
     return publish_database(database, url, progress)[0]
@@ -1130,7 +1341,7 @@ def _holds(
         want = listed[name]
         if want.get("size") != size or want.get("sha256") != sha256[name] or not want.get("etag"):
             return False
-        info = fs.info(f"{path}/{name}")
+        info = fs.info(_join(path, name))
         if info.get("size") != size or _etag(info) != want["etag"]:
             return False
     return True
@@ -1144,8 +1355,16 @@ def publish_database(
     ``destination``: what the uploaded conversion report names as the database's ``destination`` (the URL without
     user-info and query, where the local report names the local folder); the local files stay as they are.
     """
+    with _keeping_secrets(url, "publishing to"):
+        return _publish_database(database, url, progress, destination)
+
+
+def _publish_database(
+    database: str | os.PathLike[str], url: str, progress: bool, destination: str | None
+) -> tuple[dict[str, Any], bool]:
+    """:func:`publish_database`, whose errors may name the URL's secrets in their chain."""
     fs, path = filesystem(url, "dst")
-    held = check_destination(url)
+    held = _check_destination(url)
     destination = None if destination is None else redact_url(destination)
     try:
         snapshot: Any = tempfile.TemporaryDirectory(prefix=".publish-", dir=Path(database).parent)
@@ -1202,17 +1421,17 @@ def _publish_files(
                 log.info("%s already holds this database (the same files, published %s): nothing uploaded", shown,
                          old.get("published"))  # fmt: skip
                 return old, False
-            fs.rm_file(f"{path}/{MARKER}")  # from here on the old publication is not readable
+            fs.rm_file(_join(path, MARKER))  # from here on the old publication is not readable
         fs.makedirs(path, exist_ok=True)  # a folder for file:// (object stores have none to make)
         published: dict[str, dict[str, Any]] = {}
         for name in names:
             kwargs = {"desc": f"uploading {name}", "unit": "B", "unit_scale": True, "disable": not progress}
             if name in contents:
-                fs.pipe_file(f"{path}/{name}", contents[name])
+                fs.pipe_file(_join(path, name), contents[name])
             else:
-                fs.put_file(str(local / name), f"{path}/{name}", callback=TqdmCallback(tqdm_kwargs=kwargs))
-            fs.invalidate_cache(f"{path}/{name}")
-            etag = _etag(fs.info(f"{path}/{name}"))
+                fs.put_file(str(local / name), _join(path, name), callback=TqdmCallback(tqdm_kwargs=kwargs))
+            fs.invalidate_cache(_join(path, name))
+            etag = _etag(fs.info(_join(path, name)))
             published[name] = {"size": sizes[name], "sha256": sha256[name], **({"etag": etag} if etag else {})}
         marker = {
             "format_version": 1,
@@ -1220,5 +1439,5 @@ def _publish_files(
             "published": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "files": published,
         }
-        fs.pipe_file(f"{path}/{MARKER}", json.dumps(marker, sort_keys=True).encode())
+        fs.pipe_file(_join(path, MARKER), json.dumps(marker, sort_keys=True).encode())
     return marker, True
