@@ -41,7 +41,16 @@ from lightning_fastdata.store.format import (
 )
 from lightning_fastdata.store.summary import human_bytes
 from lightning_fastdata.store.targets import TargetSpec
-from lightning_fastdata.store.writer import _read_only_error, _target_lock, clean_stale_conversions, stale_conversions
+from lightning_fastdata.store.writer import (
+    _foreign,
+    _open_own,
+    _read_only_error,
+    _read_small,
+    _target_lock,
+    _write_own,
+    clean_stale_conversions,
+    stale_conversions,
+)
 
 try:  # shared locks held by readers, an exclusive one taken by a removal (POSIX only)
     import fcntl
@@ -52,6 +61,11 @@ log = logging.getLogger(__name__)
 
 #: the settings a DataModule's conversion is keyed by, as stored under ``encoding`` in a database's metadata
 SETTINGS = ("short_side", "quality", "encoding", "keep_original")
+
+#: the most bytes read of a JSON file in the cache (a conversion report, a staged copy's record, the registry): a
+#: report lists every skipped and ignored file, some 100 bytes each; a larger file is not read (a report: the
+#: metadata is read from the database itself)
+MAX_JSON_BYTES = 64 << 20
 
 
 def cache_root(cache_dir: str | os.PathLike[str] | None = None) -> Path:
@@ -117,23 +131,50 @@ def record_use(database: str | os.PathLike[str], root: str | os.PathLike[str] | 
     try:
         held = _HELD.get(str(path))
         if held is None or held.closed:
-            held = open(path, "ab")  # noqa: SIM115 - held for this process's lifetime, like the LMDB environment
+            held = _open_use_file(path)  # held for this process's lifetime, like the LMDB environment
             if fcntl is not None:  # waits only while a removal (or `cache list`'s probe) holds it exclusively
                 fcntl.flock(held, fcntl.LOCK_SH)
             _HELD[str(path)] = held
-        os.utime(path)
+        os.utime(held.fileno() if os.utime in os.supports_fd else path)  # the file held, not where a link points
     except OSError as err:
         log.debug("cannot record the use of %s in %s: %s", database, path, err)
+    except DestinationError as err:  # the data is read; its use is not recorded
+        # another user's use file (a cache folder shared by users) is theirs, as before; a link, a hard link or a
+        # folder there no reader of this package made: said
+        with contextlib.suppress(OSError):
+            found = os.lstat(path)
+            if _foreign(found) == f"owned by another user (uid {found.st_uid})":
+                log.debug("cannot record the use of %s: %s", database, err)
+                return
+        log.warning("cannot record the use of %s: %s", database, err)
+
+
+def _open_use_file(path: Path) -> IO[bytes]:
+    """The use file ``path`` opened to append (made if missing), only as this user's own regular file, never a link.
+
+    Raises:
+        DestinationError: ``path`` is a symbolic link (a dangling one would make a file wherever it points), a hard
+            link, not a regular file, or another user's file.
+        OSError: it cannot be opened (a read-only cache).
+
+    """
+    return os.fdopen(_open_own(path, os.O_WRONLY | os.O_APPEND), "ab")
 
 
 @contextlib.contextmanager
 def _no_readers(database: Path) -> Iterator[bool]:
-    """Hold the use file of ``database`` exclusively while the block runs; yields whether no process reads it."""
+    """Hold the use file of ``database`` exclusively while the block runs; yields whether no process reads it.
+
+    Raises:
+        DestinationError: the use file is a symbolic link, a hard link, not a regular file, or another user's: it is
+            never written or locked through, so whether a process reads ``database`` cannot be known.
+
+    """
     if fcntl is None:  # pragma: no cover - Windows: readers cannot be known
         yield True
         return
     try:
-        fh = open(use_path(database), "ab")  # noqa: SIM115 - closed below
+        fh = _open_use_file(use_path(database))  # closed below; a planted file is refused: whether one reads is unknown
     except OSError:
         yield True  # a read-only cache folder: no reader could have recorded itself there
         return
@@ -150,11 +191,17 @@ def _no_readers(database: Path) -> Iterator[bool]:
 
 
 def in_use(database: Path) -> bool:
-    """Whether a live process reads ``database`` (holds the shared lock :func:`record_use` takes)."""
+    """Whether a live process reads ``database`` (holds the shared lock :func:`record_use` takes).
+
+    ``False`` when its use file is a link, a hard link or another user's: :func:`record_use` locks no such file.
+    """
     if not use_path(database).exists():
         return False
-    with _no_readers(database) as free:
-        return not free
+    try:
+        with _no_readers(database) as free:
+            return not free
+    except DestinationError:
+        return False
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -220,25 +267,55 @@ def conversion_meta(database: Path) -> dict[str, Any] | None:
     """The metadata of the complete conversion at ``database``; ``None`` if there is none or it cannot be read.
 
     Read from the conversion report written beside the records (plain JSON, no LMDB open and no page walk), else
-    from the database itself.
+    from the database itself. Either is validated as the reader validates a database's (:func:`_report_meta`), so a
+    caller may take ``meta["source"]["path"]``, ``meta["encoding"]`` and the splits' lengths as the writer wrote them.
     """
     if not (database / _format.DATA_FILE).is_file():
         return None
-    with contextlib.suppress(OSError, UnicodeDecodeError, ValueError):
-        meta = _format.parse_json((database / _format.REPORT_FILE).read_text()).get("meta")
-        if isinstance(meta, dict) and meta.get("complete") is True:
-            return meta
+    meta = _report_meta(database)
+    if meta is not None:
+        return meta
     try:
-        return _format.read_meta(database)
+        meta = _format.read_meta(database)
     except (DatasetFormatError, OSError):
         return None
+    return meta if _source_path(meta) is not None else None
+
+
+def _report_meta(database: Path) -> dict[str, Any] | None:
+    """The metadata in the conversion report of ``database``, if it is of the shapes the writer writes; else ``None``.
+
+    The report is read without following a link and only up to :data:`MAX_JSON_BYTES`; its metadata must pass the
+    checks of a database's (:func:`~lightning_fastdata.store.format.load_meta`: its version, complete, classes,
+    splits, encoding, source and targets), name its source's path, and claim no more records than ``data.mdb`` holds.
+    Any other report (planted, damaged, or of another version) is not read: the database itself is.
+    """
+    raw = _read_small(database / _format.REPORT_FILE, MAX_JSON_BYTES)
+    if raw is None:
+        return None
+    try:
+        report = _format.parse_json(raw)
+        meta = report.get("meta") if isinstance(report, dict) else None
+        if not isinstance(meta, dict):
+            return None
+        checked = _format.load_meta(json.dumps(meta).encode(), database)
+        _format._check_fits(checked, database, (database / _format.DATA_FILE).stat().st_size)
+    except (DatasetFormatError, OSError, ValueError):
+        return None
+    return checked if _source_path(checked) is not None else None
+
+
+def _source_path(meta: Mapping[str, Any]) -> str | None:
+    """The source path a conversion's metadata names (``meta["source"]`` is an object: validated), if it is text."""
+    path = meta.get("source", {}).get("path")
+    return path if isinstance(path, str) else None
 
 
 def _last_use(database: Path) -> float:
     times = []
     for path in (use_path(database), database / "data.mdb"):
         with contextlib.suppress(OSError):
-            times.append(path.stat().st_mtime)
+            times.append(os.lstat(path).st_mtime)  # a link's own time, not that of the file it names
     return max(times, default=0.0)
 
 
@@ -259,7 +336,7 @@ def _entry(database: Path, key: str, partial: bool) -> CachedConversion:
     return CachedConversion(
         path=database,
         key=key,
-        source=(meta or {}).get("source", {}).get("path"),
+        source=None if meta is None else _source_path(meta),
         settings={name: encoding[name] for name in SETTINGS if name in encoding},
         size=_disk_size(database),
         last_used=_last_use(database),
@@ -288,8 +365,9 @@ def _staged_from(database: Path) -> str | None:
     """
     from lightning_fastdata.store.remote import redact_url
 
-    with contextlib.suppress(OSError, UnicodeDecodeError, ValueError, AttributeError):
-        url = _format.parse_json((database / STAGED_RECORD).read_text()).get("url")
+    with contextlib.suppress(ValueError):
+        record = _format.parse_json(_read_small(database / STAGED_RECORD, MAX_JSON_BYTES) or b"null")
+        url = record.get("url") if isinstance(record, dict) else None
         return redact_url(url) if isinstance(url, str) else None
     return None
 
@@ -366,6 +444,13 @@ def _remove(database: Path) -> int:
                     )
                 size = _disk_size(database)
                 working = partial_path(database)
+                with contextlib.suppress(FileNotFoundError):
+                    what = _foreign(os.lstat(working), directory=True)
+                    if what is not None:  # a link or a file there: renaming the database over it would fail midway
+                        raise DestinationError(
+                            f"{str(working)!r} is {what}, where removing {database.name} renames it first; nothing"
+                            " was removed. Remove it, and check who else can write to the cache folder."
+                        )
                 shutil.rmtree(working, ignore_errors=True)
                 os.replace(database, working)
                 shutil.rmtree(working)
@@ -500,9 +585,10 @@ _MAX_ELSEWHERE = 20
 
 def _read_elsewhere(root: Path) -> dict[str, list[str]]:
     """The registry in ``root``, keeping only entries of the right shapes; empty if it is missing or damaged."""
+    raw = _read_small(root / ELSEWHERE_FILE, MAX_JSON_BYTES)
     try:
-        data = _format.parse_json((root / ELSEWHERE_FILE).read_bytes())
-    except (OSError, ValueError):
+        data = _format.parse_json(raw) if raw is not None else None
+    except ValueError:
         return {}
     if not isinstance(data, dict):
         return {}
@@ -530,9 +616,9 @@ def record_elsewhere(source: Path, database: Path, cache_dir: str | os.PathLike[
         registry[str(source)] = [*kept, str(database)][-_MAX_ELSEWHERE:]
         root.mkdir(parents=True, exist_ok=True)
         tmp = root / f".{ELSEWHERE_FILE}.{os.getpid()}.tmp"
-        tmp.write_text(json.dumps(registry, indent=1))
+        _write_own(tmp, json.dumps(registry, indent=1).encode())  # never through a link planted at that name
         os.replace(tmp, root / ELSEWHERE_FILE)
-    except OSError as err:
+    except (OSError, DestinationError) as err:
         log.debug("cannot record the conversion of %s into %s in %s: %s", source, database, root, err)
 
 

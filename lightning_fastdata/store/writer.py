@@ -84,6 +84,8 @@ _REUSABLE_PAGES = 64
 _MAX_PAGE = 1 << 15
 #: beside ``data.mdb``: LMDB's ``lock.mdb`` (8 KiB) and the conversion report
 _OTHER_FILES = 64 << 10
+#: the files LMDB makes in a database folder it writes
+_LMDB_FILES = (DATA_FILE, "lock.mdb")
 
 
 class _PageBound:
@@ -185,6 +187,7 @@ class _LmdbWriter:
     def __init__(self, path: Path, map_size: int, bound: _PageBound | None = None) -> None:
         self.path = path
         self.map_size = map_size
+        _check_fresh(path, _LMDB_FILES)  # LMDB opens (and writes) its files through links: none may be planted
         self.env = lmdb.open(str(path), map_size=map_size, subdir=True, readahead=False, meminit=False, sync=False)
         self.bound = bound if bound is not None else _PageBound(self.env.stat()["psize"])
         self._pending: list[tuple[bytes, bytes]] = []
@@ -266,7 +269,7 @@ def _target_lock(dst: Path, wait: bool = True) -> Iterator[OSError | None]:
 
     Raises:
         BlockingIOError: ``wait`` is false and another process holds the lock.
-        DestinationError: the lock file is a symbolic link or not a regular file.
+        DestinationError: the lock file is a symbolic link, a hard link or not a regular file.
 
     """
     if fcntl is None:  # pragma: no cover - Windows
@@ -357,15 +360,17 @@ def _open_own(path: Path, flags: int, folder: int | None = None) -> int:
     """``os.open`` of ``path``, created if missing, only as a regular file of this user's, never through a link.
 
     ``O_NOFOLLOW`` refuses a symbolic link planted at ``path`` (a lock file or a staged file pointing at another file,
-    which opening would truncate and write); ``folder``: a descriptor of the folder ``path`` is in, opened without
-    following links either.
+    which opening would truncate and write), and the check of the file opened a hard link (another name of a file
+    elsewhere); ``folder``: a descriptor of the folder ``path`` is in, opened without following links either. Pass
+    no ``O_TRUNC``: it would empty a refused file on open. Truncate once this returns.
 
     Raises:
-        DestinationError: ``path`` is a symbolic link, not a regular file, or another user's file.
+        DestinationError: ``path`` is a symbolic link, a hard link, not a regular file, or another user's file.
         OSError: what ``os.open`` raises otherwise (a read-only folder: EROFS, EACCES).
 
     """
-    flags |= os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    # O_NONBLOCK: a FIFO planted there is refused at once, where a write-only open would wait for a reader
+    flags |= os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0)
     try:
         fd = os.open(path.name if folder is not None else path, flags, 0o644, dir_fd=folder)
     except OSError:
@@ -378,6 +383,8 @@ def _open_own(path: Path, flags: int, folder: int | None = None) -> int:
     if refused is not None:
         os.close(fd)
         raise refused
+    if hasattr(os, "O_NONBLOCK"):
+        os.set_blocking(fd, True)  # a regular file of this user's: as opened without O_NONBLOCK
     return fd
 
 
@@ -395,8 +402,10 @@ def _not_own(path: Path, found: os.stat_result, directory: bool = False) -> Dest
 def _foreign(found: os.stat_result, directory: bool = False) -> str | None:
     """What ``found`` (an ``lstat``) is, where a regular file (``directory``: a folder) of this user's should be.
 
-    ``None`` when it is one; else ``"a symbolic link"``, ``"not a folder"``, ``"not a regular file"`` or ``"owned by
-    another user (uid N)"``.
+    ``None`` when it is one; else ``"a symbolic link"``, ``"not a folder"``, ``"not a regular file"``, ``"owned by
+    another user (uid N)"`` or, for a file, ``"a hard link (N links)"``: a second name of another file (``ln victim
+    .DST.lock``), which writing this one would overwrite. This package never links a file it writes (a publish links
+    only a finished database's files, which nothing writes again), so a file of its own has one name.
     """
     if stat.S_ISLNK(found.st_mode):
         return "a symbolic link"
@@ -404,7 +413,91 @@ def _foreign(found: os.stat_result, directory: bool = False) -> str | None:
         return "not a folder" if directory else "not a regular file"
     if hasattr(os, "geteuid") and found.st_uid != os.geteuid():
         return f"owned by another user (uid {found.st_uid})"
+    if not directory and found.st_nlink > 1:  # a folder's link count is its subfolders': no sign of anything
+        return f"a hard link ({found.st_nlink} links)"
     return None
+
+
+def _write_own(path: Path, data: bytes) -> None:
+    """Write ``data`` as the whole of ``path``, a regular file of this user's (:func:`_open_own`), made if missing.
+
+    Truncated only once it passed the check: ``O_TRUNC`` would empty a planted link's or hard link's file on open.
+
+    Raises:
+        DestinationError: ``path`` is a symbolic link, a hard link, not a regular file, or another user's.
+        OSError: the file cannot be opened or written.
+
+    """
+    fd = _open_own(path, os.O_WRONLY)
+    with os.fdopen(fd, "wb") as fh:
+        fh.truncate(0)
+        fh.write(data)
+
+
+def _check_fresh(folder: Path, names: tuple[str, ...]) -> None:
+    """Refuse to let another program (LMDB) open ``names`` in ``folder`` unless each is missing or this user's own.
+
+    ``folder`` must be a folder of this user's, not a link; a file there that is a symbolic link, a hard link or
+    another user's would be opened and written through by LMDB, which follows links.
+
+    Raises:
+        DestinationError: ``folder`` or one of the files is not this package's own.
+
+    """
+    refused = _not_own(folder, os.lstat(folder), directory=True)
+    for name in names:
+        if refused is not None:
+            break
+        with contextlib.suppress(FileNotFoundError):
+            refused = _not_own(folder / name, os.lstat(folder / name))
+    if refused is not None:
+        raise refused
+
+
+def _fresh_working_copy(tmp: Path) -> None:
+    """Make the working copy ``tmp`` (``.DST.partial``) an empty folder of this user's, removing a dead conversion's.
+
+    Raises:
+        DestinationError: ``tmp`` is a symbolic link, not a folder, or another user's (planted: nothing is removed,
+            followed or written through it), or what a dead conversion left there cannot be removed.
+
+    """
+    try:
+        found: os.stat_result | None = os.lstat(tmp)
+    except FileNotFoundError:
+        found = None
+    if found is not None:
+        refused = _not_own(tmp, found, directory=True)
+        if refused is not None:
+            raise refused
+        log.info("removing %s (%s), left by an interrupted conversion", tmp, human_bytes(_dir_size(tmp)))
+        shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir()
+    except FileExistsError:  # what rmtree could not remove, or something made there meanwhile
+        raise DestinationError(
+            f"{str(tmp)!r}, the working copy of an interrupted conversion, could not be removed; nothing was"
+            " written. Remove it (check its permissions), then run the conversion again."
+        ) from None
+    _check_fresh(tmp, ())
+
+
+def _remove_aside(old: Path) -> None:
+    """Remove ``old`` (``.DST.old``, a database a publish moved aside), unless it is not this user's own folder.
+
+    Raises:
+        DestinationError: ``old`` is a symbolic link, not a folder, or another user's: planted, it is never removed,
+            followed or renamed over.
+
+    """
+    try:
+        found = os.lstat(old)
+    except FileNotFoundError:
+        return
+    refused = _not_own(old, found, directory=True)
+    if refused is not None:
+        raise refused
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -539,39 +632,100 @@ def stale_conversions(folder: str | os.PathLike[str]) -> list[Path]:
     """What interrupted conversions left in ``folder``: working copies and lock files that no running converter holds.
 
     Each ``.NAME.partial`` (an unfinished database), ``.NAME.old`` (a replaced one) and ``.NAME.lock`` whose lock is
-    not held by a live converter is listed; those of a conversion under way are not.
+    not held by a live converter is listed; those of a conversion under way are not. Only this user's own folders are
+    listed, and lock files that are regular files of one name: a link, a hard link or another user's folder under
+    such a name was not left by this user's conversion, and is never removed or restored (see
+    :func:`clean_stale_conversions`).
+    """
+    return _leftovers(folder)[0]
+
+
+def _leftovers(folder: str | os.PathLike[str]) -> tuple[list[Path], list[tuple[Path, str]]]:
+    """:func:`stale_conversions`, and what stands under a leftover's name but is not this user's own, with what it is.
+
+    The latter are those that, followed, look like a leftover (:func:`_looks_ours`): a link to a database named
+    ``.NAME.old``, say, which restoring would make ``NAME`` a link to data this user never converted.
     """
     root = Path(folder).expanduser().absolute()
     try:
         names = sorted(e.name for e in os.scandir(root) if e.name.startswith("."))
     except (FileNotFoundError, NotADirectoryError):
-        return []
-    stale = []
+        return [], []
+    stale, foreign = [], []
     for name in names:
         for suffix in (".partial", ".old", ".lock"):
             if name.endswith(suffix) and len(name) > len(suffix) + 1:
                 path, target = root / name, root / name[1 : -len(suffix)]
-                if _is_ours(path, target) and converter_of(target) is None:
+                what = _not_left_by_us(path)
+                if what is not None:
+                    if _looks_ours(path, target):
+                        foreign.append((path, what))
+                elif _looks_ours(path, target) and converter_of(target) is None:
                     stale.append(path)
-    return stale
+    return stale, foreign
 
 
-def _is_ours(path: Path, target: Path) -> bool:
-    """Whether ``path`` (``.NAME.partial``, ``.NAME.old`` or ``.NAME.lock``) was left by a conversion.
+def _not_left_by_us(path: Path) -> str | None:
+    """What ``path`` (a leftover's name) is when no conversion of this user's left it (:func:`_foreign`), else ``None``.
+
+    A lock file that is a regular file of one name passes whoever owns it: taking its lock says whose it is.
+    """
+    try:
+        found = os.lstat(path)
+    except OSError:
+        return None  # gone meanwhile: nothing to say of it (nor does it look like a leftover any longer)
+    if path.suffix == ".lock" and stat.S_ISREG(found.st_mode) and found.st_nlink == 1:
+        return None
+    return _foreign(found, directory=path.suffix != ".lock")
+
+
+def _looks_ours(path: Path, target: Path) -> bool:
+    """Whether ``path`` (``.NAME.partial``, ``.NAME.old`` or ``.NAME.lock``), followed, looks left by a conversion.
 
     Not another program's: a database folder (or a working copy not yet started), or a lock file beside one or
-    holding a converter's record.
+    holding a converter's record. Whether it is this user's own is :func:`_not_left_by_us`'s to say.
     """
     if path.suffix == ".lock":
         if not path.is_file():
             return False
         if (target / DATA_FILE).is_file() or partial_path(target).is_dir():
             return True
-        with contextlib.suppress(OSError, UnicodeDecodeError, ValueError):
-            record = parse_json(path.read_text() or "null")
+        with contextlib.suppress(UnicodeDecodeError, ValueError):
+            record = parse_json(_read_small(path, 4096) or b"null")  # a converter's record is some 100 bytes
             return isinstance(record, dict) and "pid" in record and "host" in record
         return False
     return path.is_dir() and ((path / DATA_FILE).is_file() or _staging(path) or not any(path.iterdir()))
+
+
+def _read_small(path: Path, limit: int) -> bytes | None:
+    """The bytes of the regular file ``path``, read without following a link; ``None`` if it has over ``limit``.
+
+    ``None`` too when ``path`` is missing, a link or not a regular file (a FIFO is opened without waiting for a
+    writer, then refused), or cannot be read: what is read is never more than ``limit`` bytes, whatever the file
+    says of its size.
+    """
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError:
+        return None
+    try:
+        found = os.fstat(fd)
+        if not stat.S_ISREG(found.st_mode) or found.st_size > limit:  # a folder too: it opens read-only
+            return None
+        chunks: list[bytes] = []
+        size = 0
+        while size <= limit:
+            chunk = os.read(fd, limit + 1 - size)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return b"".join(chunks) if size <= limit else None
 
 
 def _staging(path: Path) -> bool:
@@ -584,7 +738,8 @@ def clean_stale_conversions(folder: str | os.PathLike[str]) -> list[str]:
 
     A ``.NAME.old`` whose database ``NAME`` is missing (a conversion died while replacing it) is put back as
     ``NAME`` rather than removed. Each ``NAME``'s leftovers are removed while holding its conversion lock, so a
-    conversion that starts meanwhile is never touched.
+    conversion that starts meanwhile is never touched. A link, a hard link or another user's folder under a
+    leftover's name is left as it is, and named in a line of its own.
 
     Raises:
         FileNotFoundError: ``folder`` does not exist.
@@ -594,8 +749,9 @@ def clean_stale_conversions(folder: str | os.PathLike[str]) -> list[str]:
     root = Path(folder).expanduser().absolute()
     if not root.is_dir():
         raise FileNotFoundError(f"`folder` {str(root)!r} does not exist or is not a folder. Pass the folder to clean.")
+    stale, foreign = _leftovers(root)
     leftovers: dict[Path, list[Path]] = {}
-    for path in stale_conversions(root):
+    for path in stale:
         leftovers.setdefault(root / path.name[1 : -len(path.suffix)], []).append(path)
     done = []
     for target, paths in leftovers.items():
@@ -606,15 +762,34 @@ def clean_stale_conversions(folder: str | os.PathLike[str]) -> list[str]:
                 done += [_clean(path, target) for path in paths]
         except BlockingIOError:
             continue  # a conversion to `target` started meanwhile: its files are in use
+    for path, what in foreign:
+        kind = "file" if path.suffix == ".lock" else "folder"
+        done.append(
+            f"left {str(path)!r} as it is: it is {what}, where an interrupted conversion leaves a {kind} of this"
+            f" user's; nothing was removed, restored or followed through it. Unless you made it, remove it, and check"
+            f" who else can write to {str(root)!r}."
+        )
     return done
 
 
 def _clean(path: Path, target: Path) -> str:
-    """Remove (or, for a database moved aside, put back) one leftover of a conversion to ``target``."""
-    if path.suffix == ".old" and not target.exists():
+    """Remove (or, for a database moved aside, put back) one leftover of a conversion to ``target``.
+
+    Raises:
+        DestinationError: ``path``, listed as this user's folder, was replaced by a link or another user's since.
+
+    """
+    if path.suffix != ".lock":
+        try:
+            refused = _not_own(path, os.lstat(path), directory=True)
+        except FileNotFoundError:
+            return f"{path} is gone already"
+        if refused is not None:
+            raise refused
+    if path.suffix == ".old" and not os.path.lexists(target):
         os.replace(path, target)
         return f"restored {target} from {path.name}, left by a conversion interrupted while replacing it"
-    if path.is_dir():
+    if path.suffix != ".lock":
         size, what = _dir_size(path), "staging" if _staging(path) else "conversion"
         shutil.rmtree(path, ignore_errors=True)
         return f"removed {path} ({human_bytes(size)}), left by an interrupted {what}"
@@ -695,7 +870,10 @@ def write_database(
     """Convert ``plan`` into the database ``dst``, or find it up to date; the arguments are ``convert``'s.
 
     Raises:
-        DestinationError: ``dst`` holds other data, or (without ``force``) a database of another source.
+        DestinationError: ``dst`` holds other data, or (without ``force``) a database of another source; or a
+            symbolic link, a hard link or another user's file or folder stands where the conversion writes its lock
+            file, its working copy (``.DST.partial``, and LMDB's files in it) or the database it moves aside
+            (``.DST.old``): nothing is written, removed or renamed through it.
         ReadOnlyDestinationError: the folder of ``dst`` is read-only and ``dst`` is not an up-to-date database.
         ConversionError: nothing could be converted, an input was skipped under ``strict``, or writing failed.
 
@@ -737,11 +915,8 @@ def write_database(
 
         _report_stale(dst)
         tmp = partial_path(dst)
-        if tmp.exists():
-            log.info("removing %s (%s), left by an interrupted conversion", tmp, human_bytes(_dir_size(tmp)))
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.rmtree(dst.parent / f".{dst.name}.old", ignore_errors=True)
-        tmp.mkdir()
+        _remove_aside(dst.parent / f".{dst.name}.old")  # before any work: a planted one would stop the publish
+        _fresh_working_copy(tmp)
         summary.skipped.extend(plan.skipped)
         bound = _PageBound(min(mmap.PAGESIZE, _MAX_PAGE))  # LMDB's page is the system's, at most 32 KiB
         try:
@@ -762,7 +937,7 @@ def write_database(
             summary.bytes_out = _dir_size(tmp)
             report = {"meta": meta, **summary.to_dict()}
             try:
-                (tmp / REPORT_FILE).write_text(json.dumps(report, indent=2, default=str))
+                _write_own(tmp / REPORT_FILE, json.dumps(report, indent=2, default=str).encode())
             except OSError as err:
                 raise ConversionError(
                     f"writing {REPORT_FILE} under {str(tmp)!r} failed: {err}. Check free disk space; nothing"
@@ -780,14 +955,21 @@ def _publish(tmp: Path, dst: Path) -> None:
 
     The rename is synced (the folder of ``dst``): after a crash the new database is there, not a name pointing at
     nothing. The files in ``tmp`` must be synced already.
+
+    Raises:
+        DestinationError: ``.DST.old`` is a symbolic link, not a folder, or another user's: nothing is renamed over it.
+
     """
     if dst.exists():
         old = dst.parent / f".{dst.name}.old"
-        shutil.rmtree(old, ignore_errors=True)  # left by a publish that died after moving the new one in
+        _remove_aside(old)  # left by a publish that died after moving the new one in; a planted one is refused
         os.replace(dst, old)
         os.replace(tmp, dst)
         _fsync_dir(dst.parent)
-        shutil.rmtree(old, ignore_errors=True)
+        if os.path.islink(old):  # `dst` was a link, moved aside as it is: only the link goes
+            os.unlink(old)
+        else:
+            shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, dst)
         _fsync_dir(dst.parent)
