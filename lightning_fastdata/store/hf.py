@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from lightning_fastdata.errors import SourceLayoutError
+from lightning_fastdata.store.sources import read_regular_file
 from lightning_fastdata.store.targets import KINDS, MAX_DIM, AmbiguousTargetsError, TargetSpec, _as_items, kind_of_value
 
 
@@ -43,9 +44,8 @@ class DatasetRows:
         if isinstance(image, Mapping):  # datasets.Image(decode=False): the stored bytes, or the file they came from
             if image.get("bytes"):
                 image = image["bytes"]
-            elif image.get("path"):
-                with open(image["path"], "rb") as fh:
-                    image = fh.read()
+            elif image.get("path"):  # a regular file only, read up to its size: a path may name a FIFO or /dev/zero
+                image = read_regular_file(image["path"])
         return image, row[label_key]
 
 

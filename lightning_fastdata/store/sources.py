@@ -13,6 +13,7 @@ import difflib
 import hashlib
 import io
 import os
+import stat
 import warnings
 from collections import Counter
 from collections.abc import Iterator, Mapping
@@ -55,6 +56,75 @@ SPLIT_ALIASES = {
 #: Files accepted as a list source: ``path,label`` rows (CSV or tab-separated TSV, with a header) or a JSON list of
 #: objects.
 LIST_EXTENSIONS = (".csv", ".tsv", ".json")
+
+#: the most bytes one ``os.read`` asks for: Linux returns at most 2 GiB - 4 KiB a call, whatever was asked
+_READ_CHUNK = 1 << 30
+
+
+class NotRegularFileError(OSError):
+    """A path that names no regular file (a FIFO, a device, a socket, a folder): it is never read as a source.
+
+    ``kind`` says what it is (``"a FIFO (named pipe)"``); the message, ``"<path> is <kind>, not a regular file"``.
+    """
+
+    def __init__(self, path: str, kind: str) -> None:
+        super().__init__(f"{path!r} is {kind}, not a regular file")
+        self.path, self.kind = path, kind
+
+
+def file_kind(mode: int) -> str:
+    """What a file of ``st_mode`` ``mode`` is, for a message: ``"a regular file"``, ``"a FIFO (named pipe)"``..."""
+    kinds = (
+        (stat.S_ISREG, "a regular file"),
+        (stat.S_ISDIR, "a folder"),
+        (stat.S_ISFIFO, "a FIFO (named pipe)"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    )
+    return next((name for test, name in kinds if test(mode)), "a special file")
+
+
+def read_regular_file(path: str | os.PathLike[str]) -> bytes:
+    """The bytes of the regular file at ``path`` (links followed), never more than its size when it was opened.
+
+    A file you did not make may name anything: ``/dev/zero`` reads forever, a FIFO blocks its reader until a writer
+    comes. So only a regular file is opened (checked before, and again on the open descriptor, which a swap between
+    the two cannot fool), the open never blocks (``O_NONBLOCK``), and the read stops at the size ``fstat`` gave: a
+    file that grows meanwhile is not read past it, one cut short gives what it holds.
+
+    Raises:
+        NotRegularFileError: ``path`` is a FIFO, a device, a socket or a folder.
+        OSError: it cannot be opened or read.
+
+    """
+    name = os.fsdecode(path)
+    st = os.stat(path)  # before opening: opening a device may act (a tape rewinds), a regular file never does
+    if not stat.S_ISREG(st.st_mode):
+        raise NotRegularFileError(name, file_kind(st.st_mode))
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0)
+    fd = os.open(path, flags)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):  # swapped since the check above
+            raise NotRegularFileError(name, file_kind(st.st_mode))
+        chunks: list[bytes] = []
+        left = st.st_size
+        while left > 0:
+            chunk = os.read(fd, min(left, _READ_CHUNK))
+            if not chunk:  # cut short while read
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+    finally:
+        os.close(fd)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def not_an_image_reason(kind: str) -> str:
+    """Why a source path that is not a regular file (:func:`file_kind`) is skipped, and what to do."""
+    return f"{kind}, not an image file: only regular files are read; list or put the image file itself there"
+
 
 #: how far a list file's numeric labels (class indices) may exceed its rows: a class name is made for every index up to
 #: the largest, so a label of 3000000000 would otherwise ask for 3 billion of them (the subset of a larger label set
@@ -157,6 +227,12 @@ def _split_folders(src: Path) -> tuple[dict[str, Path], dict[str, list[str]]]:
     if not src.exists():
         raise SourceLayoutError(f"`src` {str(src)!r} does not exist.\n{_LAYOUT_HELP}")
     if not src.is_dir():
+        mode = src.stat().st_mode
+        if not stat.S_ISREG(mode):  # a list file too must be one: a FIFO or /dev/stdin would block or never end
+            raise SourceLayoutError(
+                f"`src` {str(src)!r} is {file_kind(mode)}, not a folder or a list file: only regular files are read."
+                f" Save the list to a .csv, .tsv or .json file and pass that.\n{_LAYOUT_HELP}"
+            )
         raise SourceLayoutError(f"`src` {str(src)!r} is a file, not a folder.\n{_LAYOUT_HELP}")
     top = _class_dirs(src)
     if not top:
@@ -308,8 +384,7 @@ def open_image_file(path: str, data: bytes | None = None) -> Image.Image:
     """
     try:
         if data is None:
-            with open(path, "rb") as fh:
-                data = fh.read()
+            data = read_regular_file(path)
         return Image.open(io.BytesIO(data)).convert("RGB")
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
         reason = image_error_reason(err, f"{type(err).__name__}: {err}")
@@ -362,10 +437,17 @@ class _Scan:
         self.names.setdefault(split, [])
         try:
             st = os.stat(path)
+        except ValueError:  # a NUL character (a JSON list's `\\u0000`): no file has such a name
+            self.skipped.append(SkippedFile(repr(path), "the path holds a NUL character, which no file name can"))
+            return
         except OSError as err:
             dangling = os.path.islink(path)
             reason = "dangling symbolic link (its target does not exist)" if dangling else f"cannot read file: {err}"
             self.skipped.append(SkippedFile(path, reason))
+            return
+        if not stat.S_ISREG(st.st_mode):  # `/dev/zero` would be read until memory runs out, a FIFO block the read
+            link = f" (a symbolic link to {os.path.realpath(path)!r})" if os.path.islink(path) else ""
+            self.skipped.append(SkippedFile(path, not_an_image_reason(file_kind(st.st_mode) + link)))
             return
         self.tasks[split].append((split, path, label))
         self.names[split].append(name)
@@ -446,15 +528,86 @@ class _JsonNumber(str):
         return str(self)
 
 
-def _read_list(src: Path, columns: tuple[str, ...] = ("path", "label")) -> list[dict[str, Any]]:
-    """The rows of a CSV or TSV (with a header) or JSON (a list of objects) list file, keys lower-cased.
+_UTF8_BOM = b"\xef\xbb\xbf"
+_UTF16_BOMS = (b"\xff\xfe", b"\xfe\xff")
+_SAVE_AS_UTF8 = (
+    "A list file is UTF-8 text: if it was saved as UTF-16 (Excel's 'Unicode Text'), save it again as 'CSV UTF-8'"
+)
+
+
+def _list_text(src: Path) -> tuple[str, bytes]:
+    """A list file's text and its bytes (read once: they are the fingerprint too), refused unless it is UTF-8 text.
+
+    Raises:
+        SourceLayoutError: ``src`` is no regular file, cannot be read, is not UTF-8, or holds a NUL character.
+
+    """
+    try:
+        data = read_regular_file(src)
+    except NotRegularFileError as err:  # replaced since the conversion looked: read, it would block or never end
+        raise SourceLayoutError(
+            f"`src` {str(src)!r} is {err.kind}, not a list file: only regular files are read. Save the list to a"
+            " .csv, .tsv or .json file and pass that."
+        ) from None
+    except OSError as err:
+        raise SourceLayoutError(f"`src` {str(src)!r} cannot be read: {err.strerror or err}") from None
+    body = data[len(_UTF8_BOM) :] if data.startswith(_UTF8_BOM) else data
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = body.count(b"\n", 0, err.start) + 1
+        utf16 = " It starts as UTF-16 does." if data.startswith(_UTF16_BOMS) else ""
+        raise SourceLayoutError(
+            f"`src` {str(src)!r} is not UTF-8 text: byte 0x{body[err.start : err.start + 1].hex()} at line {line}"
+            f" ({err.reason}).{utf16} {_SAVE_AS_UTF8}, and replace any byte not meant to be there."
+        ) from None
+    nul = text.find("\0")
+    if nul >= 0:  # Python's csv reads it as a character: a path with it fails, a label keeps it
+        line = text.count("\n", 0, nul) + 1
+        raise SourceLayoutError(
+            f"`src` {str(src)!r} holds a NUL character at line {line}, which no text file does. {_SAVE_AS_UTF8};"
+            " otherwise remove the NUL bytes."
+        )
+    return text, data
+
+
+def _read_csv(src: Path, text: str) -> list[dict[str, Any]]:
+    """The rows of a CSV or TSV list file (with a header), as ``csv.DictReader`` reads them.
+
+    Raises:
+        SourceLayoutError: a row cannot be read as CSV (a cell over ``csv.field_size_limit()``, 128 KiB: most often
+            a quote left open, which makes the rest of the file one cell), naming the row and its first line.
+
+    """
+    reader = csv.DictReader(io.StringIO(text), delimiter="\t" if src.suffix.lower() == ".tsv" else ",")
+    rows: list[dict[str, Any]] = []
+    where = "the header (line 1)"
+    try:
+        _ = reader.fieldnames  # the header, read first: an error in it is named as such
+        while True:
+            where = f"row {len(rows) + 1} (from line {reader.line_num + 1})"  # numbered as skipped rows are
+            row = next(reader, None)
+            if row is None:
+                return rows
+            rows.append(row)
+    except csv.Error as err:
+        limit = csv.field_size_limit()
+        fix = (
+            f'A cell is {limit:,} characters at most: if a quote (`"`) opens a cell and is never closed, the rest'
+            " of the file reads as that cell; close it, or quote the cell whole (a quote inside a quoted cell is"
+            ' written twice: `""`)'
+            if "field larger than field limit" in str(err)
+            else "Check the quoting of that row: a cell that holds the separator or a line break is quoted whole"
+        )
+        raise SourceLayoutError(f"`src` {str(src)!r}: {where} cannot be read as CSV ({err}). {fix}.") from None
+
+
+def _read_list(src: Path, columns: tuple[str, ...] = ("path", "label")) -> tuple[list[dict[str, Any]], bytes]:
+    """The rows of a CSV or TSV (with a header) or JSON (a list of objects) list file, keys lower-cased; its bytes.
 
     ``columns``: those the first row must have (``path`` alone where no label is read).
     """
-    try:
-        text = src.read_text(encoding="utf-8-sig")
-    except (OSError, UnicodeDecodeError) as err:
-        raise SourceLayoutError(f"`src` {str(src)!r} cannot be read as a UTF-8 list file: {err}") from None
+    text, data = _list_text(src)
     if src.suffix.lower() == ".json":
         try:  # numbers keep their text (`0.30` is the class '0.30', never a float's repr '0.3')
             rows = parse_json(text, parse_int=_JsonNumber, parse_float=_JsonNumber, parse_constant=_JsonNumber)
@@ -463,8 +616,7 @@ def _read_list(src: Path, columns: tuple[str, ...] = ("path", "label")) -> list[
         if not isinstance(rows, list) or not all(isinstance(row, dict) for row in rows):
             raise SourceLayoutError(f"`src` {str(src)!r} must hold a JSON list of objects.\n{_LAYOUT_HELP}")
     else:
-        delimiter = "\t" if src.suffix.lower() == ".tsv" else ","
-        rows = list(csv.DictReader(io.StringIO(text), delimiter=delimiter))
+        rows = _read_csv(src, text)
     rows = [{str(k).strip().lower(): v for k, v in row.items() if k is not None} for row in rows]
     if not rows:
         raise SourceLayoutError(f"`src` {str(src)!r} lists no images.\n{_LAYOUT_HELP}")
@@ -476,7 +628,7 @@ def _read_list(src: Path, columns: tuple[str, ...] = ("path", "label")) -> list[
             " the columns other than `path` and `split` are read as values, with `--targets none` no `label` is"
             f" needed.\n{_LAYOUT_HELP}"
         )
-    return rows
+    return rows, data
 
 
 def check_targets_option(targets: str | None, label_separator: str) -> None:
@@ -596,7 +748,7 @@ def scan_list(src: Path, targets: str | None = None, label_separator: str = LABE
 
     """
     check_targets_option(targets, label_separator)
-    rows = _read_list(src, ("path",) if targets in ("none", "float") else ("path", "label"))
+    rows, data = _read_list(src, ("path",) if targets in ("none", "float") else ("path", "label"))
     labels = [_label_of(row) for row in rows]
     if targets is None:
         # the rows that list an image, numbered as the skipped rows are (the first after the header is row 1)
@@ -605,7 +757,7 @@ def scan_list(src: Path, targets: str | None = None, label_separator: str = LABE
         numbers = [number for number, _ in labelled]
         targets = infer_list_kind([label for _, label in labelled], str(src), label_separator, numbers)
     scan = _Scan()
-    scan.digest.update(src.read_bytes())
+    scan.digest.update(data)  # the bytes parsed: a second read could meet another file
     if targets == "multilabel":  # the separator decides the classes: another one reads another dataset
         scan.digest.update(f"\0multilabel\0{label_separator}".encode())
     spec, classes, values = _list_targets(src, rows, labels, targets, label_separator)
