@@ -38,7 +38,7 @@ from lightning_fastdata.store.format import (
     META_KEY,
     labels_key,
 )
-from lightning_fastdata.store.reader import MAX_JPEG_SCANS, JpegFrame, jpeg_frame
+from lightning_fastdata.store.jpeg import MAX_JPEG_SCANS, JpegFrame, jpeg_frame
 from lightning_fastdata.store.targets import targets_key
 from lightning_fastdata.transforms import CenterCropResize
 

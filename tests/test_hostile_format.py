@@ -338,7 +338,7 @@ def test_files_that_are_not_regular_files_are_never_opened(tmp_path: Path) -> No
     assert list(results) == list(map(str, cases)), proc.stdout
     fifo_result, device_result, record_result, partial_result = results.values()
     assert fifo_result["outcome"] == "DatasetFormatError"
-    assert f"its {DATA_FILE} is a named pipe (FIFO), not the regular file LMDB writes" in fifo_result["message"]
+    assert f"its {DATA_FILE} is a FIFO (named pipe), not the regular file LMDB writes" in fifo_result["message"]
     assert device_result["outcome"] == "DatasetFormatError"
     assert f"its {DATA_FILE} is a character device" in device_result["message"]
     assert record_result["outcome"] == "opened"

@@ -176,12 +176,31 @@ def test_a_dataset_row_naming_a_fifo_or_dev_zero_is_skipped(tmp_path):
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="a Linux /proc file")
 def test_a_file_is_read_up_to_the_size_it_had_when_opened(tmp_path):
     """The read stops at ``fstat``'s size: ``/proc/self/status`` says 0 and yields more; a plain file is whole."""
-    from lightning_fastdata.store.sources import read_regular_file
+    from lightning_fastdata._files import read_regular
 
     path = tmp_path / "a.bin"
     path.write_bytes(b"\x00\x01" * 1000)
-    assert read_regular_file(path) == b"\x00\x01" * 1000
-    assert read_regular_file("/proc/self/status") == b""
+    assert read_regular(path) == b"\x00\x01" * 1000
+    assert read_regular("/proc/self/status") == b""
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="a Linux /proc file")
+def test_a_limited_read_stops_at_the_limit_and_follows_no_link_when_told(tmp_path):
+    """With ``limit`` a file is read to its end (``/proc`` says 0), one that holds more is refused; with
+    ``follow_links=False`` a link is refused as one, its target unread."""
+    from lightning_fastdata._files import FileTooLargeError, NotRegularFileError, read_regular
+
+    path = tmp_path / "a.bin"
+    path.write_bytes(b"\x00\x01" * 1000)
+    assert read_regular(path, limit=2000) == b"\x00\x01" * 1000
+    with pytest.raises(FileTooLargeError, match="more than the 1999 bytes"):
+        read_regular(path, limit=1999)
+    assert read_regular("/proc/self/status", limit=1 << 16).startswith(b"Name:")
+    link = tmp_path / "link.bin"
+    link.symlink_to(path)
+    assert read_regular(link) == path.read_bytes()
+    with pytest.raises(NotRegularFileError, match="is a symbolic link, not a regular file"):
+        read_regular(link, follow_links=False)
 
 
 # ---------------------------------------------------------------------------------------------------------------

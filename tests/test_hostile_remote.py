@@ -333,3 +333,21 @@ def test_an_http_url_with_a_query_names_each_file_before_the_query(tmp_path: Pat
     assert remote._join("/data/run#1/db.lmdb", "data.mdb") == "/data/run#1/db.lmdb/data.mdb"
     first, second = (remote.staged_path(f"https://h/db.lmdb?token={t}", tmp_path) for t in ("a", "b"))
     assert first == second == remote.staged_path("https://h/db.lmdb", tmp_path)
+
+
+def test_a_staging_record_is_read_only_as_a_small_regular_file_of_its_own_name(tmp_path: Path, monkeypatch):
+    """``progress.json`` and ``staged.json`` are read without following a link, without waiting on a FIFO, and only
+    up to :data:`remote.RECORD_LIMIT` bytes: any other is no record (the copy is staged again)."""
+    record = tmp_path / remote.PROGRESS_FILE
+    record.write_text(json.dumps({"range_size": 1}))
+    assert remote._read_json(record) == {"range_size": 1}
+    elsewhere = tmp_path / "elsewhere.json"
+    elsewhere.write_text(json.dumps({"range_size": 2}))
+    link = tmp_path / remote.STAGED_RECORD
+    link.symlink_to(elsewhere)
+    assert remote._read_json(link) is None
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)
+    assert remote._read_json(fifo) is None  # never opened: an open would wait for a writer
+    monkeypatch.setattr(remote, "RECORD_LIMIT", len(record.read_bytes()) - 1)
+    assert remote._read_json(record) is None

@@ -10,6 +10,8 @@ One module per concern, in the order a sample travels:
 * :mod:`~lightning_fastdata.store.summary`: what a conversion reports (``ConversionSummary``, ``SkippedFile``);
 * :mod:`~lightning_fastdata.store.format`: the on-disk format shared by writer and reader (``read_meta``, ...);
 * :mod:`~lightning_fastdata.store.reader`: ``LmdbImageDataset``, the reader;
+* :mod:`~lightning_fastdata.store.jpeg`: the walk over a JPEG's markers by which the reader holds a record's decode
+  to its budget;
 * :mod:`~lightning_fastdata.store.targets`: the target kinds (class, multi-label, float, none): their typed arrays,
   written and read back, and how a list file's or a dataset's labels are read;
 * :mod:`~lightning_fastdata.store.remote`: databases at a URL: publishing one to a bucket, and staging it once per

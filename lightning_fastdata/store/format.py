@@ -37,10 +37,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import lmdb
 
+from lightning_fastdata._files import file_kind, open_regular, owned, read_opened
 from lightning_fastdata.errors import CorruptRecordError, DatasetFormatError
 from lightning_fastdata.store.targets import TargetSpec
 
@@ -297,10 +298,11 @@ def converter_of(dst: Path) -> dict[str, Any] | None:
     """
     if fcntl is None:  # pragma: no cover - Windows
         return None
-    opened = _open_regular(lock_path(dst))  # read-only, so a read-only folder works; a FIFO there never blocks
-    if opened is None:
+    try:  # read-only, so a read-only folder works; a FIFO there is never opened
+        fd, _ = open_regular(lock_path(dst))
+    except OSError:
         return None
-    with opened[0] as fh:
+    with os.fdopen(fd, "rb") as fh:
         try:
             fcntl.flock(fh, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -313,31 +315,6 @@ def converter_of(dst: Path) -> dict[str, Any] | None:
             return None
         fcntl.flock(fh, fcntl.LOCK_UN)
     return None
-
-
-def _open_regular(path: Path, follow_links: bool = True) -> tuple[BinaryIO, os.stat_result] | None:
-    """``path`` opened for reading in binary, with its ``fstat``, if it is a regular file; else ``None``.
-
-    ``None`` too where it cannot be opened or, with ``follow_links=False``, is a symbolic link. Opened without blocking
-    (``O_NONBLOCK``): a FIFO, device or socket planted under the name of a file this package reads is never read, nor
-    waited on (the open of a FIFO waits for a writer that may never come). The ``fstat`` is the opened file's own,
-    not the name's, which could be swapped between a check and the open.
-    """
-    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0)
-    if not follow_links:
-        flags |= getattr(os, "O_NOFOLLOW", 0)
-    try:
-        fd = os.open(path, flags)
-    except OSError:
-        return None
-    try:
-        st = os.fstat(fd)
-    except OSError:
-        st = None
-    if st is None or not stat.S_ISREG(st.st_mode):
-        os.close(fd)
-        return None
-    return os.fdopen(fd, "rb"), st
 
 
 def converter_record() -> bytes:
@@ -584,7 +561,7 @@ def open_readonly(path: str | os.PathLike[str]) -> lmdb.Environment:
         ) from None
     if not stat.S_ISREG(st.st_mode):  # checked before LMDB opens it: the open of a FIFO waits for a writer
         raise DatasetFormatError(
-            f"{str(path)!r} is not a lightning_fastdata database: its {DATA_FILE} is {_file_kind(st.st_mode)}, not the"
+            f"{str(path)!r} is not a lightning_fastdata database: its {DATA_FILE} is {file_kind(st.st_mode)}, not the"
             " regular file LMDB writes. Convert the source again with `lightning-fastdata convert`, or copy the"
             " database again from an intact copy."
         )
@@ -615,18 +592,6 @@ def open_readonly(path: str | os.PathLike[str]) -> lmdb.Environment:
             raise
         _ENVS[str(path)] = (identity, env)
         return env
-
-
-def _file_kind(mode: int) -> str:
-    """What a file that is not a regular file is, from its ``st_mode``: ``"a named pipe (FIFO)"``, ..."""
-    kinds = (
-        (stat.S_ISDIR, "a folder"),
-        (stat.S_ISFIFO, "a named pipe (FIFO)"),
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-        (stat.S_ISSOCK, "a socket"),
-    )
-    return next((name for is_kind, name in kinds if is_kind(mode)), "a special file")
 
 
 #: how long the first-open walk of a data file may take; a database of 1.28 million records takes seconds
@@ -671,16 +636,10 @@ def _marker_paths(path: Path, st: os.stat_result) -> list[Path]:
     digest = hashlib.sha256(f"{path}\0{st.st_dev}\0{st.st_ino}".encode()).hexdigest()[:32]
     in_cache = default_cache_dir() / "verified" / f"{digest}.json"
     try:
-        mine = _owned(path.stat())
+        mine = owned(path.stat())
     except OSError:
         mine = False
     return [path / VERIFIED_FILE, in_cache] if mine else [in_cache]
-
-
-def _owned(st: os.stat_result) -> bool:
-    """Whether this process's user owns the file ``st`` describes (everything, where there are no users)."""
-    geteuid = getattr(os, "geteuid", None)
-    return geteuid is None or st.st_uid == geteuid()
 
 
 def _writable(folder: Path) -> bool:
@@ -697,17 +656,18 @@ def _read_marker(marker: Path) -> dict[str, Any] | None:
     Only a regular file of this user's with no other link (not a symbolic link, FIFO or device, nor a link to a file
     written for another database) is read, and only up to its size: :data:`_MARKER_MAX_BYTES` at most.
     """
-    opened = _open_regular(marker, follow_links=False)
-    if opened is None:
+    try:
+        fd, st = open_regular(marker, follow_links=False)
+    except OSError:
         return None
-    fh, st = opened
-    with fh:
-        if not _owned(st) or st.st_nlink != 1 or st.st_size > _MARKER_MAX_BYTES:
+    try:
+        if not owned(st) or st.st_nlink != 1 or st.st_size > _MARKER_MAX_BYTES:
             return None
-        try:
-            raw = fh.read(st.st_size)
-        except OSError:
-            return None
+        raw = read_opened(fd, st)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
     try:
         record = parse_json(raw.decode())
     except ValueError:

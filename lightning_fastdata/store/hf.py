@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from lightning_fastdata._files import read_regular
 from lightning_fastdata.errors import SourceLayoutError
-from lightning_fastdata.store.sources import read_regular_file
 from lightning_fastdata.store.targets import KINDS, MAX_DIM, AmbiguousTargetsError, TargetSpec, _as_items, kind_of_value
 
 
@@ -45,7 +45,7 @@ class DatasetRows:
             if image.get("bytes"):
                 image = image["bytes"]
             elif image.get("path"):  # a regular file only, read up to its size: a path may name a FIFO or /dev/zero
-                image = read_regular_file(image["path"])
+                image = read_regular(image["path"])
         return image, row[label_key]
 
 

@@ -9,12 +9,11 @@ import contextlib
 import functools
 import io
 import os
-import re
 import struct
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal
 
 import lmdb
 import numpy as np
@@ -39,6 +38,7 @@ from lightning_fastdata.store.format import (
     record_key,
     unpack_record,
 )
+from lightning_fastdata.store.jpeg import _SCANS_COUNTED, MAX_JPEG_SCANS, JpegFrame, jpeg_frame
 from lightning_fastdata.store.targets import NO_LABEL, SplitTargets, TargetSpec, first_bad_label
 
 Output = Literal["tensor", "pil", "encoded"]
@@ -54,25 +54,6 @@ DEFAULT_MAX_PIXELS = 3 * 2**24
 DECODE_BUDGET = 5
 #: bytes a pixel that libjpeg-turbo (simplejpeg) takes for a CMYK or YCCK JPEG decoded to RGB: the CMYK image, then RGB
 _CMYK_COST = 7
-#: the most scans a JPEG may have (unless ``max_pixels`` is ``None``). libjpeg decodes a progressive JPEG scan by scan,
-#: each a pass over the 8x8 blocks of its components however few bytes it holds (about 6 ms a scan of a 48 MiP
-#: greyscale image here): a valid record of 2,647 scans, each a run of empty blocks, took 29.8 s (issue 43). Encoders
-#: write about 10 (libjpeg's progression: 10 for colour, 6 for grey, 60 at most, for 10 components); 100 keep a 48 MiP
-#: image under about 1 s. libjpeg-turbo's own fuzzers stop at 500 scans (``TJPARAM_SCANLIMIT``), on images of at most
-#: 1 MP, whose scans cost 1/48 of these.
-MAX_JPEG_SCANS = 100
-#: scans are counted up to this many (a message names the count): the walk over them stays a few ms
-_SCANS_COUNTED = 1 << 16
-#: a marker between segments (libjpeg skips other bytes there), and the marker that ends a scan's entropy-coded data, in
-#: which a 0xFF byte is followed by 0x00 (a stuffed data byte), by 0xFF (fill) or is a restart marker (0xD0 to 0xD7)
-_MARKER = re.compile(rb"\xff[^\x00\xff]")
-_SCAN_END = re.compile(rb"\xff[^\x00\xd0-\xd7\xff]")
-#: markers without a length: TEM, the restart markers, SOI and EOI (0xD9)
-_NO_LENGTH = frozenset((0x01, *range(0xD0, 0xDA)))
-#: the frame headers (SOF0 to SOF15 but DHT 0xC4, JPG 0xC8 and DAC 0xCC), the progressive and the lossless ones
-_SOF = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
-_PROGRESSIVE_SOF = frozenset((0xC2, 0xC6, 0xCA, 0xCE))
-_LOSSLESS_SOF = frozenset((0xC3, 0xC7, 0xCB, 0xCF))
 #: the only format PIL may read a record of each encoding as (none of its other, rarer, decoders)
 _PIL_FORMATS = {ENCODING_JPEG: "JPEG", ENCODING_PNG: "PNG"}
 _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -83,106 +64,6 @@ _RAISE_HINT = (
     "If you trust this database, raise `max_pixels` (LmdbImageDataset or FastImageDataModule, `--data.max_pixels` on"
     " the command line), or pass None for no limit."
 )
-
-
-class JpegFrame(NamedTuple):
-    """What a JPEG's markers say of its decode, read by :func:`jpeg_frame` before anything decodes it."""
-
-    #: the frame header's marker: 0xC0 (baseline), 0xC2 (progressive), ...
-    sof: int
-    height: int
-    width: int
-    #: each component's sampling factors ``(horizontal, vertical)``
-    sampling: tuple[tuple[int, int], ...]
-    #: the scans (SOS markers) the decoder reads: 1 for a single-scan frame, whose walk stops at its scan
-    scans: int
-    #: whether libjpeg decodes it through a buffer of the whole image's coefficients: a progressive frame, or one whose
-    #: first scan holds only some of its components (``has_multiple_scans`` in libjpeg's ``jdinput.c``)
-    buffered: bool
-
-    @property
-    def progressive(self) -> bool:
-        """Whether the frame is progressive (SOF2, SOF6, SOF10, SOF14)."""
-        return self.sof in _PROGRESSIVE_SOF
-
-    def buffer_bytes(self) -> int:
-        """The bytes of the whole-image buffer libjpeg decodes a :attr:`buffered` frame through, else 0.
-
-        As ``jdcoefct.c`` sizes it: per component, its blocks (rounded up to whole MCUs) of 64 coefficients of 2 bytes
-        (``JBLOCK``), 6 bytes a pixel for a 4:4:4 colour image, 3 for 4:2:0; a lossless frame keeps 2 bytes a sample at
-        most.
-        """
-        if not self.buffered or not self.sampling:
-            return 0
-        lossless = self.sof in _LOSSLESS_SOF
-        side, unit = (1, 2) if lossless else (8, 128)
-        h_max = max(max(h for h, _ in self.sampling), 1)
-        v_max = max(max(v for _, v in self.sampling), 1)
-        total = 0
-        for h, v in self.sampling:
-            h, v = max(h, 1), max(v, 1)  # a factor of 0 does not decode
-            columns = -(-self.width * h // (h_max * side))
-            rows = -(-self.height * v // (v_max * side))
-            total += -(-columns // h) * h * -(-rows // v) * v * unit
-        return total
-
-
-def jpeg_frame(data: bytes | bytearray | memoryview, count_to: int = _SCANS_COUNTED) -> JpegFrame | None:
-    """A JPEG's frame type, size, sampling factors and scans, from a walk over its markers: no pixel is decoded.
-
-    The walk reads the markers as libjpeg does (bytes between segments are skipped to the next marker), from segment
-    to segment by their lengths; a single-scan frame ends it at its scan. The scans of a multi-scan frame are counted:
-    each scan's entropy-coded data is skipped in one search (C speed, no copy) to the marker that ends it, there being
-    no other marker inside it. It stops after ``count_to`` scans, at the end of the image (EOI) or of the data.
-
-    Returns:
-        The frame, or ``None`` where no frame header and scan are found (nothing decodes: the decoder says why).
-
-    """
-    size = len(data)
-    if size < 4 or data[0] != 0xFF or data[1] != 0xD8:  # libjpeg wants SOI first
-        return None
-    unpack = struct.unpack_from
-    pos, frame, scans, buffered = 2, None, 0, False
-    while pos + 4 <= size:
-        if data[pos] == 0xFF and data[pos + 1] not in (0x00, 0xFF):
-            marker = data[pos + 1]
-        else:  # bytes before a marker (or fill): skipped, as libjpeg's `next_marker` does
-            found = _MARKER.search(data, pos)
-            if found is None:
-                break
-            pos = found.start()
-            marker = data[pos + 1]
-        if marker in _NO_LENGTH:
-            if marker == 0xD9:  # EOI
-                break
-            pos += 2
-            continue
-        if pos + 4 > size:  # a marker whose length is cut off: the data ends
-            break
-        (length,) = unpack(">H", data, pos + 2)
-        body, pos = pos + 4, pos + 2 + max(length, 2)
-        if marker == 0xDA:  # SOS
-            if frame is None or body >= size:
-                return None  # a scan before a frame header does not decode
-            scans += 1
-            if scans == 1:
-                buffered = frame[0] in _PROGRESSIVE_SOF or data[body] < len(frame[3])
-                if not buffered:  # libjpeg reads no second scan of a single-scan frame
-                    break
-            if scans >= count_to:
-                break
-            found = _SCAN_END.search(data, pos)
-            if found is None:
-                break
-            pos = found.start()
-        elif marker in _SOF and frame is None and body + 6 <= size:
-            _, height, width, count = unpack(">BHHB", data, body)
-            sampling = tuple((factors >> 4, factors & 15) for factors in data[body + 7 : body + 6 + 3 * count : 3])
-            frame = (marker, height, width, sampling)
-    if frame is None or scans == 0:
-        return None
-    return JpegFrame(*frame, scans, buffered)
 
 
 def _png_size(data: bytearray | memoryview) -> tuple[int, int]:
@@ -268,7 +149,7 @@ class LmdbImageDataset(Dataset):
             it (240 MiB by default): a CMYK JPEG (7 bytes a pixel), a progressive JPEG (3 and its buffer of DCT
             coefficients: 9 for 4:4:4 colour, 6 for 4:2:0, 5 for grey), or an RGBA, 16-bit or CMYK image read as a
             PIL image (6 to 8), is refused above the pixels that fit; nor may a JPEG have more than
-            :data:`MAX_JPEG_SCANS` (100) scans, each a pass of the decoder over the image. Raise it for trusted
+            :data:`.jpeg.MAX_JPEG_SCANS` (100) scans, each a pass of the decoder over the image. Raise it for trusted
             databases of larger images; ``None``: no limit (on scans either).
 
     Raises:
@@ -449,8 +330,8 @@ class LmdbImageDataset(Dataset):
         """Refuse an image whose decode takes more than ``DECODE_BUDGET`` bytes a pixel of ``max_pixels``, undecoded.
 
         ``cost``: the bytes a pixel of the image that its decode takes; ``buffer``: the bytes of the buffer it is
-        decoded through beside (a multi-scan JPEG's coefficients, :meth:`JpegFrame.buffer_bytes`); ``what``: its kind
-        and how it is decoded.
+        decoded through beside (a multi-scan JPEG's coefficients, :meth:`.jpeg.JpegFrame.buffer_bytes`); ``what``:
+        its kind and how it is decoded.
         """
         pixels = height * width
         total = pixels * cost + buffer
@@ -502,11 +383,12 @@ class LmdbImageDataset(Dataset):
         return self._check_jpeg(index, header, data) if header.encoding == ENCODING_JPEG else None
 
     def _check_jpeg(self, index: int, header: RecordHeader, data: bytearray | memoryview) -> JpegFrame | None:
-        """Check a JPEG's markers before it is decoded (:func:`jpeg_frame`: a few us, no pixel decoded, no copy).
+        """Check a JPEG's markers before its decode (:func:`.jpeg.jpeg_frame`: a few us, no pixel decoded, no copy).
 
-        Its frame header gives the record's size, within ``max_pixels``; it has at most :data:`MAX_JPEG_SCANS` scans;
-        and its decode to RGB (3 bytes a pixel, 7 for a CMYK or YCCK JPEG, plus the coefficient buffer of a progressive
-        or other multi-scan frame) fits :data:`DECODE_BUDGET`. Nothing is checked with ``max_pixels`` ``None``.
+        Its frame header gives the record's size, within ``max_pixels``; it has at most :data:`.jpeg.MAX_JPEG_SCANS`
+        scans; and its decode to RGB (3 bytes a pixel, 7 for a CMYK or YCCK JPEG, plus the coefficient buffer of a
+        progressive or other multi-scan frame) fits :data:`DECODE_BUDGET`. Nothing is checked with ``max_pixels``
+        ``None``.
 
         Returns:
             The frame, or ``None`` where its markers give none (nothing decodes: the decoder says why) or nothing is
@@ -573,14 +455,14 @@ class LmdbImageDataset(Dataset):
 
         A JPEG decodes into exactly the ``height * width * 3`` bytes its record header declares (checked against
         ``max_pixels`` when the record was read), once a walk over its markers (:meth:`_check_jpeg`, a few us) has
-        found its frame header of that size, its scans within :data:`MAX_JPEG_SCANS` and its decode within
+        found its frame header of that size, its scans within :data:`.jpeg.MAX_JPEG_SCANS` and its decode within
         :data:`DECODE_BUDGET`; libjpeg-turbo, which reads the JPEG's own frame header first, would refuse a larger
         image too before it decodes a pixel. :meth:`_check_frame` explains a failure.
 
         Raises:
             CorruptRecordError: the bytes do not decode to the stored size, their frame header is over
-                ``max_pixels``, a JPEG has more than :data:`MAX_JPEG_SCANS` scans, or their decode would take more than
-                :data:`DECODE_BUDGET`; the message names the split and index.
+                ``max_pixels``, a JPEG has more than :data:`.jpeg.MAX_JPEG_SCANS` scans, or their decode would take
+                more than :data:`DECODE_BUDGET`; the message names the split and index.
 
         """
         if header.encoding == ENCODING_RAW:

@@ -50,6 +50,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from lightning_fastdata._files import read_regular
 from lightning_fastdata.cpus import usable_cpu_count
 from lightning_fastdata.errors import (
     DatasetFormatError,
@@ -92,6 +93,11 @@ SYNC_SECONDS = 1.0
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 #: the most bytes a marker may hold (it lists two files in a few hundred): a larger one is refused, unread
 MARKER_LIMIT = 2**20
+#: the most bytes read of a record this package writes in a staged or working copy (``staged.json``: the URL and the
+#: marker; ``progress.json``: the marker, the range size and the start of every range fetched, at most 17 bytes each
+#: below 100 TiB): a marker of :data:`MARKER_LIMIT` bytes written again (a few MiB at most) and the ranges of 100 TiB
+#: of files fit. A larger record, or a link, is not read: the copy is staged again, or its working copy started over
+RECORD_LIMIT = 64 * 2**20
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 #: the schemes whose query and fragment are not part of the path: HTTP's, where a query holds a signature or a token.
@@ -490,8 +496,13 @@ class StagedDatabase:
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
+    """The JSON object this package recorded at ``path`` (``staged.json``, ``progress.json``), else ``None``.
+
+    ``None`` too where ``path`` is missing, a symbolic link (never followed), not a regular file (a FIFO is never
+    opened), over :data:`RECORD_LIMIT` bytes, or not a JSON object.
+    """
     try:
-        value = parse_json(path.read_text())
+        value = parse_json(read_regular(path, limit=RECORD_LIMIT, follow_links=False))
     except (OSError, ValueError):
         return None
     return value if isinstance(value, dict) else None

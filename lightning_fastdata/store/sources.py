@@ -23,6 +23,7 @@ from typing import Any, TypeAlias
 
 from PIL import Image
 
+from lightning_fastdata._files import NotRegularFileError, file_kind, read_regular
 from lightning_fastdata.errors import SampleError, SourceLayoutError
 from lightning_fastdata.store.format import parse_json
 from lightning_fastdata.store.summary import SkippedFile, image_error_reason
@@ -57,72 +58,12 @@ SPLIT_ALIASES = {
 #: objects.
 LIST_EXTENSIONS = (".csv", ".tsv", ".json")
 
-#: the most bytes one ``os.read`` asks for: Linux returns at most 2 GiB - 4 KiB a call, whatever was asked
-_READ_CHUNK = 1 << 30
-
-
-class NotRegularFileError(OSError):
-    """A path that names no regular file (a FIFO, a device, a socket, a folder): it is never read as a source.
-
-    ``kind`` says what it is (``"a FIFO (named pipe)"``); the message, ``"<path> is <kind>, not a regular file"``.
-    """
-
-    def __init__(self, path: str, kind: str) -> None:
-        super().__init__(f"{path!r} is {kind}, not a regular file")
-        self.path, self.kind = path, kind
-
-
-def file_kind(mode: int) -> str:
-    """What a file of ``st_mode`` ``mode`` is, for a message: ``"a regular file"``, ``"a FIFO (named pipe)"``..."""
-    kinds = (
-        (stat.S_ISREG, "a regular file"),
-        (stat.S_ISDIR, "a folder"),
-        (stat.S_ISFIFO, "a FIFO (named pipe)"),
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-        (stat.S_ISSOCK, "a socket"),
-    )
-    return next((name for test, name in kinds if test(mode)), "a special file")
-
-
-def read_regular_file(path: str | os.PathLike[str]) -> bytes:
-    """The bytes of the regular file at ``path`` (links followed), never more than its size when it was opened.
-
-    A file you did not make may name anything: ``/dev/zero`` reads forever, a FIFO blocks its reader until a writer
-    comes. So only a regular file is opened (checked before, and again on the open descriptor, which a swap between
-    the two cannot fool), the open never blocks (``O_NONBLOCK``), and the read stops at the size ``fstat`` gave: a
-    file that grows meanwhile is not read past it, one cut short gives what it holds.
-
-    Raises:
-        NotRegularFileError: ``path`` is a FIFO, a device, a socket or a folder.
-        OSError: it cannot be opened or read.
-
-    """
-    name = os.fsdecode(path)
-    st = os.stat(path)  # before opening: opening a device may act (a tape rewinds), a regular file never does
-    if not stat.S_ISREG(st.st_mode):
-        raise NotRegularFileError(name, file_kind(st.st_mode))
-    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0)
-    fd = os.open(path, flags)
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):  # swapped since the check above
-            raise NotRegularFileError(name, file_kind(st.st_mode))
-        chunks: list[bytes] = []
-        left = st.st_size
-        while left > 0:
-            chunk = os.read(fd, min(left, _READ_CHUNK))
-            if not chunk:  # cut short while read
-                break
-            chunks.append(chunk)
-            left -= len(chunk)
-    finally:
-        os.close(fd)
-    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
-
 
 def not_an_image_reason(kind: str) -> str:
-    """Why a source path that is not a regular file (:func:`file_kind`) is skipped, and what to do."""
+    """Why a source path that is not a regular file is skipped, and what to do.
+
+    ``kind``: what it is, as :func:`~lightning_fastdata._files.file_kind` says.
+    """
     return f"{kind}, not an image file: only regular files are read; list or put the image file itself there"
 
 
@@ -384,7 +325,7 @@ def open_image_file(path: str, data: bytes | None = None) -> Image.Image:
     """
     try:
         if data is None:
-            data = read_regular_file(path)
+            data = read_regular(path)
         return Image.open(io.BytesIO(data)).convert("RGB")
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
         reason = image_error_reason(err, f"{type(err).__name__}: {err}")
@@ -543,7 +484,7 @@ def _list_text(src: Path) -> tuple[str, bytes]:
 
     """
     try:
-        data = read_regular_file(src)
+        data = read_regular(src)
     except NotRegularFileError as err:  # replaced since the conversion looked: read, it would block or never end
         raise SourceLayoutError(
             f"`src` {str(src)!r} is {err.kind}, not a list file: only regular files are read. Save the list to a"

@@ -31,6 +31,7 @@ import lmdb
 from tqdm.auto import tqdm
 
 from lightning_fastdata.__about__ import __version__
+from lightning_fastdata._files import owned, read_regular
 from lightning_fastdata.errors import ConversionError, DatasetFormatError, DestinationError, ReadOnlyDestinationError
 from lightning_fastdata.store.encode import EncodeOptions, encode_all
 from lightning_fastdata.store.format import (
@@ -411,7 +412,7 @@ def _foreign(found: os.stat_result, directory: bool = False) -> str | None:
         return "a symbolic link"
     if not (stat.S_ISDIR if directory else stat.S_ISREG)(found.st_mode):
         return "not a folder" if directory else "not a regular file"
-    if hasattr(os, "geteuid") and found.st_uid != os.geteuid():
+    if not owned(found):
         return f"owned by another user (uid {found.st_uid})"
     if not directory and found.st_nlink > 1:  # a folder's link count is its subfolders': no sign of anything
         return f"a hard link ({found.st_nlink} links)"
@@ -700,32 +701,14 @@ def _looks_ours(path: Path, target: Path) -> bool:
 def _read_small(path: Path, limit: int) -> bytes | None:
     """The bytes of the regular file ``path``, read without following a link; ``None`` if it has over ``limit``.
 
-    ``None`` too when ``path`` is missing, a link or not a regular file (a FIFO is opened without waiting for a
-    writer, then refused), or cannot be read: what is read is never more than ``limit`` bytes, whatever the file
-    says of its size.
+    ``None`` too when ``path`` is missing, a link or not a regular file (a FIFO is never opened), or cannot be read:
+    what is read is never more than ``limit`` bytes, whatever the file says of its size
+    (:func:`~lightning_fastdata._files.read_regular`).
     """
-    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
     try:
-        fd = os.open(path, flags)
-    except OSError:
+        return read_regular(path, limit=limit, follow_links=False)
+    except OSError:  # NotRegularFileError and FileTooLargeError among them
         return None
-    try:
-        found = os.fstat(fd)
-        if not stat.S_ISREG(found.st_mode) or found.st_size > limit:  # a folder too: it opens read-only
-            return None
-        chunks: list[bytes] = []
-        size = 0
-        while size <= limit:
-            chunk = os.read(fd, limit + 1 - size)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            size += len(chunk)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-    return b"".join(chunks) if size <= limit else None
 
 
 def _staging(path: Path) -> bool:
