@@ -28,6 +28,7 @@ from typing_extensions import override
 
 from lightning_fastdata.errors import InvalidArgumentError, SampleError
 from lightning_fastdata.pipeline.kernel import BatchReader
+from lightning_fastdata.pipeline.targets import subset_view
 
 try:
     import fcntl
@@ -553,28 +554,12 @@ def _predict_loader(trainer: Trainer) -> Any:
 def _viewed_indices(dataset: Any) -> np.ndarray | None:
     """Each sample of ``dataset`` as an index of the dataset it views through subsets; ``None`` for no subset.
 
-    A subset is what has the dataset it views as ``dataset`` and its indices into it as ``indices``
-    (``torch.utils.data.Subset``, the DataModule's held-out view), nested to any depth: the indices of each level
-    are mapped through those of the level below. A :class:`BatchReader` (what a loader of this package reads its
-    dataset through) is looked through.
+    Nested subsets to any depth (:func:`~lightning_fastdata.pipeline.targets.subset_view`); a :class:`BatchReader`
+    (what a loader of this package reads its dataset through) is looked through.
     """
-    indices: np.ndarray | None = None
-    while isinstance(dataset, BatchReader) or (
-        getattr(dataset, "indices", None) is not None and getattr(dataset, "dataset", None) is not None
-    ):
-        if isinstance(dataset, BatchReader):  # a reader of the subset: its `indices` are the subset's own
-            dataset = dataset.dataset
-            continue
-        try:
-            level = np.asarray(dataset.indices, dtype=np.int64).reshape(-1)
-        except (TypeError, ValueError):  # indices of a kind of one's own: the samples are not mapped
-            return indices
-        inner = dataset.dataset
-        with contextlib.suppress(TypeError):  # a negative index counts from the end, as `inner[index]` reads it
-            level = np.where(level < 0, level + len(inner), level)
-        indices = level if indices is None else level[indices]
-        dataset = inner
-    return indices
+    while isinstance(dataset, BatchReader):  # a reader of the subset: its `indices` are the subset's own
+        dataset = dataset.dataset
+    return subset_view(dataset)[1]
 
 
 def _agree(first: Any, again: Any) -> bool:

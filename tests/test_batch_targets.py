@@ -85,6 +85,19 @@ def test_the_per_sample_path_appends_the_index_to_each_sample(kinds: dict[str, P
     assert all(len(batch) == 2 for batch in create_loader(dataset, 4, workers=2))  # without: (images, targets)
 
 
+@pytest.mark.parametrize("fused", [True, False])
+def test_nested_subsets_index_the_database(kinds: dict[str, Path], fused: bool) -> None:
+    """A Subset of a Subset (negative indices too): each batch's index is the database's, on the fused path and the
+    per-sample one (a transform of one's own), as ``PredictionWriter`` maps it."""
+    transform = CenterCropResize(16) if fused else (lambda image: image[:, :8, :8].contiguous())
+    dataset = LmdbImageDataset(kinds["float"], transform=transform)
+    outer = list(range(5, TRAIN))  # samples 5.. of the split
+    inner = [0, 2, 4, -1, -3]  # of those: 5, 7, 9, 39, 37
+    loader = create_loader(Subset(Subset(dataset, outer), inner), 2, workers=2, return_index=True)
+    assert loader.dataset.fused is fused
+    assert np.concatenate([_check(batch, dataset) for batch in loader]).tolist() == [5, 7, 9, TRAIN - 1, TRAIN - 3]
+
+
 def test_batches_built_in_fresh_memory_hold_targets_and_index(kinds: dict[str, Path]) -> None:
     """Worker processes whose slots are all kept by the loop build batches in fresh memory: targets and index too."""
     dataset = LmdbImageDataset(kinds["multilabel"], transform=CenterCropResize(16))

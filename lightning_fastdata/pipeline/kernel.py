@@ -41,7 +41,7 @@ from lightning_fastdata.keyed_random import AugmentKey, sample_key
 from lightning_fastdata.pipeline.color import COLUMNS, BatchColor, ImagePlan, with_params
 from lightning_fastdata.pipeline.device_decode import collate_encoded, encoded_sample
 from lightning_fastdata.pipeline.slots import Batches, FreshBatch, SlotBatch, SlotLayout, SlotMemory
-from lightning_fastdata.pipeline.targets import fill_targets, new_targets, true_index, with_index
+from lightning_fastdata.pipeline.targets import fill_targets, new_targets, subset_view, true_index, with_index
 from lightning_fastdata.pipeline.views import MultiViewCrop
 from lightning_fastdata.skipping import SkipCounter
 from lightning_fastdata.store.format import RecordHeader
@@ -52,10 +52,13 @@ Output = Literal["uint8", "float", "encoded"]
 
 
 def _split_view(dataset: Dataset) -> tuple[Dataset, np.ndarray | None]:
-    """``(base, indices)`` of a fixed subset (``torch.utils.data.Subset`` or the DataModule's held-out view)."""
-    inner, indices = getattr(dataset, "dataset", None), getattr(dataset, "indices", None)
-    if isinstance(inner, LmdbImageDataset) and indices is not None:
-        return inner, np.asarray(indices, dtype=np.int64)
+    """``(base, indices)`` of a fixed subset of a database (:func:`subset_view`): ``(dataset, None)`` for any other.
+
+    Nested or not: ``torch.utils.data.Subset``, the DataModule's held-out view.
+    """
+    base, indices = subset_view(dataset)
+    if isinstance(base, LmdbImageDataset) and indices is not None:
+        return base, indices
     return dataset, None
 
 

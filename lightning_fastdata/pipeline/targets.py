@@ -9,6 +9,7 @@ that holds the batch. With ``return_index`` the batch also holds each sample's t
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -50,12 +51,40 @@ def new_targets(spec: TargetSpec, n: int, pinned: bool) -> Tensor:
     return torch.from_numpy(np.empty(shape, dtype=spec.dtype))
 
 
+def subset_view(dataset: Any) -> tuple[Any, np.ndarray | None]:
+    """``(base, indices)``: the dataset a subset views, through nested subsets, and each sample's index into it.
+
+    A subset is what has the dataset it views as ``dataset`` and its indices into it as ``indices``
+    (``torch.utils.data.Subset``, the DataModule's held-out view); the indices of each level are mapped through those
+    of the level below, and a negative one counts from the end, as ``dataset[index]`` reads it. ``(dataset, None)``
+    for a dataset that is no subset, or whose indices are not integers.
+    """
+    base, indices = dataset, None
+    while getattr(base, "indices", None) is not None and getattr(base, "dataset", None) is not None:
+        try:
+            level = np.asarray(base.indices, dtype=np.int64).reshape(-1)
+        except (TypeError, ValueError):  # indices of a kind of one's own: not mapped
+            return dataset, None
+        inner = base.dataset
+        with contextlib.suppress(TypeError):  # a dataset without a length: its indices are what they say
+            level = np.where(level < 0, level + len(inner), level)
+        indices = level if indices is None else level[indices]
+        base = inner
+    return base, indices
+
+
 def true_index(dataset: Any, view: np.ndarray | None, index: int) -> int:
-    """Sample ``index``'s dataset index: through a subset (``view``, or any dataset's ``indices``) what it views."""
+    """Sample ``index``'s dataset index: through subsets (``view``: :func:`subset_view`'s, or found now) what it views.
+
+    Without ``view``, each level's ``indices`` are looked up for this one sample (nested subsets too).
+    """
     if view is not None:
         return int(view[index])
-    inner = getattr(dataset, "indices", None)
-    return int(inner[index]) if inner is not None and hasattr(dataset, "dataset") else int(index)
+    while getattr(dataset, "indices", None) is not None and getattr(dataset, "dataset", None) is not None:
+        index, dataset = dataset.indices[index], dataset.dataset
+        if index < 0:
+            index += len(dataset)
+    return int(index)
 
 
 def with_index(sample: Any, index: int) -> tuple[Any, ...]:
