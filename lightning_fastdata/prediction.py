@@ -29,6 +29,8 @@ from typing_extensions import override
 from lightning_fastdata.errors import InvalidArgumentError, SampleError
 from lightning_fastdata.pipeline.kernel import BatchReader
 from lightning_fastdata.pipeline.targets import subset_view
+from lightning_fastdata.splits import split_sources
+from lightning_fastdata.store.reader import LmdbImageDataset
 
 try:
     import fcntl
@@ -150,6 +152,8 @@ class PredictionWriter(BasePredictionWriter):
         self._part: IO[bytes] | None = None
         self._classes: list[str] | None = None
         self._sources: list[str] | None = None
+        #: the split that ``_sources`` names the files of (``None``: not known)
+        self._sources_of: str | None = None
         #: samples of the predicted split the parts must cover (``None``: not checked), and the batches that ran of
         #: those the loader has, when `limit_predict_batches` cut it short
         self._samples: int | None = None
@@ -188,19 +192,27 @@ class PredictionWriter(BasePredictionWriter):
             names = [str(name) for name in spec.names]
             if len(names) == self._dim and len(set(names)) == len(names) and not set(names) & set(_COLUMNS):
                 self._names = names
+        self._sources_of = None
         predict_sources = getattr(datamodule, "predict_sources", None)
         if callable(predict_sources) and trainer.global_rank == 0:  # only rank zero writes the file
             try:
                 self._sources = list(predict_sources())
+                self._sources_of = str(datamodule.resolved_predict_split())  # type: ignore[union-attr]
             except ValueError as err:  # a database converted before sources were stored: the rows still have indices
                 log.warning("predictions are written without their `source`: %s", err)
+            except AttributeError:  # a DataModule of one's own with `predict_sources` only: its split is not known
+                pass
 
     @override
     def on_predict_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.output_path.parent.mkdir(parents=True, exist_ok=True)
         self._close()
         self._samples, self._limited = _split_to_cover(trainer)
-        self._indices = _viewed_indices(getattr(_predict_loader(trainer), "dataset", None))
+        base, self._indices = _viewed(getattr(_predict_loader(trainer), "dataset", None))
+        if self._sources_of is not None and isinstance(base, LmdbImageDataset) and base.split != self._sources_of:
+            # a predict dataset of one's own, of another split than `predict_split` (a Subset of `train`, say): the
+            # rows name that split's files
+            self._sources, self._sources_of = split_sources(Path(base.path), base.split), base.split
         self._parts_complete = False
         self._part = open(self.part_path(trainer.global_rank), "wb")  # noqa: SIM115 - open until the merge
 
@@ -551,15 +563,15 @@ def _predict_loader(trainer: Trainer) -> Any:
     return loaders[0] if isinstance(loaders, list | tuple) and loaders else loaders
 
 
-def _viewed_indices(dataset: Any) -> np.ndarray | None:
-    """Each sample of ``dataset`` as an index of the dataset it views through subsets; ``None`` for no subset.
+def _viewed(dataset: Any) -> tuple[Any, np.ndarray | None]:
+    """``(base, indices)``: the dataset ``dataset`` views through subsets, each sample's index in it (``None``: none).
 
     Nested subsets to any depth (:func:`~lightning_fastdata.pipeline.targets.subset_view`); a :class:`BatchReader`
     (what a loader of this package reads its dataset through) is looked through.
     """
     while isinstance(dataset, BatchReader):  # a reader of the subset: its `indices` are the subset's own
         dataset = dataset.dataset
-    return subset_view(dataset)[1]
+    return subset_view(dataset)
 
 
 def _agree(first: Any, again: Any) -> bool:

@@ -316,6 +316,20 @@ def test_a_subset_names_the_files_it_views(database: Path, tmp_path: Path, subse
         assert row["class"] == Path(row["source"]).parent.name
 
 
+def test_a_subset_of_another_split_names_that_splits_files(database: Path, tmp_path: Path) -> None:
+    """A predict dataset of one's own over `train` while `predict_split` is `val`: the rows name `train`'s files, of
+    the samples viewed (they named `val`'s files of those indices)."""
+    out = tmp_path / "predictions.csv"
+    dm = _dm(database, predict_split="val")
+    dm.predict_dataset = Subset(dm.build_dataset("train", dm.val_transform()), [8, 9, 10, 11])
+    _predict(LabelModel(), dm, PredictionWriter(str(out)))
+    rows = _csv(out)
+    sources = dm.sources("train")
+    assert [row["source"] for row in rows] == [sources[i] for i in (8, 9, 10, 11)]
+    for row in rows:
+        assert row["class"] == Path(row["source"]).parent.name
+
+
 def _write_parts(writer: PredictionWriter, *ranks: list[int]) -> None:
     """Part files of class rows (label 0) for the sample indices of each rank."""
     for rank, indices in enumerate(ranks):
