@@ -43,11 +43,14 @@ class NotRegularFileError(OSError):
 
 
 class FileTooLargeError(OSError):
-    """A regular file of more bytes than its reader's ``limit``: refused, nothing past the limit read."""
+    """A regular file of more bytes than its reader's ``limit``: refused, nothing past the limit read.
 
-    def __init__(self, path: str, limit: int) -> None:
+    ``size``: the bytes it holds, as far as known (its ``fstat`` size, or ``limit + 1`` where that said less).
+    """
+
+    def __init__(self, path: str, limit: int, size: int) -> None:
         super().__init__(f"{path!r} holds more than the {limit} bytes it may")
-        self.path, self.limit = path, limit
+        self.path, self.limit, self.size = path, limit, size
 
 
 def file_kind(mode: int) -> str:
@@ -113,7 +116,7 @@ def read_opened(fd: int, st: os.stat_result, *, limit: int | None = None, name: 
 
     """
     if limit is not None and st.st_size > limit:
-        raise FileTooLargeError(name, limit)
+        raise FileTooLargeError(name, limit, st.st_size)
     bound = st.st_size if limit is None else limit + 1  # one byte past the limit tells a file that holds more
     chunks: list[bytes] = []
     size = 0
@@ -124,7 +127,7 @@ def read_opened(fd: int, st: os.stat_result, *, limit: int | None = None, name: 
         chunks.append(chunk)
         size += len(chunk)
     if limit is not None and size > limit:
-        raise FileTooLargeError(name, limit)
+        raise FileTooLargeError(name, limit, max(size, st.st_size))
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 

@@ -99,7 +99,8 @@ def _socket_file(path: Path) -> None:
 def test_a_list_naming_dev_zero_a_fifo_and_a_socket_skips_each_and_converts_the_rest(tmp_path):
     """``/dev/zero`` (absolute paths are allowed), a link to it, a FIFO, a socket, a folder: each skipped and counted,
     in this process and in a pool, without being opened; ``strict`` refuses them and writes nothing.
-    ``/proc/self/status``, a regular file whose size says 0, is read up to that size: an empty file."""
+    ``/proc/self/status``, a regular file whose size says 0 but holds more, is read to its end within the cap on a
+    source's size (``MAX_SOURCE_BYTES``): not an image."""
     root = tmp_path / "root"
     _image(root / "good.jpg")
     os.mkfifo(root / "fifo.jpg")
@@ -120,7 +121,7 @@ def test_a_list_naming_dev_zero_a_fifo_and_a_socket_skips_each_and_converts_the_
         str(root / "zero.jpg"): f"a character device (a symbolic link to '/dev/zero'), {_NOT_AN_IMAGE}",
         str(root / "sock.jpg"): f"a socket, {_NOT_AN_IMAGE}",
         str(root / "folder.jpg"): f"a folder, {_NOT_AN_IMAGE}",
-        "/proc/self/status": "empty file (0 bytes)",
+        "/proc/self/status": "not an image: the content is in no format Pillow can read",
     }
     for result in results[:2]:
         assert result.get("written") == 1, result
@@ -141,6 +142,31 @@ def test_an_image_folder_with_a_fifo_and_a_link_to_dev_zero_skips_both(tmp_path)
     assert result.get("written") == 2, result
     assert sorted(result["skipped"]) == [str(src / "cat" / "fifo.jpg"), str(src / "dog" / "zero.png")]
     assert result["skipped"][str(src / "cat" / "fifo.jpg")].startswith(f"a FIFO (named pipe), {_NOT_AN_IMAGE}")
+
+
+def test_a_source_file_over_the_size_cap_is_skipped_unread(tmp_path):
+    """A (sparse) file of 2 GiB + 1 byte named in a list: skipped, saying its size and the cap, in this process and in
+    a pool, without being read (the child's address space is 2 GiB: a read would end in a MemoryError); an
+    ``ImageFolder``'s loader refuses it too."""
+    root = tmp_path / "root"
+    _image(root / "good.jpg")
+    with open(root / "huge.jpg", "wb") as fh:
+        fh.truncate((2 << 30) + 1)
+    src = root / "list.csv"
+    src.write_text("path,label\ngood.jpg,a\nhuge.jpg,b\n")
+    *converted, loader = _in_child(
+        {"op": "convert", "src": str(src), "dst": str(tmp_path / "db0"), "kwargs": {"num_workers": 0}},
+        {"op": "convert", "src": str(src), "dst": str(tmp_path / "db2"), "kwargs": {"num_workers": 2}},
+        {"op": "open_image_file", "path": str(root / "huge.jpg")},
+    )
+    for result in converted:
+        assert result.get("written") == 1, result
+        assert result["skipped"] == {
+            str(root / "huge.jpg"): "a file of 2.0 GiB, over the 2 GiB a source image may have (no image Pillow"
+            " decodes is that large); it was not read"
+        }
+    assert loader["error"] == "SampleError"
+    assert "holds more than the 2147483648 bytes it may" in loader["message"]
 
 
 def test_a_worker_opens_only_regular_files(tmp_path):

@@ -25,10 +25,10 @@ import simplejpeg
 from PIL import Image, UnidentifiedImageError
 
 from lightning_fastdata._cv import cv2
-from lightning_fastdata._files import NotRegularFileError, read_regular
+from lightning_fastdata._files import FileTooLargeError, NotRegularFileError, read_regular
 from lightning_fastdata.cpus import usable_cpu_count
 from lightning_fastdata.store.format import ENCODING_JPEG, ENCODING_RAW, MAX_SIDE
-from lightning_fastdata.store.sources import not_an_image_reason
+from lightning_fastdata.store.sources import MAX_SOURCE_BYTES, not_an_image_reason, too_large_reason
 from lightning_fastdata.store.summary import image_error_reason
 from lightning_fastdata.store.targets import MIXED_KINDS, TargetSpec, check_target, kind_of_value
 
@@ -234,9 +234,11 @@ def _load_task(task: Task) -> tuple[Any, Any, int]:
     split, item, label = task
     if isinstance(item, str):
         try:  # only a regular file, read up to its size: a path may have become a FIFO or a device since the scan
-            raw = read_regular(item)
+            raw = read_regular(item, limit=MAX_SOURCE_BYTES)
         except NotRegularFileError as err:
             raise _Skip(not_an_image_reason(err.kind)) from None
+        except FileTooLargeError as err:
+            raise _Skip(too_large_reason(err.size)) from None
         except OSError as err:
             raise _Skip(f"cannot read file: {err.strerror or err}") from None
         return raw, label, len(raw)

@@ -59,6 +59,20 @@ SPLIT_ALIASES = {
 LIST_EXTENSIONS = (".csv", ".tsv", ".json")
 
 
+#: the most bytes a source image file may have: it is read whole into memory, and no image Pillow decodes is larger
+#: (twice ``Image.MAX_IMAGE_PIXELS``, where Pillow refuses one, of 16-bit RGBA is 1.4 GB, uncompressed). A list file
+#: may name any regular file: a 20 GB one ended the conversion with a MemoryError
+MAX_SOURCE_BYTES = 2 << 30
+
+
+def too_large_reason(size: int) -> str:
+    """Why a source file of ``size`` bytes, over :data:`MAX_SOURCE_BYTES`, is skipped unread."""
+    return (
+        f"a file of {size / 2**30:.1f} GiB, over the {MAX_SOURCE_BYTES >> 30} GiB a source image may have (no image"
+        " Pillow decodes is that large); it was not read"
+    )
+
+
 def not_an_image_reason(kind: str) -> str:
     """Why a source path that is not a regular file is skipped, and what to do.
 
@@ -325,7 +339,7 @@ def open_image_file(path: str, data: bytes | None = None) -> Image.Image:
     """
     try:
         if data is None:
-            data = read_regular(path)
+            data = read_regular(path, limit=MAX_SOURCE_BYTES)
         return Image.open(io.BytesIO(data)).convert("RGB")
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
         reason = image_error_reason(err, f"{type(err).__name__}: {err}")
