@@ -339,19 +339,19 @@ def test_cache_help_ahead_makes_the_first_call_quick_in_any_wide_terminal(tmp_pa
 
 def test_fit_help_cache_is_keyed_by_the_subpackages_too(tmp_path, monkeypatch):
     """An edited module of ``store/`` or ``monitor/`` changes where ``--help`` is cached, so stale text is not shown."""
-    from lightning_fastdata import cli
+    from lightning_fastdata.cli import help_cache
     from lightning_fastdata.monitor import verdict
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # where --help is cached
-    before = cli._help_cache("fit")
+    before = help_cache.help_path("fit")
     source = Path(verdict.__file__)
     stat = source.stat()
     try:
         os.utime(source, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))
-        assert cli._help_cache("fit") != before
+        assert help_cache.help_path("fit") != before
     finally:
         os.utime(source, ns=(stat.st_atime_ns, stat.st_mtime_ns))
-    assert cli._help_cache("fit") == before
+    assert help_cache.help_path("fit") == before
 
 
 def test_the_help_cache_does_not_move_with_the_data_cache(tmp_path, monkeypatch):
@@ -374,16 +374,16 @@ def test_the_help_cache_does_not_move_with_the_data_cache(tmp_path, monkeypatch)
 def test_a_user_without_a_home_gets_no_help_cache_and_the_full_parser(monkeypatch, capsys):
     """A container's arbitrary uid has no home (``Path.home()`` raises): nothing is cached, and a command still runs
     to the full parser's answer instead of a traceback."""
-    from lightning_fastdata import cli
+    from lightning_fastdata.cli import cache_help, help_cache
 
     def no_home() -> Path:
         raise RuntimeError("Could not determine home directory.")
 
     monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
     monkeypatch.setattr(Path, "home", staticmethod(no_home))
-    assert cli._help_dir() is None
-    assert cli.cache_help(["fit"]) == []
-    assert cli._quick_usage_error("fit", ["--trainer.max_epohcs=3"]) is None
+    assert help_cache.help_dir() is None
+    assert cache_help(["fit"]) == []
+    assert help_cache.quick_usage_error("fit", ["--trainer.max_epohcs=3"]) is None
     assert main(["fit", "--trainer.max_epohcs=3"]) != 0
     assert "error:" in capsys.readouterr().err
 
@@ -451,17 +451,17 @@ _TYPOS = {
 def test_a_typo_told_from_the_cached_help_is_what_the_parser_says(tmp_path, monkeypatch, capsys, extra, told):
     """Each misspelling the cached ``--help`` text can tell is reported as LightningCLI's parser reports it; the others
     (a class's arguments, no close key) are left to the parser."""
-    from lightning_fastdata import cli
+    from lightning_fastdata.cli import cache_help, fit, help_cache
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    cli.cache_help(["fit"])
+    cache_help(["fit"])
     for name, text in _TYPOS.items():
         (tmp_path / name).write_text(text)
     extra = [str(tmp_path / arg) if arg in _TYPOS else arg.replace("=top", f"={tmp_path}/top") for arg in extra]
     argv = ["fit", "--config", "examples/configs/cpu.yaml", *extra]
-    quick = cli._quick_usage_error("fit", argv[1:])
+    quick = help_cache.quick_usage_error("fit", argv[1:])
     assert (quick is not None) is told, quick
-    monkeypatch.setattr(cli, "_quick_usage_error", lambda command, args: None)
+    monkeypatch.setattr(fit, "quick_usage_error", lambda command, args: None)
     assert main(argv) == 2
     said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert quick is None or said == [f"error: {quick}"]
@@ -470,10 +470,10 @@ def test_a_typo_told_from_the_cached_help_is_what_the_parser_says(tmp_path, monk
 @pytest.mark.usefixtures("in_repo")
 def test_the_quick_typo_check_passes_every_valid_argument(tmp_path, monkeypatch):
     """The example configs with options of every form (abbreviated, appended to, a class's, nested) are no typo."""
-    from lightning_fastdata import cli
+    from lightning_fastdata.cli import cache_help, help_cache
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    cli.cache_help()
+    cache_help()
     options = [
         *("--trainer.callbacks+=lightning_fastdata.LoaderMonitor", "--trainer.callbacks+", "LoaderMonitor"),
         *("--trainer.logger", "false", "--trainer.logger.init_args.save_dir", "z", "--trainer.devices+", "1"),
@@ -483,7 +483,7 @@ def test_the_quick_typo_check_passes_every_valid_argument(tmp_path, monkeypatch)
     ]
     for config in sorted((ROOT / "examples" / "configs").glob("*.yaml")):
         for command in ("fit", "validate", "test", "predict"):
-            assert cli._quick_usage_error(command, ["--config", str(config), *options]) is None, (config, command)
+            assert help_cache.quick_usage_error(command, ["--config", str(config), *options]) is None, (config, command)
 
 
 @pytest.mark.parametrize(
