@@ -144,8 +144,9 @@ def usable_cpu_count(cgroup_root: str | os.PathLike[str] = _CGROUP_ROOT) -> int:
 class CpuMeter:
     """CPU time of this process and its descendants (DataLoader workers), as a share of the usable CPUs.
 
-    Listing the descendants scans ``/proc`` (about half a millisecond), so the list is refreshed at most every
-    ``refresh_s`` seconds, and at the next reading after one has gone; reading the listed processes' times is cheap.
+    Listing the descendants scans ``/proc``, so the list is refreshed at most every ``refresh_s`` seconds, and at the
+    next reading after one has gone; reading the listed processes' times is cheap
+    (docs/benchmarks.md#cpu-meter-the-process-list-refreshed-not-read-each-time).
     A process found at a later listing started after the previous one, so all its CPU time counts (none of it was
     counted before); one running when the meter starts counts from then on. A process that exits loses its time
     since the last reading.

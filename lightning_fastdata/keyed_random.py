@@ -164,7 +164,8 @@ def _keyed_process_generators(key: AugmentKey, sample: int) -> Iterator[None]:
     if not keys_process_generators():
         yield
         return
-    # a worker process draws from them for its samples only: nothing to put back (saving NumPy's costs 60 us)
+    # a worker process draws from them for its samples only: nothing to put back, and saving NumPy's state is not free
+    # (docs/benchmarks.md#keyed-random-numbers-worker-processes-save-no-state)
     saved = None if get_worker_info() is not None else (random.getstate(), np.random.get_state())
     random.seed(_sample_seed(key, sample, 1))
     np.random.seed(_sample_seed(key, sample, 2) & 0xFFFFFFFF)

@@ -11,10 +11,10 @@ The kernel is OpenCV on HWC ``uint8`` (the layout JPEG decoders produce), antial
 torchvision's ``antialias=True`` bilinear:
 
 * shrinking by less than 2x (what ``RandomResizedCrop(224)`` does to most large crops of a 256-pixel image): a small
-  blur along each shrunk axis (:func:`_prefilter`), then bilinear. This is 2.8x cheaper than ``INTER_AREA``, whose
-  box filter takes OpenCV's slow general path at non-integer factors (``benchmarks/bench_kernels.py``); on photo-like
-  images a little further from torchvision's output than ``INTER_AREA`` (0.27 vs 0.20 levels), on fine stripes
-  closer;
+  blur along each shrunk axis (:func:`_prefilter`), then bilinear. This is cheaper than ``INTER_AREA``, whose box
+  filter takes OpenCV's slow general path at non-integer factors; on photo-like images a little further from
+  torchvision's output than ``INTER_AREA``, on fine stripes closer
+  (measured: docs/benchmarks.md#crop-kernel-a-prefilter-and-bilinear-below-2x);
 * shrinking by 2x or more on both axes: ``INTER_AREA`` (a box filter; cheap at integer factors);
 * enlarging: bilinear, as torchvision.
 
@@ -357,10 +357,9 @@ class Normalizer:
         """A ``uint8`` HWC image into ``out``, normalized ``float32``: CHW ``(3, H, W)`` or HWC (channels_last).
 
         One table lookup a pixel (``cv2.LUT`` with the 256 normalized values of each channel), which releases the GIL
-        so the loader's threads normalize in parallel. Writing into a 64-image batch on one core it took 44 us an
-        image for CHW (the image split into its planes first, into ``planes`` when given: three ``uint8`` ``(H, W)``
-        scratch arrays) against 113 us for ``cv2.addWeighted`` per plane, and 73 us for HWC against 97 us for two
-        NumPy passes (224 x 224).
+        so the loader's threads normalize in parallel, and takes less time than ``cv2.addWeighted`` per plane or
+        NumPy passes (measured: docs/benchmarks.md#cpu-normalization-one-table-lookup-a-pixel). CHW splits the image
+        into its planes first, into ``planes`` when given: three ``uint8`` ``(H, W)`` scratch arrays.
         """
         if out.shape[-1] == image.shape[-1]:  # HWC: one lookup pass over the interleaved channels
             cv2.LUT(image, self._table, dst=out)
@@ -420,9 +419,9 @@ def normalize_float(
 def _host_empty(shape: torch.Size, channels_last: bool) -> Tensor:
     """An uninitialized float32 CPU tensor backed by NumPy's allocator.
 
-    NumPy asks the kernel for transparent huge pages on large buffers, so a fresh 38 MB batch costs ~20 page faults
-    instead of ~9,400: this halves the cost of normalizing a batch on the CPU (measured 14 ms -> 7 ms for
-    64x3x224x224 on one core).
+    NumPy asks the kernel for transparent huge pages on large buffers, so a fresh batch costs a few page faults
+    instead of one per 4 KiB page, which were a large part of the cost of normalizing a batch on the CPU
+    (measured: docs/benchmarks.md#cpu-float-batches-numpys-allocator).
     """
     if not channels_last:
         return torch.from_numpy(np.empty(tuple(shape), dtype=np.float32))

@@ -40,8 +40,9 @@ The ops, in the recipe's order, on the 0-255 scale:
 Jitter and grayscale are linear in the pixel, so they are composed into one ``3 x 3`` matrix and an offset per sample
 (:func:`color_matrices`) and applied in one pass, clipped to 0-255 once at the end, as DALI's ``color_twist`` does.
 The hue turns each pixel about the grey axis in YIQ space (DALI's ``hsv`` / ``color_twist`` and NVIDIA's
-approximation), not through torchvision's HSV round trip: the round trip is 9 branchy passes over the image, which on
-a CPU cost 15 ms an image for DINO's 8 views against about 0.03 ms for the matrix. A pixel's grey (luma) is kept; a
+approximation), not through torchvision's HSV round trip: the round trip is 9 branchy passes over the image, where the
+matrix is one (measured: docs/benchmarks.md#cpu-colour-hue-as-one-matrix-not-an-hsv-round-trip). A pixel's grey
+(luma) is kept; a
 hue shift of ``h`` turns a saturated colour by about ``h`` of a turn, in HSV's direction (red to yellow for h > 0).
 Brightness and contrast alone are torchvision's, up to rounding; combined, the intermediate clipping torchvision does
 between the steps is left out.
@@ -349,7 +350,8 @@ class BatchColor:
                 affine[:, 3] *= red * _GREY[0] + green * _GREY[1] + blue * _GREY[2]
             cv2.transform(image, affine, dst=image)
         sigma = plan.sigma[row]
-        if sigma > 0:  # separable, in float taps (OpenCV's uint8 GaussianBlur takes 3x as long for most sigmas)
+        # separable float taps: uint8 GaussianBlur is slower (docs/benchmarks.md#cpu-blur-separable-float-taps)
+        if sigma > 0:
             kernel = self._kernel(sigma)
             cv2.sepFilter2D(image, -1, kernel, kernel, dst=image, borderType=cv2.BORDER_REFLECT_101)
         if plan.solarize[row]:

@@ -38,7 +38,8 @@ class EncodedImages:
     Pickled (what a DataLoader worker process does to send it to the training process), the batch is packed: the JPEG
     bytes of all its images in one flat uint8 tensor, allocated in shared memory, with their int64 offsets, boxes and
     flips pickled inline (a few hundred bytes). A worker so sends one shared-memory segment and file descriptor per
-    batch, not one per image, each of which cost the training process about 200 us to receive. Unpickled, ``data`` is
+    batch, not one per image, each of which the training process would receive at a cost of its own
+    (measured: docs/benchmarks.md#device-decode-one-flat-buffer-per-batch-across-processes). Unpickled, ``data`` is
     per-image views of that flat tensor (no copy), which is what ``decode_jpeg`` takes. The pack is done on pickling,
     not in :func:`collate_encoded`, so a batch that stays in its process (the thread engine) is never copied, and
     every reader of ``data`` sees the same list of per-image tensors on either side. Images that are not JPEG (raw

@@ -23,9 +23,8 @@ wait, and never a slot with two owners.
 batches at once, whose pages are mapped (and zeroed) already. A slot's first write in a process costs a page fault per
 page: per 4 KiB page of shared memory (no transparent huge pages there unless the kernel's ``shmem_enabled`` allows
 them; the first fault anywhere also zeroes the page, which ``posix_fallocate`` leaves to it), per zeroed 2 MiB huge
-page of private memory. For a 120 MB batch of DINO's 8 float32 views that was 29,000 faults and up to 0.3 s of system
-time in a worker on a 2-core VM, six times the batch's own work; taken in turn, each of the 16 slots of a pool sized
-for two workers' tasks in flight paid it in each worker before one was reused.
+page of private memory. Taken in turn, every slot of the pool paid that in each worker before one was reused, several
+times a batch's own work (measured: docs/benchmarks.md#batch-slots-the-slot-freed-last-is-reused-first).
 
 The memory is private to the process (the threads engine) or shared with worker processes (the process engine):
 an anonymous ``memfd`` on Linux, reserved up front with ``posix_fallocate``, so nothing is ever named in

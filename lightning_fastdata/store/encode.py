@@ -166,10 +166,10 @@ def _downscale_jpeg(raw: bytes, target: tuple[int, int], quality: int) -> tuple[
     libjpeg-turbo decodes (at half scale in the DCT when the source is at least twice the target: exact and SIMD);
     a Gaussian prefilter then a bilinear resize shrink it, antialiased; libjpeg-turbo encodes with 4:2:0 chroma, as
     Pillow does. The prefilter's sigma, ``0.5 * sqrt(ratio**2 - 1)``, blurs about as much as an antialiased bilinear
-    (triangle) filter of the same ratio, Pillow's and torchvision's: files come out the size Pillow's give (16.3 vs
-    16.0 KiB per photo here), where scikit-image's weaker ``(ratio - 1) / 2`` kept grain that made them 20% larger,
-    and slower to decode in every epoch. Measured on one core here, per 300-640 px photo: 2.2 ms, against 4.8 ms
-    with Pillow's decode, bicubic resize and encode (3.1 ms with OpenCV's ``INTER_AREA``).
+    (triangle) filter of the same ratio, Pillow's and torchvision's: files come out the size Pillow's give, where
+    scikit-image's weaker ``(ratio - 1) / 2`` kept grain that made them larger and slower to decode in every epoch;
+    and it takes less time than Pillow's decode, resize and encode
+    (measured: docs/benchmarks.md#conversion-prefilter-the-blur-of-an-antialiased-bilinear-filter).
     """
     try:
         height, width, _, _ = simplejpeg.decode_jpeg_header(raw)
@@ -220,8 +220,9 @@ def _init_worker(
     _STATE["datasets"] = datasets
     _STATE["opts"] = opts
     _STATE["targets"] = targets
-    # One thread per worker: the pool already uses every core. Encoding needs no torch (importing it took ~5 s per
-    # worker, more than a small conversion); torch is capped only where it is already loaded: inherited by fork from
+    # One thread per worker: the pool already uses every core. Encoding needs no torch (importing it takes longer than
+    # a small conversion: docs/benchmarks.md#conversion-workers-no-torch-and-a-pool-only-where-it-pays); torch is
+    # capped only where it is already loaded: inherited by fork from
     # a caller that uses it, or imported by a dataset that reached this worker pickled.
     torch = sys.modules.get("torch")
     if torch is not None:
@@ -286,7 +287,8 @@ def _pool_pays(seconds_per_task: float, remaining: int, workers: int, method: st
     """Whether a pool of ``workers`` encodes ``remaining`` tasks sooner than this process, counting its start.
 
     A forked worker starts in milliseconds; a spawned or forkserver one (Python 3.14's default on Linux) imports this
-    package first, about 0.3 s here. The pool must save twice a generous start time, so it never costs time.
+    package first (measured: docs/benchmarks.md#conversion-workers-no-torch-and-a-pool-only-where-it-pays). The
+    pool must save twice a generous start time, so it never costs time.
     """
     if workers < 2:  # one worker only moves the work out of this process
         return False

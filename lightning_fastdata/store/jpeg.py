@@ -16,11 +16,11 @@ import struct
 from typing import NamedTuple
 
 #: the most scans a JPEG may have (unless the reader's ``max_pixels`` is ``None``). libjpeg decodes a progressive JPEG
-#: scan by scan, each a pass over the 8x8 blocks of its components however few bytes it holds (about 6 ms a scan of a
-#: 48 MiP greyscale image here): a valid record of 2,647 scans, each a run of empty blocks, took 29.8 s (issue 43).
-#: Encoders write about 10 (libjpeg's progression: 10 for colour, 6 for grey, 60 at most, for 10 components); 100 keep
-#: a 48 MiP image under about 1 s. libjpeg-turbo's own fuzzers stop at 500 scans (``TJPARAM_SCANLIMIT``), on images of
-#: at most 1 MP, whose scans cost 1/48 of these.
+#: scan by scan, each a pass over the 8x8 blocks of its components however few bytes it holds, so thousands of empty
+#: scans take tens of seconds (issue 43; docs/benchmarks.md#jpeg-scan-limit-100-scans). Encoders write about 10
+#: (libjpeg's progression: 10 for colour, 6 for grey, 60 at most, for 10 components); 100 keep a 48 MiP image under
+#: about 1 s. libjpeg-turbo's own fuzzers stop at 500 scans (``TJPARAM_SCANLIMIT``), on images of at most 1 MP, whose
+#: scans cost 1/48 of these.
 MAX_JPEG_SCANS = 100
 #: scans are counted up to this many (a message names the count): the walk over them stays a few ms
 _SCANS_COUNTED = 1 << 16

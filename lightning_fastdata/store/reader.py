@@ -58,7 +58,8 @@ _CMYK_COST = 7
 _PIL_FORMATS = {ENCODING_JPEG: "JPEG", ENCODING_PNG: "PNG"}
 _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 #: a PNG of at most this many pixels decodes from its bytes, with OpenCV's copy (6 bytes a pixel: 6 MiB at most); a
-#: larger one through a file in memory, straight into NumPy's (3 bytes a pixel), which costs ~0.1 ms more (the file)
+#: larger one through a file in memory, straight into NumPy's (3 bytes a pixel), at the cost of the file's pages
+#: (docs/benchmarks.md#png-records-from-their-bytes-up-to-1-mip)
 _PNG_COPIED_PIXELS = 1 << 20
 _RAISE_HINT = (
     "If you trust this database, raise `max_pixels` (LmdbImageDataset or FastImageDataModule, `--data.max_pixels` on"
