@@ -270,7 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _convert(args: argparse.Namespace) -> int:
     from lightning_fastdata.store.conversion import convert
-    from lightning_fastdata.store.writer import clean_stale_conversions
+    from lightning_fastdata.store.leftovers import clean_stale_conversions
 
     if args.clean is not None:
         if is_url(args.clean):

@@ -1832,7 +1832,7 @@ def test_a_killed_conversion_is_reported_and_cleaned_by_convert_clean(tmp_path, 
 
 def test_clean_puts_back_a_database_moved_aside_by_a_killed_replacement(split_folder, tmp_path):
     """A ``.X.old`` whose ``X`` is missing (killed between the two renames of a replacement) is restored, not lost."""
-    from lightning_fastdata.store.writer import clean_stale_conversions
+    from lightning_fastdata.store.leftovers import clean_stale_conversions
 
     dst = tmp_path / "db"
     _run(split_folder, dst)

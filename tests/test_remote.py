@@ -1345,13 +1345,11 @@ def test_a_range_counts_as_done_only_once_its_bytes_are_on_disk(
 ):
     """progress.json lists a range only after its file was synced since the range was written; the copy and its
     record are synced before the rename that publishes it, and the rename is synced."""
-    from lightning_fastdata.store import writer
-
     monkeypatch.setattr(remote, "RANGE_SIZE", 8192)
     monkeypatch.setattr(remote, "SYNC_SECONDS", 0.0, raising=False)  # a record after every range
     events: list[tuple[Any, ...]] = []
     real_pwrite, real_datasync, real_fsync = os.pwrite, os.fdatasync, os.fsync
-    real_write, real_publish = remote._write_json, writer._publish
+    real_write, real_publish = remote.write_json, remote.move_into_place
 
     def pwrite(fd: int, data: bytes, offset: int) -> int:
         events.append(("write", os.readlink(f"/proc/self/fd/{fd}"), offset))
@@ -1369,8 +1367,10 @@ def test_a_range_counts_as_done_only_once_its_bytes_are_on_disk(
     monkeypatch.setattr(os, "pwrite", pwrite)
     monkeypatch.setattr(os, "fdatasync", lambda fd: sync(fd, real_datasync))
     monkeypatch.setattr(os, "fsync", lambda fd: sync(fd, real_fsync))
-    monkeypatch.setattr(remote, "_write_json", record)
-    monkeypatch.setattr(writer, "_publish", lambda tmp, dst: events.append(("publish",)) or real_publish(tmp, dst))
+    monkeypatch.setattr(remote, "write_json", record)
+    monkeypatch.setattr(
+        remote, "move_into_place", lambda tmp, dst: events.append(("publish",)) or real_publish(tmp, dst)
+    )
     staged = remote.stage(published, tmp_path, progress=False)
     work = remote.partial_path(staged.path)
     checked = 0

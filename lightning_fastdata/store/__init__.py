@@ -5,7 +5,10 @@ One module per concern, in the order a sample travels:
 * :mod:`~lightning_fastdata.store.sources`: reading a source (image folders, split folders, list files) into a plan;
 * :mod:`~lightning_fastdata.store.hf`: the Hugging Face ``datasets`` adapter of ``convert_dataset``;
 * :mod:`~lightning_fastdata.store.encode`: the per-image options and encoding, in worker processes;
-* :mod:`~lightning_fastdata.store.writer`: the LMDB writer, the lock per target, publishing and cleaning up;
+* :mod:`~lightning_fastdata.store.writer`: the LMDB writer of a conversion;
+* :mod:`~lightning_fastdata.store.ondisk`: what the writer and staging do on disk: the lock per target, the working
+  copy, the move into place by rename, files of this user's own;
+* :mod:`~lightning_fastdata.store.leftovers`: what interrupted conversions and stagings left, found and cleaned up;
 * :mod:`~lightning_fastdata.store.conversion`: the entry points ``convert`` and ``convert_dataset``;
 * :mod:`~lightning_fastdata.store.summary`: what a conversion reports (``ConversionSummary``, ``SkippedFile``);
 * :mod:`~lightning_fastdata.store.format`: the on-disk format shared by writer and reader (``read_meta``, ...);

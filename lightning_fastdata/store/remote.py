@@ -8,15 +8,16 @@ A published database is a folder (a key prefix) holding the database's files (``
 the store gives one) and SHA-256, and an id that changes with every publication. A folder without the marker (an
 upload under way or interrupted) is refused, so nothing half-uploaded is ever read.
 
-Staging (:func:`stage`), under the cache's lock of the staged copy (:func:`~lightning_fastdata.store.writer`'s, which
-works across jobs on one node): read the marker (the only request when the node already holds this publication) and
-refuse one that names any file but the published ones, fetch every file in parallel ranged reads into the hidden
-working copy ``.NAME.partial`` (the ranges done, synced to disk, are kept in ``progress.json`` there, so an
-interrupted staging resumes), hash each file as its ranges complete and compare it with the marker's SHA-256, rename
-the working copy into place, and open it. The staged copy keeps the marker it was staged from in ``staged.json``. A
-bucket's data is never trusted: nothing is written outside the working copy, nor through a link planted in it, each
-range is written once (what is hashed is what is published), a server cannot make staging hold more than a range per
-read (over HTTP), and a URL's user-info (and an http(s) query) is shown nowhere (:func:`redact_url`).
+Staging (:func:`stage`), under the cache's lock of the staged copy
+(:func:`~lightning_fastdata.store.ondisk.target_lock`, which works across jobs on one node): read the marker (the only
+request when the node already holds this publication) and refuse one that names any file but the published ones, fetch
+every file in parallel ranged reads into the hidden working copy ``.NAME.partial`` (the ranges done, synced to disk, are
+kept in ``progress.json`` there, so an interrupted staging resumes), hash each file as its ranges complete and compare
+it with the marker's SHA-256, rename the working copy into place, and open it. The staged copy keeps the marker it was
+staged from in ``staged.json``. A bucket's data is never trusted: nothing is written outside the working copy, nor
+through a link planted in it, each range is written once (what is hashed is what is published), a server cannot make
+staging hold more than a range per read (over HTTP), and a URL's user-info (and an http(s) query) is shown nowhere
+(:func:`redact_url`).
 
 Credentials and endpoints come from fsspec and its backend alone (``AWS_*`` variables, profiles and instance roles
 for s3fs, ``FSSPEC_<PROTOCOL>_<OPTION>`` variables such as ``FSSPEC_S3_ENDPOINT_URL``); this module holds none. An
@@ -67,6 +68,17 @@ from lightning_fastdata.store.format import (
     parse_json,
     partial_path,
     read_meta,
+)
+from lightning_fastdata.store.ondisk import (
+    foreign_kind,
+    fsync_dir,
+    move_into_place,
+    not_own,
+    open_own,
+    recover_interrupted_publish,
+    target_lock,
+    unwritable_error,
+    write_json,
 )
 
 if TYPE_CHECKING:
@@ -508,19 +520,6 @@ def _read_json(path: Path) -> dict[str, Any] | None:
     return value if isinstance(value, dict) else None
 
 
-def _write_json(path: Path, value: dict[str, Any]) -> None:
-    """Write ``value`` atomically and durably: a temporary file, synced, renamed into place, its folder synced."""
-    from lightning_fastdata.store.writer import _fsync_dir
-
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    with os.fdopen(fd, "w") as fh:
-        json.dump(value, fh)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
 def _read_marker(fs: AbstractFileSystem, path: str, shown: str) -> dict[str, Any]:
     """The marker of the database at ``shown``: one request, and checked (:func:`_check_marker`) before any write.
 
@@ -626,13 +625,11 @@ def _check_own_copy(path: Path) -> None:
             read, restored or removed through it.
 
     """
-    from lightning_fastdata.store.writer import _foreign
-
     try:
         found = os.lstat(path)
     except FileNotFoundError:
         return
-    what = _foreign(found, directory=True)
+    what = foreign_kind(found, directory=True)
     if what is not None:
         raise DestinationError(
             f"the staged copy {str(path)!r} is {what}: a copy this user did not stage could hold any bytes, so nothing"
@@ -704,24 +701,16 @@ def stage(
 
 def _stage(url: str, root: str | os.PathLike[str], progress: bool, argument: str, check: bool) -> StagedDatabase:
     """:func:`stage`, whose errors may name the URL's secrets in their chain: :func:`_keeping_secrets` clears it."""
-    from lightning_fastdata.store.writer import (
-        _fsync_dir,
-        _publish,
-        _recover_interrupted_publish,
-        _target_lock,
-        _unwritable_error,
-    )
-
     shown = redact_url(url)
     target = staged_path(url, Path(root))
     fs, path = filesystem(url, argument)
     with contextlib.suppress(OSError):
         target.parent.mkdir(parents=True, exist_ok=True)
-    with _target_lock(target) as unlockable:
+    with target_lock(target) as unlockable:
         for copy in (target, target.parent / f".{target.name}.old"):
             _check_own_copy(copy)
         if unlockable is None:  # without the lock, another process may be replacing the copy: nothing is moved
-            _recover_interrupted_publish(target)
+            recover_interrupted_publish(target)
         marker = _read_marker(fs, path, shown)
         if _is_staged(target, marker):
             damage = _cannot_open(target) if check else None
@@ -734,17 +723,17 @@ def _stage(url: str, root: str | os.PathLike[str], progress: bool, argument: str
             log.warning("%s: %s", shown, reason)
             shutil.rmtree(target)
         elif unlockable is not None:  # a read-only cache, or one without file locks: only a staged copy may be used
-            raise _unwritable_error(target, unlockable, outdated=target.exists()) from unlockable
+            raise unwritable_error(target, unlockable, outdated=target.exists()) from unlockable
         else:
             old = (_read_json(target / STAGED_RECORD) or {}).get("marker")
             reason = _why_restaged(old, marker, shown) if isinstance(old, dict) else None
             log.info(reason or f"staging {shown} into {target}")
         work = partial_path(target)
         _fetch_all(fs, path, shown, marker, work, progress)
-        _write_json(work / STAGED_RECORD, {"url": shown, "marker": marker})
+        write_json(work / STAGED_RECORD, {"url": shown, "marker": marker})
         (work / PROGRESS_FILE).unlink(missing_ok=True)
-        _fsync_dir(work)
-        _publish(work, target)
+        fsync_dir(work)
+        move_into_place(work, target)
         damage = _cannot_open(target) if check else None
         if damage is not None:  # the bytes are the publication's (SHA-256): fetching them again cannot help
             shutil.rmtree(target, ignore_errors=True)
@@ -758,12 +747,10 @@ def _stage(url: str, root: str | os.PathLike[str], progress: bool, argument: str
 
 def find_staged(url: str, root: str | os.PathLike[str]) -> Path | None:
     """The staged copy of ``url`` under ``root``, waiting for a staging under way; no request (``None``: none yet)."""
-    from lightning_fastdata.store.writer import _target_lock
-
     target = staged_path(url, Path(root))
     if not target.parent.is_dir():
         return None
-    with _target_lock(target):
+    with target_lock(target):
         _check_own_copy(target)
         return target if _is_staged(target) else None
 
@@ -812,7 +799,7 @@ def _fetch_all(
             MARKER,
         )
         state["done"] = {name: starts for name, starts in state["done"].items() if name not in bad}
-        _write_json(work / PROGRESS_FILE, state)  # a run stopped before they are fetched again fetches them too
+        write_json(work / PROGRESS_FILE, state)  # a run stopped before they are fetched again fetches them too
         bad = _fetch_files(fs, path, shown, marker, work, state, progress)
     if bad:
         shutil.rmtree(work, ignore_errors=True)
@@ -830,14 +817,12 @@ def _working_copy(work: Path, marker: dict[str, Any]) -> dict[str, Any]:
         DestinationError: ``work`` is a symbolic link, not a folder, or another user's.
 
     """
-    from lightning_fastdata.store.writer import _not_own
-
     try:
         found = os.lstat(work)
     except FileNotFoundError:
         work.mkdir()
         found = os.lstat(work)
-    refused = _not_own(work, found, directory=True)
+    refused = not_own(work, found, directory=True)
     if refused is not None:
         raise refused
     state = _read_json(work / PROGRESS_FILE)
@@ -855,7 +840,7 @@ def _working_copy(work: Path, marker: dict[str, Any]) -> dict[str, Any]:
             else:
                 os.unlink(entry.path)
         state = {"marker": marker, "range_size": RANGE_SIZE, "done": {}}
-        _write_json(work / PROGRESS_FILE, state)  # from the start: `convert --clean` tells it from a conversion's
+        write_json(work / PROGRESS_FILE, state)  # from the start: `convert --clean` tells it from a conversion's
     return state
 
 
@@ -892,8 +877,6 @@ def _fetch_files(
     """
     from tqdm.auto import tqdm
 
-    from lightning_fastdata.store.writer import _open_own
-
     files = marker["files"]
     done = {name: _done_ranges(state, name, want["size"]) for name, want in files.items()}
     total = sum(want["size"] for want in files.values())
@@ -905,7 +888,7 @@ def _fetch_files(
     folder = os.open(work, os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW)
     try:
         for name, want in files.items():
-            fds[name] = _open_own(work / name, os.O_RDWR, folder)
+            fds[name] = open_own(work / name, os.O_RDWR, folder)
             if os.fstat(fds[name]).st_size != want["size"]:
                 os.ftruncate(fds[name], want["size"])
         hashes = {name: _FileHash(fds[name], want["size"]) for name, want in files.items()}
@@ -986,7 +969,7 @@ def _fetch_files(
             for fd in fds.values():
                 os.fdatasync(fd)
             state["done"] = snapshot
-            _write_json(work / PROGRESS_FILE, state)
+            write_json(work / PROGRESS_FILE, state)
             recorded[0] = count
 
         with (
