@@ -18,7 +18,7 @@ One module per concern, in the order a sample travels:
 * :mod:`~lightning_fastdata.store.targets`: the target kinds (class, multi-label, float, none): their typed arrays,
   written and read back, and how a list file's or a dataset's labels are read;
 * :mod:`~lightning_fastdata.store.remote`: databases at a URL: publishing one to a bucket, and staging it once per
-  node into the cache folder;
+  node into the cache folder (a package: URLs, errors, the marker, replies, fetch, staging, publishing);
 * :mod:`~lightning_fastdata.store.cache`: the cache folder, the database a source converts into there, and the
   conversions' upkeep (list, last use, remove, prune).
 
