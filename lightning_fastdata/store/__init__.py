@@ -11,7 +11,8 @@ One module per concern, in the order a sample travels:
 * :mod:`~lightning_fastdata.store.leftovers`: what interrupted conversions and stagings left, found and cleaned up;
 * :mod:`~lightning_fastdata.store.conversion`: the entry points ``convert`` and ``convert_dataset``;
 * :mod:`~lightning_fastdata.store.summary`: what a conversion reports (``ConversionSummary``, ``SkippedFile``);
-* :mod:`~lightning_fastdata.store.format`: the on-disk format shared by writer and reader (``read_meta``, ...);
+* :mod:`~lightning_fastdata.store.format`: the on-disk format shared by writer and reader (keys, headers, metadata);
+* :mod:`~lightning_fastdata.store.environments`: opening a database read-only, walked once (``read_meta``, ...);
 * :mod:`~lightning_fastdata.store.reader`: ``LmdbImageDataset``, the reader;
 * :mod:`~lightning_fastdata.store.jpeg`: the walk over a JPEG's markers by which the reader holds a record's decode
   to its budget;

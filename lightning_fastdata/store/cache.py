@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from lightning_fastdata.errors import DatasetFormatError, DestinationError, InvalidArgumentError
+from lightning_fastdata.store import environments as _environments
 from lightning_fastdata.store import format as _format
 from lightning_fastdata.store.format import (
     DATA_FILE,
@@ -275,7 +276,7 @@ def conversion_meta(database: Path) -> dict[str, Any] | None:
     if meta is not None:
         return meta
     try:
-        meta = _format.read_meta(database)
+        meta = _environments.read_meta(database)
     except (DatasetFormatError, OSError):
         return None
     return meta if _source_path(meta) is not None else None
@@ -298,7 +299,7 @@ def _report_meta(database: Path) -> dict[str, Any] | None:
         if not isinstance(meta, dict):
             return None
         checked = _format.load_meta(json.dumps(meta).encode(), database)
-        _format._check_fits(checked, database, (database / _format.DATA_FILE).stat().st_size)
+        _format.check_fits(checked, database, (database / _format.DATA_FILE).stat().st_size)
     except (DatasetFormatError, OSError, ValueError):
         return None
     return checked if _source_path(checked) is not None else None

@@ -31,6 +31,7 @@ from tqdm.auto import tqdm
 from lightning_fastdata.__about__ import __version__
 from lightning_fastdata.errors import ConversionError, DatasetFormatError, DestinationError
 from lightning_fastdata.store.encode import EncodeOptions, encode_all
+from lightning_fastdata.store.environments import open_readonly, read_meta, read_transaction
 from lightning_fastdata.store.format import (
     DATA_FILE,
     FORMAT_VERSION,
@@ -38,11 +39,8 @@ from lightning_fastdata.store.format import (
     REPORT_FILE,
     dump_meta,
     labels_key,
-    open_readonly,
     pack_record,
     partial_path,
-    read_meta,
-    read_transaction,
     record_key,
     sources_key,
 )

@@ -19,13 +19,13 @@ from typing import TYPE_CHECKING, Any, Literal
 from lightning_fastdata._files import read_regular
 from lightning_fastdata.errors import DatasetFormatError, DestinationError, RemoteStorageError
 from lightning_fastdata.store import remote
+from lightning_fastdata.store.environments import read_meta
 from lightning_fastdata.store.format import (
     DATA_FILE,
     PROGRESS_FILE,
     STAGED_RECORD,
     parse_json,
     partial_path,
-    read_meta,
 )
 from lightning_fastdata.store.ondisk import (
     foreign_kind,
