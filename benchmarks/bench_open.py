@@ -35,6 +35,7 @@ import simplejpeg
 
 from lightning_fastdata.__about__ import __version__
 from lightning_fastdata.errors import DatasetFormatError
+from lightning_fastdata.store import environments as store_environments
 from lightning_fastdata.store import format as store_format
 
 # One process: import the reader (not timed), then time the open and the first record, then read 1,000 more
@@ -45,6 +46,7 @@ def memory():
     fields = dict(line.split(":", 1) for line in open("/proc/self/status"))
     return {k: int(fields[k].split()[0]) // 1024 for k in ("VmRSS", "RssAnon", "RssFile")}  # MiB
 
+from lightning_fastdata.store import environments as store_environments
 from lightning_fastdata.store import format as store_format
 from lightning_fastdata.store.reader import LmdbImageDataset
 
@@ -55,8 +57,8 @@ if sys.argv[2] == "cold":  # evict the data file from the page cache, as after a
     os.close(fd)
 before = memory()
 walks = []
-walk = store_format._check_structure
-store_format._check_structure = lambda p: walks.append(1) or walk(p)
+walk = store_environments._check_structure
+store_environments._check_structure = lambda p: walks.append(1) or walk(p)
 start = time.perf_counter()
 dataset = LmdbImageDataset(path, "train")
 dataset[0]
@@ -72,7 +74,7 @@ print(json.dumps({"seconds": seconds, "walked": bool(walks), "before": before, "
 def generate(path: Path, train: int, val: int, classes: int) -> float:
     """Write the database at ``path`` unless it is already there; the seconds it took (0 when reused)."""
     try:
-        meta = store_format.read_meta(path)
+        meta = store_environments.read_meta(path)
         if {name: s["length"] for name, s in meta["splits"].items()} == {"train": train, "val": val}:
             return 0.0
     except (FileNotFoundError, DatasetFormatError):
@@ -145,7 +147,7 @@ def report(name: str, path: Path, opens: int) -> dict:
         assert first[cache]["walked"], "the first open must walk the pages"
     later = {cache: [open_in_a_new_process(path, cache) for _ in range(opens)] for cache in ("warm", "cold")}
     assert not any(run["walked"] for runs in later.values() for run in runs), "a later open walked again"
-    records = sum(s["length"] for s in store_format.read_meta(path)["splits"].values())
+    records = sum(s["length"] for s in store_environments.read_meta(path)["splits"].values())
     size = (path / store_format.DATA_FILE).stat().st_size
     print(f"{name}: {records:,} records, {size / 2**20:,.0f} MiB data file")
     for cache, run in first.items():

@@ -119,10 +119,11 @@ def _curl_ranges(port: int, key: str, size: int, range_size: int, threads: int, 
 def _without_hash(marker: dict[str, Any]) -> Iterator[None]:
     """Staging with its SHA-256 replaced by a no-op that reports the marker's (files told apart by their sizes)."""
     from lightning_fastdata.store import remote
+    from lightning_fastdata.store.remote import fetch
 
     listed = {info["size"]: info["sha256"] for info in marker["files"].values()}
 
-    class NoHash(remote._FileHash):
+    class NoHash(fetch._FileHash):
         def advance(self, done: set[int]) -> None:
             while self.offset < self.size and self.offset in done:
                 self.offset = min(self.offset + remote.RANGE_SIZE, self.size)
@@ -130,11 +131,11 @@ def _without_hash(marker: dict[str, Any]) -> Iterator[None]:
         def hexdigest(self) -> str | None:
             return listed[self.size] if self.offset >= self.size else None
 
-    real, remote._FileHash = remote._FileHash, NoHash  # type: ignore[misc]
+    real, fetch._FileHash = fetch._FileHash, NoHash  # type: ignore[misc]
     try:
         yield
     finally:
-        remote._FileHash = real  # type: ignore[misc]
+        fetch._FileHash = real  # type: ignore[misc]
 
 
 def _bench_server(name: str, args: argparse.Namespace, db: Path, root: Path) -> dict[str, list[float]]:

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from lightning_fastdata.prediction import PredictionWriter
     from lightning_fastdata.prefetch import DevicePrefetchLoader
     from lightning_fastdata.presets import ResumeCheckpoint
-    from lightning_fastdata.store.format import read_meta, read_sources
+    from lightning_fastdata.store.environments import read_meta, read_sources
     from lightning_fastdata.store.reader import LmdbImageDataset
     from lightning_fastdata.synthetic import make_image_folder
 
@@ -60,8 +60,8 @@ _HOMES = {
     "SourceLayoutError": "errors",
     "ViewGroup": "pipeline.views",
     "make_image_folder": "synthetic",
-    "read_meta": "store.format",
-    "read_sources": "store.format",
+    "read_meta": "store.environments",
+    "read_sources": "store.environments",
     "usable_cpu_count": "cpus",
 }
 _LIGHTNING_MODULES = ("datamodule", "monitor", "prediction", "prefetch")

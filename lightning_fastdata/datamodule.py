@@ -29,7 +29,7 @@ from lightning_fastdata.pipeline.views import MultiViewCrop, ViewGroup, check_vi
 from lightning_fastdata.skipping import SkipCounter
 from lightning_fastdata.splits import missing_split, open_splits, pick_predict_split, split_sources
 from lightning_fastdata.store import cache, remote
-from lightning_fastdata.store import format as _format
+from lightning_fastdata.store import environments as _environments
 from lightning_fastdata.store.reader import DEFAULT_MAX_PIXELS, LmdbImageDataset
 from lightning_fastdata.store.targets import KINDS, LABEL_SEPARATOR, TargetSpec
 from lightning_fastdata.transforms import (
@@ -427,7 +427,7 @@ class FastImageDataModule(LightningDataModule):
         if self.is_remote:
             self._staged = resolve.stage(self.data_dir, self.cache_dir, self.cache_root)
         if self.is_database:
-            _format.read_meta(self.database_path)  # fail early with a clear message if it is not usable
+            _environments.read_meta(self.database_path)  # fail early with a clear message if it is not usable
         else:
             settings = {"short_side": self.store_short_side(), "quality": self.quality, "encoding": self.encoding}
             resolve.convert_source(

@@ -30,6 +30,7 @@ import torch
 from torch.utils.data import default_collate
 
 from lightning_fastdata.errors import FastDataError, SourceLayoutError
+from lightning_fastdata.store import environments as _environments
 from lightning_fastdata.store import format as _format
 from lightning_fastdata.store.reader import LmdbImageDataset
 from lightning_fastdata.store.summary import SkippedFile, image_error_reason
@@ -383,7 +384,7 @@ def conversion_advice(folder: str, database: str, image_size: int, given: bool) 
     """
     from lightning_fastdata.datamodule import FastImageDataModule
 
-    stored = _format.read_meta(database).get("encoding", {}).get("short_side")
+    stored = _environments.read_meta(database).get("encoding", {}).get("short_side")
     datamodule = FastImageDataModule(folder, image_size=image_size)
     needed, right = math.ceil(image_size / datamodule.crop_fraction), datamodule.store_short_side()
     again = (
@@ -428,7 +429,7 @@ def profile(
     try:
         if (path / _format.DATA_FILE).is_file():
             profiles = [profile_database(path, samples, batch_size, image_size, device=device)]
-            source = _format.read_meta(path).get("source", {}).get("path")
+            source = _environments.read_meta(path).get("source", {}).get("path")
             if source and Path(source).is_dir():
                 try:  # only a comparison: the database's profile stands without it
                     profiles.insert(0, profile_folder(source, samples, batch_size, image_size, device=device))

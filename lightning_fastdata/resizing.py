@@ -26,7 +26,7 @@ from lightning_fastdata import resolve
 from lightning_fastdata.errors import InvalidArgumentError
 from lightning_fastdata.pipeline.device import DeviceStage
 from lightning_fastdata.pipeline.views import MultiViewCrop
-from lightning_fastdata.store import format as _format
+from lightning_fastdata.store import environments as _environments
 from lightning_fastdata.transforms import CenterCropResize, RandomResizedCropFlip
 
 
@@ -158,7 +158,7 @@ def set_image_size(dm: Any, size: int) -> None:
                 " CenterCropResize, so its crops keep their size. Override `set_image_size` to resize it too."
             )
     if dm._splits is not None:  # the database is open: warn when its images are too small for the new crops
-        stored = _format.read_meta(dm.database_path).get("encoding", {}).get("short_side")
+        stored = _environments.read_meta(dm.database_path).get("encoding", {}).get("short_side")
         resolve.check_store_size(stored, size, dm.crop_fraction, dm.is_database, dm.data_dir)
 
 

@@ -29,6 +29,7 @@ from lightning_fastdata.errors import (
     SourceLayoutError,
 )
 from lightning_fastdata.store import cache, remote
+from lightning_fastdata.store import environments as _environments
 from lightning_fastdata.store import format as _format
 from lightning_fastdata.store.conversion import convert
 from lightning_fastdata.store.sources import folder_classes, source_plan
@@ -93,7 +94,7 @@ def classes(
     if remote.is_url(data_dir) and not staged:
         check_staged(data_dir, root)
     if is_database(data_dir) or (database / _format.DATA_FILE).is_file():
-        return list(_format.read_meta(database)["classes"])
+        return list(_environments.read_meta(database)["classes"])
     return folder_classes(Path(data_dir).expanduser(), targets, label_separator)
 
 
@@ -105,7 +106,7 @@ def target_spec(
     Before conversion, what the conversion of ``data_dir`` (a folder, or a list file read as ``targets``) will store.
     """
     if is_database(data_dir) or (database / _format.DATA_FILE).is_file():
-        return TargetSpec.from_meta(_format.read_meta(database), database)
+        return TargetSpec.from_meta(_environments.read_meta(database), database)
     plan = source_plan(Path(data_dir).expanduser(), targets, label_separator)
     spec = plan.targets
     if spec.kind in ("class", "multilabel"):

@@ -21,7 +21,7 @@ from torch.utils.data import Dataset
 from lightning_fastdata import resolve
 from lightning_fastdata.errors import MissingSplitError
 from lightning_fastdata.store import cache
-from lightning_fastdata.store import format as _format
+from lightning_fastdata.store import environments as _environments
 from lightning_fastdata.store.sources import canonical_split
 
 
@@ -65,7 +65,7 @@ def open_splits(dm: Any) -> None:
     if dm.is_remote and dm._staged is None:  # a rank other than the node's first: wait for its staging
         dm._staged = resolve.find_or_stage(dm.data_dir, dm.cache_dir, dm.cache_root)
     cache.record_use(dm.database_path, dm.cache_root)  # its last use, and that this process reads it
-    meta = _format.read_meta(dm.database_path)
+    meta = _environments.read_meta(dm.database_path)
     resolve.check_targets(meta, dm.targets, dm.database_path)
     size = max(dm._sizes)
     resolve.check_store(meta, dm.short_side, size, dm.crop_fraction, dm.is_database, dm.data_dir)
@@ -102,7 +102,7 @@ def pick_predict_split(database: Path, wanted: str | None, names: Sequence[str] 
         MissingSplitError: ``wanted`` is not one of them.
 
     """
-    names = list(_format.read_meta(database)["splits"]) if names is None else list(names)
+    names = list(_environments.read_meta(database)["splits"]) if names is None else list(names)
     if wanted is not None:
         if wanted not in names:
             raise MissingSplitError(
@@ -146,13 +146,13 @@ def split_sources(database: Path, split: str | None = None) -> list[str]:
         ValueError: the database predates stored sources; convert it again (``--force``) to store them.
 
     """
-    names = sorted(_format.read_meta(database)["splits"])
+    names = sorted(_environments.read_meta(database)["splits"])
     if split is None:
         by_role = sorted(names, key=lambda n: (canonical_split(n) != "train", n != "train", n))
         split = by_role[0]
     if split not in names:
         raise MissingSplitError(f"split {split!r} is not in {str(database)!r}; it holds {names}.")
-    sources = _format.read_sources(database, split)
+    sources = _environments.read_sources(database, split)
     if sources is None:
         raise ValueError(
             f"{str(database)!r} was converted before source paths were stored; convert it again"

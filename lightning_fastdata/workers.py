@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, Dataset
 from lightning_fastdata import cpus
 from lightning_fastdata.keyed_random import draws_process_generators
 from lightning_fastdata.pipeline.kernel import fuses
-from lightning_fastdata.store import format as _format
+from lightning_fastdata.store import environments as _environments
 from lightning_fastdata.tuning import LoaderConfig, TuneCache, quick_tune
 
 #: ``engine="auto"`` picks worker processes for CUDA training from this many workers on (see ``resolved_engine``)
@@ -99,7 +99,7 @@ def engine_for(dm: _DataModule, workers: int) -> Literal["threads", "processes"]
 
 def tune_key(dm: _DataModule) -> str:
     """The key of ``num_workers="tune"``'s cached pick: the database, the transform and what else changes the pick."""
-    meta = _format.read_meta(dm.database_path)
+    meta = _environments.read_meta(dm.database_path)
     transform = dm.train_transform()
     parts = {
         "database": str(dm.database_path),

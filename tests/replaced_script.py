@@ -23,7 +23,11 @@ from pathlib import Path
 import hostile
 
 from lightning_fastdata import DatasetFormatError, LmdbImageDataset
-from lightning_fastdata.store.format import DATA_FILE, ENCODING_JPEG, read_meta
+from lightning_fastdata.store.environments import read_meta
+from lightning_fastdata.store.format import (
+    DATA_FILE,
+    ENCODING_JPEG,
+)
 
 RECORDS = 24
 SIDE = 160

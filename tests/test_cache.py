@@ -26,7 +26,7 @@ from lightning_fastdata.store.cache import (
     remove_conversion,
     use_path,
 )
-from lightning_fastdata.store.writer import _target_lock
+from lightning_fastdata.store.ondisk import target_lock
 
 
 def test_converted_path_keeps_the_slot_names_of_earlier_versions():
@@ -132,7 +132,7 @@ def test_remove_takes_the_digest_or_the_path_and_names_the_keys_it_knows(split_f
 def test_remove_refuses_a_conversion_being_written(split_folder: Path, tmp_path: Path):
     """While a converter holds the target's lock, nothing is removed and the converter is named."""
     target = _convert_into(split_folder, tmp_path, 48)
-    with _target_lock(target):
+    with target_lock(target):
         assert list_conversions(tmp_path)[0].state.startswith(f"being written by process {os.getpid()}")
         with pytest.raises(DestinationError, match=rf"being written by process {os.getpid()}.*nothing was removed"):
             remove_conversion(str(target), tmp_path)

@@ -38,6 +38,7 @@ from lightning_fastdata import (
     read_meta,
 )
 from lightning_fastdata.store import conversion, reader, summary
+from lightning_fastdata.store import environments as store_environments
 from lightning_fastdata.store import format as store_format
 
 LAYOUT_HINT = "SRC/<class_a>/<image>.jpg"
@@ -644,7 +645,7 @@ def test_foreign_lmdb_at_dst_is_refused_and_untouched(split_folder, tmp_path):
         _run(split_folder, dst)
     assert sorted(p.name for p in dst.iterdir()) == ["data.mdb", "lock.mdb"]
     # the converter looked at it through the shared read-only environment (LMDB allows one per process)
-    with store_format.open_readonly(dst).begin() as txn:
+    with store_environments.open_readonly(dst).begin() as txn:
         assert txn.get(b"precious") == b"data"
 
 
@@ -1832,7 +1833,7 @@ def test_a_killed_conversion_is_reported_and_cleaned_by_convert_clean(tmp_path, 
 
 def test_clean_puts_back_a_database_moved_aside_by_a_killed_replacement(split_folder, tmp_path):
     """A ``.X.old`` whose ``X`` is missing (killed between the two renames of a replacement) is restored, not lost."""
-    from lightning_fastdata.store.writer import clean_stale_conversions
+    from lightning_fastdata.store.leftovers import clean_stale_conversions
 
     dst = tmp_path / "db"
     _run(split_folder, dst)
@@ -1850,8 +1851,8 @@ def test_the_package_exports_the_new_homes():
         assert lightning_fastdata.convert is conversion.convert
         assert lightning_fastdata.convert_dataset is conversion.convert_dataset
         assert lightning_fastdata.LmdbImageDataset is reader.LmdbImageDataset
-        assert lightning_fastdata.read_meta is store_format.read_meta
-        assert lightning_fastdata.read_sources is store_format.read_sources
+        assert lightning_fastdata.read_meta is store_environments.read_meta
+        assert lightning_fastdata.read_sources is store_environments.read_sources
         assert lightning_fastdata.SkippedFile is summary.SkippedFile
 
 

@@ -22,7 +22,7 @@ from lightning.pytorch import Trainer
 
 from lightning_fastdata import FastImageDataModule, convert, cpus, make_image_folder
 from lightning_fastdata.errors import DestinationError
-from lightning_fastdata.store import writer
+from lightning_fastdata.store import ondisk
 
 SCRIPT = Path(__file__).with_name("ddp_script.py")
 
@@ -344,21 +344,21 @@ def test_a_shared_folder_without_file_locks_is_named_and_its_database_still_read
     """On a file system without ``flock`` (NFS without its lock service, Lustre without ``-o flock``) a conversion
     stops before writing, with an error naming the folder and what to do, instead of a bare ``OSError``; a complete,
     up-to-date database there is still read (reading takes no lock)."""
-    real_flock = writer.fcntl.flock
+    real_flock = ondisk.fcntl.flock
 
     def no_locks(fd: Any, operation: int) -> None:
         raise OSError(errno.ENOLCK, "No locks available")
 
-    monkeypatch.setattr(writer.fcntl, "flock", no_locks)
+    monkeypatch.setattr(ondisk.fcntl, "flock", no_locks)
     dst = tmp_path / "shared" / "db.lmdb"
     with pytest.raises(DestinationError, match="without file locks") as info:
         convert(split_folder, dst, short_side=32, num_workers=0, progress=False)
     assert str(dst.parent) in str(info.value)
     assert "`data_dir`" in str(info.value)
     assert list(dst.parent.iterdir()) == []  # no database, no working copy, no lock file
-    monkeypatch.setattr(writer.fcntl, "flock", real_flock)
+    monkeypatch.setattr(ondisk.fcntl, "flock", real_flock)
     convert(split_folder, dst, short_side=32, num_workers=0, progress=False)  # where locks work
-    monkeypatch.setattr(writer.fcntl, "flock", no_locks)
+    monkeypatch.setattr(ondisk.fcntl, "flock", no_locks)
     summary = convert(split_folder, dst, short_side=32, num_workers=0, progress=False)
     assert summary.up_to_date
     dm = FastImageDataModule(str(split_folder), cache_dir=str(tmp_path / "cache"), short_side=32, num_workers=0)

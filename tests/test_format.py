@@ -18,7 +18,9 @@ import pytest
 
 from lightning_fastdata.errors import CorruptRecordError, DatasetFormatError, FastDataError
 from lightning_fastdata.store import cache
+from lightning_fastdata.store import environments as store_environments
 from lightning_fastdata.store import format as store_format
+from lightning_fastdata.store.environments import open_readonly, read_meta, read_sources
 from lightning_fastdata.store.format import (
     ENCODING_JPEG,
     ENCODING_PNG,
@@ -28,10 +30,7 @@ from lightning_fastdata.store.format import (
     dump_meta,
     labels_key,
     load_meta,
-    open_readonly,
     pack_record,
-    read_meta,
-    read_sources,
     record_key,
     unpack_record,
 )
@@ -349,21 +348,21 @@ def test_open_readonly_writes_no_lock_file(tmp_path):
 def walks(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
     """The databases whose pages get walked from now on, in order (the walk itself still runs)."""
     calls: list[Path] = []
-    walk = store_format._check_structure
+    walk = store_environments._check_structure
 
     def counted(path: Path) -> bool:
         calls.append(path)
         return walk(path)
 
-    monkeypatch.setattr(store_format, "_check_structure", counted)
-    monkeypatch.setattr(store_format, "_VERIFIED", set())
+    monkeypatch.setattr(store_environments, "_check_structure", counted)
+    monkeypatch.setattr(store_environments, "_VERIFIED", set())
     return calls
 
 
 def _as_a_new_process(monkeypatch: pytest.MonkeyPatch) -> None:
     """Forget this process's environments and walks, as a process started now would have none."""
-    store_format._close_inherited()
-    monkeypatch.setattr(store_format, "_VERIFIED", set())
+    store_environments._close_inherited()
+    monkeypatch.setattr(store_environments, "_VERIFIED", set())
 
 
 def test_a_walked_database_is_not_walked_again_by_another_process(database_copy, walks, monkeypatch):
@@ -473,9 +472,9 @@ def test_an_incomplete_or_foreign_database_is_never_recorded(tmp_path, walks, mo
 def test_concurrent_records_replace_each_other_whole(database_copy):
     """Processes recording the same walk at once each rename a whole file into place: the result is valid JSON."""
     st = (database_copy / store_format.DATA_FILE).stat()
-    identity = store_format._file_identity(st)
+    identity = store_environments._file_identity(st)
     threads = [
-        threading.Thread(target=store_format._write_marker, args=(database_copy, st, identity)) for _ in range(8)
+        threading.Thread(target=store_environments._write_marker, args=(database_copy, st, identity)) for _ in range(8)
     ]
     for thread in threads:
         thread.start()
@@ -588,7 +587,7 @@ def _read_meta_in_a_child(db: Path, timeout: float = 60) -> str:
     """What ``read_meta(db)`` raises (``"opened"`` if nothing), in a child that must end within ``timeout``."""
     script = """
 import sys
-from lightning_fastdata.store.format import read_meta
+from lightning_fastdata.store.environments import read_meta
 try:
     read_meta(sys.argv[1])
     print("opened")
@@ -728,8 +727,8 @@ def test_two_threads_forking_at_once_keep_transactions_out_until_both_have_forke
     B forks from inside its own transaction, A from outside one. B goes first (only its own transaction is left) and
     finishes; then C asks to start a transaction: it must wait until A has forked too, or A would wait for C.
     """
-    monkeypatch.setattr(store_format, "FORK_WAIT_S", 5.0)  # A gives up on C after this, forking unclean
-    gate = store_format._ForkGate()
+    monkeypatch.setattr(store_environments, "FORK_WAIT_S", 5.0)  # A gives up on C after this, forking unclean
+    gate = store_environments._ForkGate()
     gate._cond = cond = _CountedCondition()
     reader_in, reader_out, b_forked, b_out, c_in, c_out = (threading.Event() for _ in range(6))
     a_clean: list[bool] = []

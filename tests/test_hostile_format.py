@@ -29,8 +29,14 @@ import pytest
 import simplejpeg
 
 from lightning_fastdata.errors import DatasetFormatError
+from lightning_fastdata.store import environments as store_environments
 from lightning_fastdata.store import format as store_format
-from lightning_fastdata.store.format import DATA_FILE, ENCODING_JPEG, VERIFIED_FILE, open_readonly, read_transaction
+from lightning_fastdata.store.environments import open_readonly, read_transaction
+from lightning_fastdata.store.format import (
+    DATA_FILE,
+    ENCODING_JPEG,
+    VERIFIED_FILE,
+)
 from lightning_fastdata.store.reader import LmdbImageDataset
 
 #: a uid no one on a test machine has: "someone else", for the folders and records a test hands over to them
@@ -97,7 +103,7 @@ def test_a_replaced_database_stays_mapped_until_its_open_read_ends(tmp_path: Pat
         assert np.array_equal(dataset.decode_hwc(1, header, payload), expected)
     with pytest.raises(DatasetFormatError, match="was replaced or deleted after this dataset opened it"):
         dataset[0]
-    assert not store_format._HOLDS._retired  # closed when its last read ended: nothing kept mapped
+    assert not store_environments._HOLDS._retired  # closed when its last read ended: nothing kept mapped
 
 
 def test_a_replaced_environment_is_closed_once_its_last_transaction_ends(tmp_path: Path) -> None:
@@ -168,7 +174,7 @@ def _damage_root_page(db: Path) -> None:
 
 def _forge_record(db: Path) -> None:
     """A ``verified.json`` for ``db``'s data file as it is now, as ``store.format._write_marker`` writes one."""
-    identity = store_format._file_identity((db / DATA_FILE).stat())
+    identity = store_environments._file_identity((db / DATA_FILE).stat())
     record = {DATA_FILE: identity, "database": str(db), "walked": "2026-01-01T00:00:00+00:00"}
     (db / VERIFIED_FILE).write_text(json.dumps(record))
 
@@ -182,7 +188,7 @@ _OPEN = textwrap.dedent(
         real = os.geteuid()
         os.geteuid = lambda: real + 1
     from lightning_fastdata import FastDataError
-    from lightning_fastdata.store.format import read_meta
+    from lightning_fastdata.store.environments import read_meta
     try:
         read_meta(sys.argv[1])
         print(json.dumps({"outcome": "opened"}))
@@ -222,21 +228,21 @@ def walks(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[Path]:
     """The databases whose pages get walked from now on, in order (the walk itself still runs), with a cache of its
     own for records, and this process's environments and walks forgotten."""
     calls: list[Path] = []
-    walk = store_format._check_structure
+    walk = store_environments._check_structure
 
     def counted(path: Path) -> bool:
         calls.append(path)
         return walk(path)
 
-    monkeypatch.setattr(store_format, "_check_structure", counted)
+    monkeypatch.setattr(store_environments, "_check_structure", counted)
     monkeypatch.setenv("LIGHTNING_FASTDATA_CACHE", str(tmp_path / "cache"))
     _as_a_new_process(monkeypatch)
     return calls
 
 
 def _as_a_new_process(monkeypatch: pytest.MonkeyPatch) -> None:
-    store_format._close_inherited()
-    monkeypatch.setattr(store_format, "_VERIFIED", set())
+    store_environments._close_inherited()
+    monkeypatch.setattr(store_environments, "_VERIFIED", set())
 
 
 def _symlinked(record: Path) -> None:
@@ -303,7 +309,7 @@ _OPEN_EACH = textwrap.dedent(
     """
     import json, sys
     from lightning_fastdata import FastDataError
-    from lightning_fastdata.store.format import read_meta
+    from lightning_fastdata.store.environments import read_meta
     for path in sys.argv[1:]:
         print(json.dumps({"path": path, "start": True}), flush=True)
         try:

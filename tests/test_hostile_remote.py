@@ -31,6 +31,7 @@ from lightning_fastdata import FastImageDataModule
 from lightning_fastdata.cli import main
 from lightning_fastdata.errors import RemoteStorageError
 from lightning_fastdata.store import remote
+from lightning_fastdata.store.remote import staging, urls
 
 pytest.importorskip("aiohttp")
 
@@ -254,9 +255,9 @@ def test_an_unwrapped_error_naming_the_url_becomes_one_line_and_a_bug_stays_itse
     url = site.url()
 
     def unwrapped(fs: Any, path: str, shown: str, name: str, want: Any) -> None:
-        raise OSError(f"unexpected reply for {remote._join(path, name)}")
+        raise OSError(f"unexpected reply for {urls.join(path, name)}")
 
-    monkeypatch.setattr(remote, "_check_source", unwrapped)
+    monkeypatch.setattr(staging, "check_source", unwrapped)
     with pytest.raises(
         RemoteStorageError, match=r"network failure while staging 'http://127\.0\.0\.1:\d+/db\.lm"
     ) as info:
@@ -267,7 +268,7 @@ def test_an_unwrapped_error_naming_the_url_becomes_one_line_and_a_bug_stays_itse
     def bug(fs: Any, path: str, shown: str, name: str, want: Any) -> None:
         raise ZeroDivisionError("a bug")
 
-    monkeypatch.setattr(remote, "_check_source", bug)
+    monkeypatch.setattr(staging, "check_source", bug)
     with pytest.raises(ZeroDivisionError, match="a bug"):
         remote.stage(url, tmp_path / "cache", progress=False)
 
@@ -326,28 +327,28 @@ def test_an_http_url_with_a_query_names_each_file_before_the_query(tmp_path: Pat
     """The path of each file of a database at an http(s) URL with a query: the name goes before the query, a fragment
     is dropped, a trailing slash is not doubled; any other scheme's ``?`` and ``#`` are part of the path. A URL signed
     again is staged into the same copy."""
-    assert remote._join("https://h/db.lmdb?token=abc", "published.json") == "https://h/db.lmdb/published.json?token=abc"
-    assert remote._join("https://h/db.lmdb/?a=1&b=2#frag", "data.mdb") == "https://h/db.lmdb/data.mdb?a=1&b=2"
-    assert remote._join("http://h/db.lmdb#frag?x", "data.mdb") == "http://h/db.lmdb/data.mdb"
-    assert remote._join("s3://bucket/exp?a", "data.mdb") == "s3://bucket/exp?a/data.mdb"
-    assert remote._join("/data/run#1/db.lmdb", "data.mdb") == "/data/run#1/db.lmdb/data.mdb"
+    assert urls.join("https://h/db.lmdb?token=abc", "published.json") == "https://h/db.lmdb/published.json?token=abc"
+    assert urls.join("https://h/db.lmdb/?a=1&b=2#frag", "data.mdb") == "https://h/db.lmdb/data.mdb?a=1&b=2"
+    assert urls.join("http://h/db.lmdb#frag?x", "data.mdb") == "http://h/db.lmdb/data.mdb"
+    assert urls.join("s3://bucket/exp?a", "data.mdb") == "s3://bucket/exp?a/data.mdb"
+    assert urls.join("/data/run#1/db.lmdb", "data.mdb") == "/data/run#1/db.lmdb/data.mdb"
     first, second = (remote.staged_path(f"https://h/db.lmdb?token={t}", tmp_path) for t in ("a", "b"))
     assert first == second == remote.staged_path("https://h/db.lmdb", tmp_path)
 
 
 def test_a_staging_record_is_read_only_as_a_small_regular_file_of_its_own_name(tmp_path: Path, monkeypatch):
     """``progress.json`` and ``staged.json`` are read without following a link, without waiting on a FIFO, and only
-    up to :data:`remote.RECORD_LIMIT` bytes: any other is no record (the copy is staged again)."""
+    up to :data:`staging.RECORD_LIMIT` bytes: any other is no record (the copy is staged again)."""
     record = tmp_path / remote.PROGRESS_FILE
     record.write_text(json.dumps({"range_size": 1}))
-    assert remote._read_json(record) == {"range_size": 1}
+    assert staging._read_json(record) == {"range_size": 1}
     elsewhere = tmp_path / "elsewhere.json"
     elsewhere.write_text(json.dumps({"range_size": 2}))
     link = tmp_path / remote.STAGED_RECORD
     link.symlink_to(elsewhere)
-    assert remote._read_json(link) is None
+    assert staging._read_json(link) is None
     fifo = tmp_path / "fifo.json"
     os.mkfifo(fifo)
-    assert remote._read_json(fifo) is None  # never opened: an open would wait for a writer
-    monkeypatch.setattr(remote, "RECORD_LIMIT", len(record.read_bytes()) - 1)
-    assert remote._read_json(record) is None
+    assert staging._read_json(fifo) is None  # never opened: an open would wait for a writer
+    monkeypatch.setattr(staging, "RECORD_LIMIT", len(record.read_bytes()) - 1)
+    assert staging._read_json(record) is None

@@ -34,8 +34,9 @@ from torch.nn import functional as F
 from lightning_fastdata import FastImageDataModule, convert, read_meta
 from lightning_fastdata.cli import main
 from lightning_fastdata.errors import DestinationError, InvalidArgumentError, RemoteStorageError
-from lightning_fastdata.store import remote
+from lightning_fastdata.store import ondisk, remote
 from lightning_fastdata.store.format import lock_path
+from lightning_fastdata.store.remote import fetch, replies, staging
 
 pytest.importorskip("s3fs")
 moto_server = pytest.importorskip("moto.server")
@@ -325,7 +326,7 @@ def test_staging_keeps_more_reads_in_flight_on_more_cores(
     monkeypatch: pytest.MonkeyPatch, cpus: int, setting: int | None, expected: int
 ):
     """Twice the usable CPUs, 4 to 10 (s3fs's connection pool), unless READ_THREADS is set."""
-    monkeypatch.setattr(remote, "usable_cpu_count", lambda: cpus)
+    monkeypatch.setattr(fetch, "usable_cpu_count", lambda: cpus)
     monkeypatch.setattr(remote, "READ_THREADS", setting)
     assert remote.read_threads() == expected
 
@@ -366,7 +367,7 @@ def _cut_off_after_five_ranges(monkeypatch: pytest.MonkeyPatch) -> Callable[...,
     """8 KiB ranges read one at a time, the sixth failing as a dropped connection; returns the real reader."""
     monkeypatch.setattr(remote, "RANGE_SIZE", 8192)
     monkeypatch.setattr(remote, "READ_THREADS", 1)
-    real, calls = remote._read_range, []
+    real, calls = replies._read_range, []
 
     def flaky(fs: Any, path: str, start: int, end: int) -> bytes:
         calls.append(start)
@@ -374,7 +375,7 @@ def _cut_off_after_five_ranges(monkeypatch: pytest.MonkeyPatch) -> Callable[...,
             raise ConnectionResetError("connection reset by peer")
         return real(fs, path, start, end)
 
-    monkeypatch.setattr(remote, "_read_range", flaky)
+    monkeypatch.setattr(replies, "_read_range", flaky)
     return real
 
 
@@ -396,7 +397,7 @@ def test_ranges_altered_before_an_interruption_are_found_by_sha256_and_fetched_a
         remote.stage(published, tmp_path, progress=False)
     monkeypatch.setenv("AWS_ENDPOINT_URL", s3_endpoint)  # the resume reads from a server that alters nothing
     _fresh_clients()
-    monkeypatch.setattr(remote, "_read_range", real)
+    monkeypatch.setattr(replies, "_read_range", real)
     with caplog.at_level(logging.WARNING, logger=remote.__name__):
         staged = remote.stage(published, tmp_path, progress=False)
     assert staged.action == "staged"
@@ -419,9 +420,9 @@ def test_a_failed_staging_resumes_and_nothing_half_copied_is_read(
         dm.classes  # noqa: B018 - the property raises
 
     ranges = sum(-(-f["size"] // 8192) for f in json.loads(_marker(published))["files"].values())
-    monkeypatch.setattr(remote, "_read_range", real)
+    monkeypatch.setattr(replies, "_read_range", real)
     counted: list[int] = []
-    monkeypatch.setattr(remote, "_read_range", lambda *a: counted.append(a[2]) or real(*a))
+    monkeypatch.setattr(replies, "_read_range", lambda *a: counted.append(a[2]) or real(*a))
     with caplog.at_level(logging.INFO, logger=remote.__name__):
         result = remote.stage(published, tmp_path, progress=False)
     assert result.action == "staged"
@@ -434,14 +435,15 @@ _STAGE_THEN_HANG = """
 import sys, time
 from pathlib import Path
 from lightning_fastdata.store import remote
+from lightning_fastdata.store.remote import replies
 remote.RANGE_SIZE, remote.READ_THREADS = 8192, 1
-real, calls = remote._read_range, []
+real, calls = replies._read_range, []
 def hang_after_five(*args):
     calls.append(1)
     if len(calls) > 5:
         time.sleep(600)  # killed here
     return real(*args)
-remote._read_range = hang_after_five
+replies._read_range = hang_after_five
 remote.stage(sys.argv[1], sys.argv[2], progress=False)
 """
 
@@ -464,9 +466,9 @@ def test_a_killed_staging_resumes(published: str, tmp_path: Path, monkeypatch: p
         proc.wait()
     assert not remote.staged_path(published, tmp_path).exists()
     monkeypatch.setattr(remote, "RANGE_SIZE", 8192)
-    real = remote._read_range
+    real = replies._read_range
     counted: list[int] = []
-    monkeypatch.setattr(remote, "_read_range", lambda *a: counted.append(a[2]) or real(*a))
+    monkeypatch.setattr(replies, "_read_range", lambda *a: counted.append(a[2]) or real(*a))
     assert remote.stage(published, tmp_path, progress=False).action == "staged"
     ranges = sum(-(-f["size"] // 8192) for f in json.loads(_marker(published))["files"].values())
     assert len(counted) == ranges - 5
@@ -1077,7 +1079,7 @@ def test_stagings_cut_off_at_random_and_damaged_never_publish_a_wrong_copy(
     marker = json.loads(_marker(url))
     want = {name: info["sha256"] for name, info in marker["files"].items()}
     ranges = sum(-(-f["size"] // remote.RANGE_SIZE) for f in marker["files"].values())
-    real = remote._read_range
+    real = replies._read_range
     rng = random.Random(33)
     damaged: list[str] = []
     published: list[dict[str, str]] = []  # the SHA-256 of each copy staging published
@@ -1106,10 +1108,10 @@ def test_stagings_cut_off_at_random_and_damaged_never_publish_a_wrong_copy(
                     raise ConnectionResetError("connection reset by peer")
                 return real(*args)
 
-            monkeypatch.setattr(remote, "_read_range", flaky)
+            monkeypatch.setattr(replies, "_read_range", flaky)
             if stage(cache):  # a resume that needed no more than `cut` reads
                 break
-        monkeypatch.setattr(remote, "_read_range", real)
+        monkeypatch.setattr(replies, "_read_range", real)
         assert stage(cache)
     assert [sha256 for sha256 in published if sha256 != want] == []
     assert len(published) == 20
@@ -1245,14 +1247,15 @@ mount -t tmpfs -o "size=$1" tmpfs "$2" || exit 97
 "$3" - "$4" "$2" <<'END'
 import sys
 from lightning_fastdata.store import remote
-remote.RANGE_SIZE, real, seen = 16384, remote._read_range, []
+from lightning_fastdata.store.remote import replies
+remote.RANGE_SIZE, real, seen = 16384, replies._read_range, []
 def altered_once(fs, path, start, end):
     data = real(fs, path, start, end)
     if path.endswith("data.mdb") and start == 16384 and not seen:
         seen.append(start)
         data = bytes([data[0] ^ 1]) + data[1:]
     return data
-remote._read_range = altered_once
+replies._read_range = altered_once
 try:
     print("action", remote.stage(sys.argv[1], sys.argv[2], progress=False, check=False).action)
 except Exception as err:
@@ -1277,7 +1280,7 @@ def test_a_file_whose_sha256_did_not_match_is_fetched_again_by_the_next_run_too(
     """A staging stopped after data.mdb did not match its SHA-256, before fetching it again (the disk was full), has
     already dropped its ranges from progress.json: the next run fetches them all, not trusting the damaged copy."""
     monkeypatch.setattr(remote, "RANGE_SIZE", 16384)
-    real, check = remote._read_range, remote._check_free_space
+    real, check = replies._read_range, fetch._check_free_space
     checks: list[int] = []
 
     def altered(fs: Any, path: str, start: int, end: int) -> bytes:
@@ -1290,14 +1293,14 @@ def test_a_file_whose_sha256_did_not_match_is_fetched_again_by_the_next_run_too(
             raise DestinationError("the disk filled up meanwhile")
         check(work, shown, needed)
 
-    monkeypatch.setattr(remote, "_read_range", altered)
-    monkeypatch.setattr(remote, "_check_free_space", full_the_second_time)
+    monkeypatch.setattr(replies, "_read_range", altered)
+    monkeypatch.setattr(fetch, "_check_free_space", full_the_second_time)
     with pytest.raises(DestinationError, match="filled up"):
         remote.stage(published, tmp_path, progress=False)
     work = remote.partial_path(remote.staged_path(published, tmp_path))
     assert json.loads((work / remote.PROGRESS_FILE).read_text())["done"].get("data.mdb", []) == []
     fetched: list[int] = []
-    monkeypatch.setattr(remote, "_read_range", lambda *a: fetched.append(a[2]) or real(*a))
+    monkeypatch.setattr(replies, "_read_range", lambda *a: fetched.append(a[2]) or real(*a))
     staged = remote.stage(published, tmp_path, progress=False)
     assert staged.action == "staged"
     assert (staged.path / "data.mdb").read_bytes() == (database / "data.mdb").read_bytes()
@@ -1345,13 +1348,11 @@ def test_a_range_counts_as_done_only_once_its_bytes_are_on_disk(
 ):
     """progress.json lists a range only after its file was synced since the range was written; the copy and its
     record are synced before the rename that publishes it, and the rename is synced."""
-    from lightning_fastdata.store import writer
-
     monkeypatch.setattr(remote, "RANGE_SIZE", 8192)
     monkeypatch.setattr(remote, "SYNC_SECONDS", 0.0, raising=False)  # a record after every range
     events: list[tuple[Any, ...]] = []
     real_pwrite, real_datasync, real_fsync = os.pwrite, os.fdatasync, os.fsync
-    real_write, real_publish = remote._write_json, writer._publish
+    real_write, real_publish = ondisk.write_json, ondisk.move_into_place
 
     def pwrite(fd: int, data: bytes, offset: int) -> int:
         events.append(("write", os.readlink(f"/proc/self/fd/{fd}"), offset))
@@ -1369,8 +1370,11 @@ def test_a_range_counts_as_done_only_once_its_bytes_are_on_disk(
     monkeypatch.setattr(os, "pwrite", pwrite)
     monkeypatch.setattr(os, "fdatasync", lambda fd: sync(fd, real_datasync))
     monkeypatch.setattr(os, "fsync", lambda fd: sync(fd, real_fsync))
-    monkeypatch.setattr(remote, "_write_json", record)
-    monkeypatch.setattr(writer, "_publish", lambda tmp, dst: events.append(("publish",)) or real_publish(tmp, dst))
+    monkeypatch.setattr(staging, "write_json", record)
+    monkeypatch.setattr(fetch, "write_json", record)
+    monkeypatch.setattr(
+        staging, "move_into_place", lambda tmp, dst: events.append(("publish",)) or real_publish(tmp, dst)
+    )
     staged = remote.stage(published, tmp_path, progress=False)
     work = remote.partial_path(staged.path)
     checked = 0
@@ -1462,14 +1466,14 @@ def scripted_site(tmp_path: Path, database: Path) -> Iterator[tuple[Path, str, C
 
 def _when_hashed(monkeypatch: pytest.MonkeyPatch, size: int, offset: int) -> threading.Event:
     """An event set once staging has hashed a file of ``size`` bytes up to ``offset``."""
-    hashed, real = threading.Event(), remote._FileHash.advance
+    hashed, real = threading.Event(), fetch._FileHash.advance
 
     def advance(self: Any, done: set[int]) -> None:
         real(self, done)
         if self.size == size and self.offset >= offset:
             hashed.set()
 
-    monkeypatch.setattr(remote._FileHash, "advance", advance)
+    monkeypatch.setattr(fetch._FileHash, "advance", advance)
     return hashed
 
 

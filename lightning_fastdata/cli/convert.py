@@ -93,7 +93,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Convert ``args.src`` into ``args.dst`` (or clean ``args.clean``) and print the summary; the exit code."""
     from lightning_fastdata.store.conversion import convert
-    from lightning_fastdata.store.writer import clean_stale_conversions
+    from lightning_fastdata.store.leftovers import clean_stale_conversions
 
     if args.clean is not None:
         if is_url(args.clean):

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from lightning_fastdata.errors import DatasetFormatError, DestinationError, InvalidArgumentError
+from lightning_fastdata.store import environments as _environments
 from lightning_fastdata.store import format as _format
 from lightning_fastdata.store.format import (
     DATA_FILE,
@@ -39,18 +40,17 @@ from lightning_fastdata.store.format import (
     partial_path,
     target_of_partial,
 )
+from lightning_fastdata.store.leftovers import clean_stale_conversions, stale_conversions
+from lightning_fastdata.store.ondisk import (
+    foreign_kind,
+    open_own,
+    read_only_error,
+    read_small,
+    target_lock,
+    write_own,
+)
 from lightning_fastdata.store.summary import human_bytes
 from lightning_fastdata.store.targets import TargetSpec
-from lightning_fastdata.store.writer import (
-    _foreign,
-    _open_own,
-    _read_only_error,
-    _read_small,
-    _target_lock,
-    _write_own,
-    clean_stale_conversions,
-    stale_conversions,
-)
 
 try:  # shared locks held by readers, an exclusive one taken by a removal (POSIX only)
     import fcntl
@@ -143,7 +143,7 @@ def record_use(database: str | os.PathLike[str], root: str | os.PathLike[str] | 
         # folder there no reader of this package made: said
         with contextlib.suppress(OSError):
             found = os.lstat(path)
-            if _foreign(found) == f"owned by another user (uid {found.st_uid})":
+            if foreign_kind(found) == f"owned by another user (uid {found.st_uid})":
                 log.debug("cannot record the use of %s: %s", database, err)
                 return
         log.warning("cannot record the use of %s: %s", database, err)
@@ -158,7 +158,7 @@ def _open_use_file(path: Path) -> IO[bytes]:
         OSError: it cannot be opened (a read-only cache).
 
     """
-    return os.fdopen(_open_own(path, os.O_WRONLY | os.O_APPEND), "ab")
+    return os.fdopen(open_own(path, os.O_WRONLY | os.O_APPEND), "ab")
 
 
 @contextlib.contextmanager
@@ -276,7 +276,7 @@ def conversion_meta(database: Path) -> dict[str, Any] | None:
     if meta is not None:
         return meta
     try:
-        meta = _format.read_meta(database)
+        meta = _environments.read_meta(database)
     except (DatasetFormatError, OSError):
         return None
     return meta if _source_path(meta) is not None else None
@@ -290,7 +290,7 @@ def _report_meta(database: Path) -> dict[str, Any] | None:
     splits, encoding, source and targets), name its source's path, and claim no more records than ``data.mdb`` holds.
     Any other report (planted, damaged, or of another version) is not read: the database itself is.
     """
-    raw = _read_small(database / _format.REPORT_FILE, MAX_JSON_BYTES)
+    raw = read_small(database / _format.REPORT_FILE, MAX_JSON_BYTES)
     if raw is None:
         return None
     try:
@@ -299,7 +299,7 @@ def _report_meta(database: Path) -> dict[str, Any] | None:
         if not isinstance(meta, dict):
             return None
         checked = _format.load_meta(json.dumps(meta).encode(), database)
-        _format._check_fits(checked, database, (database / _format.DATA_FILE).stat().st_size)
+        _format.check_fits(checked, database, (database / _format.DATA_FILE).stat().st_size)
     except (DatasetFormatError, OSError, ValueError):
         return None
     return checked if _source_path(checked) is not None else None
@@ -366,7 +366,7 @@ def _staged_from(database: Path) -> str | None:
     from lightning_fastdata.store.remote import redact_url
 
     with contextlib.suppress(ValueError):
-        record = _format.parse_json(_read_small(database / STAGED_RECORD, MAX_JSON_BYTES) or b"null")
+        record = _format.parse_json(read_small(database / STAGED_RECORD, MAX_JSON_BYTES) or b"null")
         url = record.get("url") if isinstance(record, dict) else None
         return redact_url(url) if isinstance(url, str) else None
     return None
@@ -433,9 +433,9 @@ def _remove(database: Path) -> int:
 
     """
     try:
-        with _target_lock(database, wait=False) as read_only:
+        with target_lock(database, wait=False) as read_only:
             if read_only is not None:
-                raise _read_only_error(database, read_only) from read_only
+                raise read_only_error(database, read_only) from read_only
             with _no_readers(database) as free:
                 if not free:
                     raise DestinationError(
@@ -445,7 +445,7 @@ def _remove(database: Path) -> int:
                 size = _disk_size(database)
                 working = partial_path(database)
                 with contextlib.suppress(FileNotFoundError):
-                    what = _foreign(os.lstat(working), directory=True)
+                    what = foreign_kind(os.lstat(working), directory=True)
                     if what is not None:  # a link or a file there: renaming the database over it would fail midway
                         raise DestinationError(
                             f"{str(working)!r} is {what}, where removing {database.name} renames it first; nothing"
@@ -585,7 +585,7 @@ _MAX_ELSEWHERE = 20
 
 def _read_elsewhere(root: Path) -> dict[str, list[str]]:
     """The registry in ``root``, keeping only entries of the right shapes; empty if it is missing or damaged."""
-    raw = _read_small(root / ELSEWHERE_FILE, MAX_JSON_BYTES)
+    raw = read_small(root / ELSEWHERE_FILE, MAX_JSON_BYTES)
     try:
         data = _format.parse_json(raw) if raw is not None else None
     except ValueError:
@@ -616,7 +616,7 @@ def record_elsewhere(source: Path, database: Path, cache_dir: str | os.PathLike[
         registry[str(source)] = [*kept, str(database)][-_MAX_ELSEWHERE:]
         root.mkdir(parents=True, exist_ok=True)
         tmp = root / f".{ELSEWHERE_FILE}.{os.getpid()}.tmp"
-        _write_own(tmp, json.dumps(registry, indent=1).encode())  # never through a link planted at that name
+        write_own(tmp, json.dumps(registry, indent=1).encode())  # never through a link planted at that name
         os.replace(tmp, root / ELSEWHERE_FILE)
     except (OSError, DestinationError) as err:
         log.debug("cannot record the conversion of %s into %s in %s: %s", source, database, root, err)

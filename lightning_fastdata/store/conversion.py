@@ -100,7 +100,7 @@ def convert(  # noqa: D417 - the shared options are documented in _OPTIONS_DOC
     read-only folder). It writes into a hidden sibling of ``dst`` and renames it into place at the end, so an
     interruption never leaves anything that reads as a complete database; running again starts over. While it runs,
     the lock file ``.<dst>.lock`` beside ``dst`` names its process;
-    :func:`~lightning_fastdata.store.writer.clean_stale_conversions` removes what a killed conversion left.
+    :func:`~lightning_fastdata.store.leftovers.clean_stale_conversions` removes what a killed conversion left.
 
     Args:
         src: an ImageFolder root (``src/<class>/<image>``), a root of split trees (``src/train/<class>/<image>``),

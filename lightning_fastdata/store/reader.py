@@ -25,6 +25,7 @@ from torch.utils.data import Dataset, default_collate
 from lightning_fastdata._cv import cv2
 from lightning_fastdata._files import anonymous_file, path_of
 from lightning_fastdata.errors import CorruptRecordError, DatasetFormatError, FastDataError, SampleError
+from lightning_fastdata.store.environments import open_readonly, read_meta, read_transaction
 from lightning_fastdata.store.format import (
     DATA_FILE,
     ENCODING_JPEG,
@@ -32,9 +33,6 @@ from lightning_fastdata.store.format import (
     ENCODING_RAW,
     RecordHeader,
     labels_key,
-    open_readonly,
-    read_meta,
-    read_transaction,
     record_key,
     unpack_record,
 )
@@ -231,7 +229,7 @@ class LmdbImageDataset(Dataset):
         """The error for LMDB's ``err`` while ``what``: damage, unless the database was replaced since it was opened.
 
         Once the database at :attr:`path` is replaced, the next open of that path in this process closes the old
-        environment (:func:`~lightning_fastdata.store.format.open_readonly`); reading through it then fails here.
+        environment (:func:`~lightning_fastdata.store.environments.open_readonly`); reading through it then fails here.
         """
         try:
             st = os.stat(os.path.join(self.path, DATA_FILE))

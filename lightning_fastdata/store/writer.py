@@ -1,16 +1,15 @@
-"""The writer of a database: records into a hidden working copy, published by rename, under a lock per target.
+"""The writer of a database: a conversion's records written into a hidden working copy, then moved into place.
 
 :func:`write_database` carries one conversion through: take the lock of ``dst`` (``.DST.lock``), stop early when
 ``dst`` is up to date, encode the plan's tasks (:mod:`~lightning_fastdata.store.encode`) and write them into
-``.DST.partial`` with metadata marked complete last, then move it into place (:func:`_publish`). An interruption
-leaves the previous database or none; :func:`stale_conversions` finds what killed converters left, and
-:func:`clean_stale_conversions` removes it. The reader (:mod:`~lightning_fastdata.store.reader`) mirrors this
-module; both follow :mod:`~lightning_fastdata.store.format`.
+``.DST.partial`` with metadata marked complete last, then move it into place. The lock, the working copy and the
+move by rename are :mod:`~lightning_fastdata.store.ondisk`'s; what killed converters left is
+:mod:`~lightning_fastdata.store.leftovers`'s to find and clean. The reader (:mod:`~lightning_fastdata.store.reader`)
+mirrors this module; both follow :mod:`~lightning_fastdata.store.format`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import errno
 import json
@@ -19,9 +18,8 @@ import math
 import mmap
 import os
 import shutil
-import stat
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
@@ -31,43 +29,40 @@ import lmdb
 from tqdm.auto import tqdm
 
 from lightning_fastdata.__about__ import __version__
-from lightning_fastdata._files import owned, read_regular
-from lightning_fastdata.errors import ConversionError, DatasetFormatError, DestinationError, ReadOnlyDestinationError
+from lightning_fastdata.errors import ConversionError, DatasetFormatError, DestinationError
 from lightning_fastdata.store.encode import EncodeOptions, encode_all
+from lightning_fastdata.store.environments import open_readonly, read_meta, read_transaction
 from lightning_fastdata.store.format import (
     DATA_FILE,
     FORMAT_VERSION,
     META_KEY,
-    PROGRESS_FILE,
     REPORT_FILE,
-    converter_of,
-    converter_record,
-    describe_converter,
     dump_meta,
-    fcntl,  # advisory lock so two converters never build one target at once
     labels_key,
-    lock_path,
-    open_readonly,
     pack_record,
-    parse_json,
     partial_path,
-    read_meta,
-    read_transaction,
     record_key,
     sources_key,
+)
+from lightning_fastdata.store.leftovers import report_stale
+from lightning_fastdata.store.ondisk import (
+    READ_ONLY,
+    check_fresh,
+    dir_size,
+    fresh_working_copy,
+    move_into_place,
+    read_only_error,
+    recover_interrupted_publish,
+    remove_aside,
+    target_lock,
+    unwritable_error,
+    write_own,
 )
 from lightning_fastdata.store.sources import ConversionPlan
 from lightning_fastdata.store.summary import ConversionSummary, SkippedFile, human_bytes
 from lightning_fastdata.store.targets import MAX_DIM, MIXED_KINDS, AmbiguousTargetsError, TargetColumn
 
 log = logging.getLogger(__name__)
-
-#: what ``mkdir``/``open`` raise in a folder this process may not write to
-_READ_ONLY = (errno.EROFS, errno.EACCES, errno.EPERM)
-
-#: what ``flock`` raises on a file system without file locks (NFS without its lock service, Lustre without the
-#: ``flock`` mount option)
-_NO_LOCKS = (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP)
 
 
 INITIAL_MAP_SIZE = 1 << 28  # 256 MiB; doubled whenever the database fills it
@@ -188,7 +183,7 @@ class _LmdbWriter:
     def __init__(self, path: Path, map_size: int, bound: _PageBound | None = None) -> None:
         self.path = path
         self.map_size = map_size
-        _check_fresh(path, _LMDB_FILES)  # LMDB opens (and writes) its files through links: none may be planted
+        check_fresh(path, _LMDB_FILES)  # LMDB opens (and writes) its files through links: none may be planted
         self.env = lmdb.open(str(path), map_size=map_size, subdir=True, readahead=False, meminit=False, sync=False)
         self.bound = bound if bound is not None else _PageBound(self.env.stat()["psize"])
         self._pending: list[tuple[bytes, bytes]] = []
@@ -257,277 +252,6 @@ def _has_meta_record(dst: Path) -> bool:
         return False
 
 
-@contextlib.contextmanager
-def _target_lock(dst: Path, wait: bool = True) -> Iterator[OSError | None]:
-    """Hold the conversion lock of ``dst`` while the block runs; yields the error when it cannot be written or locked.
-
-    A folder that is read-only, or on a file system without file locks, yields that error instead of a lock, and so
-    does a lock file that is another user's regular file (:class:`_ForeignLock`: this process never writes to it):
-    then only a complete, up-to-date database may be used (:func:`_unwritable_error` says why nothing else is).
-    The lock file holds this converter's pid and host (readers name it: "is being converted by process N") and is
-    removed at the end while still held: a waiter that then gets the lock sees that its file is gone and locks the new
-    one, so no zero-byte lock file stays beside each database.
-
-    Raises:
-        BlockingIOError: ``wait`` is false and another process holds the lock.
-        DestinationError: the lock file is a symbolic link, a hard link or not a regular file.
-
-    """
-    if fcntl is None:  # pragma: no cover - Windows
-        yield None
-        return
-    path = lock_path(dst)
-    while True:
-        try:
-            fh = os.fdopen(_open_own(path, os.O_RDWR), "r+b")  # held for the whole block, closed in `finally`
-        except OSError as err:
-            if err.errno not in _READ_ONLY:
-                raise
-            yield err  # a read-only folder: no conversion can happen here, but a complete database can be used
-            return
-        except DestinationError:
-            foreign = _ForeignLock.of(path)
-            if foreign is None:  # a link or not a regular file: refused
-                raise
-            yield foreign  # another user's lock: as in a read-only folder, a complete database can be used
-            return
-        try:
-            try:
-                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                if not wait:
-                    raise
-                holder = converter_of(dst) or {}
-                log.warning(
-                    "waiting for another conversion to %s to finish (%s holds %s); this one then reuses or replaces"
-                    " its result",
-                    dst,
-                    describe_converter(holder),
-                    path,
-                )
-                fcntl.flock(fh, fcntl.LOCK_EX)
-            if _same_file(fh.fileno(), path):
-                break
-        except OSError as err:
-            if isinstance(err, BlockingIOError) or err.errno not in _NO_LOCKS:
-                fh.close()
-                raise
-            fh.close()  # no locks on this file system: without one, two converters could write one working copy
-            with contextlib.suppress(OSError):
-                if path.stat().st_size == 0:  # the empty lock file this call just made
-                    path.unlink()
-            yield err
-            return
-        except BaseException:
-            fh.close()
-            raise
-        fh.close()  # the converter we waited for removed this lock file: lock the current one
-    try:
-        fh.truncate(0)
-        fh.seek(0)
-        fh.write(converter_record())
-        fh.flush()
-        yield None
-    finally:
-        with contextlib.suppress(OSError):
-            os.unlink(path)
-        fcntl.flock(fh, fcntl.LOCK_UN)
-        fh.close()
-
-
-class _ForeignLock(PermissionError):
-    """The lock file of a target is another user's regular file: this process never writes to it, so it cannot lock.
-
-    ``uid`` is its owner's.
-    """
-
-    uid: int
-
-    @classmethod
-    def of(cls, path: Path) -> _ForeignLock | None:
-        """The error for the lock file ``path`` when it is another user's regular file, else ``None``."""
-        try:
-            found = os.lstat(path)
-        except OSError:
-            return None
-        if not stat.S_ISREG(found.st_mode) or not hasattr(os, "geteuid") or found.st_uid == os.geteuid():
-            return None
-        error = cls(errno.EACCES, f"the lock file is owned by another user (uid {found.st_uid})", str(path))
-        error.uid = found.st_uid
-        return error
-
-
-def _open_own(path: Path, flags: int, folder: int | None = None) -> int:
-    """``os.open`` of ``path``, created if missing, only as a regular file of this user's, never through a link.
-
-    ``O_NOFOLLOW`` refuses a symbolic link planted at ``path`` (a lock file or a staged file pointing at another file,
-    which opening would truncate and write), and the check of the file opened a hard link (another name of a file
-    elsewhere); ``folder``: a descriptor of the folder ``path`` is in, opened without following links either. Pass
-    no ``O_TRUNC``: it would empty a refused file on open. Truncate once this returns.
-
-    Raises:
-        DestinationError: ``path`` is a symbolic link, a hard link, not a regular file, or another user's file.
-        OSError: what ``os.open`` raises otherwise (a read-only folder: EROFS, EACCES).
-
-    """
-    # O_NONBLOCK: a FIFO planted there is refused at once, where a write-only open would wait for a reader
-    flags |= os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0)
-    try:
-        fd = os.open(path.name if folder is not None else path, flags, 0o644, dir_fd=folder)
-    except OSError:
-        with contextlib.suppress(OSError):
-            refused = _not_own(path, os.lstat(path.name if folder is not None else path, dir_fd=folder))
-            if refused is not None:
-                raise refused from None
-        raise
-    refused = _not_own(path, os.fstat(fd))
-    if refused is not None:
-        os.close(fd)
-        raise refused
-    if hasattr(os, "O_NONBLOCK"):
-        os.set_blocking(fd, True)  # a regular file of this user's: as opened without O_NONBLOCK
-    return fd
-
-
-def _not_own(path: Path, found: os.stat_result, directory: bool = False) -> DestinationError | None:
-    """Why ``path`` (``found``: its ``lstat``) is not a regular file (``directory``: a folder) of this user's."""
-    what = _foreign(found, directory)
-    if what is None:
-        return None
-    return DestinationError(
-        f"{str(path)!r} is {what}, where this package writes its own {'folder' if directory else 'file'}; nothing"
-        f" was written through it. Remove it, and check who else can write to {str(path.parent)!r}."
-    )
-
-
-def _foreign(found: os.stat_result, directory: bool = False) -> str | None:
-    """What ``found`` (an ``lstat``) is, where a regular file (``directory``: a folder) of this user's should be.
-
-    ``None`` when it is one; else ``"a symbolic link"``, ``"not a folder"``, ``"not a regular file"``, ``"owned by
-    another user (uid N)"`` or, for a file, ``"a hard link (N links)"``: a second name of another file (``ln victim
-    .DST.lock``), which writing this one would overwrite. This package never links a file it writes (a publish links
-    only a finished database's files, which nothing writes again), so a file of its own has one name.
-    """
-    if stat.S_ISLNK(found.st_mode):
-        return "a symbolic link"
-    if not (stat.S_ISDIR if directory else stat.S_ISREG)(found.st_mode):
-        return "not a folder" if directory else "not a regular file"
-    if not owned(found):
-        return f"owned by another user (uid {found.st_uid})"
-    if not directory and found.st_nlink > 1:  # a folder's link count is its subfolders': no sign of anything
-        return f"a hard link ({found.st_nlink} links)"
-    return None
-
-
-def _write_own(path: Path, data: bytes) -> None:
-    """Write ``data`` as the whole of ``path``, a regular file of this user's (:func:`_open_own`), made if missing.
-
-    Truncated only once it passed the check: ``O_TRUNC`` would empty a planted link's or hard link's file on open.
-
-    Raises:
-        DestinationError: ``path`` is a symbolic link, a hard link, not a regular file, or another user's.
-        OSError: the file cannot be opened or written.
-
-    """
-    fd = _open_own(path, os.O_WRONLY)
-    with os.fdopen(fd, "wb") as fh:
-        fh.truncate(0)
-        fh.write(data)
-
-
-def _check_fresh(folder: Path, names: tuple[str, ...]) -> None:
-    """Refuse to let another program (LMDB) open ``names`` in ``folder`` unless each is missing or this user's own.
-
-    ``folder`` must be a folder of this user's, not a link; a file there that is a symbolic link, a hard link or
-    another user's would be opened and written through by LMDB, which follows links.
-
-    Raises:
-        DestinationError: ``folder`` or one of the files is not this package's own.
-
-    """
-    refused = _not_own(folder, os.lstat(folder), directory=True)
-    for name in names:
-        if refused is not None:
-            break
-        with contextlib.suppress(FileNotFoundError):
-            refused = _not_own(folder / name, os.lstat(folder / name))
-    if refused is not None:
-        raise refused
-
-
-def _fresh_working_copy(tmp: Path) -> None:
-    """Make the working copy ``tmp`` (``.DST.partial``) an empty folder of this user's, removing a dead conversion's.
-
-    Raises:
-        DestinationError: ``tmp`` is a symbolic link, not a folder, or another user's (planted: nothing is removed,
-            followed or written through it), or what a dead conversion left there cannot be removed.
-
-    """
-    try:
-        found: os.stat_result | None = os.lstat(tmp)
-    except FileNotFoundError:
-        found = None
-    if found is not None:
-        refused = _not_own(tmp, found, directory=True)
-        if refused is not None:
-            raise refused
-        log.info("removing %s (%s), left by an interrupted conversion", tmp, human_bytes(_dir_size(tmp)))
-        shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        tmp.mkdir()
-    except FileExistsError:  # what rmtree could not remove, or something made there meanwhile
-        raise DestinationError(
-            f"{str(tmp)!r}, the working copy of an interrupted conversion, could not be removed; nothing was"
-            " written. Remove it (check its permissions), then run the conversion again."
-        ) from None
-    _check_fresh(tmp, ())
-
-
-def _remove_aside(old: Path) -> None:
-    """Remove ``old`` (``.DST.old``, a database a publish moved aside), unless it is not this user's own folder.
-
-    Raises:
-        DestinationError: ``old`` is a symbolic link, not a folder, or another user's: planted, it is never removed,
-            followed or renamed over.
-
-    """
-    try:
-        found = os.lstat(old)
-    except FileNotFoundError:
-        return
-    refused = _not_own(old, found, directory=True)
-    if refused is not None:
-        raise refused
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def _fsync_dir(folder: Path) -> None:
-    """Make the names in ``folder`` (files created, renamed or removed there) durable; a no-op where unsupported."""
-    try:
-        fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass  # a file system whose folders cannot be synced
-    finally:
-        os.close(fd)
-
-
-def _same_file(fd: int, path: Path) -> bool:
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        return False
-    own = os.fstat(fd)
-    return (own.st_dev, own.st_ino) == (st.st_dev, st.st_ino)
-
-
-def _dir_size(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.iterdir() if f.is_file())
-
-
 def _make_parent(dst: Path) -> None:
     """Create the folder ``dst`` goes into; a file in the way or a read-only folder is a ``DestinationError``."""
     try:
@@ -539,261 +263,9 @@ def _make_parent(dst: Path) -> None:
             " parent folders are folders, or move that file away."
         ) from None
     except OSError as err:
-        if err.errno in _READ_ONLY:
-            raise _read_only_error(dst, err) from err
+        if err.errno in READ_ONLY:
+            raise read_only_error(dst, err) from err
         raise
-
-
-def _read_only_error(dst: Path, err: OSError | None = None, outdated: bool = False) -> DestinationError:
-    """The error for a conversion into a folder this process cannot write to (or whose lock file is another user's)."""
-    if isinstance(err, _ForeignLock):
-        return _foreign_lock_error(dst, err, outdated)
-    reason = f" ({err.strerror})" if err is not None and err.strerror else ""
-    what = (
-        "holds a database that is out of date (its source or the conversion settings changed), and"
-        if outdated
-        else "cannot be written:"
-    )
-    # the folder that refused: where `dst`'s folder does not exist yet, the nearest parent that does, not a folder
-    # that is not there
-    folder = next((p for p in [dst.parent, *dst.parent.parents] if p.is_dir()), dst.parent)
-    where = (
-        f"its folder {str(dst.parent)!r} is read-only{reason}"
-        if folder == dst.parent
-        else f"its folder {str(dst.parent)!r} does not exist and cannot be made in {str(folder)!r}, which is"
-        f" read-only{reason}"
-    )
-    error = ReadOnlyDestinationError(
-        f"`dst` {str(dst)!r} {what} {where}. Convert into a writable folder, or convert there first and make it"
-        " read-only afterwards."
-    )
-    error.folder = str(folder)
-    error.reason = err.strerror if err is not None and err.strerror else None
-    return error
-
-
-def _foreign_lock_error(dst: Path, err: _ForeignLock, outdated: bool) -> DestinationError:
-    """The error for a target whose lock file is another user's: it names the file, its owner and whether it is held."""
-    import pwd
-
-    try:
-        owner = f"{pwd.getpwuid(err.uid).pw_name}, uid {err.uid}"
-    except KeyError:
-        owner = f"uid {err.uid}"
-    holder = converter_of(dst)
-    held = (
-        f"held now by {describe_converter(holder)}: wait for it to finish, then run again"
-        if holder is not None
-        else "held by no process (left by a run that was stopped): its owner may remove it"
-    )
-    what = "holds a database that is out of date, but" if outdated else "cannot be written:"
-    return DestinationError(
-        f"{str(dst)!r} {what} its lock file {err.filename!r} belongs to another user ({owner}): this package never"
-        f" writes to another user's file, so it cannot take the lock. That file is {held}. A complete, up-to-date"
-        f" database at {str(dst)!r} is read without the lock; to write one, use a folder of your own."
-    )
-
-
-def _unwritable_error(dst: Path, err: OSError, outdated: bool = False) -> DestinationError:
-    """The error for a conversion where no lock can be taken: a read-only folder, no file locks, another user's lock."""
-    if err.errno not in _NO_LOCKS:
-        return _read_only_error(dst, err, outdated)
-    return DestinationError(
-        f"`dst` {str(dst)!r} cannot be converted: its folder {str(dst.parent)!r} is on a file system without file"
-        f" locks ({err.strerror or err}), and without the lock two processes (two nodes sharing this folder) could"
-        " write one database at once. Convert once where locks work (a local disk) and copy the database here, or"
-        " mount the file system with locks (NFS: its lock service; Lustre: the `flock` mount option). An up-to-date"
-        " database needs no lock to be read: pass it as `data_dir`."
-    )
-
-
-def _recover_interrupted_publish(dst: Path) -> None:
-    """Put back the previous database if a conversion died between moving it aside and moving the new one in.
-
-    Raises:
-        DestinationError: the database moved aside (``.DST.old``) is a symbolic link, not a folder, or another user's:
-            it is neither followed nor moved.
-
-    """
-    old = dst.parent / f".{dst.name}.old"
-    try:
-        found = os.lstat(old)
-    except FileNotFoundError:
-        return
-    if os.path.lexists(dst):
-        return  # nothing to put back: the next publish removes it
-    refused = _not_own(old, found, directory=True)
-    if refused is not None:
-        raise refused
-    log.warning("restoring %s from %s, left by a conversion interrupted while it replaced it", dst, old)
-    os.replace(old, dst)
-
-
-def stale_conversions(folder: str | os.PathLike[str]) -> list[Path]:
-    """What interrupted conversions left in ``folder``: working copies and lock files that no running converter holds.
-
-    Each ``.NAME.partial`` (an unfinished database), ``.NAME.old`` (a replaced one) and ``.NAME.lock`` whose lock is
-    not held by a live converter is listed; those of a conversion under way are not. Only this user's own folders are
-    listed, and lock files that are regular files of one name: a link, a hard link or another user's folder under
-    such a name was not left by this user's conversion, and is never removed or restored (see
-    :func:`clean_stale_conversions`).
-    """
-    return _leftovers(folder)[0]
-
-
-def _leftovers(folder: str | os.PathLike[str]) -> tuple[list[Path], list[tuple[Path, str]]]:
-    """:func:`stale_conversions`, and what stands under a leftover's name but is not this user's own, with what it is.
-
-    The latter are those that, followed, look like a leftover (:func:`_looks_ours`): a link to a database named
-    ``.NAME.old``, say, which restoring would make ``NAME`` a link to data this user never converted.
-    """
-    root = Path(folder).expanduser().absolute()
-    try:
-        names = sorted(e.name for e in os.scandir(root) if e.name.startswith("."))
-    except (FileNotFoundError, NotADirectoryError):
-        return [], []
-    stale, foreign = [], []
-    for name in names:
-        for suffix in (".partial", ".old", ".lock"):
-            if name.endswith(suffix) and len(name) > len(suffix) + 1:
-                path, target = root / name, root / name[1 : -len(suffix)]
-                what = _not_left_by_us(path)
-                if what is not None:
-                    if _looks_ours(path, target):
-                        foreign.append((path, what))
-                elif _looks_ours(path, target) and converter_of(target) is None:
-                    stale.append(path)
-    return stale, foreign
-
-
-def _not_left_by_us(path: Path) -> str | None:
-    """What ``path`` (a leftover's name) is when no conversion of this user's left it (:func:`_foreign`), else ``None``.
-
-    A lock file that is a regular file of one name passes whoever owns it: taking its lock says whose it is.
-    """
-    try:
-        found = os.lstat(path)
-    except OSError:
-        return None  # gone meanwhile: nothing to say of it (nor does it look like a leftover any longer)
-    if path.suffix == ".lock" and stat.S_ISREG(found.st_mode) and found.st_nlink == 1:
-        return None
-    return _foreign(found, directory=path.suffix != ".lock")
-
-
-def _looks_ours(path: Path, target: Path) -> bool:
-    """Whether ``path`` (``.NAME.partial``, ``.NAME.old`` or ``.NAME.lock``), followed, looks left by a conversion.
-
-    Not another program's: a database folder (or a working copy not yet started), or a lock file beside one or
-    holding a converter's record. Whether it is this user's own is :func:`_not_left_by_us`'s to say.
-    """
-    if path.suffix == ".lock":
-        if not path.is_file():
-            return False
-        if (target / DATA_FILE).is_file() or partial_path(target).is_dir():
-            return True
-        with contextlib.suppress(UnicodeDecodeError, ValueError):
-            record = parse_json(_read_small(path, 4096) or b"null")  # a converter's record is some 100 bytes
-            return isinstance(record, dict) and "pid" in record and "host" in record
-        return False
-    return path.is_dir() and ((path / DATA_FILE).is_file() or _staging(path) or not any(path.iterdir()))
-
-
-def _read_small(path: Path, limit: int) -> bytes | None:
-    """The bytes of the regular file ``path``, read without following a link; ``None`` if it has over ``limit``.
-
-    ``None`` too when ``path`` is missing, a link or not a regular file (a FIFO is never opened), or cannot be read:
-    what is read is never more than ``limit`` bytes, whatever the file says of its size
-    (:func:`~lightning_fastdata._files.read_regular`).
-    """
-    try:
-        return read_regular(path, limit=limit, follow_links=False)
-    except OSError:  # NotRegularFileError and FileTooLargeError among them
-        return None
-
-
-def _staging(path: Path) -> bool:
-    """Whether the working copy ``path`` is a staging's (it holds ``progress.json``), not a conversion's."""
-    return (path / PROGRESS_FILE).is_file()
-
-
-def clean_stale_conversions(folder: str | os.PathLike[str]) -> list[str]:
-    """Remove what interrupted conversions left in ``folder`` (:func:`stale_conversions`); one line per action.
-
-    A ``.NAME.old`` whose database ``NAME`` is missing (a conversion died while replacing it) is put back as
-    ``NAME`` rather than removed. Each ``NAME``'s leftovers are removed while holding its conversion lock, so a
-    conversion that starts meanwhile is never touched. A link, a hard link or another user's folder under a
-    leftover's name is left as it is, and named in a line of its own.
-
-    Raises:
-        FileNotFoundError: ``folder`` does not exist.
-        ReadOnlyDestinationError: ``folder`` is read-only.
-
-    """
-    root = Path(folder).expanduser().absolute()
-    if not root.is_dir():
-        raise FileNotFoundError(f"`folder` {str(root)!r} does not exist or is not a folder. Pass the folder to clean.")
-    stale, foreign = _leftovers(root)
-    leftovers: dict[Path, list[Path]] = {}
-    for path in stale:
-        leftovers.setdefault(root / path.name[1 : -len(path.suffix)], []).append(path)
-    done = []
-    for target, paths in leftovers.items():
-        try:
-            with _target_lock(target, wait=False) as read_only:
-                if read_only is not None:
-                    raise _unwritable_error(target, read_only) from read_only
-                done += [_clean(path, target) for path in paths]
-        except BlockingIOError:
-            continue  # a conversion to `target` started meanwhile: its files are in use
-    for path, what in foreign:
-        kind = "file" if path.suffix == ".lock" else "folder"
-        done.append(
-            f"left {str(path)!r} as it is: it is {what}, where an interrupted conversion leaves a {kind} of this"
-            f" user's; nothing was removed, restored or followed through it. Unless you made it, remove it, and check"
-            f" who else can write to {str(root)!r}."
-        )
-    return done
-
-
-def _clean(path: Path, target: Path) -> str:
-    """Remove (or, for a database moved aside, put back) one leftover of a conversion to ``target``.
-
-    Raises:
-        DestinationError: ``path``, listed as this user's folder, was replaced by a link or another user's since.
-
-    """
-    if path.suffix != ".lock":
-        try:
-            refused = _not_own(path, os.lstat(path), directory=True)
-        except FileNotFoundError:
-            return f"{path} is gone already"
-        if refused is not None:
-            raise refused
-    if path.suffix == ".old" and not os.path.lexists(target):
-        os.replace(path, target)
-        return f"restored {target} from {path.name}, left by a conversion interrupted while replacing it"
-    if path.suffix != ".lock":
-        size, what = _dir_size(path), "staging" if _staging(path) else "conversion"
-        shutil.rmtree(path, ignore_errors=True)
-        return f"removed {path} ({human_bytes(size)}), left by an interrupted {what}"
-    return f"removed {path}, the lock file of a conversion that is no longer running"  # removed when the lock ends
-
-
-def _report_stale(dst: Path) -> None:
-    """Name the working copies that dead converters left beside ``dst`` (this one's own is replaced anyway)."""
-    own = partial_path(dst)
-    stale = [p for p in stale_conversions(dst.parent) if p.suffix == ".partial" and p != own]
-    if stale:
-        sizes = sum(_dir_size(p) for p in stale if p.is_dir())
-        log.warning(
-            "%d incomplete conversion(s) left by converters that are no longer running take %s in %s: %s. Remove them"
-            " with `lightning-fastdata convert --clean %s`.",
-            len(stale),
-            human_bytes(sizes),
-            dst.parent,
-            ", ".join(p.name for p in stale),
-            dst.parent,
-        )
 
 
 def _write_failure(
@@ -868,9 +340,9 @@ def write_database(
         raise ValueError(f"`num_workers` must be >= 0 (0 converts in this process), got {num_workers}.")
     summary = ConversionSummary(destination=str(dst), workers=num_workers or 0, ignored=list(plan.ignored))
     start = time.perf_counter()
-    with _target_lock(dst) as read_only:
+    with target_lock(dst) as read_only:
         if read_only is None:
-            _recover_interrupted_publish(dst)
+            recover_interrupted_publish(dst)
         old = _existing_meta(dst)
         old_source = old.get("source", {}).get("path") if old is not None else None
         # a dataset's source is only its type name: two datasets cannot be told apart, and re-running must work
@@ -894,12 +366,12 @@ def write_database(
             summary.splits = {name: s["length"] for name, s in old["splits"].items()}
             return summary
         if read_only is not None:
-            raise _unwritable_error(dst, read_only, outdated=old is not None) from read_only
+            raise unwritable_error(dst, read_only, outdated=old is not None) from read_only
 
-        _report_stale(dst)
+        report_stale(dst)
         tmp = partial_path(dst)
-        _remove_aside(dst.parent / f".{dst.name}.old")  # before any work: a planted one would stop the publish
-        _fresh_working_copy(tmp)
+        remove_aside(dst.parent / f".{dst.name}.old")  # before any work: a planted one would stop the publish
+        fresh_working_copy(tmp)
         summary.skipped.extend(plan.skipped)
         bound = _PageBound(min(mmap.PAGESIZE, _MAX_PAGE))  # LMDB's page is the system's, at most 32 KiB
         try:
@@ -917,45 +389,20 @@ def write_database(
             if summary.written == 0:
                 first = f" First: {summary.skipped[0].path}: {summary.skipped[0].reason}." if summary.skipped else ""
                 raise ConversionError(f"none of the {len(summary.skipped)} inputs could be converted.{first}")
-            summary.bytes_out = _dir_size(tmp)
+            summary.bytes_out = dir_size(tmp)
             report = {"meta": meta, **summary.to_dict()}
             try:
-                _write_own(tmp / REPORT_FILE, json.dumps(report, indent=2, default=str).encode())
+                write_own(tmp / REPORT_FILE, json.dumps(report, indent=2, default=str).encode())
             except OSError as err:
                 raise ConversionError(
                     f"writing {REPORT_FILE} under {str(tmp)!r} failed: {err}. Check free disk space; nothing"
                     " was published."
                 ) from err
-            _publish(tmp, dst)
+            move_into_place(tmp, dst)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     return summary
-
-
-def _publish(tmp: Path, dst: Path) -> None:
-    """Move the finished database into place; an interruption leaves either the old or the new one, or none.
-
-    The rename is synced (the folder of ``dst``): after a crash the new database is there, not a name pointing at
-    nothing. The files in ``tmp`` must be synced already.
-
-    Raises:
-        DestinationError: ``.DST.old`` is a symbolic link, not a folder, or another user's: nothing is renamed over it.
-
-    """
-    if dst.exists():
-        old = dst.parent / f".{dst.name}.old"
-        _remove_aside(old)  # left by a publish that died after moving the new one in; a planted one is refused
-        os.replace(dst, old)
-        os.replace(tmp, dst)
-        _fsync_dir(dst.parent)
-        if os.path.islink(old):  # `dst` was a link, moved aside as it is: only the link goes
-            os.unlink(old)
-        else:
-            shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, dst)
-        _fsync_dir(dst.parent)
 
 
 def _write(
