@@ -14,14 +14,14 @@ from typing import Any, Literal, TypeVar
 import torch
 from lightning.fabric.utilities.data import AttributeDict
 from lightning.pytorch import LightningDataModule
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
 from lightning_fastdata import loaders, resizing, resolve
 from lightning_fastdata.errors import InvalidArgumentError
 from lightning_fastdata.hparams import HPARAMS_PREFIX as HPARAMS_PREFIX
-from lightning_fastdata.hparams import clashes, for_loggers, plain, refused_by_weights_only, say_clashes
+from lightning_fastdata.hparams import clashes, for_loggers, plain, say_clashes, warn_unloadable
 from lightning_fastdata.pipeline import DeviceStage, FastLoader
 from lightning_fastdata.pipeline.color import BatchColor
 from lightning_fastdata.pipeline.device import batch_dtype, loader_output, trainer_device, trains_on_cuda, uses_prefetch
@@ -47,9 +47,6 @@ from lightning_fastdata.workers import AUTO_PROCESSES_MIN_WORKERS as AUTO_PROCES
 from lightning_fastdata.workers import WorkerChoice, budget_for, default_workers, tune_key
 
 _Plan = TypeVar("_Plan", DataPlan, LoaderPlan, AugmentPlan)
-
-#: the (class, argument names) already warned about as not loading from a checkpoint
-_WARNED_UNLOADABLE: set[tuple[Any, ...]] = set()
 
 
 class FastImageDataModule(LightningDataModule):
@@ -425,17 +422,7 @@ class FastImageDataModule(LightningDataModule):
             self.hparams.update(converted)
             # the frozen copy `hparams_initial` reads, made as Lightning's `save_hyperparameters` makes it (no setter)
             self._hparams_initial = copy.deepcopy(self._hparams)
-        refused = refused_by_weights_only(converted)
-        if refused and (type(self), *refused) not in _WARNED_UNLOADABLE:  # once per class and arguments
-            _WARNED_UNLOADABLE.add((type(self), *refused))
-            found = ", ".join(f"`{name}` ({type(converted[name]).__name__})" for name in refused)
-            rank_zero_warn(
-                f"{type(self).__name__}: the saved argument(s) {found} would not load from a checkpoint: Lightning"
-                " loads checkpoints with `torch.load(weights_only=True)`, which refuses their classes, so"
-                " `fit(ckpt_path=...)` and `load_from_checkpoint` would fail. Pass plain values (numbers, strings,"
-                " lists, mappings, paths, dataclasses, enums), or leave an argument out of the checkpoint with"
-                " `self.hparams.pop(name)` after `super().__init__(...)` (then pass it again when loading)."
-            )
+        warn_unloadable(type(self), converted)
 
     @property
     @override
@@ -656,19 +643,9 @@ class FastImageDataModule(LightningDataModule):
     def set_image_size(self, size: int) -> None:
         """Crop to ``size`` (an int >= 1) from now on: progressive resizing and FixRes (docs/datamodule.md).
 
-        The datasets already built stay, with their samples, order and ``val_fraction`` holdout; only their crop
-        transforms change size (:func:`lightning_fastdata.resizing.resize_splits`), and so do the crops of
-        ``decode="device"``. Loaders already built follow as their next epoch starts: batch slots of the new shape,
-        persistent worker processes restarted. Call it before ``fit``, or from a callback's ``on_train_epoch_start``
-        (before the epoch's first batch is drawn); with ``image_size_schedule`` the schedule sets the size again as
-        each training epoch starts. ``image_size`` changes; the saved hyperparameter stays the configured one.
-
-        Logs the change; warns for each built dataset without a crop transform to resize, and, once the database is
-        open, when its stored images are too small for ``size``.
-
-        Raises:
-            InvalidArgumentError: ``size`` is not an int >= 1.
-
+        The built datasets' crops change size, and so do the crops of ``decode="device"``; loaders follow as their next
+        epoch starts. Call it before ``fit`` or from ``on_train_epoch_start``. What changes and when, what it warns:
+        :mod:`lightning_fastdata.resizing`. ``image_size`` changes; the saved hyperparameter stays the configured one.
         """
         size = resizing.check_size(size)
         if size == self.image_size:

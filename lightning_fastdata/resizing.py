@@ -13,7 +13,10 @@ persistent worker processes, which hold a copy of the dataset made when they sta
 
 The DataModule's ``set_image_size`` (and its loaders' ``before_epoch``, which calls it, so that a subclass's override
 counts) checks the size (:func:`check_size`), resizes its datasets (:func:`resize_splits`) and checks the stored
-images (:func:`check_stored_size`); the schedule's size of an epoch is :func:`size_at`.
+images (:func:`check_stored_size`); the schedule's size of an epoch is :func:`size_at`. Call it before ``fit``, or
+from a callback's ``on_train_epoch_start`` (before the epoch's first batch is drawn); with ``image_size_schedule`` the
+schedule sets the size again as each training epoch starts. It logs the change, and warns for each built dataset
+without a crop transform to resize and, once the database is open, when its stored images are too small for the size.
 """
 
 from __future__ import annotations
