@@ -3,31 +3,34 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
+import functools
 import inspect
 import types
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import torch
 from lightning.fabric.utilities.data import AttributeDict
 from lightning.pytorch import LightningDataModule
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
 from lightning_fastdata import loaders, resizing, resolve
 from lightning_fastdata.errors import InvalidArgumentError
 from lightning_fastdata.hparams import HPARAMS_PREFIX as HPARAMS_PREFIX
-from lightning_fastdata.hparams import clashes, for_loggers, plain, refused_by_weights_only, say_clashes
-from lightning_fastdata.pipeline import DeviceStage
+from lightning_fastdata.hparams import clashes, for_loggers, plain, say_clashes, warn_unloadable
+from lightning_fastdata.pipeline import DeviceStage, FastLoader
 from lightning_fastdata.pipeline.color import BatchColor
 from lightning_fastdata.pipeline.device import batch_dtype, loader_output, trainer_device, trains_on_cuda, uses_prefetch
 from lightning_fastdata.pipeline.kernel import Output
 from lightning_fastdata.pipeline.processes import check_nice
 from lightning_fastdata.pipeline.views import MultiViewCrop, ViewGroup, check_views
+from lightning_fastdata.plans import AugmentPlan, DataPlan, LoaderPlan
 from lightning_fastdata.skipping import SkipCounter
-from lightning_fastdata.splits import missing_split, open_splits, pick_predict_split, split_sources
+from lightning_fastdata.splits import check_database, missing_split, open_splits, pick_predict_split, split_sources
 from lightning_fastdata.store import cache, remote
 from lightning_fastdata.store import environments as _environments
 from lightning_fastdata.store.reader import DEFAULT_MAX_PIXELS, LmdbImageDataset
@@ -41,10 +44,9 @@ from lightning_fastdata.transforms import (
 )
 from lightning_fastdata.tuning import LoaderConfig
 from lightning_fastdata.workers import AUTO_PROCESSES_MIN_WORKERS as AUTO_PROCESSES_MIN_WORKERS
-from lightning_fastdata.workers import WorkerChoice, budget_for
+from lightning_fastdata.workers import WorkerChoice, budget_for, default_workers, tune_key
 
-#: the (class, argument names) already warned about as not loading from a checkpoint
-_WARNED_UNLOADABLE: set[tuple[Any, ...]] = set()
+_Plan = TypeVar("_Plan", DataPlan, LoaderPlan, AugmentPlan)
 
 
 class FastImageDataModule(LightningDataModule):
@@ -247,8 +249,8 @@ class FastImageDataModule(LightningDataModule):
         self.image_size = image_size
         self.image_size_schedule = resizing.check_schedule(image_size_schedule)
         self.views = groups
-        # configured: what is converted for (the largest view too)
-        self._sizes = (image_size, *(self.image_size_schedule or {}).values(), *(g.size for g in groups or ()))
+        #: the configured size (`image_size` is the current one): with the schedule and views, what is converted for
+        self._base_size = image_size
         self.batch_size = batch_size
         self.num_workers = num_workers
         #: whether `num_workers` is (or will be) the pick of `num_workers="tune"`
@@ -289,7 +291,8 @@ class FastImageDataModule(LightningDataModule):
         self._splits: list[str] | None = None
         #: the worker count and engine chosen (``num_workers="tune"``'s pick among them), and what was said about them
         self._workers = WorkerChoice()
-        self._warned_decode = False
+        #: the warnings given once per DataModule (``"decode"``: no CUDA for ``decode="device"``)
+        self._warned: set[str] = set()
         self._warned_hparams: set[tuple[str, str, str]] = set()
         self._staged: remote.StagedDatabase | None = None
         #: whether this DataModule's loaders run the device stage themselves, on the side stream
@@ -329,7 +332,7 @@ class FastImageDataModule(LightningDataModule):
 
     def store_short_side(self) -> int | None:
         """The short side a conversion stores (``None``: original sizes): ``short_side``, or one fit for the crops."""
-        return resolve.store_short_side(self.short_side, max(self._sizes), self.crop_fraction)
+        return resolve.store_short_side(self.short_side, max(self.augment_plan.sizes), self.crop_fraction)
 
     @property
     def classes(self) -> list[str]:
@@ -338,6 +341,31 @@ class FastImageDataModule(LightningDataModule):
             self.data_dir, self.cache_root, self.database_path, self._staged is not None, self.targets,
             self.label_separator,
         )  # fmt: skip
+
+    # --- Plans: the settings as the modules that do the work receive them (:mod:`lightning_fastdata.plans`) --------
+
+    def _plan(self, kind: type[_Plan], **resolved: Any) -> _Plan:
+        """A ``kind`` plan of the current settings: each field the attribute of its name, unless ``resolved`` has it."""
+        names = [field.name for field in dataclasses.fields(kind) if field.name not in resolved]  # type: ignore[arg-type]
+        return kind(**{name: getattr(self, name) for name in names}, **resolved)
+
+    @property
+    def data_plan(self) -> DataPlan:
+        """Where the data is and how it is read, as now set."""
+        return self._plan(DataPlan, largest_size=max(self.augment_plan.sizes))
+
+    @property
+    def loader_plan(self) -> LoaderPlan:
+        """How the loaders run, as now set (``num_workers`` is ``"tune"``'s pick once it is made)."""
+        return self._plan(LoaderPlan, skips=self.on_bad_sample == "skip")
+
+    @property
+    def augment_plan(self) -> AugmentPlan:
+        """How training samples are augmented: the configured size and schedule, crops, views, colour."""
+        views = None if self.views is None else tuple(self.views)
+        return self._plan(
+            AugmentPlan, image_size=self._base_size, schedule=self.image_size_schedule, views=views, color=self._color
+        )
 
     @property
     def tunes_workers(self) -> bool:
@@ -394,17 +422,7 @@ class FastImageDataModule(LightningDataModule):
             self.hparams.update(converted)
             # the frozen copy `hparams_initial` reads, made as Lightning's `save_hyperparameters` makes it (no setter)
             self._hparams_initial = copy.deepcopy(self._hparams)
-        refused = refused_by_weights_only(converted)
-        if refused and (type(self), *refused) not in _WARNED_UNLOADABLE:  # once per class and arguments
-            _WARNED_UNLOADABLE.add((type(self), *refused))
-            found = ", ".join(f"`{name}` ({type(converted[name]).__name__})" for name in refused)
-            rank_zero_warn(
-                f"{type(self).__name__}: the saved argument(s) {found} would not load from a checkpoint: Lightning"
-                " loads checkpoints with `torch.load(weights_only=True)`, which refuses their classes, so"
-                " `fit(ckpt_path=...)` and `load_from_checkpoint` would fail. Pass plain values (numbers, strings,"
-                " lists, mappings, paths, dataclasses, enums), or leave an argument out of the checkpoint with"
-                " `self.hparams.pop(name)` after `super().__init__(...)` (then pass it again when loading)."
-            )
+        warn_unloadable(type(self), converted)
 
     @property
     @override
@@ -435,7 +453,7 @@ class FastImageDataModule(LightningDataModule):
                 self.label_separator,
             )  # fmt: skip
         if self.num_workers == "tune":  # measured here, on one process per node, so the ranks read the cache
-            self.num_workers = self._workers.tuned_workers(self)
+            self.num_workers = self._tuned_workers()
 
     @override
     def setup(self, stage: str) -> None:
@@ -446,11 +464,26 @@ class FastImageDataModule(LightningDataModule):
         # before Lightning merges the hyperparameters, which it does after `setup`
         say_clashes(self.trainer, self.hparams_clashes, self._warned_hparams)
         if self.train_dataset is None and (self._splits is None or stage == "fit"):
-            open_splits(self)  # again after `train_dataset = None`: the same splits and holdout (seeded), rebuilt
+            self._open_splits()  # again after `train_dataset = None`: the same splits and holdout (seeded), rebuilt
         if stage == "fit" and self.train_dataset is None:
             raise missing_split(self.database_path, self._splits, "train")
         if stage == "fit":
-            self._workers.say_shared_generators(self)
+            self._workers.say_shared_generators(
+                self.train_dataset, self.loader_plan, self.worker_budget, self.resolved_engine
+            )
+
+    def _open_splits(self) -> None:
+        """Open the database's splits into the datasets (:mod:`~lightning_fastdata.splits`), staging a URL's first."""
+        if self.is_remote and self._staged is None:  # a rank other than the node's first: wait for its staging
+            self._staged = resolve.find_or_stage(self.data_dir, self.cache_dir, self.cache_root)
+        plan = self.data_plan
+        self._splits = check_database(plan)
+        if self.predict_split is not None:
+            self.resolved_predict_split(self._splits)  # a misspelled split fails now, not after the whole fit
+        opened = open_splits(plan, self._splits, self.build_dataset, self.train_transform, self.val_transform)
+        for name in ("train", "val", "test"):  # a split the database lacks leaves its dataset as it was
+            if getattr(opened, name) is not None:
+                setattr(self, f"{name}_dataset", getattr(opened, name))
 
     def resolved_predict_split(self, splits: Sequence[str] | None = None) -> str:
         """The split ``predict_dataloader`` reads: ``predict_split``, else ``test``, else ``val``, else ``train``."""
@@ -501,29 +534,93 @@ class FastImageDataModule(LightningDataModule):
 
         ``num_workers="tune"``'s pick is also ``num_workers`` from then on; the saved hyperparameter stays ``"tune"``.
         """
-        workers = self._workers.num_workers(self)
+        workers = self._workers.num_workers(self.loader_plan, self.worker_budget(), self.trainer, self._tuned_workers)
         if self.num_workers == "tune":
             self.num_workers = workers
         return workers
 
+    def _tuned_workers(self) -> int:
+        """``num_workers="tune"``'s pick: cached, or measured on :meth:`tuning_loader` (``WorkerChoice``)."""
+        plan = self.loader_plan
+
+        def key() -> str:
+            return tune_key(plan, self.database_path, self.train_transform(), self._output(), self.trainer)
+
+        pin_memory = self._on_cuda() if plan.pin_memory is None else plan.pin_memory
+        return self._workers.tuned_workers(
+            plan, self.cache_root, key, self.worker_budget, self.tuning_loader, self._output, pin_memory
+        )
+
     def resolved_engine(self, workers: int | None = None) -> Literal["threads", "processes"]:
-        """The engine the loaders use: ``engine``, or ``"auto"``'s choice, logged once (``WorkerChoice.engine``)."""
-        return self._workers.engine(self, workers)
+        """The engine the loaders use: ``engine``, or ``"auto"``'s choice, logged once (``WorkerChoice.engine``).
+
+        ``workers`` defaults to the budget, or to ``num_workers`` when it is a number.
+        """
+        plan = self.loader_plan
+        if workers is None:
+            workers = default_workers(plan, self.worker_budget)
+        return self._workers.engine(plan, self._output, workers)
 
     def tuning_loader(self, config: LoaderConfig) -> DataLoader:
         """The training loader as ``fit`` builds it, with ``config``'s settings: what ``"tune"`` and ``bench`` time."""
         if self.train_dataset is None:
             self.setup("fit")
         assert self.train_dataset is not None
-        return loaders.split_loader(
-            self,
-            self.train_dataset,
-            shuffle=True,
-            drop_last=self.drop_last,
-            train=True,
-            config=config,
-            return_index=self.return_index,
+        return self._loader(
+            self.train_dataset, drop_last=self.drop_last, train=True, config=config, return_index=self.return_index
         )
+
+    def _loader(
+        self,
+        dataset: Dataset,
+        drop_last: bool = False,
+        train: bool = False,
+        config: LoaderConfig | None = None,
+        return_index: bool = False,
+    ) -> FastLoader:
+        """The loader of ``dataset`` (:func:`.loaders.split_loader`): shuffled, resumable and scheduled with ``train``.
+
+        ``config``: a tuning sweep's workers, engine, batch size and pinning, else this DataModule's, resolved. Keeps
+        the loader's device stage (``_stage``, which ``on_after_batch_transfer`` reuses) and whether the loader runs it
+        itself (``_stage_in_loader``).
+        """
+        scheduled = train and config is None
+        if config is None:
+            workers = self.resolved_num_workers()
+            pin_memory = self._on_cuda() if self.pin_memory is None else self.pin_memory
+            engine = self.resolved_engine(workers)
+            config = LoaderConfig(workers, self.batch_size, self.prefetch_factor, pin_memory, engine)
+        self._stage = stage = self._device_stage()
+        loader = loaders.split_loader(
+            dataset,
+            self.loader_plan,
+            config,
+            shuffle=train,
+            drop_last=drop_last,
+            output=self._output(),
+            normalizer=self.normalizer,
+            stage=stage,
+            trainer=self.trainer,
+            train=train,
+            return_index=return_index,
+            prefetch_device=self._device() if self.uses_prefetch() else None,
+            color=self._color if train else None,
+            skip_counter=self._skip_counter,
+            before_epoch=functools.partial(self._start_epoch, stage, scheduled),
+        )
+        self._stage_in_loader = loader.prefetching
+        return loader
+
+    def _start_epoch(self, stage: DeviceStage, scheduled: bool, epoch: int) -> int:
+        """A loader's ``before_epoch``: the schedule's size of ``epoch`` (``scheduled``), the current one for ``stage``.
+
+        The size is set through :meth:`set_image_size` (a subclass's override counts); a loader whose persistent worker
+        processes started at another size restarts them, as the returned size changed.
+        """
+        if scheduled and self.image_size_schedule:
+            self.set_image_size(resizing.size_at(self.image_size_schedule, epoch, self._base_size))
+        stage.image_size = self.image_size
+        return self.image_size
 
     def _on_cuda(self) -> bool:
         return trains_on_cuda(self.trainer)
@@ -537,7 +634,7 @@ class FastImageDataModule(LightningDataModule):
 
     def uses_device_decode(self) -> bool:
         """Whether JPEGs are decoded on the GPU (``decode="device"`` on CUDA); warns once when CUDA is missing."""
-        return loaders.uses_device_decode(self)
+        return loaders.uses_device_decode(self.decode, self._device(), self._warned)
 
     def _output(self) -> Output:
         """What the loaders read: encoded for device decode, uint8 for CUDA, normalized float on a CPU."""
@@ -546,9 +643,20 @@ class FastImageDataModule(LightningDataModule):
     def set_image_size(self, size: int) -> None:
         """Crop to ``size`` (an int >= 1) from now on: progressive resizing and FixRes (docs/datamodule.md).
 
-        What changes and when: :func:`lightning_fastdata.resizing.set_image_size`.
+        The built datasets' crops change size, and so do the crops of ``decode="device"``; loaders follow as their next
+        epoch starts. Call it before ``fit`` or from ``on_train_epoch_start``. What changes and when, what it warns:
+        :mod:`lightning_fastdata.resizing`. ``image_size`` changes; the saved hyperparameter stays the configured one.
         """
-        resizing.set_image_size(self, size)
+        size = resizing.check_size(size)
+        if size == self.image_size:
+            return
+        previous, self.image_size = self.image_size, size
+        if self._stage is not None:
+            self._stage.image_size = size
+        built = {"train": self.train_dataset, "val": self.val_dataset, "test": self.test_dataset}
+        resizing.resize_splits(built, size, previous, others=[self.predict_dataset])
+        if self._splits is not None:  # the database is open: warn when its images are too small for the new crops
+            resizing.check_stored_size(self.data_plan, size)
 
     @override
     def train_dataloader(self) -> DataLoader:
@@ -564,16 +672,21 @@ class FastImageDataModule(LightningDataModule):
         assert self.train_dataset is not None
         if self.drop_last:
             self.clamp_batch_size()
-        return loaders.split_loader(
-            self, self.train_dataset, shuffle=True, drop_last=self.drop_last, train=True, return_index=self.return_index
-        )
+        return self._loader(self.train_dataset, drop_last=self.drop_last, train=True, return_index=self.return_index)
 
     def clamp_batch_size(self) -> int:
         """Lower ``batch_size`` to this process's share of the training split when larger, with a warning; returns it.
 
         The saved ``batch_size`` changes too (:func:`lightning_fastdata.loaders.clamp_batch_size`).
         """
-        return loaders.clamp_batch_size(self)
+        if self.train_dataset is None:
+            self.setup("fit")
+        share = loaders.clamp_batch_size(self.batch_size, len(self.train_dataset), self.trainer)  # type: ignore[arg-type]
+        if share != self.batch_size:
+            self.batch_size = share
+            if "batch_size" in self.hparams:
+                self.hparams["batch_size"] = share
+        return share
 
     @override
     def val_dataloader(self) -> DataLoader | list[DataLoader]:
@@ -582,7 +695,7 @@ class FastImageDataModule(LightningDataModule):
             self.setup("validate")
         if self.val_dataset is None:
             return []
-        return loaders.split_loader(self, self.val_dataset, shuffle=False, drop_last=False)
+        return self._loader(self.val_dataset)
 
     @override
     def test_dataloader(self) -> DataLoader:
@@ -596,16 +709,14 @@ class FastImageDataModule(LightningDataModule):
             self.setup("test")
         if self.test_dataset is None:
             raise missing_split(self.database_path, self._splits, "test")
-        return loaders.split_loader(self, self.test_dataset, shuffle=False, drop_last=False)
+        return self._loader(self.test_dataset)
 
     @override
     def predict_dataloader(self) -> DataLoader:
         """Batches of :meth:`resolved_predict_split`, in order; :meth:`predict_sources` maps them back to files."""
         if self.predict_dataset is None:
             self.predict_dataset = self.build_dataset(self.resolved_predict_split(), self.val_transform())
-        return loaders.split_loader(
-            self, self.predict_dataset, shuffle=False, drop_last=False, return_index=self.return_index
-        )
+        return self._loader(self.predict_dataset, return_index=self.return_index)
 
     # --- On the device ------------------------------------------------------------------------------------------
 

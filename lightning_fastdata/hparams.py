@@ -88,6 +88,26 @@ def refused_by_weights_only(hparams: Mapping[str, Any]) -> list[str]:
     return sorted(name for name, value in hparams.items() if not _loadable(value))
 
 
+#: the (class, argument names) already warned about as not loading from a checkpoint
+_WARNED_UNLOADABLE: set[tuple[Any, ...]] = set()
+
+
+def warn_unloadable(owner: type, saved: Mapping[str, Any]) -> None:
+    """Warn once per class and arguments when ``owner``'s ``saved`` arguments would not load from a checkpoint."""
+    refused = refused_by_weights_only(saved)
+    if not refused or (owner, *refused) in _WARNED_UNLOADABLE:
+        return
+    _WARNED_UNLOADABLE.add((owner, *refused))
+    found = ", ".join(f"`{name}` ({type(saved[name]).__name__})" for name in refused)
+    rank_zero_warn(
+        f"{owner.__name__}: the saved argument(s) {found} would not load from a checkpoint: Lightning"
+        " loads checkpoints with `torch.load(weights_only=True)`, which refuses their classes, so"
+        " `fit(ckpt_path=...)` and `load_from_checkpoint` would fail. Pass plain values (numbers, strings,"
+        " lists, mappings, paths, dataclasses, enums), or leave an argument out of the checkpoint with"
+        " `self.hparams.pop(name)` after `super().__init__(...)` (then pass it again when loading)."
+    )
+
+
 def _lightning_differs(a: Any, b: Any) -> bool:
     """Whether Lightning's hyperparameter merge (``_log_hyperparams``) takes ``a`` and ``b`` for different values."""
     if type(a) is not type(b) or (isinstance(a, torch.Tensor) and a is not b):

@@ -11,8 +11,12 @@ from its key ``(seed, epoch, sample)``, whatever the output size) are those of a
 differs. The loaders follow at their next epoch (``FastLoader(before_epoch=...)``): batch slots of the new shape, and
 persistent worker processes, which hold a copy of the dataset made when they started, restarted.
 
-:func:`set_image_size` and :func:`start_epoch` (each loader's ``before_epoch``) do it for a DataModule, which they
-read through its methods, so that a subclass's ``set_image_size`` counts.
+The DataModule's ``set_image_size`` (and its loaders' ``before_epoch``, which calls it, so that a subclass's override
+counts) checks the size (:func:`check_size`), resizes its datasets (:func:`resize_splits`) and checks the stored
+images (:func:`check_stored_size`); the schedule's size of an epoch is :func:`size_at`. Call it before ``fit``, or
+from a callback's ``on_train_epoch_start`` (before the epoch's first batch is drawn); with ``image_size_schedule`` the
+schedule sets the size again as each training epoch starts. It logs the change, and warns for each built dataset
+without a crop transform to resize and, once the database is open, when its stored images are too small for the size.
 """
 
 from __future__ import annotations
@@ -24,8 +28,8 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_fastdata import resolve
 from lightning_fastdata.errors import InvalidArgumentError
-from lightning_fastdata.pipeline.device import DeviceStage
 from lightning_fastdata.pipeline.views import MultiViewCrop
+from lightning_fastdata.plans import DataPlan
 from lightning_fastdata.store import environments as _environments
 from lightning_fastdata.transforms import CenterCropResize, RandomResizedCropFlip
 
@@ -120,19 +124,8 @@ def _views_of(dataset: Any) -> bool:
     return False
 
 
-def set_image_size(dm: Any, size: int) -> None:
-    """``dm.set_image_size(size)``: ``dm`` crops to ``size`` from now on (progressive resizing and FixRes).
-
-    The datasets already built stay, with their samples, order and ``val_fraction`` holdout; only their crop
-    transforms (:class:`~lightning_fastdata.transforms.RandomResizedCropFlip`,
-    :class:`~lightning_fastdata.transforms.CenterCropResize`) change size (:func:`resize`), and so do the crops of
-    ``decode="device"``. Loaders already built follow as their next epoch starts: batch slots of the new shape,
-    persistent worker processes restarted. Call it before ``fit``, or from a callback's ``on_train_epoch_start``
-    (before the epoch's first batch is drawn); with ``image_size_schedule`` the schedule sets the size again as
-    each training epoch starts. ``dm.image_size`` changes; the saved hyperparameter stays the configured one.
-
-    Logs the change; warns for each built dataset without a crop transform to resize, and, once the database is
-    open, when its stored images are too small for ``size``.
+def check_size(size: Any) -> int:
+    """``size`` for ``set_image_size``: an int >= 1.
 
     Raises:
         InvalidArgumentError: ``size`` is not an int >= 1.
@@ -140,13 +133,18 @@ def set_image_size(dm: Any, size: int) -> None:
     """
     if not _is_int(size) or size < 1:
         raise InvalidArgumentError(f"`set_image_size` needs an int >= 1, got {size!r}.")
-    if size == dm.image_size:
-        return
-    previous, dm.image_size = dm.image_size, size
-    built = {"train": dm.train_dataset, "val": dm.val_dataset, "test": dm.test_dataset}
-    missed = resize([d for d in (*built.values(), dm.predict_dataset) if d is not None], size)
-    if dm._stage is not None:
-        dm._stage.image_size = size
+    return int(size)
+
+
+def resize_splits(built: Mapping[str, Any], size: int, previous: int, others: Iterable[Any] = ()) -> None:
+    """Crop the built datasets (``{split: dataset or None}``, and ``others``) to ``size``, from ``previous``.
+
+    The datasets stay, with their samples, order and ``val_fraction`` holdout; only their crop transforms
+    (:class:`~lightning_fastdata.transforms.RandomResizedCropFlip`,
+    :class:`~lightning_fastdata.transforms.CenterCropResize`) change size (:func:`resize`). Logs the change; warns
+    for each named dataset without a crop transform to resize.
+    """
+    missed = resize([d for d in (*built.values(), *others) if d is not None], size)
     rank_zero_info(
         f"FastImageDataModule: image_size {previous} -> {size}; the loaders follow as their next epoch starts"
         " (new batch slots, and any persistent worker processes restart with the new crop size)."
@@ -157,19 +155,9 @@ def set_image_size(dm: Any, size: int) -> None:
                 f"`set_image_size`: the {name} dataset's transform is not RandomResizedCropFlip or"
                 " CenterCropResize, so its crops keep their size. Override `set_image_size` to resize it too."
             )
-    if dm._splits is not None:  # the database is open: warn when its images are too small for the new crops
-        stored = _environments.read_meta(dm.database_path).get("encoding", {}).get("short_side")
-        resolve.check_store_size(stored, size, dm.crop_fraction, dm.is_database, dm.data_dir)
 
 
-def start_epoch(dm: Any, stage: DeviceStage, schedule: bool, epoch: int) -> int:
-    """A loader's epoch starts: the scheduled size (training), the current one for its device stage; returns it.
-
-    The loaders' ``before_epoch``: with ``schedule``, ``dm.set_image_size`` (a subclass's override counts) sets
-    ``image_size_schedule``'s size of ``epoch``. A loader whose persistent worker processes started at another size
-    restarts them.
-    """
-    if schedule and dm.image_size_schedule:
-        dm.set_image_size(size_at(dm.image_size_schedule, epoch, dm._sizes[0]))
-    stage.image_size = dm.image_size
-    return dm.image_size
+def check_stored_size(plan: DataPlan, size: int) -> None:
+    """Warn when the stored images of ``plan``'s (open) database are too small for crops of ``size``."""
+    stored = _environments.read_meta(plan.database_path).get("encoding", {}).get("short_side")
+    resolve.check_store_size(stored, size, plan.crop_fraction, plan.is_database, plan.data_dir)

@@ -1,17 +1,19 @@
 """Which database splits a DataModule reads: train, val (or a seeded holdout of train), test and predict.
 
-``FastImageDataModule.setup`` opens them (:func:`open_splits`): each split plays the role its canonical name says
-(:func:`split_roles`), and without a ``val`` split a seeded ``val_fraction`` of ``train`` is held out, both sides
-:class:`IndexView` s of the same split. ``predict_dataloader`` reads :func:`pick_predict_split`. Every index of a
-split, a held-out one included, names its source file (:func:`split_sources`).
+``FastImageDataModule.setup`` checks the database (:func:`check_database`) and opens them (:func:`open_splits`):
+each split plays the role its canonical name says (:func:`split_roles`), and without a ``val`` split a seeded
+``val_fraction`` of ``train`` is held out, both sides :class:`IndexView` s of the same split.
+``predict_dataloader`` reads :func:`pick_predict_split`. Every index of a split, a held-out one included, names its
+source file (:func:`split_sources`).
 
-The DataModule is read through its methods (``build_dataset``, ``train_transform``, ``val_transform``,
-``resolved_predict_split``), so that a subclass's overrides count.
+The functions take a :class:`~lightning_fastdata.plans.DataPlan` and the DataModule's ``build_dataset`` and
+transform methods (so that a subclass's overrides count), and return the datasets, which the DataModule keeps.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,7 @@ from torch.utils.data import Dataset
 
 from lightning_fastdata import resolve
 from lightning_fastdata.errors import MissingSplitError
+from lightning_fastdata.plans import DataPlan
 from lightning_fastdata.store import cache
 from lightning_fastdata.store import environments as _environments
 from lightning_fastdata.store.sources import canonical_split
@@ -55,42 +58,58 @@ def split_roles(splits: Iterable[str]) -> dict[str, str]:
     return by_role
 
 
-def open_splits(dm: Any) -> None:
-    """Open the database's splits into ``dm``'s datasets; hold out ``val_fraction`` of ``train`` without ``val``.
+def check_database(plan: DataPlan) -> list[str]:
+    """The names of the splits of ``plan``'s database, sorted, once it is checked against the plan.
 
-    Stages a URL's database first on a rank whose node did not (``prepare_data`` ran elsewhere), records the
-    database's use, and checks its target kind and stored size against ``dm``'s arguments. The holdout is seeded
-    (``seed``): opened again, it is the same.
+    Records the database's use, and checks its target kind and stored size against ``plan``'s arguments (a URL's
+    database is staged, or found staged, first: ``FastImageDataModule.setup``).
     """
-    if dm.is_remote and dm._staged is None:  # a rank other than the node's first: wait for its staging
-        dm._staged = resolve.find_or_stage(dm.data_dir, dm.cache_dir, dm.cache_root)
-    cache.record_use(dm.database_path, dm.cache_root)  # its last use, and that this process reads it
-    meta = _environments.read_meta(dm.database_path)
-    resolve.check_targets(meta, dm.targets, dm.database_path)
-    size = max(dm._sizes)
-    resolve.check_store(meta, dm.short_side, size, dm.crop_fraction, dm.is_database, dm.data_dir)
-    splits = meta["splits"]
-    dm._splits = sorted(splits)
-    if dm.predict_split is not None:
-        dm.resolved_predict_split(dm._splits)  # a misspelled split fails now, not after the whole fit
+    cache.record_use(plan.database_path, plan.cache_root)  # its last use, and that this process reads it
+    meta = _environments.read_meta(plan.database_path)
+    resolve.check_targets(meta, plan.targets, plan.database_path)
+    resolve.check_store(
+        meta, plan.short_side, plan.largest_size, plan.crop_fraction, plan.is_database, plan.data_dir
+    )  # fmt: skip
+    return sorted(meta["splits"])
+
+
+@dataclass(frozen=True)
+class OpenedSplits:
+    """The datasets of a database's splits, by role (``None``: the database has no such split, nor a holdout)."""
+
+    train: Dataset | None = None
+    val: Dataset | None = None
+    test: Dataset | None = None
+
+
+def open_splits(
+    plan: DataPlan,
+    splits: Iterable[str],
+    build: Callable[[str, Any], Dataset],
+    train_transform: Callable[[], Any],
+    val_transform: Callable[[], Any],
+) -> OpenedSplits:
+    """The datasets of ``splits``, built by ``build(split, transform)``; ``val_fraction`` of ``train`` without ``val``.
+
+    ``train_transform`` and ``val_transform`` make each dataset's transform (the DataModule's methods, so that a
+    subclass's overrides count). The holdout is seeded (``plan.seed``): opened again, it is the same.
+    """
     by_role = split_roles(splits)
     val_split, test_split = by_role.get("val"), by_role.get("test")
+    train = val = test = None
     if "train" in by_role:
-        train = dm.build_dataset(by_role["train"], dm.train_transform())
-        if val_split is not None:
-            dm.train_dataset = train
-        elif dm.val_fraction > 0:
+        train = build(by_role["train"], train_transform())
+        if val_split is None and plan.val_fraction > 0:
             n = len(train)  # type: ignore[arg-type]
-            order = np.random.default_rng(dm.seed).permutation(n)
-            n_val = max(1, round(n * dm.val_fraction))
-            dm.val_dataset = IndexView(dm.build_dataset(by_role["train"], dm.val_transform()), np.sort(order[:n_val]))
-            dm.train_dataset = IndexView(train, np.sort(order[n_val:]))
-        else:
-            dm.train_dataset = train
+            order = np.random.default_rng(plan.seed).permutation(n)
+            n_val = max(1, round(n * plan.val_fraction))
+            val = IndexView(build(by_role["train"], val_transform()), np.sort(order[:n_val]))
+            train = IndexView(train, np.sort(order[n_val:]))
     if val_split is not None:
-        dm.val_dataset = dm.build_dataset(val_split, dm.val_transform())
+        val = build(val_split, val_transform())
     if test_split is not None:
-        dm.test_dataset = dm.build_dataset(test_split, dm.val_transform())
+        test = build(test_split, val_transform())
+    return OpenedSplits(train, val, test)
 
 
 def pick_predict_split(database: Path, wanted: str | None, names: Sequence[str] | None = None) -> str:

@@ -4,7 +4,8 @@
 under the cache folder (:meth:`WorkerChoice.tuned`, keyed by :func:`tune_key`); ``engine="auto"`` picks worker
 processes for CUDA training from :data:`AUTO_PROCESSES_MIN_WORKERS` workers on, threads otherwise
 (:meth:`WorkerChoice.engine`). :class:`WorkerChoice` keeps what was picked and said, so each is measured, logged or
-warned once per DataModule.
+warned once per DataModule. The functions take the DataModule's :class:`~lightning_fastdata.plans.LoaderPlan` and the
+values (or, where asking costs, the DataModule's methods) they need, and return the choice.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 from lightning.fabric.utilities.warnings import PossibleUserWarning
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
@@ -23,34 +24,12 @@ from torch.utils.data import DataLoader, Dataset
 from lightning_fastdata import cpus
 from lightning_fastdata.keyed_random import draws_process_generators
 from lightning_fastdata.pipeline.kernel import fuses
+from lightning_fastdata.plans import LoaderPlan
 from lightning_fastdata.store import environments as _environments
 from lightning_fastdata.tuning import LoaderConfig, TuneCache, quick_tune
 
 #: ``engine="auto"`` picks worker processes for CUDA training from this many workers on (see ``resolved_engine``)
 AUTO_PROCESSES_MIN_WORKERS = 4
-
-
-class _DataModule(Protocol):
-    """What the choice reads of a ``FastImageDataModule`` (its methods, so that a subclass's overrides count)."""
-
-    trainer: Any
-    num_workers: int | Literal["auto", "tune"]
-    engine: Literal["auto", "threads", "processes"]
-    batch_size: int
-    decode: str
-    pin_memory: bool | None
-    train_dataset: Dataset | None
-
-    @property
-    def cache_root(self) -> Path: ...
-    @property
-    def database_path(self) -> Path: ...
-    def worker_budget(self) -> int: ...
-    def resolved_engine(self, workers: int | None = None) -> Literal["threads", "processes"]: ...
-    def train_transform(self) -> Callable[[Any], Any]: ...
-    def tuning_loader(self, config: LoaderConfig) -> DataLoader: ...
-    def _output(self) -> str: ...
-    def _on_cuda(self) -> bool: ...
 
 
 def quiet_lightning_worker_check() -> None:
@@ -90,28 +69,44 @@ def budget_for(trainer: Any) -> int:
     return cpus.worker_budget(1, 1) if trainer is None else cpus.worker_budget(trainer.world_size, trainer.num_nodes)
 
 
-def engine_for(dm: _DataModule, workers: int) -> Literal["threads", "processes"]:
-    """The engine for ``workers`` workers: ``engine``, or ``"auto"``'s choice (see :meth:`WorkerChoice.engine`)."""
-    if dm.engine != "auto":
-        return dm.engine  # type: ignore[return-value]
-    return "processes" if dm._output() == "uint8" and workers >= AUTO_PROCESSES_MIN_WORKERS else "threads"
+def engine_for(engine: str, output: str, workers: int) -> Literal["threads", "processes"]:
+    """The engine for ``workers`` workers: ``engine``, or ``"auto"``'s choice for the loader ``output``.
+
+    See :meth:`WorkerChoice.engine`.
+    """
+    if engine != "auto":
+        return engine  # type: ignore[return-value]
+    return "processes" if output == "uint8" and workers >= AUTO_PROCESSES_MIN_WORKERS else "threads"
 
 
-def tune_key(dm: _DataModule) -> str:
-    """The key of ``num_workers="tune"``'s cached pick: the database, the transform and what else changes the pick."""
-    meta = _environments.read_meta(dm.database_path)
-    transform = dm.train_transform()
+def default_workers(plan: LoaderPlan, budget: Callable[[], int]) -> int:
+    """The worker count an engine is chosen for when none is given: the ``budget()``, or ``num_workers``'s number."""
+    return budget() if plan.num_workers in ("auto", "tune") else int(plan.num_workers)
+
+
+def tune_key(plan: LoaderPlan, database: Path, transform: Any, output: str, trainer: Any) -> str:
+    """The key of ``num_workers="tune"``'s cached pick: the database, the transform and what else changes the pick.
+
+    Args:
+        plan: the DataModule's loader settings.
+        database: the database the training loader reads.
+        transform: the training transform.
+        output: what the batch reader gives.
+        trainer: the Trainer, for the training processes on this node (``None``: one).
+
+    """
+    meta = _environments.read_meta(database)
     parts = {
-        "database": str(dm.database_path),
+        "database": str(database),
         "created": meta.get("created"),
         "source": meta.get("source", {}).get("fingerprint"),
         "transform": _describe(transform),
-        "batch_size": dm.batch_size,
+        "batch_size": plan.batch_size,
         "usable_cpus": cpus.usable_cpu_count(),
-        "processes_per_node": processes_per_node(dm.trainer),
-        "decode": dm.decode,
-        "output": dm._output(),
-        "engine": dm.engine,  # the setting: "auto" times each count on the engine it picks for that count
+        "processes_per_node": processes_per_node(trainer),
+        "decode": plan.decode,
+        "output": output,
+        "engine": plan.engine,  # the setting: "auto" times each count on the engine it picks for that count
     }
     return hashlib.sha256(repr(sorted(parts.items())).encode()).hexdigest()[:16]
 
@@ -129,27 +124,29 @@ class WorkerChoice:
     #: whether it said that loader threads cannot key ``random``'s and NumPy's draws
     said_generators: bool = False
 
-    def num_workers(self, dm: _DataModule) -> int:
-        """The worker count the loaders use (``"auto"`` resolved; a value above the budget warns once)."""
-        budget = dm.worker_budget()
-        if dm.num_workers == "auto":
+    def num_workers(self, plan: LoaderPlan, budget: int, trainer: Any, tune: Callable[[], int]) -> int:
+        """The worker count the loaders use (``"auto"``: ``budget``; ``"tune"``: ``tune()``; above it, warned once).
+
+        ``trainer`` tells how many training processes share the CPUs (``None``: one).
+        """
+        if plan.num_workers == "auto":
             return budget
-        if dm.num_workers == "tune":
-            return self.tuned_workers(dm)
-        if dm.num_workers > budget and not self.warned_workers:
+        if plan.num_workers == "tune":
+            return tune()
+        if plan.num_workers > budget and not self.warned_workers:
             self.warned_workers = True
-            sharing = cpus.cpu_sharing_processes(processes_per_node(dm.trainer))
+            sharing = cpus.cpu_sharing_processes(processes_per_node(trainer))
             rank_zero_warn(
-                f"`num_workers={dm.num_workers}` is above this process's budget of {budget}:"
+                f"`num_workers={plan.num_workers}` is above this process's budget of {budget}:"
                 f" {cpus.usable_cpu_count()} usable CPUs shared by {sharing} training process(es)."
                 " Workers beyond the budget compete for cores and usually slow loading; use `num_workers='auto'`."
             )
-        return int(dm.num_workers)
+        return int(plan.num_workers)
 
-    def engine(self, dm: _DataModule, workers: int | None = None) -> Literal["threads", "processes"]:
+    def engine(self, plan: LoaderPlan, output: Callable[[], str], workers: int) -> Literal["threads", "processes"]:
         """The engine the loaders use: ``engine``, or for ``"auto"`` the choice for ``workers``, logged once.
 
-        ``workers`` defaults to the budget, or to ``num_workers`` when it is a number.
+        ``output()`` says what the batch reader gives (asked only for ``"auto"``).
 
         ``"auto"`` follows what issue 18 measured on an H100 node with 16 cores: worker processes fed resnet18 at 8,901
         samples/s against the threads' 5,853, and resnet50 on 4 cores at 3,426 against 3,225, while the threads'
@@ -157,46 +154,66 @@ class WorkerChoice:
         and for CPU training, threads: no worker start-up, no shared memory for batch slots, and on a CPU worker
         processes only match them (``benchmarks/bench_engines.py``, 2 CPUs).
         """
-        if workers is None:
-            workers = dm.worker_budget() if dm.num_workers in ("auto", "tune") else int(dm.num_workers)
-        choice = engine_for(dm, workers)
-        if dm.engine == "auto" and choice != self.chosen_engine:
+        if plan.engine != "auto":
+            return plan.engine
+        loader_output = output()
+        choice = engine_for(plan.engine, loader_output, workers)
+        if choice != self.chosen_engine:
             self.chosen_engine = choice
             why = (
                 f"CUDA training with {workers} workers"
                 if choice == "processes"
                 else "training on the CPU"
-                if dm._output() == "float"
+                if loader_output == "float"
                 else "reading encoded bytes for decode='device'"
-                if dm._output() == "encoded"
+                if loader_output == "encoded"
                 else f"{workers} worker(s), fewer than {AUTO_PROCESSES_MIN_WORKERS}"
             )
             rank_zero_info(f"FastImageDataModule: engine='auto' chose {choice!r} ({why}).")
         return choice
 
-    def tuned_workers(self, dm: _DataModule) -> int:
-        """``num_workers="tune"``: the cached pick for this configuration, or a bounded sweep that makes one."""
+    def tuned_workers(
+        self,
+        plan: LoaderPlan,
+        cache_root: Path,
+        key: Callable[[], str],
+        budget: Callable[[], int],
+        loader: Callable[[LoaderConfig], DataLoader],
+        output: Callable[[], str],
+        pin_memory: bool,
+    ) -> int:
+        """``num_workers="tune"``: the cached pick for this configuration, or a bounded sweep that makes one.
+
+        Args:
+            plan: the DataModule's loader settings.
+            cache_root: the cache folder, which holds ``tune.json``.
+            key: the configuration's key (:func:`tune_key`).
+            budget: the most workers to try.
+            loader: the training loader with a configuration (``FastImageDataModule.tuning_loader``).
+            output: what the batch reader gives (for ``engine="auto"``'s choice at each count).
+            pin_memory: whether the loader pins its batches.
+
+        """
         if self.tuned is not None:
             return self.tuned
-        cache = TuneCache(dm.cache_root / "tune.json")
-        key = tune_key(dm)
-        entry = cache.get(key)
+        cache = TuneCache(cache_root / "tune.json")
+        entry_key = key()
+        entry = cache.get(entry_key)
         if entry is not None and isinstance(entry.get("num_workers"), int):
             self.tuned = int(entry["num_workers"])
             return self.tuned
-        pin_memory = dm._on_cuda() if dm.pin_memory is None else dm.pin_memory
         # each count on the engine it would train on: the loader resolves the engine from the tuned count the same way
         result = quick_tune(
-            dm.tuning_loader,
-            dm.batch_size,
-            dm.worker_budget(),
-            engine=lambda workers: engine_for(dm, workers),
+            loader,
+            plan.batch_size,
+            budget(),
+            engine=lambda workers: engine_for(plan.engine, output(), workers),
             pin_memory=pin_memory,
         )
         self.tuned = result.pick.config.num_workers
         rank_zero_info(f"num_workers='tune' measured the training loader:\n{result.format_table()}")
         try:
-            cache.put(key, {"num_workers": self.tuned, **result.to_dict()})
+            cache.put(entry_key, {"num_workers": self.tuned, **result.to_dict()})
         except OSError as err:
             rank_zero_warn(
                 f"num_workers='tune' picked num_workers={self.tuned} for this run, but could not cache the pick in"
@@ -205,7 +222,9 @@ class WorkerChoice:
             )
         return self.tuned
 
-    def say_shared_generators(self, dm: _DataModule) -> None:
+    def say_shared_generators(
+        self, dataset: Dataset | None, plan: LoaderPlan, budget: Callable[[], int], engine: Callable[[int], str]
+    ) -> None:
         """Say once that the training transform draws from :mod:`random` or NumPy's, which loader threads cannot key.
 
         A transform or dataset of one's own is read sample by sample, within the sample's key
@@ -213,17 +232,21 @@ class WorkerChoice:
         every engine, its draws from Python's and NumPy's process-wide generators only in worker processes and on the
         training thread. Two samples are read once here, as a loader thread reads them, to see whether it draws from
         those (a transform that does not is not told to change).
+
+        Args:
+            dataset: the training dataset.
+            plan: the DataModule's loader settings.
+            budget: the worker budget (asked only when ``num_workers`` is not a number).
+            engine: the engine for a worker count (``FastImageDataModule.resolved_engine``).
+
         """
-        if self.said_generators or dm.train_dataset is None or fuses(dm.train_dataset):
+        if self.said_generators or dataset is None or fuses(dataset):
             return
-        workers = self.tuned
-        if workers is None:
-            workers = dm.worker_budget() if dm.num_workers in ("auto", "tune") else int(dm.num_workers)
-        if workers == 0 or dm.resolved_engine(workers) != "threads":
+        workers = self.tuned if self.tuned is not None else default_workers(plan, budget)
+        if workers == 0 or engine(workers) != "threads":
             return
-        dataset = dm.train_dataset
         samples = range(min(2, len(dataset)))  # type: ignore[arg-type]
-        if not draws_process_generators(dataset.__getitem__, samples, (dm.seed, 0)):
+        if not draws_process_generators(dataset.__getitem__, samples, (plan.seed, 0)):
             return
         self.said_generators = True
         rank_zero_warn(

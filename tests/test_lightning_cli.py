@@ -478,4 +478,6 @@ def test_dino_views_parse_from_yaml(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     )
     assert (dm.num_large_views, dm.num_small_views) == (2, 6)
     # per view: (jitter, grayscale, blur, solarize) probabilities, the DataModule's where a group sets none
-    assert dm._color.view_probabilities == ((0.8, 0.2, 1.0, 0.0), (0.8, 0.2, 0.1, 0.2)) + ((0.8, 0.2, 0.5, 0.0),) * 6
+    color = dm.augment_plan.color
+    assert color is not None
+    assert color.view_probabilities == ((0.8, 0.2, 1.0, 0.0), (0.8, 0.2, 0.1, 0.2)) + ((0.8, 0.2, 0.5, 0.0),) * 6

@@ -428,6 +428,11 @@ def test_plot_sweep_writes_a_png(tmp_path):
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def _key(dm: FastImageDataModule) -> str:
+    """The key ``dm``'s ``num_workers="tune"`` pick is cached under (its loader plan, database, transform, output)."""
+    return tune_key(dm.loader_plan, dm.database_path, dm.train_transform(), dm._output(), dm.trainer)
+
+
 def test_datamodule_tune_picks_the_cheapest_count_within_5_percent_and_caches_it(tmp_path, monkeypatch):
     """`num_workers="tune"` measures 0 up to the budget on the training loader, keeps the cheapest count within 5%.
 
@@ -460,7 +465,7 @@ def test_datamodule_tune_picks_the_cheapest_count_within_5_percent_and_caches_it
 
     cache_file = tmp_path / "cache" / "tune.json"
     assert dm.cache_root / "tune.json" == cache_file
-    entry = json.loads(cache_file.read_text())[tune_key(dm)]
+    entry = json.loads(cache_file.read_text())[_key(dm)]
     assert entry["num_workers"] == tuned
     assert [p["num_workers"] for p in entry["measurements"]] == [0, 1, 2, 3]
 
@@ -471,10 +476,10 @@ def test_datamodule_tune_picks_the_cheapest_count_within_5_percent_and_caches_it
     again = FastImageDataModule(str(src), **settings)
     again.prepare_data()
     assert again.resolved_num_workers() == tuned
-    assert tune_key(again) == tune_key(dm)
+    assert _key(again) == _key(dm)
 
     other = FastImageDataModule(str(src), **{**settings, "batch_size": 16})
-    assert tune_key(other) != tune_key(dm)
+    assert _key(other) != _key(dm)
     with pytest.raises(AssertionError, match="cached pick"):
         other.resolved_num_workers()
 
@@ -520,7 +525,7 @@ def test_datamodule_tune_stays_within_the_budget(tmp_path, monkeypatch):
     dm.prepare_data()
     assert dm.resolved_num_workers() <= 1
     assert dm.num_workers == dm.resolved_num_workers()  # read back after `prepare_data` measured it
-    entry = TuneCache(tmp_path / "cache" / "tune.json").get(tune_key(dm))
+    entry = TuneCache(tmp_path / "cache" / "tune.json").get(_key(dm))
     assert entry is not None
     # 0 and 1 workers, and with CUDA the page-locked point at the pick: never a count above the budget
     assert sorted({p["num_workers"] for p in entry["measurements"]}) == [0, 1]

@@ -336,8 +336,9 @@ def test_view_groups_draw_with_probabilities_of_their_own(database: Path) -> Non
         {"size": 12, "count": 3, "scale": [0.05, 0.4]},
     ]
     dm = FastImageDataModule(str(database), views=views, color_jitter=(0.4, 0.4, 0.2, 0.1), blur_p=0.5)
-    assert dm._color is not None
-    params = dm._color.draw(KEY, list(range(400)), len(SIZES))
+    color = dm.augment_plan.color
+    assert color is not None
+    params = color.draw(KEY, list(range(400)), len(SIZES))
     sigma, solarize = params[..., COLUMNS.index("sigma")], params[..., COLUMNS.index("solarize")]
     assert (sigma[:, 0] > 0).all()
     assert (sigma[:, 1] == 0).all()
