@@ -214,7 +214,7 @@ class WorkerPool:
         turns = itertools.cycle(range(self.workers))
         for task in itertools.islice(tasks, self.workers * self.tasks_ahead):
             self._send(next(turns), task)
-        while self._in_flight and run == self._runs:
+        while self._in_flight and run == self._runs and self.running:  # a later run, or a shutdown, ends it
             result = self._receive(self._in_flight.popleft())
             task = next(tasks, _END)
             if task is not _END:
