@@ -12,15 +12,23 @@ source, not run).
   that found no free slot in a memfd of its own there (:mod:`~lightning_fastdata.pipeline.kernel`), the keyed random
   state is not saved there (:mod:`~lightning_fastdata.keyed_random`), and a user's ``worker_init_fn`` or dataset may
   call it too.
+* ``multiprocessing.reduction.DupFd`` (CPython, undocumented): pickles a file descriptor so that the process that
+  unpickles it gets its own copy, whatever the start method (passed to a spawned child as it starts, else fetched
+  from the sender over a socket). Batch slot memory and batches built in a memfd of their own
+  (:mod:`~lightning_fastdata.pipeline.slots`) reach the workers and come back this way; torch sends its shared
+  tensors with it too.
 
-Workers import this module, so it imports nothing but torch.
+Workers import this module, so it imports nothing but torch and the standard library.
 """
 
 from __future__ import annotations
 
+from multiprocessing.reduction import DupFd
 from typing import Any
 
 from torch.utils.data._utils import worker as _worker
+
+__all__ = ["DupFd", "set_worker_info"]
 
 
 def set_worker_info(worker_id: int, num_workers: int, seed: int, dataset: Any) -> None:
