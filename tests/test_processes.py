@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import queue
 import re
 import shutil
 import subprocess
@@ -22,7 +21,6 @@ from typing import Any
 
 import pytest
 import torch
-from workers import put_tasks
 
 from lightning_fastdata.pipeline import processes
 from lightning_fastdata.pipeline.factory import FastLoader
@@ -283,159 +281,196 @@ class _Numbers(torch.utils.data.Dataset):
         return torch.full((4,), index)
 
 
-def _broken_receive(monkeypatch: pytest.MonkeyPatch, seen_alive: int) -> tuple[Any, int]:
-    """An iterator whose only worker dies while its batch is being received: the fetch of the batch's file descriptors
-    fails with ConnectionResetError, and the worker still looks alive the first ``seen_alive`` times (not killed for
-    real: torch's SIGCHLD handler would raise its own error first, on whatever line the test is at)."""
-    loader = FastLoader(_Numbers(), batch_size=4, num_workers=1)
-    iterator = iter(loader)
-    worker = iterator._workers[0]
-    looks = iter([True] * seen_alive)
-    monkeypatch.setattr(worker, "is_alive", lambda: next(looks, False))
+def _numbers(start: int, stop: int, size: int) -> list[list[list[int]]]:
+    return [[[i] * 4 for i in range(k, k + size)] for k in range(start, stop, size)]
 
-    def reset(*args: Any, **kwargs: Any) -> None:
-        raise ConnectionResetError(104, "Connection reset by peer")
 
-    monkeypatch.setattr(iterator._data_queue, "get", reset)
-    # the worker is alive: left to torch's shutdown (a worker marked unavailable mid-epoch exits with an assertion)
-    monkeypatch.setattr(iterator, "_mark_worker_as_unavailable", lambda worker_id, shutdown=False: None)
-    return iterator, worker.pid
+def test_persistent_workers_serve_every_epoch_in_order_without_a_thread_in_the_training_process() -> None:
+    """The loader's own worker pool keeps its processes across epochs, returns every batch in order, and the
+    training process writes tasks and reads results itself: no queue feeder or pin-memory thread starts."""
+    threads = threading.active_count()
+    loader = FastLoader(_Numbers(), batch_size=8, num_workers=2, persistent_workers=True)
+    pools = []
+    for _ in range(2):
+        batches = [batch.clone() for batch in loader]
+        assert [b.tolist() for b in batches] == _numbers(0, 64, 8)
+        pools.append(loader._iterator)
+        assert threading.active_count() == threads
+    assert isinstance(pools[0], processes.WorkerPool)
+    assert pools[0] is pools[1]
+    assert pools[0].running
+    pids = pools[0].pids
+    loader._iterator = None  # what Lightning's teardown does: the workers stop with the pool
+    del pools
+    for pid in pids:
+        assert _gone(pid), pid
+
+
+def _gone(pid: int | None, within: float = 30) -> bool:
+    assert pid is not None
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        try:
+            os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_workers_without_persistence_stop_with_their_epoch() -> None:
+    """``persistent_workers=False``: each epoch starts its own workers, and they are gone when the epoch ends, even
+    one left part-way."""
+    loader = FastLoader(_Numbers(), batch_size=8, num_workers=2, persistent_workers=False)
+    epoch = iter(loader)
+    assert next(epoch).tolist() == _numbers(0, 8, 8)[0]
+    children = multiprocessing.active_children()
+    assert len(children) >= 2
+    del epoch
+    assert all(_gone(child.pid) for child in children)
+    assert loader._iterator is None
+    assert [b.tolist() for b in loader] == _numbers(0, 64, 8)
+
+
+def test_an_epoch_left_part_way_is_drained_before_the_next_one() -> None:
+    """A loop that stops part-way leaves tasks in flight: the next epoch of the same workers drops their results
+    and starts from its first batch."""
+    loader = FastLoader(_Numbers(), batch_size=4, num_workers=2, persistent_workers=True, prefetch_factor=3)
+    epoch = iter(loader)
+    assert [next(epoch).tolist() for _ in range(2)] == _numbers(0, 8, 4)
+    assert [b.tolist() for b in loader] == _numbers(0, 64, 4)
+    with pytest.raises(StopIteration):  # the earlier epoch ended when the next one started
+        next(epoch)
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver", "fork"])
+def test_workers_start_in_the_loaders_context_seeded_and_told_who_they_are_as_torchs(method: str) -> None:
+    """Workers start with the loader's ``multiprocessing_context``; in each, ``get_worker_info()`` names it, and
+    :mod:`random`, NumPy and torch are seeded as torch's own DataLoader workers seed them: the same samples."""
+    from workers import WorkerFacts
+
+    def facts(loader: torch.utils.data.DataLoader) -> list[list[Any]]:
+        torch.manual_seed(7)  # the workers' base seed is drawn from torch's generator
+        return [[list(map(float, column)) for column in batch] for batch in loader]
+
+    ours = FastLoader(WorkerFacts(), batch_size=2, num_workers=2, multiprocessing_context=method)
+    torchs = torch.utils.data.DataLoader(WorkerFacts(), batch_size=2, num_workers=2, multiprocessing_context=method)
+    got = facts(ours)
+    assert [batch[0] for batch in got] == [[0.0, 0.0], [1.0, 1.0]] * 2  # worker ids, in turn
+    assert [batch[1] for batch in got] == [[2.0, 2.0]] * 4
+    assert got == facts(torchs)
+
+
+def _failing_init(worker_id: int) -> None:
+    raise ValueError(f"init of worker {worker_id} failed")
+
+
+class _Failing(_Numbers):
+    def __getitem__(self, index: int) -> torch.Tensor:
+        if index == 10:
+            raise KeyError(f"sample {index}")
+        return super().__getitem__(index)
+
+
+def test_a_workers_exception_is_raised_with_its_type_and_traceback_and_the_workers_go_on() -> None:
+    """An exception in a worker comes back as torch's DataLoader raises it (its type, the worker's traceback in the
+    message); the workers keep running, and the next epoch is whole."""
+    loader = FastLoader(_Failing(), batch_size=4, num_workers=2, persistent_workers=True)
+    with pytest.raises(KeyError, match=r"Caught KeyError in DataLoader worker process 0(.|\n)*sample 10"):
+        list(loader)
+    with pytest.raises(KeyError):
+        list(loader)
+    with pytest.raises(ValueError, match="init of worker 0 failed"):
+        list(FastLoader(_Numbers(), batch_size=4, num_workers=2, worker_init_fn=_failing_init))
+
+
+class _Slow(_Numbers):
+    def __getitem__(self, index: int) -> torch.Tensor:
+        time.sleep(3)
+        return super().__getitem__(index)
+
+
+def test_a_result_later_than_timeout_raises_and_stops_the_workers() -> None:
+    """The DataLoader's ``timeout``: no result within it is an error naming it, not a hang."""
+    loader = FastLoader(_Slow(), batch_size=1, num_workers=1, timeout=0.5)
+    with pytest.raises(RuntimeError, match=r"timed out after 0.5 seconds"):
+        next(iter(loader))
+
+
+def test_a_worker_killed_while_its_batch_is_awaited_is_named_with_its_signal() -> None:
+    """A worker killed while the training process waits for its batch: its sentinel wakes the wait, and the error
+    names its pid, its place and the signal; the other worker is stopped too, and the next epoch starts new ones."""
+    loader = FastLoader(_Slow(), batch_size=1, num_workers=2, persistent_workers=True)
+    epoch = iter(loader)
+    pool = None
+    deadline = time.monotonic() + 60
+    while pool is None and time.monotonic() < deadline:  # the first task goes out with the first `next`
+        threading.Timer(1.0, lambda: os.kill(loader._iterator.pids[0], 9)).start()
+        try:
+            next(epoch)
+        except RuntimeError as err:
+            pool = err
+    pid = re.search(r"pid (\d+)", str(pool)).group(1)  # type: ignore[union-attr]
+    assert re.search(
+        rf"DataLoader worker \(pid {pid}, worker 0 of 2\) was killed by signal: Killed \(SIGKILL\)", str(pool)
+    ), pool
+    assert not loader._iterator.running
+    assert all(_gone(int(p)) for p in [pid])
 
 
 def test_a_worker_dying_as_its_batch_is_received_is_named_not_a_connection_reset(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """torch looks for dead workers at once after the failed fetch, when the killed worker may still look alive: the
-    iterator waits for it and raises torch's RuntimeError naming it (the kill test above raced)."""
-    iterator, pid = _broken_receive(monkeypatch, seen_alive=5)
-    with pytest.raises(RuntimeError, match=rf"DataLoader worker \(pid\(s\) {pid}\) exited unexpectedly") as info:
-        next(iterator)
-    assert isinstance(info.value.__cause__, ConnectionResetError)
-    iterator._shutdown_workers()
+    """Tensors of a batch are fetched from the worker that made it as it is received: a worker killed meanwhile
+    breaks that connection a moment before its death shows. The pool waits for the death and names the worker; a
+    broken connection whose worker stays alive is raised as it is, after :data:`DEATH_GRACE_S`."""
+    monkeypatch.setattr(processes, "DEATH_GRACE_S", 0.5)
+    pool = processes.WorkerPool(_Numbers(), torch.stack, 1)
+    connection = pool._results[0]
 
+    class _Broken:
+        def recv(self) -> Any:
+            connection.recv()
+            raise ConnectionResetError(104, "Connection reset by peer")
 
-def test_a_connection_reset_without_a_dead_worker_is_raised_after_the_grace(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A broken connection whose worker stays alive is not blamed on a worker: after the grace period it is raised."""
-    monkeypatch.setattr(processes, "DEATH_GRACE_S", 0.2)
-    iterator, _ = _broken_receive(monkeypatch, seen_alive=10**6)
+        def close(self) -> None:
+            connection.close()
+
+    pool._results[0] = _Broken()  # type: ignore[assignment]
     with pytest.raises(ConnectionResetError):
-        iterator._try_get_data()
-    iterator._shutdown_workers()
+        next(pool.run([[1, 2]]))
+    pid = pool.pids[0]
+    threading.Timer(0.1, lambda: os.kill(pid, 9)).start()  # type: ignore[arg-type]
+    monkeypatch.setattr(processes, "DEATH_GRACE_S", 30)
+    with pytest.raises(RuntimeError, match=rf"DataLoader worker \(pid {pid}, worker 0 of 1\) was killed") as info:
+        next(pool.run([[3, 4]]))
+    assert isinstance(info.value.__cause__, ConnectionResetError)
+    assert not pool.running
 
 
-def test_a_recording_profiler_still_sees_each_fetch_from_the_workers() -> None:
-    """The worker-process iterator leaves torch's profiler range out only while nothing records: under
-    ``torch.profiler`` (Lightning's PyTorchProfiler) every fetch is there as torch names it, and the batches are the
-    same either way."""
+def test_a_shut_down_pool_refuses_to_run() -> None:
+    """A pool shut down (or found with a dead worker) says so; shutting it down again does nothing."""
+    pool = processes.WorkerPool(_Numbers(), torch.stack, 2)
+    assert [b.tolist() for b in pool.run([[0], [1], [2]])] == [[[0] * 4], [[1] * 4], [[2] * 4]]
+    pids = pool.pids
+    pool.shutdown()
+    pool.shutdown()
+    assert all(_gone(pid) for pid in pids)
+    with pytest.raises(RuntimeError, match="shut down"):
+        pool.run([[0]])
+
+
+def test_a_recording_profiler_sees_the_same_batches() -> None:
+    """Under ``torch.profiler`` (Lightning's PyTorchProfiler) the worker processes give the same batches."""
     loader = FastLoader(_Numbers(), batch_size=16, num_workers=1)
     plain = [batch.clone() for batch in loader]
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
         profiled = [batch.clone() for batch in loader]
-    names = [event.name for event in prof.events()]
-    fetches = [name for name in names if name == "enumerate(DataLoader)#WorkerIterator.__next__"]
-    # 4 batches and the call that ends the epoch
-    assert len(fetches) == 5, sorted(set(names))
-    assert (
-        [b.tolist() for b in plain]
-        == [b.tolist() for b in profiled]
-        == [[[i] * 4 for i in range(k, k + 16)] for k in range(0, 64, 16)]
-    )
-
-
-def test_the_training_process_writes_each_task_to_its_workers_without_a_feeder_thread() -> None:
-    """Each worker's index queue takes its tasks straight into the pipe, and the results come back through a
-    :class:`ResultQueue`: no queue feeder thread runs in the training process, over two epochs of persistent
-    workers, and every batch arrives, in order."""
-    loader = FastLoader(_Numbers(), batch_size=8, num_workers=2, persistent_workers=True)
-    for _ in range(2):
-        batches = [batch.clone() for batch in loader]
-        assert [b.tolist() for b in batches] == [[[i] * 4 for i in range(k, k + 8)] for k in range(0, 64, 8)]
-    queues = [*loader._iterator._index_queues, loader._iterator._worker_result_queue]
-    assert [type(q) for q in queues] == [processes.TaskQueue, processes.TaskQueue, processes.ResultQueue]
-    assert [q._thread for q in queues] == [None] * 3
-
-
-def _queue(kind: type) -> Any:
-    mp_queue = multiprocessing.get_context("fork").Queue()
-    processes.watched(mp_queue, kind)
-    assert type(mp_queue) is kind
-    return mp_queue
-
-
-def _put_all(index_queue: Any, tasks: list[Any]) -> None:
-    """Put ``tasks`` on a thread that must finish at once: nothing reads the queue meanwhile."""
-    putter = threading.Thread(target=lambda: [index_queue.put(task) for task in tasks], daemon=True)
-    putter.start()
-    putter.join(timeout=30)
-    assert not putter.is_alive(), "put blocked"
-
-
-def test_a_task_too_large_for_one_pipe_write_goes_to_the_feeder_and_so_do_the_later_ones() -> None:
-    """A task over ``PIPE_BUF`` is left to the queue's feeder thread, and every task after it too: the order holds."""
-    index_queue = _queue(processes.TaskQueue)
-    tasks = [(0, [1, 2]), (1, list(range(5000))), (2, [3])]
-    _put_all(index_queue, tasks[:1])
-    assert index_queue._thread is None
-    _put_all(index_queue, tasks[1:])
-    assert index_queue._thread is not None
-    assert [index_queue.get(timeout=10) for _ in tasks] == tasks
-    index_queue.close()
-    index_queue.join_thread()
-
-
-def test_a_full_pipe_never_blocks_the_training_process() -> None:
-    """With a worker that stopped reading, the tasks that find its pipe full go to the feeder thread (as every
-    ``multiprocessing.Queue`` put does) instead of blocking the caller; read again, they all come out in order."""
-    index_queue = _queue(processes.TaskQueue)
-    tasks = [(i, [i] * 1000) for i in range(100)]  # 2 KB each: 200 KB, far over a pipe's 64 KB
-    _put_all(index_queue, tasks)
-    assert index_queue._thread is not None
-    assert [index_queue.get(timeout=10) for _ in tasks] == tasks
-    index_queue.close()
-    index_queue.join_thread()
-
-
-def test_a_write_lock_left_taken_never_blocks_the_training_process() -> None:
-    """A process that died holding the queue's write lock (killed as it wrote) leaves it taken: the task goes to the
-    feeder thread, as ``multiprocessing.Queue.put`` would, and arrives once the lock is free."""
-    index_queue = _queue(processes.TaskQueue)
-    index_queue._wlock.acquire()
-    _put_all(index_queue, [(0, [1])])
-    assert index_queue._thread is not None
-    with pytest.raises(queue.Empty):
-        index_queue.get(timeout=0.2)
-    index_queue._wlock.release()
-    assert index_queue.get(timeout=10) == (0, [1])
-    index_queue.close()
-    index_queue.join_thread()
-
-
-def test_waiting_on_an_empty_result_queue_times_out_as_multiprocessing_queue_does() -> None:
-    """``get`` with a timeout waits that long for nothing, then raises ``queue.Empty`` (torch's cue to look for dead
-    workers); a result put meanwhile is returned."""
-    results = _queue(processes.ResultQueue)
-    start = time.monotonic()
-    with pytest.raises(queue.Empty):
-        results.get(timeout=0.3)
-    assert 0.25 <= time.monotonic() - start < 10
-    threading.Timer(0.2, results.put, args=((7, "late"),)).start()
-    assert results.get(timeout=30) == (7, "late")
-    with pytest.raises(queue.Empty):
-        results.get(block=False)
-    results.close()
-    results.join_thread()
-
-
-def test_a_task_queue_sent_to_a_spawned_process_writes_its_tasks_there_too() -> None:
-    """A :class:`TaskQueue` made as one crosses to another process as one (its pipe watched again there): the tasks
-    it writes there arrive."""
-    index_queue = processes.TaskQueue(ctx=multiprocessing.get_context("spawn"))
-    tasks = [(0, [1, 2]), (1, [3])]
-    child = multiprocessing.get_context("spawn").Process(target=put_tasks, args=(index_queue, tasks))
-    child.start()
-    assert [index_queue.get(timeout=60) for _ in tasks] == tasks
-    child.join(timeout=60)
-    assert child.exitcode == 0
+    assert [b.tolist() for b in plain] == [b.tolist() for b in profiled] == _numbers(0, 64, 16)
 
 
 class _Priorities(torch.utils.data.Dataset):

@@ -298,7 +298,7 @@ def _reference(reader: BatchReader, batch: KeyedIndices) -> tuple[torch.Tensor, 
 def _spy_batches(loader: FastLoader) -> list[KeyedIndices]:
     """The index batches the loader's engine is given, as they are drawn (recorded on the loader's own sampler)."""
     drawn: list[KeyedIndices] = []
-    original = type(loader)._index_sampler.fget
+    original = type(loader)._keyed_batches
 
     class Recording:
         def __init__(self, inner: Any) -> None:
@@ -313,7 +313,7 @@ def _spy_batches(loader: FastLoader) -> list[KeyedIndices]:
                     drawn.append(KeyedIndices(list(batch), batch.key))
                 yield task
 
-    loader.__class__ = type("Spied", (type(loader),), {"_index_sampler": property(lambda s: Recording(original(s)))})
+    loader.__class__ = type("Spied", (type(loader),), {"_keyed_batches": lambda s: Recording(original(s))})
     return drawn
 
 

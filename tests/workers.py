@@ -66,7 +66,18 @@ def read_all_encoded(db: str, passes: int = 5) -> str:
     return digests.pop()
 
 
-def put_tasks(index_queue: Any, tasks: list[Any]) -> None:
-    """Put ``tasks`` on ``index_queue`` from a process it was sent to."""
-    for task in tasks:
-        index_queue.put(task)
+class WorkerFacts(Dataset):
+    """Each sample is what its worker process knows of itself: ``(worker id, workers, seed, random draws)``."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int) -> tuple[int, int, int, float, float, float]:
+        import random
+
+        import numpy as np
+
+        info = torch.utils.data.get_worker_info()
+        assert info is not None
+        assert info.dataset is self
+        return info.id, info.num_workers, info.seed, random.random(), float(np.random.random()), torch.rand(()).item()

@@ -15,12 +15,11 @@ from typing import Any, Literal
 
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
-from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 
 from lightning_fastdata.pipeline.color import BatchColor
 from lightning_fastdata.pipeline.device import DeviceStage, prefetch_to_device
 from lightning_fastdata.pipeline.kernel import BatchReader, KeyedIndices, Output, _batch_as_is
-from lightning_fastdata.pipeline.processes import WorkerIterator, _worker_init, check_nice, shared_slots, with_slots
+from lightning_fastdata.pipeline.processes import WorkerPool, _worker_init, check_nice, shared_slots
 from lightning_fastdata.pipeline.resume import ResumableSampler, batches_per_epoch, position_state, restore_position
 from lightning_fastdata.pipeline.slots import SlotLayout, SlotPool
 from lightning_fastdata.pipeline.threads import private_slots, threaded_batches
@@ -29,9 +28,9 @@ from lightning_fastdata.transforms import Normalizer
 
 Engine = Literal["threads", "processes"]
 
-#: images per task sent to a worker process: a task of one batch of 64 costs the training process about as much
-#: torch-side (queues, pickling, a wake-up on a cold cache) as the 5 us per image it may spend in all; batches of
-#: fewer images go out several to a task (`FastLoader._task_batches`), at most `TASK_BATCHES`
+#: images per task sent to a worker process: each task costs the training process a pipe write, a wake-up and a
+#: read on a cold cache, so batches of fewer images go out several to a task (`FastLoader._task_batches`), at most
+#: `TASK_BATCHES`
 TASK_IMAGES = 256
 TASK_BATCHES = 4
 
@@ -280,20 +279,22 @@ class FastLoader(DataLoader):
         # 0. the epoch starts: `before_epoch` (which may resize the crops), then slots and persistent workers follow a
         #    changed dataset (`_follow_dataset`)
         self._follow_dataset()
-        # 1. index batches, keyed with the epoch's (seed, epoch) and each given a free slot: `_index_sampler`, which
-        #    torch's iterators read too
+        # 1. index batches, keyed with the epoch's (seed, epoch) and each given a free slot (`_keyed_batches`)
         slots = self._slot_pool()
+        keyed = self._keyed_batches()
         # 2-3. the engine builds each batch whole, record to pixels, into its slot (`BatchReader.__getitems__`): the
         #    threads (or the calling thread) are given this loader's slot memory with each batch, worker processes
-        #    as they start (`_get_iterator`), since the reader may be shared by several loaders
-        if self.engine == "threads" or (self.engine == "main" and slots is not None):
+        #    as they start (`_worker_pool`), since the reader may be shared by several loaders
+        if self._own_workers():
+            batches = self._worker_batches(keyed if keyed is not None else self.batch_sampler)
+        elif keyed is not None:
             reader = self.dataset
             assert isinstance(reader, BatchReader)
             read = functools.partial(reader.__getitems__, slots=slots.memory if slots is not None else None)
             release = (lambda indices: slots.release(getattr(indices, "slot", None))) if slots is not None else None
-            batches = threaded_batches(iter(self._index_sampler), read, self.workers, self._on_threads(), release)
+            batches = threaded_batches(iter(keyed), read, self.workers, self._on_threads(), release)
         else:
-            batches = super().__iter__()  # torch's: worker processes (kept between epochs), or the calling thread
+            batches = super().__iter__()  # torch's: on the calling thread, or an iterable dataset's workers
         # 4. slots to tensors: views handed out, or copies to the device one step ahead on the side stream; then the
         #    device stage there
         if slots is not None:
@@ -303,11 +304,50 @@ class FastLoader(DataLoader):
             batches = prefetch_to_device(batches, self.device, self.on_device)
         return batches
 
+    def _own_workers(self) -> bool:
+        """Whether this loader's worker processes read a map-style dataset in batches: its own :class:`WorkerPool`.
+
+        An iterable dataset, or a loader without automatic batching, goes to torch's DataLoader as it is.
+        """
+        return (
+            self.engine == "processes"
+            and self.batch_sampler is not None
+            and not isinstance(self.dataset, torch.utils.data.IterableDataset)
+        )
+
+    def _worker_batches(self, tasks: Any) -> Iterator[Any]:
+        """The results of this epoch's tasks from the worker processes: persistent ones kept for the next epoch."""
+        pool = self._worker_pool()
+        pin = self.pin_memory and torch.cuda.is_available()
+        return _from_workers(pool, pool.run(tasks), pin, stop=not self.persistent_workers)
+
+    def _worker_pool(self) -> WorkerPool:
+        """The running persistent workers, else new ones, given this loader's slot memory as they start."""
+        pool = self._iterator
+        if isinstance(pool, WorkerPool) and pool.running:
+            return pool
+        self.check_worker_number_rationality()
+        slots = self._slots.memory if self._slots is not None else None
+        pool = WorkerPool(
+            self.dataset,
+            self.collate_fn,
+            self.num_workers,
+            context=self.multiprocessing_context,
+            worker_init_fn=self.worker_init_fn,
+            slots=slots,
+            tasks_ahead=self._tasks_ahead(),
+            timeout=self.timeout,
+            seed=int(torch.empty((), dtype=torch.int64).random_(generator=self.generator).item()),
+        )
+        # where DataLoader keeps persistent workers: Lightning's teardown lets go of them there, which stops them
+        self._iterator = pool if self.persistent_workers else None
+        return pool
+
     def _ahead(self) -> int:
         """Batches in flight: on the threads, to worker processes, or one on the calling thread.
 
-        With those just received: one batch on threads; for worker processes a whole task, since torch sends the next
-        task out before the batches of the one it received are handed out.
+        With those just received: one batch on threads; for worker processes a whole task, since the next task goes
+        out before the batches of the one received are handed out (:meth:`WorkerPool.run`).
         """
         if self.engine == "threads":
             return self._on_threads() + 1
@@ -323,23 +363,6 @@ class FastLoader(DataLoader):
         """Tasks in flight per worker process: ``prefetch_factor`` batches, rounded up to whole tasks."""
         return -(-(self.prefetch_factor or 2) // self._task_batches)
 
-    def _get_iterator(self) -> Any:
-        if self.num_workers == 0:
-            return super()._get_iterator()
-        self.check_worker_number_rationality()
-        # torch counts `prefetch_factor` in tasks, each of `_task_batches` batches here: it reads the attribute as it
-        # makes its iterator, which keeps the count for its life (persistent workers); so it reads `worker_init_fn`,
-        # which gives each worker's batch reader this loader's slots as the worker starts
-        batches_ahead, init = self.prefetch_factor, self.worker_init_fn
-        if self._task_batches > 1 and not self._threads_instead:
-            self.prefetch_factor = self._tasks_ahead()
-        if self._slots is not None:
-            self.worker_init_fn = functools.partial(with_slots, self._slots.memory, init)
-        try:
-            return WorkerIterator(self)
-        finally:
-            self.prefetch_factor, self.worker_init_fn = batches_ahead, init
-
     def _reader_layout(self) -> SlotLayout | None:
         """What a batch slot of the batch reader holds now (``None``: batches are not built into slots)."""
         reader = self.dataset
@@ -351,7 +374,7 @@ class FastLoader(DataLoader):
         A new slot layout (the crops changed size) gets a new slot pool; the old slots free themselves once the
         batches handed out from them are gone. Persistent worker processes hold the dataset (and, on the fused path,
         the slot memory) they started with: a new layout, or a new value from ``before_epoch``, shuts them down, and
-        torch starts new ones for this epoch (`DataLoader.__iter__` makes a new iterator when it has none).
+        new ones start for this epoch (`_worker_pool`).
         """
         state = self._dataset_state
         if self.before_epoch is not None:
@@ -364,14 +387,14 @@ class FastLoader(DataLoader):
             self._slot_layout, self._slots = layout, None
         self._dataset_state = state
         iterator, self._iterator = self._iterator, None
-        if isinstance(iterator, _MultiProcessingDataLoaderIter):  # persistent workers (their slots go with them)
+        if isinstance(iterator, WorkerPool):  # persistent workers (their slots go with them)
             log.debug("The dataset changed: the loader's %d worker processes restart.", self.num_workers)
-            iterator._shutdown_workers()
+            iterator.shutdown()
 
     def _slot_pool(self) -> SlotPool | None:
         """The batch slots of the engine about to run: made once, or for worker processes once per set of workers.
 
-        Persistent workers keep theirs (and the slots) across epochs; otherwise torch starts workers per epoch and
+        Persistent workers keep theirs (and the slots) across epochs; otherwise workers start per epoch and
         they get fresh slots, while the previous set keeps its own until it stops. Made again, too, when the reader's
         slot layout changes (`_follow_dataset`). The slots are this loader's alone, never the batch reader's (several
         loaders may share one): worker processes get them as they start (forked ones inherit them, spawned ones
@@ -381,7 +404,8 @@ class FastLoader(DataLoader):
         if layout is None:
             return None
         processes = self.engine == "processes"
-        if self._slots is not None and (not processes or (self.persistent_workers and self._iterator is not None)):
+        running = isinstance(self._iterator, WorkerPool) and self._iterator.running
+        if self._slots is not None and (not processes or (self.persistent_workers and running)):
             return self._slots
         pool = None
         if processes:
@@ -419,16 +443,17 @@ class FastLoader(DataLoader):
             self._handed_out += 1
             yield batch
 
-    @property
-    def _index_sampler(self) -> Any:
-        # What every engine draws index batches from (torch's DataLoader iterators read this property): for a
-        # BatchReader, batches keyed with the epoch's augmentation key.
-        if isinstance(self.dataset, BatchReader) and self.batch_sampler is not None:
-            processes = self.engine == "processes"
-            return _KeyedBatches(
-                self.batch_sampler, self.sampler, self._slots, processes, self._task_batches if processes else 1
-            )
-        return super()._index_sampler
+    def _keyed_batches(self) -> _KeyedBatches | None:
+        """What every engine draws a BatchReader's index batches from: batches keyed with the epoch's augmentation key.
+
+        ``None`` for any other dataset, whose batch sampler's index batches are drawn as they are.
+        """
+        if not isinstance(self.dataset, BatchReader) or self.batch_sampler is None:
+            return None
+        processes = self.engine == "processes"
+        return _KeyedBatches(
+            self.batch_sampler, self.sampler, self._slots, processes, self._task_batches if processes else 1
+        )
 
     def batches_per_epoch(self) -> int:
         """The batches the training loop takes from an epoch: ``len()`` cut by ``limit_batches``, as Lightning does."""
@@ -450,12 +475,13 @@ class _KeyedBatches:
 
     The key is read when an epoch's iteration starts, after Lightning's ``set_epoch``: the sampler's ``seed`` and
     ``epoch`` (a ``DistributedSampler``), or else a seed drawn from :mod:`random` for the epoch. A slot is taken as
-    each batch is sent to be built (torch's iterators draw one index batch per batch they dispatch), ``None`` when
+    each batch is sent to be built (the engines draw one index batch per batch they dispatch), ``None`` when
     none is free. It holds the samplers and the slots, not the loader: an iterator that kept its loader alive would
     be freed only by the garbage collector, and worker processes would stop late.
 
     For worker processes the slots sent but never received (an epoch left part-way) are freed when the next epoch
-    starts: torch has by then waited for every batch its persistent workers were building.
+    starts: the worker pool has by then waited for every batch its persistent workers were building
+    (:meth:`WorkerPool.run`).
     """
 
     def __init__(
@@ -495,3 +521,28 @@ class _KeyedBatches:
             return
         while task := list(itertools.islice(batches, self.per_task)):
             yield task
+
+
+def _from_workers(pool: WorkerPool, results: Iterator[Any], pin: bool, stop: bool) -> Iterator[Any]:
+    """The results of a worker pool's run, page-locked if ``pin``; the pool shut down at the end if ``stop``.
+
+    Holds the pool, not the loader, as :class:`_KeyedBatches` does: a loader kept alive by its running epoch would be
+    freed only by the garbage collector.
+    """
+    try:
+        for batch in results:
+            yield _pinned(batch) if pin else batch
+    finally:
+        if stop:
+            pool.shutdown()
+
+
+def _pinned(batch: Any) -> Any:
+    """``batch`` with its tensors page-locked, as the DataLoader's pin-memory thread pins them."""
+    if isinstance(batch, torch.Tensor):
+        return batch.pin_memory()
+    if isinstance(batch, (tuple, list)) and not hasattr(batch, "_fields"):
+        return type(batch)(_pinned(item) for item in batch)
+    if isinstance(batch, dict):
+        return {key: _pinned(value) for key, value in batch.items()}
+    return batch

@@ -46,7 +46,6 @@ import os
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
-from multiprocessing import reduction
 from typing import Any
 
 import numpy as np
@@ -54,6 +53,7 @@ import torch
 from torch import Tensor
 
 from lightning_fastdata._files import anonymous_file, path_of
+from lightning_fastdata._torch_private import DupFd
 from lightning_fastdata.pipeline import device as stage  # the module: its copy is what the tests patch
 from lightning_fastdata.pipeline.color import ColorParams
 from lightning_fastdata.pipeline.streams import side_stream
@@ -257,7 +257,7 @@ class SlotMemory:
     def __reduce__(self) -> Any:
         if not self.shared or self._fd is None:
             raise TypeError("private batch slots stay in their process")
-        return _attach_shared, (self.layout, self.count, reduction.DupFd(self._fd))
+        return _attach_shared, (self.layout, self.count, DupFd(self._fd))
 
 
 def _attach_shared(layout: SlotLayout, count: int, fd: Any) -> SlotMemory:
@@ -329,7 +329,7 @@ class FreshBatch(tuple):
 
     def __reduce__(self) -> Any:
         memory, count, labels = self._sent
-        return _received, (memory.layout, reduction.DupFd(memory._fd), count, labels)
+        return _received, (memory.layout, DupFd(memory._fd), count, labels)
 
 
 def _received(layout: SlotLayout, fd: Any, count: int, labels: Any) -> tuple[Tensor, ...]:
