@@ -275,7 +275,8 @@ def test_read_only_copy_is_read_without_writing(database, tmp_path):
 
 
 def test_memory_does_not_grow_with_the_dataset(tmp_path):
-    """The dataset object holds nothing per sample: its pickle is the same size for 6 and 300 samples."""
+    """The dataset object holds nothing per sample but one byte (which JPEGs were walked in this process): its pickle,
+    which leaves that byte out, is the same size for 6 and 300 samples."""
     small = LmdbImageDataset(_tiny_database(tmp_path / "small" / "db", 6))
     large = LmdbImageDataset(_tiny_database(tmp_path / "large" / "db", 300))
     for ds in (small, large):
@@ -284,9 +285,11 @@ def test_memory_does_not_grow_with_the_dataset(tmp_path):
         assert len(ds.targets) == len(ds)
 
     def sizes(ds: LmdbImageDataset) -> dict[str, int]:
-        return {k: len(v) for k, v in vars(ds).items() if hasattr(v, "__len__") and not isinstance(v, str)}
+        return {k: len(v) for k, v in vars(ds).items() if hasattr(v, "__len__") and not isinstance(v, (str, bytearray))}
 
     assert sizes(small) == sizes(large)
+    per_sample = {k: len(v) for k, v in vars(large).items() if isinstance(v, bytearray)}
+    assert per_sample == {"_jpeg_checked": len(large)}  # a byte a sample, nothing else
     assert abs(len(pickle.dumps(small)) - len(pickle.dumps(large))) <= 8
     assert len(large) == 50 * len(small)
 
@@ -713,3 +716,32 @@ def test_a_record_is_read_only_as_its_encoding(tmp_path: Path) -> None:
     for index in range(2):
         with pytest.raises(CorruptRecordError, match=f"split 'train' index {index} of .*does not decode"):
             dataset[index]
+
+
+def test_each_jpeg_is_walked_once_per_process(database: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The batch path's marker walk (a few us of GIL each) runs once a sample, not each epoch; a pickled copy (what a
+    spawned worker gets) walks its samples itself, and a refused record stays refused."""
+    from lightning_fastdata.store import reader
+
+    walked: list[int] = []
+    walk = reader.jpeg_frame
+
+    def counted(data: Any, *args: Any) -> Any:
+        walked.append(len(data))
+        return walk(data, *args)
+
+    monkeypatch.setattr(reader, "jpeg_frame", counted)
+    ds = LmdbImageDataset(database)
+    n = min(len(ds), 6)
+    for _ in range(2):  # two epochs
+        for i in range(n):
+            ds[i]
+    assert len(walked) == n
+    copy = pickle.loads(pickle.dumps(ds))
+    copy[0]
+    assert len(walked) == n + 1
+    copy.max_pixels = 1  # every image over it: refused each time, never marked as checked
+    fresh = pickle.loads(pickle.dumps(copy))
+    for _ in range(2):
+        with pytest.raises(CorruptRecordError):
+            fresh[1]

@@ -211,6 +211,10 @@ class LmdbImageDataset(Dataset):
         self._pid: int | None = None
         self._file_size = 0
         self._identity: tuple[int, ...] = ()
+        # the samples whose JPEG markers passed :meth:`_check_jpeg` in this process: a byte a sample, made on first use.
+        # The walk holds the GIL (a few us a JPEG, what bounds the threads engine on many cores), and a record of an
+        # open database never changes (its identity is checked at every open), so each is walked once, not each epoch
+        self._jpeg_checked: bytearray | None = None
 
     def __len__(self) -> int:
         return self._length
@@ -468,7 +472,12 @@ class LmdbImageDataset(Dataset):
             return self._raw_image(index, header, data)
         if header.encoding != ENCODING_JPEG:
             return self._png_image(index, header, data)
-        self._check_jpeg(index, header, data)
+        checked = self._jpeg_checked
+        if checked is None:
+            checked = self._jpeg_checked = bytearray(self._length)
+        if not checked[index]:
+            self._check_jpeg(index, header, data)
+            checked[index] = self.max_pixels is not None  # with no limit nothing was checked: check once one is set
         nbytes = header.height * header.width * 3
         out = np.empty(nbytes, dtype=np.uint8) if buffer is None else buffer[:nbytes]
         try:
@@ -653,6 +662,7 @@ class LmdbImageDataset(Dataset):
         state = self.__dict__.copy()
         state["_env"] = None  # an LMDB environment must never cross a process boundary
         state["_pid"] = None
+        state["_jpeg_checked"] = None  # each process walks its samples once itself: never a copy of a byte a sample
         return state
 
     def __repr__(self) -> str:
