@@ -506,3 +506,44 @@ def test_worker_nice_outside_0_to_19_is_refused(bad: Any) -> None:
         create_loader(_Priorities(), 2, engine="processes", workers=1, output=None, worker_nice=bad)
     with pytest.raises(ValueError, match="`worker_nice` must be an int from 0"):
         FastImageDataModule("some/where", worker_nice=bad)
+
+
+_LARGE = """
+import sys
+import torch
+from lightning_fastdata.pipeline import processes
+
+class Items(torch.utils.data.Dataset):
+    def __len__(self):
+        return 100_000
+
+    def __getitem__(self, index):
+        return index
+
+def collate(items):  # a collate of one's own that returns large non-tensor data
+    return bytes(400_000)
+
+pool = processes.WorkerPool(Items(), collate, 1, tasks_ahead=4)
+tasks = [list(range(i, i + 8000)) for i in range(20_000, 100_000, 8000)]  # 40 KB each, pickled
+print(sum(len(result) for result in pool.run(tasks)))
+pool.shutdown()
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="F_SETPIPE_SZ is Linux's")
+def test_large_tasks_and_results_do_not_stall_the_loop(tmp_path: Path) -> None:
+    """Tasks of thousands of indices and results over Linux's default 64 KiB pipe (a collate of one's own that
+    returns large data): the task pipe full while the worker is blocked writing its result stalled both before the
+    pipes were widened; the run ends, with every result."""
+    script = tmp_path / "large.py"
+    script.write_text(_LARGE)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]),
+    }
+    try:
+        proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60, env=env)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the pool stalled: the task pipe full while the worker waited to write its result")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split()[-1] == str(10 * 400_000)

@@ -90,6 +90,11 @@ WATCH_S = 1.0
 JOIN_S = 5.0
 #: how long a worker whose connection broke may take to be seen dead before the broken connection is the error
 DEATH_GRACE_S = 5.0
+#: the capacity each task and result pipe is given, where Linux allows (``F_SETPIPE_SZ``; 1 MiB is the default most an
+#: unprivileged process may set). The training process writes tasks with a blocking send and reads results in order:
+#: a worker blocked writing a result larger than its pipe while that worker's task pipe is full would stall both, at
+#: Linux's default 64 KiB with tasks of thousands of indices and a collate of one's own that returns large data
+PIPE_BYTES = 1 << 20
 
 
 class WorkerPool:
@@ -154,6 +159,8 @@ class WorkerPool:
             for worker_id in range(workers):
                 tasks_out, tasks_in = context.Pipe(duplex=False)
                 results_out, results_in = context.Pipe(duplex=False)
+                _widen(tasks_in)
+                _widen(results_in)
                 proc = context.Process(
                     target=_work,
                     args=(setup, worker_id, tasks_out, results_in),
@@ -281,6 +288,14 @@ class WorkerPool:
 
 #: the end of the tasks
 _END = object()
+
+
+def _widen(conn: multiprocessing.connection.Connection) -> None:
+    """Give the pipe of ``conn`` :data:`PIPE_BYTES` of capacity where the system allows it; else leave it as it is."""
+    with contextlib.suppress(AttributeError, ImportError, OSError):  # not Linux, or a lower `pipe-max-size`
+        import fcntl
+
+        fcntl.fcntl(conn.fileno(), fcntl.F_SETPIPE_SZ, PIPE_BYTES)
 
 
 class _Setup:
