@@ -27,6 +27,7 @@ from lightning_fastdata.pipeline.color import BatchColor
 from lightning_fastdata.pipeline.device import batch_dtype, loader_output, trainer_device, trains_on_cuda, uses_prefetch
 from lightning_fastdata.pipeline.kernel import Output
 from lightning_fastdata.pipeline.processes import check_nice
+from lightning_fastdata.pipeline.schema import split_beside
 from lightning_fastdata.pipeline.views import MultiViewCrop, ViewGroup, check_views
 from lightning_fastdata.plans import AugmentPlan, DataPlan, LoaderPlan
 from lightning_fastdata.skipping import SkipCounter
@@ -297,6 +298,8 @@ class FastImageDataModule(LightningDataModule):
         self._staged: remote.StagedDatabase | None = None
         #: whether this DataModule's loaders run the device stage themselves, on the side stream
         self._stage_in_loader = False
+        #: the fields taken beside the batch being transferred (`on_before_batch_transfer`), for the device stage
+        self._beside: dict[str, Any] = {}
         #: the device stage of the last loader built (for the Trainer it was built for), which the hook reuses
         self._stage: DeviceStage | None = None
 
@@ -744,15 +747,26 @@ class FastImageDataModule(LightningDataModule):
         return self._device_stage()(batch)
 
     @override
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """Take the fields that travel beside the batch (its colour parameters) for the device stage.
+
+        The transfer (and a LightningModule's ``transfer_batch_to_device``) moves the plain batch; the device stage
+        takes them in :meth:`on_after_batch_transfer`, which Lightning calls next for the same batch.
+        """
+        batch, self._beside = split_beside(batch)
+        return batch
+
+    @override
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """Turn the uint8 images (first element of the batch) into normalized floats on the batch's device.
 
         Nothing to do when the loader already did it on the side stream; otherwise the stage built with the loader
-        runs here (one object for the run, not one per batch).
+        runs here (one object for the run, not one per batch), with the fields taken beside the batch.
         """
+        beside, self._beside = self._beside, {}
         if self._stage_in_loader:
             return batch
-        return (self._stage or self._device_stage())(batch)
+        return (self._stage or self._device_stage())(batch, beside)
 
     # --- Targets and where each sample came from ----------------------------------------------------------------
 

@@ -19,7 +19,8 @@ from lightning_fastdata import FastImageDataModule
 from lightning_fastdata.errors import InvalidArgumentError
 from lightning_fastdata.pipeline import BatchReader, DeviceStage, KeyedIndices, create_loader
 from lightning_fastdata.pipeline import device as device_module
-from lightning_fastdata.pipeline.color import COLUMNS, BatchColor, ColorParams, split_params
+from lightning_fastdata.pipeline.color import COLUMNS, BatchColor
+from lightning_fastdata.pipeline.schema import Batch, with_beside
 from lightning_fastdata.store.reader import LmdbImageDataset
 from lightning_fastdata.transforms import IMAGENET_MEAN, IMAGENET_STD, Normalizer, RandomResizedCropFlip
 
@@ -196,15 +197,18 @@ def test_invalid_arguments_name_themselves() -> None:
 
 
 def test_device_stage_colours_then_normalizes_and_takes_the_parameters_off() -> None:
-    """The stage strips the parameters and normalizes the coloured images; a batch without them is only normalized."""
+    """The stage takes the parameters beside the batch and normalizes the coloured images into a plain tuple; a batch
+    without them is only normalized."""
     normalizer, color = Normalizer(IMAGENET_MEAN, IMAGENET_STD), BatchColor(**RECIPE)
     images, labels = _images(), torch.arange(B)
-    params = torch.from_numpy(color.draw((0, 0), list(range(B)))).as_subclass(ColorParams)
-    out = DeviceStage(normalizer, color=color)((images, labels, params))
+    params = torch.from_numpy(color.draw((0, 0), list(range(B))))
+    out = DeviceStage(normalizer, color=color)(Batch((images, labels), {"color": params}))
+    assert type(out) is tuple
     assert len(out) == 2
     assert torch.equal(out[1], labels)
-    assert type(out[0]) is torch.Tensor  # not a `ColorParams`, which the ops with the parameters would give
     torch.testing.assert_close(out[0], normalizer.batch(color(images, params)))
+    given = DeviceStage(normalizer, color=color)((images, labels), {"color": params})  # taken off before a transfer
+    torch.testing.assert_close(given[0], out[0], rtol=0, atol=0)
     plain = DeviceStage(normalizer, color=color)((images, labels))
     torch.testing.assert_close(plain[0], normalizer.batch(images))
     assert not torch.equal(out[0], plain[0])
@@ -227,17 +231,18 @@ def _epoch(database: Path, engine: str, workers: int, **kwargs: Any) -> list[Any
     loader = create_loader(
         _reader(database, **kwargs), 4, shuffle=True, seed=5, engine=engine, workers=workers, **kwargs
     )
-    return [tuple(t.clone() for t in batch) for batch in loader]
+    return [with_beside(tuple(t.clone() for t in batch), getattr(batch, "beside", {})) for batch in loader]
 
 
 def test_batches_carry_keyed_parameters_on_every_engine(database: Path) -> None:
-    """Threads and worker processes give the same uint8 batches and parameters, bit for bit, the parameters last."""
+    """Threads and worker processes give the same uint8 batches and parameters, bit for bit, the parameters beside
+    the batch."""
     threads, processes = _epoch(database, "threads", 2), _epoch(database, "processes", 1)
     assert len(threads) == len(processes) == 6
     for a, b in zip(threads, processes, strict=True):
-        assert isinstance(a[-1], ColorParams)
-        assert isinstance(b[-1], ColorParams)
-        assert a[-1].shape == (4, len(COLUMNS))
+        assert len(a) == len(b) == 2  # images, targets: the parameters are not in the training step's batch
+        assert a.beside["color"].shape == (4, len(COLUMNS))
+        assert torch.equal(a.beside["color"], b.beside["color"])
         for x, y in zip(a, b, strict=True):
             assert torch.equal(x, y)
     stage = DeviceStage(Normalizer(IMAGENET_MEAN, IMAGENET_STD), color=BatchColor(**RECIPE))
@@ -260,7 +265,7 @@ def test_cpu_batches_are_coloured_in_the_loader_the_same_on_every_engine(databas
     carried = _reader(database).read_batch(indices)
     stage = DeviceStage(Normalizer(IMAGENET_MEAN, IMAGENET_STD), color=BatchColor(**RECIPE))
     torch.testing.assert_close(coloured[0], stage(carried)[0])
-    assert not torch.allclose(coloured[0], stage(carried[:2])[0])  # not the uncoloured batch
+    assert not torch.allclose(coloured[0], stage(tuple(carried))[0])  # not the uncoloured batch
 
 
 def test_batch_composition_does_not_change_a_samples_parameters(database: Path) -> None:
@@ -268,9 +273,9 @@ def test_batch_composition_does_not_change_a_samples_parameters(database: Path) 
     reader = _reader(database, return_index=True)
     one = reader.read_batch(KeyedIndices([0, 5, 9, 13], (5, 2)))
     other = reader.read_batch(KeyedIndices([13, 2, 5], (5, 2)))
-    assert torch.equal(one[-1][[3, 1]], other[-1][[0, 2]])
-    assert torch.equal(one[2], torch.tensor([0, 5, 9, 13]))  # the index stays where it was, the parameters last
-    assert not torch.equal(one[-1][0], one[-1][1])
+    assert torch.equal(one.beside["color"][[3, 1]], other.beside["color"][[0, 2]])
+    assert torch.equal(one[-1], torch.tensor([0, 5, 9, 13]))  # the index last, the parameters beside the batch
+    assert not torch.equal(one.beside["color"][0], one.beside["color"][1])
 
 
 class _Jittered(LightningModule):
@@ -345,9 +350,9 @@ def test_patched_cuda_stage_runs_on_the_side_stream_without_reading_the_device(
     assert len(batches) == 6
     assert all(len(batch) == 2 for batch in batches)
     assert all(images.dtype == torch.float32 for images, _ in batches)
-    # what crossed to the device: the uint8 images and the parameters as a tensor, side by side
-    assert all(batch[0].dtype == torch.uint8 and isinstance(batch[-1], ColorParams) for batch in copied)
-    assert split_params(copied[0])[1] is copied[0][-1]
+    # what crossed to the device: the uint8 images, and the parameters beside them
+    assert all(batch[0].dtype == torch.uint8 and len(batch) == 2 for batch in copied)
+    assert all(batch.beside["color"].shape == (4, len(COLUMNS)) for batch in copied)
 
 
 def test_device_decode_with_colour_is_refused(database: Path, monkeypatch: pytest.MonkeyPatch) -> None:

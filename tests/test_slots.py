@@ -24,6 +24,7 @@ from lightning_fastdata.pipeline import slots as slots_module
 from lightning_fastdata.pipeline.factory import FastLoader, create_loader
 from lightning_fastdata.pipeline.kernel import BatchReader, KeyedIndices
 from lightning_fastdata.pipeline.processes import _worker_init
+from lightning_fastdata.pipeline.schema import BatchSchema
 from lightning_fastdata.pipeline.slots import SlotBatch, SlotLayout, SlotMemory, SlotPool
 from lightning_fastdata.transforms import Normalizer, RandomResizedCropFlip
 
@@ -43,7 +44,7 @@ def _child_env() -> dict[str, str]:
 
 
 def _pool(count: int = 2, shared: bool = False) -> SlotPool:
-    return SlotPool(SlotMemory(SlotLayout(4, (2, 2, 3)), count, shared=shared))
+    return SlotPool(SlotMemory(SlotLayout(4, BatchSchema.of([(2, 2, 3)])), count, shared=shared))
 
 
 def test_a_slot_is_free_again_only_once_every_tensor_sharing_it_is_gone() -> None:
@@ -92,7 +93,7 @@ def test_a_handed_out_batch_reads_what_was_written_into_its_slot() -> None:
     assert slot is not None
     written = np.arange(4 * 2 * 2 * 3, dtype=np.uint8).reshape(4, 2, 2, 3)
     pool.memory.images(slot)[:] = written
-    pool.memory.labels(slot)[:] = [7, 8, 9, 10]
+    pool.memory.field(slot, "target")[:] = [7, 8, 9, 10]
     images, labels = pool.hand_out(slot, 2)
     assert torch.equal(images, torch.from_numpy(written[:2]).permute(0, 3, 1, 2))
     assert labels.tolist() == [7, 8]
@@ -105,13 +106,13 @@ def test_a_handed_out_batch_reads_what_was_written_into_its_slot() -> None:
 def test_a_views_slot_is_free_only_once_every_view_is_gone(dtype: str) -> None:
     """A multi-view slot hands out one NCHW tensor per view over its own aligned region; the slot stays taken until
     the last view (or a slice of it) is gone."""
-    layout = SlotLayout(4, (8, 8, 3), dtype, index=True, views=((8, 8, 3), (8, 8, 3), (4, 4, 3)))
+    layout = SlotLayout(4, BatchSchema.of([(8, 8, 3), (8, 8, 3), (4, 4, 3)], dtype, index=True))
     large = 4 * 8 * 8 * 3 * np.dtype(dtype).itemsize
     assert layout.region_offsets == [0, large, 2 * large]
     pool = SlotPool(SlotMemory(layout, 1))
     for v, region in enumerate(pool.memory.regions(0)):
         region[...] = v
-    pool.memory.labels(0)[:] = [5, 6, 7, 8]
+    pool.memory.field(0, "target")[:] = [5, 6, 7, 8]
     views, labels, index = pool.hand_out(pool.acquire(), 3)
     assert [tuple(view.shape) for view in views] == [(3, 3, 8, 8), (3, 3, 8, 8), (3, 3, 4, 4)]
     assert [int(view.max()) for view in views] == [0, 1, 2]
@@ -133,7 +134,7 @@ def test_a_views_slot_is_free_only_once_every_view_is_gone(dtype: str) -> None:
 )
 def test_each_handed_out_view_is_its_region_pixel_for_pixel(dtype: str, views: tuple) -> None:
     """Every view's NCHW tensor reads its own region's samples, in their stored order (channels last or not)."""
-    layout = SlotLayout(4, views[0], dtype, views=views)
+    layout = SlotLayout(4, BatchSchema.of(views, dtype))
     pool = SlotPool(SlotMemory(layout, 2))
     rng = np.random.default_rng(0)
     for region in pool.memory.regions(1):
@@ -159,7 +160,7 @@ def test_a_device_copy_frees_its_slot_only_once_its_event_has_completed(monkeypa
 
     monkeypatch.setattr(torch.cuda, "Event", Event)
     pool = _pool(1)
-    pool.memory.labels(0)[:] = [1, 2, 3, 4]
+    pool.memory.field(0, "target")[:] = [1, 2, 3, 4]
     batches = list(pool.receive(iter([SlotBatch(pool.acquire(), 4)]), torch.device("cuda", 0)))
     assert batches[0][1].tolist() == [1, 2, 3, 4]
     del batches
@@ -171,7 +172,7 @@ def test_a_device_copy_frees_its_slot_only_once_its_event_has_completed(monkeypa
 def test_shared_slots_name_nothing_in_dev_shm_and_private_ones_refuse_to_travel() -> None:
     """Shared slots are an anonymous memfd (nothing in /dev/shm to leak); private ones never cross processes."""
     before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
-    shared = SlotMemory(SlotLayout(4, (2, 2, 3)), 3, shared=True)
+    shared = SlotMemory(SlotLayout(4, BatchSchema.of([(2, 2, 3)])), 3, shared=True)
     after = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
     assert not {name for name in after - before if "lightning_fastdata" in name}
     if hasattr(os, "memfd_create"):
@@ -179,7 +180,7 @@ def test_shared_slots_name_nothing_in_dev_shm_and_private_ones_refuse_to_travel(
             assert "memfd:lightning_fastdata-slots" in maps.read()
     assert shared.nbytes == 3 * shared.layout.slot_bytes
     with pytest.raises(TypeError, match="stay in their process"):
-        SlotMemory(SlotLayout(4, (2, 2, 3)), 1).__reduce__()
+        SlotMemory(SlotLayout(4, BatchSchema.of([(2, 2, 3)])), 1).__reduce__()
 
 
 def test_a_shared_memory_shortage_is_an_error_at_once_never_a_bus_error(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -190,7 +191,7 @@ def test_a_shared_memory_shortage_is_an_error_at_once_never_a_bus_error(monkeypa
 
     monkeypatch.setattr(os, "posix_fallocate", fallocate)
     with pytest.raises(OSError, match=r"reserving 1 MiB of shared memory failed"):
-        SlotMemory(SlotLayout(1024, (32, 32, 1)), 1, shared=True)
+        SlotMemory(SlotLayout(1024, BatchSchema.of([(32, 32, 1)])), 1, shared=True)
 
 
 #: three reservations of 32 MiB of shared slots under an address-space limit 16 MiB above what the process maps: the
@@ -199,6 +200,7 @@ def test_a_shared_memory_shortage_is_an_error_at_once_never_a_bus_error(monkeypa
 _RESERVE_UNDER_A_LIMIT = textwrap.dedent(
     """
     import os, resource
+    from lightning_fastdata.pipeline.schema import BatchSchema
     from lightning_fastdata.pipeline.slots import SlotLayout, SlotMemory
 
     def descriptors():
@@ -216,7 +218,7 @@ _RESERVE_UNDER_A_LIMIT = textwrap.dedent(
     resource.setrlimit(resource.RLIMIT_AS, (mapped + 16 * 2**20, resource.RLIM_INFINITY))
     for _ in range(3):
         try:
-            SlotMemory(SlotLayout(32, (1024, 1024, 1)), 1, shared=True)
+            SlotMemory(SlotLayout(32, BatchSchema.of([(1024, 1024, 1)])), 1, shared=True)
         except OSError as err:
             print("RAISED", err, flush=True)
     print("DESCRIPTORS", *before, *descriptors(), flush=True)
@@ -408,7 +410,7 @@ def test_the_engines_send_only_the_slot_back(dataset: LmdbImageDataset) -> None:
     """Given a slot, the reader writes the batch into it and returns ``(slot, count)``: no tensor to pickle."""
     reader = BatchReader(dataset, output="uint8")
     layout = reader.slot_layout(4)
-    assert layout == SlotLayout(4, (16, 16, 3), "uint8")
+    assert layout == SlotLayout(4, BatchSchema.of([(16, 16, 3)], "uint8"))
     pool = SlotPool(SlotMemory(layout, 1, shared=True))
     reader.slots = pool.memory
     indices = KeyedIndices([0, 1, 2], (5, 0), slot=pool.acquire())

@@ -15,8 +15,9 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning_fastdata import FastImageDataModule, InvalidArgumentError, LmdbImageDataset, ViewGroup
 from lightning_fastdata.pipeline import DeviceStage, create_loader
 from lightning_fastdata.pipeline import device as device_module
-from lightning_fastdata.pipeline.color import COLUMNS, BatchColor, ColorParams
+from lightning_fastdata.pipeline.color import COLUMNS, BatchColor
 from lightning_fastdata.pipeline.kernel import BatchReader, KeyedIndices
+from lightning_fastdata.pipeline.schema import with_beside
 from lightning_fastdata.pipeline.views import MultiViewCrop, check_views
 from lightning_fastdata.skipping import SkipCounter
 from lightning_fastdata.transforms import Normalizer, crop_resize_into
@@ -36,7 +37,15 @@ def _epoch(database: Path, engine: str, workers: int, batch_size: int = 4, **kwa
     loader = create_loader(
         _dataset(database), batch_size, shuffle=True, seed=5, engine=engine, workers=workers, **kwargs
     )  # type: ignore[arg-type]
-    return [([v.clone() for v in views], *(t.clone() for t in rest)) for views, *rest in loader]
+    return [
+        with_beside(([v.clone() for v in batch[0]], *(t.clone() for t in batch[1:])), _cloned(batch))
+        for batch in loader
+    ]
+
+
+def _cloned(batch: Any) -> dict[str, torch.Tensor]:
+    """The fields beside ``batch`` (its colour parameters), copied."""
+    return {name: tensor.clone() for name, tensor in getattr(batch, "beside", {}).items()}
 
 
 def _difference(a: torch.Tensor, b: torch.Tensor) -> str:
@@ -56,6 +65,12 @@ def _assert_same(first: list[Any], second: list[Any]) -> None:
             assert torch.equal(a, b), f"batch {n}, view {v}: {_difference(a, b)}"
         for i, (a, b) in enumerate(zip(rest_a, rest_b, strict=True), start=1):
             assert torch.equal(a, b), f"batch {n}, element {i} ({type(a).__name__}): {_difference(a, b)}"
+        beside_a, beside_b = _cloned(first[n]), _cloned(second[n])
+        assert beside_a.keys() == beside_b.keys()
+        for name in beside_a:
+            assert torch.equal(beside_a[name], beside_b[name]), (
+                f"batch {n}, {name}: {_difference(*(b[name] for b in (beside_a, beside_b)))}"
+            )
 
 
 def test_views_are_checked_and_sorted_largest_first() -> None:
@@ -306,8 +321,8 @@ def test_views_with_colour_are_the_same_on_both_engines(database: Path) -> None:
     processes = _epoch(database, "processes", 2, output="uint8", color=BatchColor(**RECIPE))
     _assert_same(threads, processes)
     for batch in threads:
-        assert isinstance(batch[-1], ColorParams)
-        assert batch[-1].shape == (len(batch[1]), len(SIZES), len(COLUMNS))
+        assert len(batch) == 2  # the parameters travel beside the batch
+        assert batch.beside["color"].shape == (len(batch[1]), len(SIZES), len(COLUMNS))
         assert all(view.dtype == torch.uint8 for view in batch[0])
 
 
@@ -363,7 +378,8 @@ def test_each_view_of_a_sample_gets_its_own_parameters(database: Path) -> None:
     """Two views of a sample differ in their colour parameters; view 0's are a single view's."""
     color = BatchColor(**RECIPE)
     reader = BatchReader(_dataset(database), color=color, return_index=True)
-    _, _, index, params = reader.read_batch(KeyedIndices([0, 5, 9, 13], KEY))
+    batch = reader.read_batch(KeyedIndices([0, 5, 9, 13], KEY))
+    (_, _, index), params = batch, batch.beside["color"]
     assert params.shape == (4, len(SIZES), len(COLUMNS))
     for sample in params:
         assert len({tuple(view.tolist()) for view in sample}) == len(SIZES)
@@ -375,10 +391,10 @@ def test_view_parameters_are_a_function_of_seed_epoch_sample_and_view(database: 
     reader = BatchReader(_dataset(database), color=BatchColor(**RECIPE), return_index=True)
     one = reader.read_batch(KeyedIndices([0, 5, 9, 13], KEY))
     other = reader.read_batch(KeyedIndices([13, 2, 5], KEY))
-    assert one[-1].shape == (4, len(SIZES), len(COLUMNS))
-    assert torch.equal(one[-1][[3, 1]], other[-1][[0, 2]])
+    assert one.beside["color"].shape == (4, len(SIZES), len(COLUMNS))
+    assert torch.equal(one.beside["color"][[3, 1]], other.beside["color"][[0, 2]])
     later = reader.read_batch(KeyedIndices([0, 5, 9, 13], (5, 3)))
-    assert not torch.equal(one[-1], later[-1])
+    assert not torch.equal(one.beside["color"], later.beside["color"])
 
 
 class _OwnViews:
@@ -398,12 +414,13 @@ def test_a_transforms_views_get_the_built_in_views_parameters(database: Path) ->
     fused = BatchReader(_dataset(database), color=BatchColor(**RECIPE))
     assert not per_sample.fused
     assert fused.fused
-    views, _, params = per_sample.read_batch(KeyedIndices([3, 1, 7], KEY))
-    _, _, fused_params = fused.read_batch(KeyedIndices([3, 1, 7], KEY))
+    batch = per_sample.read_batch(KeyedIndices([3, 1, 7], KEY))
+    (views, _), params = batch, batch.beside["color"]
+    fused_params = fused.read_batch(KeyedIndices([3, 1, 7], KEY)).beside["color"]
     assert params.shape == (3, len(SIZES), len(COLUMNS))
     assert torch.equal(params, fused_params)
     color = BatchColor(**RECIPE)
-    for v, coloured in enumerate(DeviceStage(NORMALIZER, color=color)((views, None, params))[0]):
+    for v, coloured in enumerate(DeviceStage(NORMALIZER, color=color)(batch)[0]):
         assert torch.equal(coloured, NORMALIZER.batch(color(views[v], params[:, v])))
 
 
@@ -411,9 +428,10 @@ def test_device_stage_colours_each_view_with_its_own_parameters(database: Path) 
     """Each view is coloured with its column of ``[B, V, 7]``, then normalized; mismatched parameters are refused."""
     color = BatchColor(**RECIPE)
     reader = BatchReader(_dataset(database), color=color)
-    views, targets, params = reader.read_batch(KeyedIndices([0, 5, 9, 13], KEY))
+    batch = reader.read_batch(KeyedIndices([0, 5, 9, 13], KEY))
+    (views, targets), params = batch, batch.beside["color"]
     stage = DeviceStage(NORMALIZER, color=color)
-    out = stage((views, targets, params))
+    out = stage(batch)
     assert len(out) == 2
     assert out[1] is targets
     for v, (coloured, view) in enumerate(zip(out[0], views, strict=True)):
@@ -421,9 +439,9 @@ def test_device_stage_colours_each_view_with_its_own_parameters(database: Path) 
         assert torch.equal(coloured, NORMALIZER.batch(color(view, params[:, v])))
         assert not torch.allclose(coloured, NORMALIZER.batch(view, torch.float32, False))
     with pytest.raises(ValueError, match=r"5 views take colour parameters \[B, 5, 7\], got \(4, 7\)"):
-        stage((views, targets, params[:, 0]))
+        stage((views, targets), {"color": params[:, 0]})
     with pytest.raises(ValueError, match=r"one image batch takes colour parameters \[B, 7\]"):
-        stage((views[0], targets, params))
+        stage((views[0], targets), {"color": params})
 
 
 class _ColouredViewsModel(LightningModule):
@@ -502,7 +520,7 @@ def test_patched_cuda_views_are_coloured_on_the_side_stream_without_reading_the_
         assert len(rest) == 1  # the parameters taken off
         assert [(type(v), v.dtype) for v in views] == [(torch.Tensor, torch.float32)] * len(SIZES)
     assert copied
-    for views, _, params in copied:  # what crossed to the device: uint8 views and the parameters, side by side
+    for batch in copied:  # what crossed to the device: uint8 views, and the parameters beside them
+        views, _ = batch
         assert all(view.dtype == torch.uint8 for view in views)
-        assert isinstance(params, ColorParams)
-        assert params.shape[1:] == (len(SIZES), len(COLUMNS))
+        assert batch.beside["color"].shape[1:] == (len(SIZES), len(COLUMNS))

@@ -10,12 +10,12 @@ index: the one ``return_index`` gives), so they are the same on every engine, in
 
 Where the colour is applied:
 
-* **CUDA training**: the parameters ride at the end of the batch as a :class:`ColorParams` tensor, ``float32 [B, 7]``
-  (:data:`COLUMNS`), in the batch slot's memory (:mod:`~lightning_fastdata.pipeline.slots`), copied ``non_blocking``
-  with the ``uint8`` images from page-locked memory, never read back.
-  :class:`~lightning_fastdata.pipeline.device.DeviceStage` takes them off and colours the batch on the side stream
-  before normalizing it (:meth:`BatchColor.apply_batch`: a few batched torch ops, no host sync). The training step
-  never sees them.
+* **CUDA training**: the parameters are the batch's ``color`` field, ``float32 [B, 7]`` (:data:`COLUMNS`), which
+  travels beside the batch, not in it (:mod:`~lightning_fastdata.pipeline.schema`): in the batch slot's memory
+  (:mod:`~lightning_fastdata.pipeline.slots`), copied ``non_blocking`` with the ``uint8`` images from page-locked
+  memory, never read back. :class:`~lightning_fastdata.pipeline.device.DeviceStage` takes them and colours the batch
+  on the side stream before normalizing it (:meth:`BatchColor.apply_batch`: a few batched torch ops, no host sync).
+  The training step never sees them.
 * **CPU training**: the fused batch path colours each crop in the loader's thread or worker process, right after
   cropping it and before normalizing it into the batch (:meth:`BatchColor.apply_image`: OpenCV's SIMD kernels on the
   ``uint8`` crop, which release the GIL), so the training process does none of it. A batch of one's own transform
@@ -123,31 +123,6 @@ def color_matrices(params: Tensor, basis: Tensor | None = None) -> tuple[Tensor,
     grayscale = g * grey + (1 - g) * eye
     linear = grayscale @ hue @ saturate
     return linear * (b * c), linear.sum(dim=-1) * ((1 - c) * b)[..., 0]
-
-
-class ColorParams(Tensor):
-    """The colour parameters of a batch's samples, ``float32 [B, 7]`` (:data:`COLUMNS`): the batch's last element.
-
-    ``[B, V, 7]`` for a batch of ``V`` views, each view of a sample its own.
-
-    A tensor subclass, so it moves, pins and slices as any tensor (and stays a :class:`ColorParams`), while
-    :func:`split_params` tells it from the user's elements.
-    """
-
-
-def split_params(batch: Any) -> tuple[Any, Tensor | None]:
-    """``(batch without its colour parameters, the parameters)``; ``(batch, None)`` when it carries none."""
-    if isinstance(batch, (tuple, list)) and len(batch) > 1 and isinstance(batch[-1], ColorParams):
-        rest = batch[:-1]
-        return (list(rest) if isinstance(batch, list) else tuple(rest)), batch[-1]
-    return batch, None
-
-
-def with_params(batch: Any, params: np.ndarray | Tensor) -> Any:
-    """``batch`` (a tuple or a list) with ``params`` appended as :class:`ColorParams`."""
-    tensor = torch.from_numpy(params) if isinstance(params, np.ndarray) else params
-    tensor = tensor.as_subclass(ColorParams)
-    return [*batch, tensor] if isinstance(batch, list) else (*batch, tensor)
 
 
 class ImagePlan:

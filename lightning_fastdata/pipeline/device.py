@@ -20,15 +20,16 @@ model's dtype, still-encoded JPEGs (``decode="device"``) decoded by nvJPEG first
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Literal
 
 import torch
 from torch import Tensor
 
 from lightning_fastdata.errors import CorruptRecordError
-from lightning_fastdata.pipeline.color import BatchColor, split_params
+from lightning_fastdata.pipeline.color import BatchColor
 from lightning_fastdata.pipeline.device_decode import EncodedImages, encoded_batch_to_images
+from lightning_fastdata.pipeline.schema import split_beside, with_beside
 from lightning_fastdata.pipeline.streams import side_stream
 from lightning_fastdata.transforms import Normalizer
 
@@ -79,13 +80,17 @@ class DeviceStage:
         self.skip = skip
         self.color = color
 
-    def __call__(self, batch: Any) -> Any:
-        """The batch with its first element, the images, as model input."""
+    def __call__(self, batch: Any, beside: Mapping[str, Any] | None = None) -> Any:
+        """The batch with its first element, the images, as model input: a plain tuple (or list) for the step.
+
+        ``beside``: the fields that travel beside the batch (:mod:`~lightning_fastdata.pipeline.schema`), its colour
+        parameters; default: those the batch carries (:attr:`Batch.beside
+        <lightning_fastdata.pipeline.schema.Batch.beside>`).
+        """
         if not isinstance(batch, (tuple, list)) or not batch:
             return batch
-        batch, params = split_params(batch)
-        if params is not None:  # a plain tensor: ops with it give plain tensors, not `ColorParams` images
-            params = params.as_subclass(torch.Tensor)
+        batch, carried = split_beside(batch)
+        params = (carried if beside is None else beside).get("color")
         first = batch[0]
         if isinstance(first, EncodedImages):
             if self.device is None or self.image_size is None:
@@ -120,6 +125,7 @@ class DeviceStage:
         a GPU as a batch, in floats in 0-255), then normalized.
         """
         if params is not None and self.color is not None:
+            params = params.to(images.device, non_blocking=True)  # there already, unless they came beside the transfer
             if images.dtype != torch.uint8:
                 raise TypeError(f"colour augmentation needs uint8 images (0-255), got {images.dtype} ones.")
             on_cuda = self.device is not None and self.device.type == "cuda"
@@ -195,13 +201,19 @@ def _apply(batch: Any, fn: Callable[[Tensor], Any]) -> Any:
 
 
 def _to_device(batch: Any, device: torch.device) -> Any:
-    """Every tensor in the batch to ``device``, asynchronously (pinned sources copy without blocking the host)."""
-    return _apply(batch, lambda t: t.to(device, non_blocking=True))
+    """Every tensor in the batch to ``device``, asynchronously (pinned sources copy without blocking the host).
+
+    The fields beside the batch (:mod:`~lightning_fastdata.pipeline.schema`) go with it, and stay beside it.
+    """
+    batch, beside = split_beside(batch)
+    moved = _apply(batch, lambda t: t.to(device, non_blocking=True))
+    return with_beside(moved, _apply(beside, lambda t: t.to(device, non_blocking=True))) if beside else moved
 
 
 def _record_stream(batch: Any, stream: Any) -> None:
     """Tell the caching allocator that ``stream`` uses the batch's tensors (they were allocated on the side stream)."""
-    _apply(batch, lambda t: t.record_stream(stream) if t.is_cuda else None)
+    batch, beside = split_beside(batch)
+    _apply((batch, beside), lambda t: t.record_stream(stream) if t.is_cuda else None)
 
 
 def prefetch_to_device(

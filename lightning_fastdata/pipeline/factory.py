@@ -21,6 +21,7 @@ from lightning_fastdata.pipeline.device import DeviceStage, prefetch_to_device
 from lightning_fastdata.pipeline.kernel import BatchReader, KeyedIndices, Output, _batch_as_is
 from lightning_fastdata.pipeline.processes import WorkerPool, _worker_init, check_nice, shared_slots
 from lightning_fastdata.pipeline.resume import ResumableSampler, batches_per_epoch, position_state, restore_position
+from lightning_fastdata.pipeline.schema import split_beside, with_beside
 from lightning_fastdata.pipeline.slots import SlotLayout, SlotPool
 from lightning_fastdata.pipeline.threads import private_slots, threaded_batches
 from lightning_fastdata.skipping import SkipCounter
@@ -541,6 +542,9 @@ def _pinned(batch: Any) -> Any:
     """``batch`` with its tensors page-locked, as the DataLoader's pin-memory thread pins them."""
     if isinstance(batch, torch.Tensor):
         return batch.pin_memory()
+    batch, beside = split_beside(batch)
+    if beside:  # the fields beside the batch are pinned too, and stay beside it
+        return with_beside(_pinned(batch), _pinned(beside))
     if isinstance(batch, (tuple, list)) and not hasattr(batch, "_fields"):
         return type(batch)(_pinned(item) for item in batch)
     if isinstance(batch, dict):

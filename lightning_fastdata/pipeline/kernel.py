@@ -38,10 +38,11 @@ from torch.utils.data import Dataset, default_collate, get_worker_info
 from lightning_fastdata._fast_path import inherits
 from lightning_fastdata.errors import FastDataError, SampleError
 from lightning_fastdata.keyed_random import AugmentKey, sample_key
-from lightning_fastdata.pipeline.color import COLUMNS, BatchColor, ImagePlan, with_params
+from lightning_fastdata.pipeline.color import BatchColor, ImagePlan
 from lightning_fastdata.pipeline.device_decode import collate_encoded, encoded_sample
+from lightning_fastdata.pipeline.schema import BatchSchema, sample_batch
 from lightning_fastdata.pipeline.slots import Batches, FreshBatch, SlotBatch, SlotLayout, SlotMemory
-from lightning_fastdata.pipeline.targets import fill_targets, new_targets, subset_view, true_index, with_index
+from lightning_fastdata.pipeline.targets import fill_targets, new_rows, subset_view, true_index
 from lightning_fastdata.pipeline.views import MultiViewCrop
 from lightning_fastdata.skipping import SkipCounter
 from lightning_fastdata.store.format import RecordHeader
@@ -107,10 +108,10 @@ class BatchReader(Dataset):
             :class:`~lightning_fastdata.LmdbImageDataset`, the index into the split it views.
         color: draw each sample's colour parameters from its key (:meth:`BatchColor.draw
             <lightning_fastdata.pipeline.color.BatchColor.draw>`, keyed by its dataset index). The fused path with
-            ``output="float"`` (CPU training) colours each crop with them before normalizing it; otherwise they ride
-            last in the batch, ``ColorParams`` ``float32 [B, 7]``, for the device stage to apply and take off
-            (``[B, V, 7]``, each view its own, when the images are a list of ``V`` views: built-in ``views`` or a
-            transform's list).
+            ``output="float"`` (CPU training) colours each crop with them before normalizing it; otherwise they are the
+            batch's ``color`` field, ``float32 [B, 7]``, which travels beside it
+            (:mod:`~lightning_fastdata.pipeline.schema`) for the device stage to apply (``[B, V, 7]``, each view its
+            own, when the images are a list of ``V`` views: built-in ``views`` or a transform's list).
 
     """
 
@@ -164,8 +165,8 @@ class BatchReader(Dataset):
         """One sample, as the wrapped dataset gives it."""
         return self.dataset[index]
 
-    def slot_layout(self, batch_size: int) -> SlotLayout | None:
-        """What one batch slot of this reader holds, for batches of ``batch_size``.
+    def batch_schema(self) -> BatchSchema | None:
+        """The fields of this reader's fused batches (:mod:`~lightning_fastdata.pipeline.schema`), as of now.
 
         ``None`` when batches are not built into slots: the per-sample path (a transform or dataset of one's own) and
         still-encoded images (``decode="device"``).
@@ -176,10 +177,15 @@ class BatchReader(Dataset):
         assert isinstance(self.base, LmdbImageDataset)
         spec, dtype = self.base.target_spec, "uint8" if self.output == "uint8" else "float32"
         chw = self.output == "float" and not self.channels_last
-        shapes = tuple((3, size, size) if chw else (size, size, 3) for size in self._sizes())
-        views = shapes if isinstance(self.transform, MultiViewCrop) else ()
-        params = len(COLUMNS) if self.color is not None and not self.colors_crops else 0
-        return SlotLayout(batch_size, shapes[0], dtype, spec.shape, spec.dtype, self.return_index, views, params)
+        shapes = [(3, size, size) if chw else (size, size, 3) for size in self._sizes()]
+        color = self.color is not None and not self.colors_crops
+        multiview = isinstance(self.transform, MultiViewCrop)
+        return BatchSchema.of(shapes, dtype, (spec.shape, spec.dtype), self.return_index, color, multiview)
+
+    def slot_layout(self, batch_size: int) -> SlotLayout | None:
+        """What one batch slot of this reader holds, for batches of ``batch_size``: its :meth:`batch_schema`."""
+        schema = self.batch_schema()
+        return None if schema is None else SlotLayout(batch_size, schema)
 
     def _sizes(self) -> list[int]:
         """The side of each view's crops (one for a single-view transform)."""
@@ -222,30 +228,23 @@ class BatchReader(Dataset):
         if self.output == "encoded":
             return self._read_encoded(indices, key)
         if not self.fused:
-            if self.return_index:  # each sample with its dataset index, before collating
-
-                def indexed(index: int) -> Any:
-                    return with_index(self._sample(index, key), true_index(self.dataset, self.indices, index))
-
-                return self._colored(default_collate(self._each(indices, indexed)), key, indices)
-            if self.color is not None:  # the kept samples' indices, for their colour parameters
-                kept = self._each(indices, lambda index: (self._sample(index, key), index))
-                batch = default_collate([sample for sample, _ in kept])
-                return self._colored(batch, key, [index for _, index in kept])
-            return default_collate(self._each(indices, lambda index: self._sample(index, key)))
+            kept = self._each(indices, lambda index: (self._sample(index, key), index))
+            collated = default_collate([sample for sample, _ in kept])
+            if not self.return_index and self.color is None:
+                return collated
+            records = [true_index(self.dataset, self.indices, index) for _, index in kept]
+            index = torch.tensor(records, dtype=torch.int64) if self.return_index else None
+            return sample_batch(collated, index, self._sample_color(collated, key, records))
         return self._read_fused(indices, key)
 
-    def _colored(self, batch: Any, key: AugmentKey | None, indices: Sequence[int]) -> Any:
-        """A per-sample batch with its colour parameters last (keyed by the dataset indices), when drawn."""
+    def _sample_color(self, collated: Any, key: AugmentKey | None, records: Sequence[int]) -> dict[str, Any]:
+        """A per-sample batch's beside fields: its colour parameters (keyed by the dataset indices), when drawn."""
         if self.color is None:
-            return batch
-        if self.return_index:  # collated from `with_index`: the true indices are the batch's last element
-            records = batch[-1].tolist()
-        else:
-            records = [true_index(self.dataset, self.indices, int(index)) for index in indices]
+            return {}
+        images = collated[0] if isinstance(collated, (tuple, list)) else collated
         # a transform's list of views: each view of a sample its own parameters, as the built-in views'
-        views = len(batch[0]) if isinstance(batch, (tuple, list)) and isinstance(batch[0], (tuple, list)) else None
-        return with_params(batch, self.color.draw(key, records, views))
+        views = len(images) if isinstance(images, (tuple, list)) else None
+        return {"color": torch.from_numpy(self.color.draw(key, records, views))}
 
     def _sample(self, index: int, key: AugmentKey | None) -> Any:
         """One sample through the wrapped dataset, its transforms drawing from its key (the per-sample path).
@@ -280,16 +279,14 @@ class BatchReader(Dataset):
             return FreshBatch(memory, *self._fill_slot(indices, key, memory, 0))
         regions = self._new_batch(len(indices))
         count, labels, records = self._fill(indices, key, [region.numpy() for region in regions])
-        targets = new_targets(self._lmdb().target_spec, count, self._pinned())
-        given = fill_targets(self._lmdb(), labels, records, targets.numpy())
-        views = [self._as_nchw(region[:count]) for region in regions]
-        images = views if isinstance(self.transform, MultiViewCrop) else views[0]
-        batch = (images, targets if given is None else self._pin_labels(given))
-        if self.return_index:
-            batch = (*batch, self._pin_labels(torch.tensor(records, dtype=torch.int64)))
-        if self.color is not None and not self.colors_crops:
-            batch = with_params(batch, self._pin_labels(torch.from_numpy(self._params(key, records))))
-        return batch
+        schema = self.batch_schema()
+        assert schema is not None
+        values = {}
+        for field in schema.fields:
+            rows = new_rows(field, count, self._pinned())
+            given = PRODUCERS[field.name](self, key, labels, records, rows.numpy())
+            values[field.name] = rows if given is None else self._pin_labels(given)
+        return schema.assemble([self._as_nchw(region[:count]) for region in regions], values)
 
     def _fill(
         self, indices: Sequence[int], key: AugmentKey | None, outs: Sequence[np.ndarray]
@@ -335,18 +332,16 @@ class BatchReader(Dataset):
     ) -> tuple[int, Any]:
         """:meth:`_fill` slot ``slot`` of ``slots``: the samples in it, and the targets that are not in it.
 
-        The targets of every kind go into the slot (and the dataset indices, if its layout has them), so nothing but
-        the count need leave a worker process; only a ``target_transform``'s targets that are not class indices are
-        returned, else ``None``.
+        Every field of the slot's schema is filled by its producer (:data:`PRODUCERS`), so nothing but the count need
+        leave a worker process; only a ``target_transform``'s targets that are not class indices are returned, else
+        ``None``.
         """
         count, labels, records = self._fill(indices, key, slots.regions(slot, len(indices)))
-        if slots.layout.index:
-            slots.indices(slot, count)[:] = records
-        if slots.layout.params:
-            assert self.color is not None
-            assert not self.colors_crops
-            slots.params(slot, count)[:] = self._params(key, records)
-        return count, fill_targets(self._lmdb(), labels, records, slots.labels(slot, count))
+        given = None
+        for field in slots.layout.schema.fields:
+            produced = PRODUCERS[field.name](self, key, labels, records, slots.field(slot, field.name, count))
+            given = produced if produced is not None else given
+        return count, given
 
     def _params(self, key: AugmentKey | None, records: Sequence[int]) -> np.ndarray:
         """The colour parameters of a fused batch's ``records``: ``[n, V, 7]`` for the ``V`` views, each its own."""
@@ -442,8 +437,8 @@ class BatchReader(Dataset):
         records = [record for _, record in kept]
         if not per_sample:
             labels = torch.from_numpy(base.targets_of(records))
-        batch = (encoded, self._pin_labels(labels))
-        return (*batch, self._pin_labels(torch.tensor(records, dtype=torch.int64))) if self.return_index else batch
+        index = self._pin_labels(torch.tensor(records, dtype=torch.int64)) if self.return_index else None
+        return sample_batch((encoded, self._pin_labels(labels)), index)
 
     def _each(self, items: Sequence[Any], read: Callable[[Any], Any]) -> list[Any]:
         """``read`` every item; under the skip policy a package error leaves that sample out."""
@@ -470,12 +465,9 @@ class BatchReader(Dataset):
         One tensor per view (one for a single-view transform). Page-locked when asked for and CUDA is there, else
         NumPy's (which asks the kernel for huge pages: few page faults).
         """
-        layout = self.slot_layout(n)
-        assert layout is not None
-        dtype = torch.uint8 if layout.dtype == "uint8" else torch.float32
-        if self._pinned():  # torch's caching host allocator reuses pinned blocks safely
-            return [torch.empty((n, *shape), dtype=dtype, pin_memory=True) for shape in layout.regions]
-        return [torch.from_numpy(np.empty((n, *shape), dtype=layout.dtype)) for shape in layout.regions]
+        schema = self.batch_schema()
+        assert schema is not None
+        return [new_rows(field, n, self._pinned()) for field in schema.images]
 
     def _lmdb(self) -> LmdbImageDataset:
         """The database split the fused and encoded paths read (their reader is built only for one)."""
@@ -527,6 +519,38 @@ class BatchReader(Dataset):
     def __repr__(self) -> str:
         path = "fused" if self.fused else "per-sample"
         return f"{type(self).__name__}({self.dataset!r}, output={self.output!r}, {path})"
+
+
+def _produce_target(
+    reader: BatchReader, key: AugmentKey | None, labels: list[int], records: list[int], out: np.ndarray
+) -> Any:
+    """The ``target`` field: the record headers' classes, or the split's target arrays (:func:`fill_targets`)."""
+    return fill_targets(reader._lmdb(), labels, records, out)
+
+
+def _produce_index(
+    reader: BatchReader, key: AugmentKey | None, labels: list[int], records: list[int], out: np.ndarray
+) -> None:
+    """The ``index`` field: the records read, each sample's index in the split (through a subset, the one it views)."""
+    out[:] = records
+
+
+def _produce_color(
+    reader: BatchReader, key: AugmentKey | None, labels: list[int], records: list[int], out: np.ndarray
+) -> None:
+    """The ``color`` field: each sample's colour parameters, drawn from its key (for the device stage)."""
+    out[:] = reader._params(key, records)
+
+
+#: the producer of each field after the images on the fused path (the images are the crop kernel's, :meth:`_fill`),
+#: by the field's name in the batch schema (:mod:`~lightning_fastdata.pipeline.schema`): called with the reader, the
+#: batch's key, the kept samples' header labels and records, and the field's rows to fill. Only the target's may
+#: return something: targets that do not fit the rows (a ``target_transform``'s), carried as they are.
+PRODUCERS: dict[str, Callable[[BatchReader, AugmentKey | None, list[int], list[int], np.ndarray], Any]] = {
+    "target": _produce_target,
+    "index": _produce_index,
+    "color": _produce_color,
+}
 
 
 class KeyedIndices(list):

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import collections
 import functools
-import math
 import mmap
 import os
 import weakref
@@ -55,7 +54,7 @@ from torch import Tensor
 from lightning_fastdata._files import anonymous_file, path_of
 from lightning_fastdata._torch_private import DupFd
 from lightning_fastdata.pipeline import device as stage  # the module: its copy is what the tests patch
-from lightning_fastdata.pipeline.color import ColorParams
+from lightning_fastdata.pipeline.schema import BatchSchema, FieldSpec
 from lightning_fastdata.pipeline.streams import side_stream
 
 #: bytes between a slot's images, its targets and its indices, and between slots: cache-line (and page) aligned views
@@ -68,78 +67,66 @@ SLOTS_HELD = 4
 
 @dataclass(frozen=True)
 class SlotLayout:
-    """What one slot holds: ``batch_size`` samples of ``sample_shape`` and ``dtype``, their targets (and indices).
+    """Where each field of a batch of ``batch_size`` lives in a slot: computed from the batch's schema.
 
-    The samples are as stored; the dataset indices are there when ``index``.
-
-    ``sample_shape`` is the memory order of one sample: ``(H, W, 3)`` for ``uint8`` and ``channels_last`` batches,
-    ``(3, H, W)`` for contiguous ``float32`` ones. ``target_shape`` and ``target_dtype`` are one sample's target in a
-    batch (:attr:`~lightning_fastdata.store.targets.TargetSpec.shape`, ``.dtype``): ``()`` ``int64`` for classes,
-    ``(C,)`` ``float32`` multi-hot, ``(K,)`` (or ``()``) ``float32`` values.
-
-    ``views``: a multi-view slot (:mod:`~lightning_fastdata.pipeline.views`) holds one image region per view, one
-    after another, ``[batch_size, *shape]`` each in the view's own sample shape (``sample_shape`` is the first's);
-    empty: one region of ``sample_shape``.
+    The fields (:class:`~lightning_fastdata.pipeline.schema.BatchSchema`) follow one another, images first (one region
+    per view), each aligned, ``batch_size`` rows each; a slot is rounded up to a page. An image sample's shape is its
+    memory order: ``(H, W, 3)`` for ``uint8`` and ``channels_last`` batches, ``(3, H, W)`` for contiguous ``float32``
+    ones.
     """
 
     batch_size: int
-    sample_shape: tuple[int, ...]
-    dtype: str = "uint8"
-    target_shape: tuple[int, ...] = ()
-    target_dtype: str = "int64"
-    index: bool = False
-    views: tuple[tuple[int, ...], ...] = ()
-    #: ``float32`` colour parameters per sample (:mod:`~lightning_fastdata.pipeline.color`), after the indices: as
-    #: many for each view of a multi-view layout
-    params: int = 0
+    schema: BatchSchema
+
+    @functools.cached_property
+    def offsets(self) -> dict[str, int]:
+        """Where each field starts in a slot (aligned), by name."""
+        offsets, end = {}, 0
+        for field in self.schema.all_fields:
+            offsets[field.name] = _aligned(end)
+            end = offsets[field.name] + self.field_bytes(field)
+        return offsets
+
+    def field_bytes(self, field: FieldSpec, n: int | None = None) -> int:
+        """Bytes of ``n`` rows (default ``batch_size``) of ``field``."""
+        return (self.batch_size if n is None else n) * field.sample_bytes
 
     @property
     def regions(self) -> tuple[tuple[int, ...], ...]:
-        """The sample shape of each image region: each view's, or ``sample_shape`` alone."""
-        return self.views or (self.sample_shape,)
+        """The sample shape of each image region: each view's, or the images' alone."""
+        return tuple(field.shape for field in self.schema.images)
 
     @property
     def region_offsets(self) -> list[int]:
         """Where each image region starts in a slot (aligned)."""
-        offsets, end = [], 0
-        for shape in self.regions:
-            offsets.append(_aligned(end))
-            end = offsets[-1] + self.region_bytes(shape)
-        return offsets
+        return [self.offsets[field.name] for field in self.schema.images]
 
-    def region_bytes(self, shape: tuple[int, ...], n: int | None = None) -> int:
-        """Bytes of ``n`` samples (default ``batch_size``) of sample shape ``shape``."""
-        return (self.batch_size if n is None else n) * math.prod(shape) * np.dtype(self.dtype).itemsize
+    @property
+    def sample_shape(self) -> tuple[int, ...]:
+        """The first image region's sample shape."""
+        return self.schema.images[0].shape
+
+    @property
+    def dtype(self) -> str:
+        """The images' dtype."""
+        return self.schema.images[0].dtype
+
+    @property
+    def multiview(self) -> bool:
+        """Whether the images are views, handed out as a list."""
+        return self.schema.multiview
 
     @property
     def image_bytes(self) -> int:
         """Bytes of a full batch of images (of every view's region, and the alignment between them)."""
-        return self.region_offsets[-1] + self.region_bytes(self.regions[-1])
-
-    @property
-    def labels_offset(self) -> int:
-        """Where the targets start in a slot."""
-        return _aligned(self.image_bytes)
-
-    @property
-    def target_bytes(self) -> int:
-        """Bytes of one sample's target."""
-        return math.prod(self.target_shape) * np.dtype(self.target_dtype).itemsize
-
-    @property
-    def index_offset(self) -> int:
-        """Where the dataset indices start in a slot (``index``)."""
-        return _aligned(self.labels_offset + self.target_bytes * self.batch_size)
-
-    @property
-    def params_offset(self) -> int:
-        """Where the colour parameters start in a slot (``params``)."""
-        return _aligned(self.index_offset + (8 * self.batch_size if self.index else 0))
+        last = self.schema.images[-1]
+        return self.offsets[last.name] + self.field_bytes(last)
 
     @property
     def slot_bytes(self) -> int:
         """Bytes of one slot, rounded up to a page: slots never share a page."""
-        end = self.params_offset + 4 * self.params * len(self.regions) * self.batch_size
+        last = self.schema.all_fields[-1]
+        end = self.offsets[last.name] + self.field_bytes(last)
         return -(-end // mmap.PAGESIZE) * mmap.PAGESIZE
 
     @property
@@ -205,44 +192,27 @@ class SlotMemory:
 
     def images(self, slot: int, n: int | None = None) -> np.ndarray:
         """The first ``n`` samples of slot ``slot`` (default: all of them), in their stored shape and dtype."""
-        layout = self.layout
-        n = layout.batch_size if n is None else n
-        nbytes = n * math.prod(layout.sample_shape) * np.dtype(layout.dtype).itemsize
-        return self.slot(slot)[:nbytes].view(layout.dtype).reshape(n, *layout.sample_shape)
+        return self.regions(slot, n)[0]
 
     def regions(self, slot: int, n: int | None = None) -> list[np.ndarray]:
         """The first ``n`` samples of each image region of slot ``slot`` (one per view; :meth:`images` for one)."""
-        layout, whole = self.layout, self.slot(slot)
-        n = layout.batch_size if n is None else n
-        return [
-            whole[start : start + layout.region_bytes(shape, n)].view(layout.dtype).reshape(n, *shape)
-            for start, shape in zip(layout.region_offsets, layout.regions, strict=True)
-        ]
+        return [self.field(slot, field.name, n) for field in self.layout.schema.images]
 
-    def labels(self, slot: int, n: int | None = None) -> np.ndarray:
-        """The targets of slot ``slot``'s first ``n`` samples: ``[n, *target_shape]`` of ``target_dtype``."""
-        layout = self.layout
-        n = layout.batch_size if n is None else n
-        start = layout.labels_offset
-        flat = self.slot(slot)[start : start + layout.target_bytes * n].view(layout.target_dtype)
-        return flat.reshape(n, *layout.target_shape)
+    def field(self, slot: int, name: str, n: int | None = None) -> np.ndarray:
+        """Field ``name`` of slot ``slot``'s first ``n`` samples (default: all): ``[n, *shape]`` of its dtype.
 
-    def indices(self, slot: int, n: int | None = None) -> np.ndarray:
-        """The ``int64`` dataset indices of slot ``slot``'s first ``n`` samples (a layout with ``index``)."""
-        layout = self.layout
-        n = layout.batch_size if n is None else n
-        start = layout.index_offset
-        return self.slot(slot)[start : start + 8 * n].view(np.int64)
+        Raises:
+            KeyError: the layout's batches do not hold the field.
 
-    def params(self, slot: int, n: int | None = None) -> np.ndarray:
-        """The ``float32 [n, params]`` colour parameters of slot ``slot``'s first ``n`` samples (a layout with them).
-
-        ``[n, views, params]`` for a multi-view layout: each view of a sample its own.
         """
         layout = self.layout
+        field = layout.schema.field(name)
+        if field is None:
+            raise KeyError(f"batch slots of {layout} hold no field {name!r}")
         n = layout.batch_size if n is None else n
-        start, shape = layout.params_offset, (len(layout.views), layout.params) if layout.views else (layout.params,)
-        return self.slot(slot)[start : start + 4 * math.prod(shape) * n].view(np.float32).reshape(n, *shape)
+        start = layout.offsets[name]
+        flat = self.slot(slot)[start : start + layout.field_bytes(field, n)]
+        return flat.view(field.dtype).reshape(n, *field.shape)
 
     @property
     def address(self) -> int:
@@ -313,8 +283,11 @@ class SlotBatch(tuple):
 class FreshBatch(tuple):
     """A batch a worker process built in a memfd of its own (no slot was free): ``(images, labels[, index])``.
 
+    Its fields are the layout's (:mod:`~lightning_fastdata.pipeline.schema`); a field that travels beside the batch
+    goes in the memory too, and is beside it again once received.
+
     In the worker it is the batch itself. Sent to the training process it goes as the memfd's file descriptor, as
-    the slots' memory goes to a spawned worker, and arrives as a plain ``(images, labels)`` tuple of tensors over the
+    the slots' memory goes to a spawned worker, and arrives as the batch's tuple of tensors over the
     same pages (:func:`_received`): nothing copied, nothing named in ``/dev/shm``, no descriptor kept, and the memory
     freed with the last tensor that uses it. ``labels``: targets that are not in the memory (a ``target_transform``'s),
     else ``None`` (the targets are in the memory, and so are the dataset indices of a layout with ``index``).
@@ -332,7 +305,7 @@ class FreshBatch(tuple):
         return _received, (memory.layout, DupFd(memory._fd), count, labels)
 
 
-def _received(layout: SlotLayout, fd: Any, count: int, labels: Any) -> tuple[Tensor, ...]:
+def _received(layout: SlotLayout, fd: Any, count: int, labels: Any) -> tuple[Any, ...]:
     """The training process's side of :class:`FreshBatch`: its memfd mapped by torch, the descriptor closed.
 
     A ``mmap.mmap`` (a :class:`SlotMemory`) keeps a descriptor of its own for as long as it lives: one for each batch
@@ -350,20 +323,20 @@ def _received(layout: SlotLayout, fd: Any, count: int, labels: Any) -> tuple[Ten
     return _fresh_tensors(memory, count, labels)
 
 
-def _fresh_tensors(memory: SlotMemory, count: int, labels: Any) -> tuple[Tensor, ...]:
-    """A one-slot memory's first ``count`` samples as ``(images, labels[, index])``: NCHW images.
+def _fresh_tensors(memory: SlotMemory, count: int, labels: Any) -> tuple[Any, ...]:
+    """A one-slot memory's first ``count`` samples as the training step's batch: NCHW images, then the other fields.
 
-    The targets are the slot's if ``labels`` is ``None``; ``index``, the slot's dataset indices for a layout with it.
-    ``images`` of a multi-view layout: a list of each view's NCHW images.
+    Built by :meth:`BatchSchema.assemble <lightning_fastdata.pipeline.schema.BatchSchema.assemble>`; the targets are
+    the slot's if ``labels`` is ``None``.
     """
     views = [torch.from_numpy(region) for region in memory.regions(0, count)]
     if memory.layout.channels_last:
         views = [view.permute(0, 3, 1, 2) for view in views]
-    images: Any = views if memory.layout.views else views[0]
-    targets = torch.from_numpy(memory.labels(0, count)) if labels is None else labels
-    index = (torch.from_numpy(memory.indices(0, count)),) if memory.layout.index else ()
-    params = (torch.from_numpy(memory.params(0, count)).as_subclass(ColorParams),) if memory.layout.params else ()
-    return images, targets, *index, *params
+    schema = memory.layout.schema
+    values = {field.name: torch.from_numpy(memory.field(0, field.name, count)) for field in schema.fields}
+    if labels is not None:
+        values["target"] = labels
+    return schema.assemble(views, values)
 
 
 def _nchw_geometry(
@@ -425,9 +398,10 @@ class SlotPool:
         self._torch_dtype, self._image_bytes = getattr(torch, layout.dtype), layout.image_bytes
         self._owners: list[weakref.ref | None] = [None] * memory.count
         self._on_release = [functools.partial(_freed, self._free, slot) for slot in range(memory.count)]
-        self._labels = [memory.labels(slot) for slot in range(memory.count)]
-        self._indices = [memory.indices(slot) for slot in range(memory.count)] if layout.index else None
-        self._params = [memory.params(slot) for slot in range(memory.count)] if layout.params else None
+        self._schema = layout.schema
+        #: each slot's fields after the images, ``(name, rows)``: copied out per hand-out (a few bytes a sample)
+        self._rows = [[(field.name, memory.field(slot, field.name)) for field in layout.schema.fields]
+                      for slot in range(memory.count)]  # fmt: skip
 
     @property
     def layout(self) -> SlotLayout:
@@ -491,32 +465,30 @@ class SlotPool:
         if slot is not None:
             self._free.append(slot)
 
-    def hand_out(self, slot: int, n: int, labels: Any = None) -> tuple[Tensor, ...]:
-        """Slot ``slot``'s first ``n`` samples as ``(images, labels[, index])`` tensors that own the slot until they go.
+    def hand_out(self, slot: int, n: int, labels: Any = None) -> tuple[Any, ...]:
+        """Slot ``slot``'s first ``n`` samples as the training step's batch, whose tensors own the slot until they go.
 
-        Images are NCHW (views of NHWC memory when stored so); the targets are a copy of the slot's (a few bytes a
-        sample), or ``labels`` when given; ``index``, with a layout that has it, a copy of the slot's dataset indices.
+        Images are NCHW (views of NHWC memory when stored so), a list of each view's for views; the other fields are
+        copies of the slot's (a few bytes a sample), the targets ``labels`` when given. Built by the schema
+        (:meth:`BatchSchema.assemble <lightning_fastdata.pipeline.schema.BatchSchema.assemble>`).
         """
-        if self.layout.views:
-            return self._hand_out_views(slot, n, labels)
+        images = self._hand_out_views(slot, n) if self.layout.multiview else [self._hand_out_images(slot, n)]
+        values = {name: torch.from_numpy(rows[:n].copy()) for name, rows in self._rows[slot]}
+        if labels is not None:
+            values["target"] = labels
+        return self._schema.assemble(images, values)
+
+    def _hand_out_images(self, slot: int, n: int) -> Tensor:
+        """The images of a one-region slot: the hand-out's own view, which frees the slot when it goes."""
         # this hand-out's own view: the tensor's storage below holds it, and nothing else does; when it goes, the
         # weak reference's callback frees the slot (the reference itself is kept here until the slot is reused)
         view = np.ndarray((n, *self._sample_shape), self._dtype, self.memory.bytes, slot * self._slot_bytes)
         self._owners[slot] = weakref.ref(view, self._on_release[slot])
         images = torch.from_numpy(view)
-        if self._channels_last:
-            images = images.permute(0, 3, 1, 2)
-        if labels is None:
-            labels = torch.from_numpy(self._labels[slot][:n].copy())
-        batch: tuple[Tensor, ...] = (images, labels)
-        if self._indices is not None:
-            batch = (*batch, torch.from_numpy(self._indices[slot][:n].copy()))
-        if self._params is not None:  # the colour parameters ride last (`color.split_params` takes them off)
-            batch = (*batch, torch.from_numpy(self._params[slot][:n].copy()).as_subclass(ColorParams))
-        return batch
+        return images.permute(0, 3, 1, 2) if self._channels_last else images
 
-    def _hand_out_views(self, slot: int, n: int, labels: Any) -> tuple[Any, ...]:
-        """:meth:`hand_out` of a multi-view slot: its images a list of each view's NCHW tensor.
+    def _hand_out_views(self, slot: int, n: int) -> list[Tensor]:
+        """The images of a multi-view slot: each view's NCHW tensor.
 
         One hand-out view of the slot's image bytes, as for one region; every view's tensor is a torch view of the one
         tensor over it (NumPy would collapse views of views to the slot memory, which the weak reference must not
@@ -529,15 +501,7 @@ class SlotPool:
             flat = flat.view(self._torch_dtype)
         # one strided view per view straight from the slot (a 64-sample, 8-view batch was 32 torch calls and 25
         # layout sums, most of the training process's time per batch on the processes engine)
-        views = [flat.as_strided((n, *size), strides, offset) for offset, size, strides in self._view_geometry]
-        if labels is None:
-            labels = torch.from_numpy(self._labels[slot][:n].copy())
-        batch: tuple[Any, ...] = (views, labels)
-        if self._indices is not None:
-            batch = (*batch, torch.from_numpy(self._indices[slot][:n].copy()))
-        if self._params is not None:  # `[n, views, params]`: each view of a sample its own
-            batch = (*batch, torch.from_numpy(self._params[slot][:n].copy()).as_subclass(ColorParams))
-        return batch
+        return [flat.as_strided((n, *size), strides, offset) for offset, size, strides in self._view_geometry]
 
     def to_device(self, slot: int, n: int, device: torch.device, stream: Any, labels: Any = None) -> Any:
         """Slot ``slot``'s first ``n`` samples copied to ``device`` on ``stream``; the slot is free once they are.
@@ -545,31 +509,25 @@ class SlotPool:
         Call it inside ``torch.cuda.stream(stream)``: the copies (``non_blocking``, from page-locked memory when
         :meth:`pin` succeeded) and the event that frees the slot are queued there.
         """
-        images, slot_labels, *rest = self._views[slot]  # rest: the indices and colour parameters, if any
-        head = [view[:n] for view in images] if isinstance(images, list) else images[:n]
-        host = (head, slot_labels[:n] if labels is None else labels, *(i[:n] for i in rest))
-        batch = stage._to_device(host, device)
+        images, fields = self._views[slot]
+        values = {name: rows[:n] for name, rows in fields.items()}
+        if labels is not None:
+            values["target"] = labels
+        batch = stage._to_device(self._schema.assemble([view[:n] for view in images], values), device)
         event = torch.cuda.Event()
         event.record(stream)
         self._copying.append((event, slot))
         return batch
 
     @functools.cached_property
-    def _views(self) -> list[tuple[Any, ...]]:
-        """Each slot's whole images (NCHW), targets (and indices), as tensors made once: for copies, freed by events.
-
-        A multi-view slot's images are a list of each view's.
-        """
-        views: list[tuple[Any, ...]] = []
+    def _views(self) -> list[tuple[list[Tensor], dict[str, Tensor]]]:
+        """Each slot's whole images (NCHW, one per region) and other fields, as tensors made once: for copies."""
+        views: list[tuple[list[Tensor], dict[str, Tensor]]] = []
         for slot in range(self.memory.count):
             regions = [torch.from_numpy(region) for region in self.memory.regions(slot)]
             if self._channels_last:
                 regions = [region.permute(0, 3, 1, 2) for region in regions]
-            labels = torch.from_numpy(self.memory.labels(slot))
-            index = (torch.from_numpy(self.memory.indices(slot)),) if self.layout.index else ()
-            if self.layout.params:
-                index = (*index, torch.from_numpy(self.memory.params(slot)).as_subclass(ColorParams))
-            views.append((regions if self.layout.views else regions[0], labels, *index))
+            views.append((regions, {name: torch.from_numpy(rows) for name, rows in self._rows[slot]}))
         return views
 
     def pin(self) -> str | None:

@@ -17,8 +17,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from lightning_fastdata.pipeline.schema import FieldSpec
 from lightning_fastdata.store.reader import LmdbImageDataset, collate_labels
-from lightning_fastdata.store.targets import TargetSpec
 
 
 def fill_targets(base: LmdbImageDataset, labels: Sequence[int], records: Sequence[int], out: np.ndarray) -> Any:
@@ -43,12 +43,12 @@ def fill_targets(base: LmdbImageDataset, labels: Sequence[int], records: Sequenc
     return collate_labels(samples)
 
 
-def new_targets(spec: TargetSpec, n: int, pinned: bool) -> Tensor:
-    """Fresh memory for the targets of a batch of ``n`` built without a slot (page-locked when ``pinned``)."""
-    shape, dtype = (n, *spec.shape), torch.int64 if spec.dtype == "int64" else torch.float32
+def new_rows(field: FieldSpec, n: int, pinned: bool) -> Tensor:
+    """Fresh memory for ``n`` rows of ``field``, for a batch built without a slot (page-locked when ``pinned``)."""
+    shape = (n, *field.shape)
     if pinned:  # torch's caching host allocator reuses pinned blocks safely
-        return torch.empty(shape, dtype=dtype, pin_memory=True)
-    return torch.from_numpy(np.empty(shape, dtype=spec.dtype))
+        return torch.empty(shape, dtype=getattr(torch, field.dtype), pin_memory=True)
+    return torch.from_numpy(np.empty(shape, dtype=field.dtype))
 
 
 def subset_view(dataset: Any) -> tuple[Any, np.ndarray | None]:
@@ -85,8 +85,3 @@ def true_index(dataset: Any, view: np.ndarray | None, index: int) -> int:
         if index < 0:
             index += len(dataset)
     return int(index)
-
-
-def with_index(sample: Any, index: int) -> tuple[Any, ...]:
-    """A per-sample path's sample with its dataset index last: ``(image, target)`` -> ``(image, target, index)``."""
-    return (*sample, index) if isinstance(sample, (tuple, list)) else (sample, index)
