@@ -17,7 +17,8 @@ One module per concern, in the order a sample travels:
 * :mod:`~lightning_fastdata.store.jpeg`: the walk over a JPEG's markers by which the reader holds a record's decode
   to its budget;
 * :mod:`~lightning_fastdata.store.targets`: the target kinds (class, multi-label, float, none): their typed arrays,
-  written and read back, and how a list file's or a dataset's labels are read;
+  written and read back;
+* :mod:`~lightning_fastdata.store.labels`: a list file's or a dataset's labels read, and their kind inferred;
 * :mod:`~lightning_fastdata.store.remote`: databases at a URL: publishing one to a bucket, and staging it once per
   node into the cache folder (a package: URLs, errors, the marker, replies, fetch, staging, publishing);
 * :mod:`~lightning_fastdata.store.cache`: the cache folder, the database a source converts into there, and the

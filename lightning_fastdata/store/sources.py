@@ -699,7 +699,7 @@ def scan_list(src: Path, targets: str | None = None, label_separator: str = LABE
 
     Raises:
         SourceLayoutError: the file cannot be read, lacks a column, lists an image twice with different targets or in
-            two splits, or its labels are ambiguous (:class:`~lightning_fastdata.store.targets.AmbiguousTargetsError`).
+            two splits, or its labels are ambiguous (:class:`~lightning_fastdata.store.labels.AmbiguousTargetsError`).
 
     """
     check_targets_option(targets, label_separator)
