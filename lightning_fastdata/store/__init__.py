@@ -2,7 +2,9 @@
 
 One module per concern, in the order a sample travels:
 
-* :mod:`~lightning_fastdata.store.sources`: reading a source (image folders, split folders, list files) into a plan;
+* :mod:`~lightning_fastdata.store.sources`: reading a source (image folders, split folders, list files) into a plan,
+  with :mod:`~lightning_fastdata.store.listfiles` (``path,label`` list files) and
+  :mod:`~lightning_fastdata.store.plan` (the ``ConversionPlan`` and what every layout shares);
 * :mod:`~lightning_fastdata.store.hf`: the Hugging Face ``datasets`` adapter of ``convert_dataset``;
 * :mod:`~lightning_fastdata.store.encode`: the per-image options and encoding, in worker processes;
 * :mod:`~lightning_fastdata.store.writer`: the LMDB writer of a conversion;

@@ -59,7 +59,7 @@ from lightning_fastdata.store.ondisk import (
     unwritable_error,
     write_own,
 )
-from lightning_fastdata.store.sources import ConversionPlan
+from lightning_fastdata.store.plan import ConversionPlan
 from lightning_fastdata.store.summary import ConversionSummary, SkippedFile, human_bytes
 from lightning_fastdata.store.targets import MAX_DIM, MIXED_KINDS, TargetColumn
 
