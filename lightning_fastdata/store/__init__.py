@@ -24,7 +24,8 @@ One module per concern, in the order a sample travels:
 * :mod:`~lightning_fastdata.store.remote`: databases at a URL: publishing one to a bucket, and staging it once per
   node into the cache folder (a package: URLs, errors, the marker, replies, fetch, staging, publishing);
 * :mod:`~lightning_fastdata.store.cache`: the cache folder, the database a source converts into there, and the
-  conversions' upkeep (list, last use, remove, prune).
+  conversions' upkeep (list, last use, remove, prune), built on :mod:`~lightning_fastdata.store.cachedir` (the
+  folder, its slots, the use files) and :mod:`~lightning_fastdata.store.inventory` (what the folder holds).
 
 Nothing is imported here: ``lightning-fastdata --help`` imports neither torch nor Lightning, and only ``reader``
 imports torch.
