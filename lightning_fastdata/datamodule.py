@@ -34,8 +34,9 @@ from lightning_fastdata.skipping import SkipCounter
 from lightning_fastdata.splits import check_database, missing_split, open_splits, pick_predict_split, split_sources
 from lightning_fastdata.store import cache, remote
 from lightning_fastdata.store import environments as _environments
+from lightning_fastdata.store.labels import LABEL_SEPARATOR
 from lightning_fastdata.store.reader import DEFAULT_MAX_PIXELS, LmdbImageDataset
-from lightning_fastdata.store.targets import KINDS, LABEL_SEPARATOR, TargetSpec
+from lightning_fastdata.store.targets import KINDS, TargetSpec
 from lightning_fastdata.transforms import (
     IMAGENET_MEAN,
     IMAGENET_STD,

@@ -32,8 +32,9 @@ from lightning_fastdata.store import cache, remote
 from lightning_fastdata.store import environments as _environments
 from lightning_fastdata.store import format as _format
 from lightning_fastdata.store.conversion import convert
+from lightning_fastdata.store.labels import LABEL_SEPARATOR
 from lightning_fastdata.store.sources import folder_classes, source_plan
-from lightning_fastdata.store.targets import LABEL_SEPARATOR, TargetSpec
+from lightning_fastdata.store.targets import TargetSpec
 
 log = logging.getLogger(__name__)
 

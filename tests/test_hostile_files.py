@@ -23,8 +23,7 @@ import pytest
 from lightning_fastdata import FastImageDataModule, convert, make_image_folder, read_meta
 from lightning_fastdata.cli import main
 from lightning_fastdata.errors import DestinationError
-from lightning_fastdata.store import cache as cache_module
-from lightning_fastdata.store import writer
+from lightning_fastdata.store import cachedir, inventory, writer
 from lightning_fastdata.store.cache import conversion_meta, list_conversions, record_use, remove_conversion, use_path
 from lightning_fastdata.store.format import REPORT_FILE, VERIFIED_FILE, lock_path, partial_path
 
@@ -225,7 +224,7 @@ def test_a_link_to_a_victim_as_the_use_file_is_never_written_or_touched(
     record_use(database, cache)
     assert victim.read_bytes() == VICTIM
     assert victim.stat().st_mtime_ns == 10**18
-    assert str(used) not in cache_module._HELD
+    assert str(used) not in cachedir._HELD
 
 
 @pytest.mark.parametrize("plant", ["a file", "a link to a folder", "a dangling link"])
@@ -377,7 +376,7 @@ def test_a_report_over_the_size_cap_or_a_link_is_not_read(
 ):
     """A report larger than the cap on what is read of it (its size checked before reading), or a link to a report
     elsewhere: its forged source is never shown; the metadata is read from the database itself."""
-    monkeypatch.setattr(cache_module, "MAX_JSON_BYTES", 4096, raising=False)
+    monkeypatch.setattr(inventory, "MAX_JSON_BYTES", 4096)
     cache = tmp_path / "cache"
     database = cache / "db.lmdb"
     shutil.copytree(tiny_database, database)

@@ -2,7 +2,9 @@
 
 One module per concern, in the order a sample travels:
 
-* :mod:`~lightning_fastdata.store.sources`: reading a source (image folders, split folders, list files) into a plan;
+* :mod:`~lightning_fastdata.store.sources`: reading a source (image folders, split folders, list files) into a plan,
+  with :mod:`~lightning_fastdata.store.listfiles` (``path,label`` list files) and
+  :mod:`~lightning_fastdata.store.plan` (the ``ConversionPlan`` and what every layout shares);
 * :mod:`~lightning_fastdata.store.hf`: the Hugging Face ``datasets`` adapter of ``convert_dataset``;
 * :mod:`~lightning_fastdata.store.encode`: the per-image options and encoding, in worker processes;
 * :mod:`~lightning_fastdata.store.writer`: the LMDB writer of a conversion;
@@ -17,11 +19,13 @@ One module per concern, in the order a sample travels:
 * :mod:`~lightning_fastdata.store.jpeg`: the walk over a JPEG's markers by which the reader holds a record's decode
   to its budget;
 * :mod:`~lightning_fastdata.store.targets`: the target kinds (class, multi-label, float, none): their typed arrays,
-  written and read back, and how a list file's or a dataset's labels are read;
+  written and read back;
+* :mod:`~lightning_fastdata.store.labels`: a list file's or a dataset's labels read, and their kind inferred;
 * :mod:`~lightning_fastdata.store.remote`: databases at a URL: publishing one to a bucket, and staging it once per
   node into the cache folder (a package: URLs, errors, the marker, replies, fetch, staging, publishing);
 * :mod:`~lightning_fastdata.store.cache`: the cache folder, the database a source converts into there, and the
-  conversions' upkeep (list, last use, remove, prune).
+  conversions' upkeep (list, last use, remove, prune), built on :mod:`~lightning_fastdata.store.cachedir` (the
+  folder, its slots, the use files) and :mod:`~lightning_fastdata.store.inventory` (what the folder holds).
 
 Nothing is imported here: ``lightning-fastdata --help`` imports neither torch nor Lightning, and only ``reader``
 imports torch.

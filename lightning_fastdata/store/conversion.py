@@ -21,6 +21,7 @@ from lightning_fastdata.store.cache import converted_path, record_elsewhere
 from lightning_fastdata.store.encode import Encoding, check_options
 from lightning_fastdata.store.format import default_cache_dir
 from lightning_fastdata.store.hf import DatasetRows, dataset_classes, dataset_targets
+from lightning_fastdata.store.labels import LABEL_SEPARATOR
 from lightning_fastdata.store.sources import (
     LIST_EXTENSIONS,
     ConversionPlan,
@@ -31,7 +32,7 @@ from lightning_fastdata.store.sources import (
     warn_split_typos,
 )
 from lightning_fastdata.store.summary import ConversionSummary, SkippedFile
-from lightning_fastdata.store.targets import LABEL_SEPARATOR, TargetKind
+from lightning_fastdata.store.targets import TargetKind
 from lightning_fastdata.store.writer import INITIAL_MAP_SIZE, write_database
 
 __all__ = ["ConversionSummary", "SkippedFile", "convert", "convert_dataset"]
@@ -132,7 +133,7 @@ def convert(  # noqa: D417 - the shared options are documented in _OPTIONS_DOC
         SourceLayoutError: ``src`` is missing, empty, or not laid out as an image folder or a list file (including a
             single class folder whose images lie in two or more sub-folders: classes nested one level too deep), or
             its labels are ambiguous without ``targets``
-            (:class:`~lightning_fastdata.store.targets.AmbiguousTargetsError`).
+            (:class:`~lightning_fastdata.store.labels.AmbiguousTargetsError`).
         DestinationError: ``dst`` holds other data, or (without ``force``) a database of another source, or a file
             stands where one of its parent folders must go.
         ReadOnlyDestinationError: the folder of ``dst`` is read-only and ``dst`` is not an up-to-date database.

@@ -28,12 +28,13 @@ from lightning_fastdata._cv import cv2
 from lightning_fastdata._files import FileTooLargeError, NotRegularFileError, read_regular
 from lightning_fastdata.cpus import usable_cpu_count
 from lightning_fastdata.store.format import ENCODING_JPEG, ENCODING_RAW, MAX_SIDE
-from lightning_fastdata.store.sources import MAX_SOURCE_BYTES, not_an_image_reason, too_large_reason
+from lightning_fastdata.store.labels import kind_of_value
+from lightning_fastdata.store.plan import MAX_SOURCE_BYTES, not_an_image_reason, too_large_reason
 from lightning_fastdata.store.summary import image_error_reason
-from lightning_fastdata.store.targets import MIXED_KINDS, TargetSpec, check_target, kind_of_value
+from lightning_fastdata.store.targets import MIXED_KINDS, TargetSpec, check_target
 
 if TYPE_CHECKING:
-    from lightning_fastdata.store.sources import Task
+    from lightning_fastdata.store.plan import Task
 
 
 class _Skip(Exception):

@@ -11,7 +11,8 @@ from typing import Any
 
 from lightning_fastdata._files import read_regular
 from lightning_fastdata.errors import SourceLayoutError
-from lightning_fastdata.store.targets import KINDS, MAX_DIM, AmbiguousTargetsError, TargetSpec, _as_items, kind_of_value
+from lightning_fastdata.store.labels import AmbiguousTargetsError, kind_of_value
+from lightning_fastdata.store.targets import KINDS, MAX_DIM, TargetSpec, _as_items
 
 
 class DatasetRows:
@@ -71,7 +72,7 @@ def dataset_targets(kind: str | None, dataset: Any, rows: DatasetRows, label_col
 
     A Hugging Face label feature decides first: ``ClassLabel`` is ``class``, ``Sequence(ClassLabel)`` ``multilabel``,
     ``Value("float*")`` ``float`` (one value), a ``Sequence`` of float values of a fixed length ``float`` (that many).
-    Otherwise the first sample's target: see :func:`~lightning_fastdata.store.targets.kind_of_value`. A ``float``
+    Otherwise the first sample's target: see :func:`~lightning_fastdata.store.labels.kind_of_value`. A ``float``
     target has as many values as the first sample's.
 
     Raises:

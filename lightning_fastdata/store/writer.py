@@ -44,6 +44,7 @@ from lightning_fastdata.store.format import (
     record_key,
     sources_key,
 )
+from lightning_fastdata.store.labels import AmbiguousTargetsError
 from lightning_fastdata.store.leftovers import report_stale
 from lightning_fastdata.store.ondisk import (
     READ_ONLY,
@@ -58,9 +59,9 @@ from lightning_fastdata.store.ondisk import (
     unwritable_error,
     write_own,
 )
-from lightning_fastdata.store.sources import ConversionPlan
+from lightning_fastdata.store.plan import ConversionPlan
 from lightning_fastdata.store.summary import ConversionSummary, SkippedFile, human_bytes
-from lightning_fastdata.store.targets import MAX_DIM, MIXED_KINDS, AmbiguousTargetsError, TargetColumn
+from lightning_fastdata.store.targets import MAX_DIM, MIXED_KINDS, TargetColumn
 
 log = logging.getLogger(__name__)
 
