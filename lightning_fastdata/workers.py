@@ -148,11 +148,10 @@ class WorkerChoice:
 
         ``output()`` says what the batch reader gives (asked only for ``"auto"``).
 
-        ``"auto"`` follows what issue 18 measured on an H100 node with 16 cores: worker processes fed resnet18 at 8,901
-        samples/s against the threads' 5,853, and resnet50 on 4 cores at 3,426 against 3,225, while the threads'
-        kernel launches queued behind the loader threads (step p90 71 ms against a p50 of 23 ms). Below 4 workers,
-        and for CPU training, threads: no worker start-up, no shared memory for batch slots, and on a CPU worker
-        processes only match them (``benchmarks/bench_engines.py``, 2 CPUs).
+        ``"auto"`` takes worker processes for CUDA training: on a GPU node they fed the GPU faster than threads, whose
+        work delayed the training loop's kernel launches. Below 4 workers, and for CPU training, threads: no worker
+        start-up, no shared memory for batch slots, and on a CPU worker processes only match them
+        (measured: docs/benchmarks.md#engine-auto-worker-processes-for-cuda-training-from-4-workers).
         """
         if plan.engine != "auto":
             return plan.engine

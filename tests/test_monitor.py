@@ -52,8 +52,9 @@ _SUMMARY = {"verdict": "input-bound", "wait_p50_ms": 10.0, "wait_p90_ms": 12.0, 
 #: the callback and ``monitor.timing`` read the clock as ``time.perf_counter`` (and record ``torch.cuda.Event``s)
 PERF_COUNTER = "time.perf_counter"
 CUDA_EVENT = "torch.cuda.Event"
-#: what the callback looks up in its own module, so patched there
+#: what the callback and its utilization meters look up in their own modules, so patched there
 CALLBACK = "lightning_fastdata.monitor.callback"
+USAGE = "lightning_fastdata.monitor.usage"
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*does not have many workers:UserWarning")
 
@@ -818,15 +819,15 @@ def test_cuda_wait_and_step_come_from_completed_events_without_waiting_for_the_g
     )
     with (
         patch("lightning_fastdata.cpus.CpuMeter"),
-        patch(f"{CALLBACK}.nvml_handles", return_value=(nvml, ["gpu0"])) as handles,
+        patch(f"{USAGE}.nvml_handles", return_value=(nvml, ["gpu0"])) as handles,
         patch(PERF_COUNTER, side_effect=clock),
         patch(CUDA_EVENT, cuda.Event),
     ):
         monitor.on_train_start(trainer, module)
         handles.assert_called_once_with(0)
         assert monitor._cuda
-        assert monitor._gpu is not None
-        monitor._gpu.sample()  # at least one sample before the first interval, whatever the thread does
+        assert monitor._usage.gpu is not None
+        monitor._usage.gpu.sample()  # at least one sample before the first interval, whatever the thread does
         monitor.on_train_epoch_start(trainer, module)
         previous_end = 0.0
         for index, (host_wait, gpu_wait, host_step, gpu_step) in enumerate(batches):
@@ -876,7 +877,7 @@ def test_cuda_wait_and_step_come_from_completed_events_without_waiting_for_the_g
             }
         )
     ]
-    assert not monitor._gpu._thread.is_alive()
+    assert not monitor._usage.gpu._thread.is_alive()
 
 
 class _BusyGpuModel(_TinyModel):
@@ -943,14 +944,14 @@ def test_cpu_training_says_nothing_of_gpus_and_starts_no_sampler():
     monitor = LoaderMonitor()
     with (
         patch(f"{CALLBACK}.rank_zero_info") as info,
-        patch(f"{CALLBACK}.nvml_handles") as handles,
-        patch(f"{CALLBACK}.GpuSampler") as sampler,
+        patch(f"{USAGE}.nvml_handles") as handles,
+        patch(f"{USAGE}.GpuSampler") as sampler,
     ):
         monitor.on_train_start(_mock_trainer(), _cpu_module())
     info.assert_not_called()
     handles.assert_not_called()
     sampler.assert_not_called()
-    assert monitor._gpu is None
+    assert monitor._usage.gpu is None
     assert not monitor._cuda
 
 
@@ -959,13 +960,13 @@ def test_cuda_without_nvml_logs_the_reason():
     monitor = LoaderMonitor()
     with (
         patch(f"{CALLBACK}.rank_zero_info") as info,
-        patch(f"{CALLBACK}.nvml_handles", return_value="NVML is not usable here (test)"),
+        patch(f"{USAGE}.nvml_handles", return_value="NVML is not usable here (test)"),
         patch("lightning_fastdata.cpus.CpuMeter"),
     ):
         monitor.on_train_start(_mock_trainer(), Mock(device=torch.device("cuda", 1)))
     info.assert_called_once_with("LoaderMonitor: GPU utilization is not logged: NVML is not usable here (test).")
     assert monitor._cuda
-    assert monitor._gpu is None
+    assert monitor._usage.gpu is None
 
 
 def test_teardown_stops_the_nvml_thread_and_restores_the_profiler():
@@ -973,15 +974,15 @@ def test_teardown_stops_the_nvml_thread_and_restores_the_profiler():
     monitor, trainer = LoaderMonitor(gpu_poll_interval=0.01), _mock_trainer()
     nvml = _fake_nvml({"gpu0": 50.0}, {"gpu0": 2**30})
     with (
-        patch(f"{CALLBACK}.nvml_handles", return_value=(nvml, ["gpu0"])),
+        patch(f"{USAGE}.nvml_handles", return_value=(nvml, ["gpu0"])),
         patch("lightning_fastdata.cpus.CpuMeter"),
     ):
         monitor.on_train_start(trainer, Mock(device=torch.device("cuda", 0)))
-    assert monitor._gpu is not None
-    assert monitor._gpu._thread.is_alive()
+    assert monitor._usage.gpu is not None
+    assert monitor._usage.gpu._thread.is_alive()
     assert "start" in vars(trainer.profiler)
     monitor.teardown(trainer, Mock(), "fit")
-    assert not monitor._gpu._thread.is_alive()
+    assert not monitor._usage.gpu._thread.is_alive()
     assert "start" not in vars(trainer.profiler)
 
 
@@ -1334,13 +1335,13 @@ def test_nvml_thread_stops_when_the_fit_raises():
     monitor, profiler = LoaderMonitor(gpu_poll_interval=0.01), PassThroughProfiler()
     nvml = _fake_nvml({"gpu0": 50.0}, {"gpu0": 2**30})
     with (
-        patch(f"{CALLBACK}.nvml_handles", return_value=(nvml, ["gpu0"])),
+        patch(f"{USAGE}.nvml_handles", return_value=(nvml, ["gpu0"])),
         patch(CUDA_EVENT, _FakeCuda().Event),
         pytest.raises(RuntimeError, match="step failed"),
     ):
         _fit(monitor, _in_memory(4), _FailingCudaModel(), profiler=profiler)
-    assert monitor._gpu is not None
-    assert not monitor._gpu._thread.is_alive()
+    assert monitor._usage.gpu is not None
+    assert not monitor._usage.gpu._thread.is_alive()
     assert "start" not in vars(profiler)  # the profiler has its own methods back
 
 

@@ -22,7 +22,8 @@ from torch.utils.data import DataLoader, DistributedSampler, Subset, TensorDatas
 
 from lightning_fastdata import FastImageDataModule, InvalidArgumentError, PredictionWriter, SampleError
 from lightning_fastdata.cli import lightning_cli, main
-from lightning_fastdata.prediction import _agree, _per_sample
+from lightning_fastdata.prediction_parts import agree
+from lightning_fastdata.prediction_rows import per_sample
 
 SCRIPT = Path(__file__).with_name("prediction_script.py")
 
@@ -144,14 +145,14 @@ def test_a_plain_subset_gets_the_index_of_the_sample_it_views(tmp_path: Path) ->
 def test_what_a_batch_output_means() -> None:
     """Logits need as many columns as classes; class indices an int vector; anything else is raw, or an error."""
     classes = ["a", "b", "c"]
-    assert _per_sample(torch.tensor([[0.0, 2.0, 1.0], [3.0, 0.0, 1.0]]), 2, classes) == (b"c", [1, 0])
-    assert _per_sample(torch.tensor([2, 0]), 2, classes) == (b"c", [2, 0])
-    assert _per_sample(torch.tensor([[0.0, 2.0], [3.0, 0.0]]), 2, classes) == (b"r", [[0.0, 2.0], [3.0, 0.0]])
-    assert _per_sample(torch.tensor([[0.0, 2.0, 1.0]]), 1, None) == (b"r", [[0.0, 2.0, 1.0]])  # no classes known
-    assert _per_sample(torch.tensor([0.5, float("nan")]), 2, classes) == (b"r", [0.5, None])
-    assert _per_sample(["x", "y"], 2, classes) == (b"r", ["x", "y"])
+    assert per_sample(torch.tensor([[0.0, 2.0, 1.0], [3.0, 0.0, 1.0]]), 2, classes) == (b"c", [1, 0])
+    assert per_sample(torch.tensor([2, 0]), 2, classes) == (b"c", [2, 0])
+    assert per_sample(torch.tensor([[0.0, 2.0], [3.0, 0.0]]), 2, classes) == (b"r", [[0.0, 2.0], [3.0, 0.0]])
+    assert per_sample(torch.tensor([[0.0, 2.0, 1.0]]), 1, None) == (b"r", [[0.0, 2.0, 1.0]])  # no classes known
+    assert per_sample(torch.tensor([0.5, float("nan")]), 2, classes) == (b"r", [0.5, None])
+    assert per_sample(["x", "y"], 2, classes) == (b"r", ["x", "y"])
     with pytest.raises(InvalidArgumentError, match=r"cannot split .*\(Tensor of shape \(3,\)\) into the batch's 2"):
-        _per_sample(torch.tensor([1.0, 2.0, 3.0]), 2, classes)
+        per_sample(torch.tensor([1.0, 2.0, 3.0]), 2, classes)
 
 
 def test_arguments_are_checked(tmp_path: Path) -> None:
@@ -221,7 +222,7 @@ def test_merge_keeps_each_sample_once_in_order(tmp_path: Path) -> None:
     _write_rows(writer, rank0, rank1)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the padding repeat is no error and no warning: every sample is there
-        assert writer._merge(2, samples=7) == 7
+        assert writer._parts.merge(2, writer._rows, samples=7) == 7
     rows = _jsonl(tmp_path / "p.jsonl")
     assert rows == [
         {"index": 0, "label": 1},
@@ -254,11 +255,11 @@ def test_repeats_that_disagree_are_refused_and_the_parts_kept(
     Nothing is written and the parts stay, as for missing samples. Before, the second was dropped silently."""
     out = tmp_path / "p.csv"
     writer = PredictionWriter(str(out))
-    writer._sources = ["a.jpg", "b.jpg", "c.jpg"]
+    writer._rows.sources = ["a.jpg", "b.jpg", "c.jpg"]
     _write_rows(writer, [(0, b"c", 0), (2, *first)], [(1, b"c", 1), (2, *again)])
     match = rf"^sample 2, 'c.jpg', was predicted twice with different results: {shown}\. .*part files are kept"
     with pytest.raises(SampleError, match=match):
-        writer._merge(2, samples=3)
+        writer._parts.merge(2, writer._rows, samples=3)
     assert not out.exists()
     assert _leftovers(tmp_path) == [".p.csv.rank0.part", ".p.csv.rank1.part"]
 
@@ -266,16 +267,16 @@ def test_repeats_that_disagree_are_refused_and_the_parts_kept(
 def test_repeats_within_float_noise_agree(tmp_path: Path) -> None:
     """A padded sample predicted again in another batch may differ by float noise (a GPU's other summation order,
     TF32, bf16-mixed): within two steps of bfloat16 of the prediction's largest value it is the same prediction."""
-    assert _agree([8.0, 0.01, -3.0], [8.0 + 8 * 2**-7, 0.01 + 0.1, -3.0])  # one bf16 step at 8, noise near 0
-    assert not _agree([8.0, 0.01, -3.0], [8.0, 0.01 + 0.2, -3.0])
-    assert _agree({"p": [1e-6]}, {"p": [1.01e-6]})  # relative to the values' own scale
-    assert not _agree({"p": [1e-6]}, {"p": [2e-6]})
-    assert _agree([None, 1], [None, 1])  # a NaN is written as None; integers must be equal
-    assert not _agree([2, 1], [1, 1])
-    assert not _agree([1.0, 2.0], [1.0, 2.0, 3.0])
+    assert agree([8.0, 0.01, -3.0], [8.0 + 8 * 2**-7, 0.01 + 0.1, -3.0])  # one bf16 step at 8, noise near 0
+    assert not agree([8.0, 0.01, -3.0], [8.0, 0.01 + 0.2, -3.0])
+    assert agree({"p": [1e-6]}, {"p": [1.01e-6]})  # relative to the values' own scale
+    assert not agree({"p": [1e-6]}, {"p": [2e-6]})
+    assert agree([None, 1], [None, 1])  # a NaN is written as None; integers must be equal
+    assert not agree([2, 1], [1, 1])
+    assert not agree([1.0, 2.0], [1.0, 2.0, 3.0])
     writer = PredictionWriter(str(tmp_path / "p.jsonl"))
     _write_rows(writer, [(0, b"v", [8.0, 1.0]), (1, b"v", [2.0, 2.0])], [(2, b"v", [0.5, 0.5]), (0, b"v", [8.03, 1.0])])
-    assert writer._merge(2, samples=3) == 3
+    assert writer._parts.merge(2, writer._rows, samples=3) == 3
     assert _jsonl(tmp_path / "p.jsonl")[0] == {"index": 0, "value": [8.0, 1.0]}  # the first row is kept
 
 
@@ -286,11 +287,11 @@ def test_more_repeats_than_the_padding_warn(tmp_path: Path) -> None:
     _write_rows(writer, [(i, b"c", i % 3) for i in range(5)], [(i, b"c", i % 3) for i in range(5)])
     with pytest.warns(UserWarning, match=r"5 prediction rows repeat samples already predicted, more than the 1 repeats"
                       r" `DistributedSampler` pads 2 processes with for 5 samples.*`num_replicas=1`"):  # fmt: skip
-        assert writer._merge(2, samples=5) == 5
+        assert writer._parts.merge(2, writer._rows, samples=5) == 5
     assert [row["index"] for row in _jsonl(tmp_path / "p.jsonl")] == [0, 1, 2, 3, 4]
     _write_rows(writer, [(0, b"c", 0), (1, b"c", 1), (0, b"c", 0)])  # one process: no padding at all
     with pytest.warns(UserWarning, match=r"1 prediction row repeats a sample already predicted, more than the 0"):
-        writer._merge(1, samples=2)
+        writer._parts.merge(1, writer._rows, samples=2)
 
 
 @pytest.mark.parametrize(
@@ -348,12 +349,12 @@ def test_a_merge_missing_samples_raises_and_keeps_the_parts(tmp_path: Path) -> N
         r" was not written; the part files are kept: .*\.p\.csv\.rank0\.part.*`drop_last=True`"
     )
     with pytest.raises(RuntimeError, match=match):
-        writer._merge(2, samples=8)
+        writer._parts.merge(2, writer._rows, samples=8)
     assert out.read_text() == "an earlier run's file\n"
     assert _leftovers(tmp_path) == [".p.csv.rank0.part", ".p.csv.rank1.part"]
     _write_parts(writer, [0, 1, 2, 3], [4, 5, 6, 7, 9])
     with pytest.raises(RuntimeError, match=r"name an index beyond the split's 8 samples \(indices \[9\]\)"):
-        writer._merge(2, samples=8)
+        writer._parts.merge(2, writer._rows, samples=8)
 
 
 def _predict_loader(loader: DataLoader, out: Path, **options: Any) -> None:
@@ -385,7 +386,7 @@ def test_a_missing_part_names_shared_storage(tmp_path: Path) -> None:
     writer = PredictionWriter(str(tmp_path / "p.csv"))
     writer.part_path(0).write_bytes(b"0\tc\t1\n")
     with pytest.raises(FileNotFoundError, match=r"\.p\.csv\.rank1\.part.*must be on storage that every node shares"):
-        writer._merge(2)
+        writer._parts.merge(2, writer._rows)
     assert not (tmp_path / "p.csv").exists()
 
 
@@ -555,10 +556,10 @@ def test_float_outputs_are_written_as_values(kind_databases: dict[str, Path], tm
 def test_a_float_output_under_its_names_and_the_threshold_checked(tmp_path: Path) -> None:
     """Named float values get a column each; one value a sample is a number; ``threshold`` must be in [0, 1]."""
     writer = PredictionWriter(str(tmp_path / "p.jsonl"))
-    writer._kind, writer._dim, writer._names = "float", 2, ["x", "y"]
-    kind, values = _per_sample(torch.tensor([[1.0, 2.0], [3.0, 4.0]]), 2, None, writer._target())
-    assert writer._row(0, kind, values[1]) == {"index": 0, "x": 3.0, "y": 4.0}
-    assert _per_sample(torch.tensor([0.5, 1.5]), 2, None, ("float", 1, 0.5)) == (b"v", [0.5, 1.5])
-    assert _per_sample(torch.tensor([[0.0, 2.0, -1.0]]), 1, ["a", "b", "c"], ("multilabel", 0, 0.5)) == (b"m", [[1]])
+    writer._kind, writer._dim, writer._rows.names = "float", 2, ["x", "y"]
+    kind, values = per_sample(torch.tensor([[1.0, 2.0], [3.0, 4.0]]), 2, None, writer._target())
+    assert writer._rows.row(0, kind, values[1]) == {"index": 0, "x": 3.0, "y": 4.0}
+    assert per_sample(torch.tensor([0.5, 1.5]), 2, None, ("float", 1, 0.5)) == (b"v", [0.5, 1.5])
+    assert per_sample(torch.tensor([[0.0, 2.0, -1.0]]), 1, ["a", "b", "c"], ("multilabel", 0, 0.5)) == (b"m", [[1]])
     with pytest.raises(InvalidArgumentError, match=r"`threshold` must be in \[0, 1\]"):
         PredictionWriter(str(tmp_path / "p.csv"), threshold=1.5)

@@ -1,8 +1,9 @@
 """``LoaderMonitor``: the Lightning hooks that time every batch, log the metrics and report the verdict.
 
-The callback keeps the per-step series and wires the concerns that live beside it: ``timing`` (fetch, transfer and
-step from the profiler's actions, CUDA events), ``gpu`` (NVML), ``verdict`` (the arithmetic and the advice) and
-``report`` (the epoch line, the table, the JSON and the chart).
+The callback wires the concerns that live beside it: ``timing`` (fetch, transfer and step from the profiler's
+actions, CUDA events), ``series`` (the per-step series and the means logged from them), ``usage`` (GPU and CPU
+utilization, with ``gpu``'s NVML sampler), ``verdict`` (the arithmetic and the advice) and ``report`` (the epoch line,
+the table, the JSON and the chart).
 """
 
 from __future__ import annotations
@@ -10,23 +11,21 @@ from __future__ import annotations
 import math
 import os
 import time
-from array import array
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ProgressBar, TQDMProgressBar
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_fastdata import cpus
-from lightning_fastdata.monitor.gpu import GpuSampler, nvml_handles
 from lightning_fastdata.monitor.report import epoch_line, format_table, write_report
+from lightning_fastdata.monitor.series import StepSeries
 from lightning_fastdata.monitor.timing import LoopTimer
-from lightning_fastdata.monitor.verdict import advise, data_fraction, judge_slowest_rank, summarize
+from lightning_fastdata.monitor.usage import UsageMeters
+from lightning_fastdata.monitor.verdict import advise, judge_slowest_rank, summarize
 
 
 class LoaderMonitor(Callback):
@@ -124,27 +123,17 @@ class LoaderMonitor(Callback):
         self._reset()
 
     def _reset(self) -> None:
-        # per-step series (8 bytes per value): compact enough for millions of steps
-        self.wait_ms = array("d")
-        self.step_ms = array("d")
-        self.samples = array("l")
-        self.epochs = array("l")
-        self.warmup = array("b")
-        self.gpu_util = array("d")
-        self.cpu_util = array("d")
+        self._series = series = StepSeries(self.warmup_epochs, self.warmup_steps)
+        self._usage = usage = UsageMeters(self.gpu_poll_interval)
+        # their arrays, public here too (the same arrays: `StepSeries` and `UsageMeters` append, never rebind)
+        self.wait_ms, self.step_ms, self.samples = series.wait_ms, series.step_ms, series.samples
+        self.epochs, self.warmup = series.epochs, series.warmup
+        self.gpu_util, self.cpu_util = usage.gpu_util, usage.cpu_util
         self._timer.reset()
         self._start: float | None = None
         self._step_at_start = 0
         self._cuda = False
-        self._interval_start: float | None = None
-        self._interval_first = 0  # the first batch of the logging interval (for throughput)
-        self._timed_first = 0  # the first batch whose times are not logged yet (on CUDA they are final later)
-        self._gpu: GpuSampler | None = None
-        self._cpu: cpus.CpuMeter | None = None
-        self._val_wait = array("d")
-        self._val_step = array("d")
         self._val_start: float | None = None
-        self._epoch_first = 0
         self.summary: dict[str, Any] = {}
 
     # ------------------------------------------------------------------------------------------------------------
@@ -156,25 +145,16 @@ class LoaderMonitor(Callback):
         self._reset()
         device = pl_module.device
         self._cuda = device.type == "cuda"
-        self._cpu = cpus.CpuMeter()
+        unmeasured = self._usage.start(device)
+        if unmeasured is not None:
+            self._say(trainer, f"LoaderMonitor: GPU utilization is not logged: {unmeasured}.")
         self._timer.watch(getattr(trainer, "profiler", None), cuda=self._cuda)
-        if self._cuda:
-            found = nvml_handles(device.index if device.index is not None else torch.cuda.current_device())
-            if isinstance(found, str):
-                self._say(trainer, f"LoaderMonitor: GPU utilization is not logged: {found}.")
-            else:
-                nvml, handles = found
-                self._gpu = GpuSampler(nvml, handles, self.gpu_poll_interval)
-                self._gpu.start()
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._stop()
-        self._read_gpu_times(synchronize=True)
-        if self._cpu is not None and not self.cpu_util:  # a fit shorter than `log_every_n_steps`: its whole span
-            cpu = self._cpu.take()
-            if cpu is not None:
-                self.cpu_util.append(cpu / 100.0)
+        self._series.read_gpu_times(self._timer, synchronize=True)
+        self._usage.finish()
         self.summary = summary = summarize(
             wait_ms=self.wait_ms,
             step_ms=self.step_ms,
@@ -185,7 +165,7 @@ class LoaderMonitor(Callback):
         )
         if summary["verdict"] is not None:
             summary["advice"] = self._advise(trainer)
-        summary["ranks"] = ranks = self._gather_ranks(trainer, pl_module)
+        summary["ranks"] = ranks = _gather_ranks(trainer, pl_module.device, summary)
         judged = judge_slowest_rank(ranks) if len(ranks) > 1 and summary["verdict"] is not None else None
         if judged is not None:  # the rank every other rank waits for at the gradient sync
             summary.update(judged)
@@ -214,8 +194,7 @@ class LoaderMonitor(Callback):
 
     def _stop(self) -> None:
         """Stop the NVML thread and give the profiler its own methods back (both idempotent)."""
-        if self._gpu is not None:
-            self._gpu.stop()
+        self._usage.stop()
         self._timer.unwatch()
 
     # ------------------------------------------------------------------------------------------------------------
@@ -224,9 +203,7 @@ class LoaderMonitor(Callback):
 
     @override
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._epoch_first = len(self.wait_ms)
-        if self._interval_start is None:
-            self._interval_start = time.perf_counter()
+        self._series.start_epoch()
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
@@ -237,21 +214,14 @@ class LoaderMonitor(Callback):
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        index = len(self.step_ms)
         wait, step = self._timer.take("train", "wait"), self._timer.take("train", "step")
         if wait is None:
             self._warn_no_fetch()
-        self.wait_ms.append(wait or 0.0)
         if step is None:
             step = 1000.0 * (time.perf_counter() - self._start) if self._start is not None else 0.0
-        self.step_ms.append(step)
-        self._timer.queue_events(index)  # on CUDA its GPU times replace the host times once its events completed
         size = self.batch_size_fn(batch) if self.batch_size_fn is not None else _batch_size(batch)
-        self.samples.append(int(size))
-        self.epochs.append(trainer.current_epoch)
-        # counted from this fit's first epoch, not epoch 0: a fit resumed from a checkpoint starts cold too
-        warm = trainer.current_epoch - self.epochs[0] < self.warmup_epochs or index < self.warmup_steps
-        self.warmup.append(1 if warm else 0)
+        index = self._series.add(wait or 0.0, step, int(size), trainer.current_epoch)
+        self._timer.queue_events(index)  # on CUDA its GPU times replace the host times once its events completed
         # Lightning writes the model's step metrics after this hook when (batches that stepped before this one + 1)
         # is a multiple of `log_every_n_steps`: logged through the module, these go in that write, at its step. With
         # automatic optimization those batches are the optimizer steps, and with gradient accumulation the interval
@@ -273,46 +243,11 @@ class LoaderMonitor(Callback):
                 " differently), so its data wait is recorded as 0 and the verdict can be too optimistic."
             )
 
-    def _read_gpu_times(self, synchronize: bool = False) -> None:
-        """Replace the host times of CUDA batches by their GPU times, for the batches whose events have completed.
-
-        The host never waits for the GPU here except with ``synchronize`` (at the end of an epoch and of fit).
-        """
-        for index, wait, step in self._timer.read_events(synchronize):
-            if wait is not None:
-                self.wait_ms[index] = wait
-            self.step_ms[index] = step
-
     def _log_interval(self, pl_module: LightningModule) -> None:
-        self._read_gpu_times()
-        now = time.perf_counter()
-        first, last = self._interval_first, len(self.step_ms)
-        self._interval_first = last
-        elapsed = now - (self._interval_start if self._interval_start is not None else now)
-        self._interval_start = now
-        metrics: dict[str, float] = {}
+        self._series.read_gpu_times(self._timer)
         # wait and step of the batches timed since the last log: on CUDA those whose GPU work has completed
-        unread = self._timer.first_unread()
-        timed_first, timed_last = self._timed_first, len(self.step_ms) if unread is None else unread
-        if timed_last > timed_first:
-            self._timed_first = timed_last
-            wait = float(np.mean(self.wait_ms[timed_first:timed_last]))
-            step = float(np.mean(self.step_ms[timed_first:timed_last]))
-            metrics["loader/data_wait_ms"] = wait
-            metrics["loader/step_ms"] = step
-            metrics["loader/data_fraction"] = wait / (wait + step) if wait + step > 0 else 0.0
-        if elapsed > 0:
-            metrics["loader/samples_per_sec"] = sum(self.samples[first:last]) / elapsed
-        if self._gpu is not None:
-            gpu = self._gpu.take()
-            if gpu is not None:
-                metrics["loader/gpu_util"], metrics["loader/gpu_mem_gb"] = gpu[0] / 100.0, gpu[1]
-                self.gpu_util.append(gpu[0] / 100.0)
-        if self._cpu is not None:
-            cpu = self._cpu.take()
-            if cpu is not None:
-                metrics["loader/cpu_util"] = cpu / 100.0
-                self.cpu_util.append(cpu / 100.0)
+        metrics = self._series.interval_metrics(self._timer.first_unread())
+        metrics.update(self._usage.take())
         if metrics:
             # CPU tensors: a Python number is copied to the module's device (on CUDA a blocking copy, which waits for
             # every queued kernel), and read back when the logger writes it
@@ -321,21 +256,13 @@ class LoaderMonitor(Callback):
 
     @override
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._read_gpu_times(synchronize=True)
-        first = self._epoch_first
-        if len(self.step_ms) == first:
+        self._series.read_gpu_times(self._timer, synchronize=True)
+        wait, step = self._series.epoch_times()
+        if not step:
             return
-        wait, step = self.wait_ms[first:], self.step_ms[first:]
         self._say(trainer, epoch_line(trainer.current_epoch, wait, step, warmup=bool(self.warmup[-1])))
         # the epoch's figures, which reach the logger also when the epoch is shorter than `log_every_n_steps`
-        total_wait, total_step = float(np.sum(wait)), float(np.sum(step))
-        metrics = {
-            "loader/data_wait_ms_epoch": total_wait / len(wait),
-            "loader/step_ms_epoch": total_step / len(step),
-            "loader/data_fraction_epoch": data_fraction(total_wait, total_step),
-            "loader/samples_per_sec_epoch": sum(self.samples[first:]) / max(1e-9, (total_wait + total_step) / 1000.0),
-        }
-        pl_module.log_dict(metrics, on_step=False, on_epoch=True, sync_dist=True)
+        pl_module.log_dict(self._series.epoch_metrics(), on_step=False, on_epoch=True, sync_dist=True)
 
     # ------------------------------------------------------------------------------------------------------------
     # Validation batches
@@ -343,7 +270,7 @@ class LoaderMonitor(Callback):
 
     @override
     def on_validation_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._val_wait, self._val_step = array("d"), array("d")
+        self._series.start_validation()
 
     @override
     def on_validation_batch_start(
@@ -363,18 +290,14 @@ class LoaderMonitor(Callback):
     ) -> None:
         if self._val_start is not None and self._timer.watching and not trainer.sanity_checking:
             wait, step = self._timer.take("val", "wait"), self._timer.take("val", "step")
-            self._val_wait.append(wait or 0.0)
-            self._val_step.append(step if step is not None else 1000.0 * (time.perf_counter() - self._val_start))
+            step = step if step is not None else 1000.0 * (time.perf_counter() - self._val_start)
+            self._series.add_validation(wait or 0.0, step)
 
     @override
     def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if trainer.sanity_checking or not self._val_step:
-            return
-        metrics = {
-            "loader/val_data_wait_ms": float(np.mean(self._val_wait)),
-            "loader/val_step_ms": float(np.mean(self._val_step)),
-        }
-        pl_module.log_dict(metrics, on_step=False, on_epoch=True, sync_dist=True)
+        metrics = None if trainer.sanity_checking else self._series.validation_metrics()
+        if metrics is not None:
+            pl_module.log_dict(metrics, on_step=False, on_epoch=True, sync_dist=True)
 
     # ------------------------------------------------------------------------------------------------------------
     # End of fit: advice, the DDP gather, the table
@@ -382,21 +305,6 @@ class LoaderMonitor(Callback):
 
     def _advise(self, trainer: Trainer) -> list[str]:
         return advise(trainer, self.summary, cuda=self._cuda, epochs=self.epochs, wait_ms=self.wait_ms)
-
-    def _gather_ranks(self, trainer: Trainer, pl_module: LightningModule) -> list[dict[str, Any]]:
-        """Every rank's mean wait and step (a collective under DDP: all ranks call it in ``on_train_end``)."""
-        mine = torch.tensor(
-            [self.summary.get("wait_mean_ms", math.nan), self.summary.get("step_mean_ms", math.nan)],
-            dtype=torch.float64,
-        )
-        if trainer.world_size > 1:
-            gathered = trainer.strategy.all_gather(mine.to(pl_module.device)).reshape(-1, 2).cpu()
-        else:
-            gathered = mine.reshape(1, 2)
-        return [
-            {"rank": r, "wait_mean_ms": _finite(float(w)), "step_mean_ms": _finite(float(s))}
-            for r, (w, s) in enumerate(gathered)
-        ]
 
     def format_table(self) -> str:
         """The end-of-fit summary as a table."""
@@ -451,6 +359,21 @@ def _bar_prints(bar: ProgressBar) -> bool:
         except TypeError:  # that bar is not made yet
             continue
     return False
+
+
+def _gather_ranks(trainer: Trainer, device: torch.device, summary: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every rank's mean wait and step (a collective under DDP: all ranks call it in ``on_train_end``)."""
+    mine = torch.tensor(
+        [summary.get("wait_mean_ms", math.nan), summary.get("step_mean_ms", math.nan)], dtype=torch.float64
+    )
+    if trainer.world_size > 1:
+        gathered = trainer.strategy.all_gather(mine.to(device)).reshape(-1, 2).cpu()
+    else:
+        gathered = mine.reshape(1, 2)
+    return [
+        {"rank": r, "wait_mean_ms": _finite(float(w)), "step_mean_ms": _finite(float(s))}
+        for r, (w, s) in enumerate(gathered)
+    ]
 
 
 def _finite(value: float) -> float | None:

@@ -75,14 +75,13 @@ __all__ = [
     "staged_path",
 ]
 
-#: bytes per ranged read. From rclone's S3 server on 2 cores (benchmarks/bench_staging.py, 200 MiB, 4 reads in
-#: flight): 32 MiB ranges staged 719 MiB/s, 16 MiB 715, 64 MiB 489, 8 MiB (8 in flight) 521. Moto's server reads
-#: the whole object for every ranged GET, so there fewer, larger ranges win; a real store serves each independently.
-#: A resumed staging refetches at most one range per reader; the ranges in flight are held in memory.
+#: bytes per ranged read: the size that staged fastest from a store that serves each range on its own
+#: (measured: docs/benchmarks.md#remote-staging-32-mib-ranges). A resumed staging refetches at most one range per
+#: reader; the ranges in flight are held in memory.
 RANGE_SIZE = 32 * 2**20
-#: ranged reads in flight: twice the usable CPUs, 4 to 10 (``None``: decided when staging). On 2 cores 4 beat 8
-#: (715 against 455 MiB/s, 16 MiB ranges); object stores serve each connection at a fraction of a node's bandwidth,
-#: so a node with more cores keeps more reads in flight
+#: ranged reads in flight: twice the usable CPUs, 4 to 10 (``None``: decided when staging). Object stores serve each
+#: connection at a fraction of a node's bandwidth, so a node with more cores keeps more reads in flight
+#: (measured: docs/benchmarks.md#remote-staging-twice-the-usable-cpus-of-reads-in-flight)
 READ_THREADS: int | None = None
 #: seconds between two records of the ranges done: each syncs the files to disk first (``fdatasync``), then
 #: ``progress.json``; a staging killed meanwhile fetches those seconds' ranges again (0: a record after each range)
