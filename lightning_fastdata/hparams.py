@@ -12,6 +12,7 @@ beside the model's. A name both saved with the same value (``image_size=224`` in
 Lightning loads checkpoints with ``torch.load(weights_only=True)``, which refuses every class it does not know: a
 ``ViewGroup``, a ``pathlib.Path``, an enum. :func:`plain` saves each argument as the plain value that the constructor
 takes back (a mapping, a string, the enum's value), and :func:`refused_by_weights_only` names what still would not load.
+A URL ``data_dir`` is saved without its credentials and signed query (:func:`redacted`).
 """
 
 from __future__ import annotations
@@ -27,13 +28,30 @@ import numpy as np
 import torch
 from lightning.fabric.utilities.data import AttributeDict
 from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+
+from lightning_fastdata.store import remote
 
 #: the prefix under which loggers get a saved argument that the model also saved, with another value
 HPARAMS_PREFIX = "datamodule/"
 
 
 _PRIMITIVES = (bool, int, float, complex, str, bytes, type(None))
+
+
+def redacted(data_dir: Any) -> str | None:
+    """``data_dir`` as saved when it is a URL that carries credentials or a signed query (and says so), else ``None``.
+
+    The loggers' hyperparameters and the checkpoints never hold a URL's secrets.
+    """
+    shown = remote.redact_url(data_dir) if isinstance(data_dir, str) else data_dir
+    if shown == data_dir:
+        return None
+    rank_zero_info(
+        f"`data_dir` {shown!r} carries credentials or a signed query: they are left out of the saved"
+        " hyperparameters and checkpoints (pass `data_dir` again to load from one)."
+    )
+    return shown
 
 
 def plain(value: Any) -> Any:
