@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import functools
-import inspect
-import types
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import torch
-from lightning.fabric.utilities.data import AttributeDict
-from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
@@ -21,7 +16,7 @@ from lightning_fastdata import loaders, resizing, resolve
 from lightning_fastdata.arguments import check_arguments
 from lightning_fastdata.database import Database
 from lightning_fastdata.hparams import HPARAMS_PREFIX as HPARAMS_PREFIX
-from lightning_fastdata.hparams import clashes, for_loggers, plain, redacted, say_clashes, warn_unloadable
+from lightning_fastdata.hparams import PlainHparamsDataModule, redacted, say_clashes
 from lightning_fastdata.loaders import SplitLoaders
 from lightning_fastdata.pipeline import DeviceStage, FastLoader
 from lightning_fastdata.pipeline.device import batch_dtype, trainer_device, uses_prefetch
@@ -39,7 +34,7 @@ from lightning_fastdata.workers import budget_for, default_workers
 _Plan = TypeVar("_Plan", DataPlan, LoaderPlan, AugmentPlan)
 
 
-class FastImageDataModule(LightningDataModule):
+class FastImageDataModule(PlainHparamsDataModule):
     """A LightningDataModule for image classification that converts once to LMDB and feeds uint8 batches.
 
     ``prepare_data`` converts the image folder into an LMDB database (once: later runs find it up to date);
@@ -347,48 +342,6 @@ class FastImageDataModule(LightningDataModule):
         """Classes of a ``class`` or ``multilabel`` database (``C``); 0 for ``float`` and ``none`` targets."""
         classes = self.classes  # before conversion or staging: a folder's, or the error that says to stage first
         return len(classes) if self.target_kind in ("class", "multilabel") else 0
-
-    # --- Hyperparameters ----------------------------------------------------------------------------------------
-
-    @override
-    def save_hyperparameters(
-        self,
-        *args: Any,
-        ignore: Sequence[str] | str | None = None,
-        frame: types.FrameType | None = None,
-        logger: bool = True,
-    ) -> None:
-        """As Lightning's, with every value saved in the plain form a checkpoint loads back (:func:`.hparams.plain`).
-
-        Lightning loads checkpoints with ``torch.load(weights_only=True)``: a ``ViewGroup`` is saved as its mapping, a
-        ``Path`` as its string, an enum as its value, which the constructor takes again, so ``fit(ckpt_path=...)`` and
-        ``load_from_checkpoint`` rebuild this DataModule (and a subclass's own arguments). A value that still would not
-        load warns, naming its argument.
-        """
-        if frame is None:  # the caller's: Lightning collects the constructor's arguments from it
-            current = inspect.currentframe()
-            frame = current.f_back if current is not None else None
-        super().save_hyperparameters(*args, ignore=ignore, frame=frame, logger=logger)
-        saved = dict(self.hparams)
-        converted = {name: plain(value) for name, value in saved.items()}
-        if any(converted[name] is not saved[name] for name in saved):
-            self.hparams.update(converted)
-            # the frozen copy `hparams_initial` reads, made as Lightning's `save_hyperparameters` makes it (no setter)
-            self._hparams_initial = copy.deepcopy(self._hparams)
-        warn_unloadable(type(self), converted)
-
-    @property
-    @override
-    def hparams_initial(self) -> AttributeDict:
-        """The saved arguments as the loggers get them: one the model saved too, with another value, is renamed.
-
-        It reaches the loggers as ``datamodule/<name>``, and :meth:`setup` says so (:mod:`lightning_fastdata.hparams`).
-        """
-        return for_loggers(super().hparams_initial, self.hparams_clashes())
-
-    def hparams_clashes(self) -> dict[str, tuple[Any, Any]]:
-        """The saved arguments Lightning would refuse to merge with the model's: ``{name: (model's, ours)}``."""
-        return clashes(self.trainer, super().hparams_initial)
 
     # --- Lightning hooks ----------------------------------------------------------------------------------------
 
