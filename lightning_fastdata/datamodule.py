@@ -2,56 +2,41 @@
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import functools
-import inspect
-import types
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import torch
-from lightning.fabric.utilities.data import AttributeDict
-from lightning.pytorch import LightningDataModule
-from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
 from lightning_fastdata import loaders, resizing, resolve
-from lightning_fastdata.errors import InvalidArgumentError
+from lightning_fastdata.arguments import check_arguments
+from lightning_fastdata.database import Database
 from lightning_fastdata.hparams import HPARAMS_PREFIX as HPARAMS_PREFIX
-from lightning_fastdata.hparams import clashes, for_loggers, plain, say_clashes, warn_unloadable
+from lightning_fastdata.hparams import PlainHparamsDataModule, redacted, say_clashes
+from lightning_fastdata.loaders import SplitLoaders
 from lightning_fastdata.pipeline import DeviceStage, FastLoader
-from lightning_fastdata.pipeline.color import BatchColor
-from lightning_fastdata.pipeline.device import batch_dtype, loader_output, trainer_device, trains_on_cuda, uses_prefetch
-from lightning_fastdata.pipeline.kernel import Output
-from lightning_fastdata.pipeline.processes import check_nice
+from lightning_fastdata.pipeline.device import batch_dtype, trainer_device, uses_prefetch
 from lightning_fastdata.pipeline.schema import split_beside
-from lightning_fastdata.pipeline.views import MultiViewCrop, ViewGroup, check_views
+from lightning_fastdata.pipeline.views import MultiViewCrop, ViewGroup
 from lightning_fastdata.plans import AugmentPlan, DataPlan, LoaderPlan
-from lightning_fastdata.skipping import SkipCounter
-from lightning_fastdata.splits import check_database, missing_split, open_splits, pick_predict_split, split_sources
+from lightning_fastdata.splits import missing_split, pick_predict_split, split_sources
 from lightning_fastdata.store import cache, remote
-from lightning_fastdata.store import environments as _environments
 from lightning_fastdata.store.labels import LABEL_SEPARATOR
 from lightning_fastdata.store.reader import DEFAULT_MAX_PIXELS, LmdbImageDataset
-from lightning_fastdata.store.targets import KINDS, TargetSpec
-from lightning_fastdata.transforms import (
-    IMAGENET_MEAN,
-    IMAGENET_STD,
-    CenterCropResize,
-    Normalizer,
-    RandomResizedCropFlip,
-)
+from lightning_fastdata.store.targets import TargetSpec
+from lightning_fastdata.transforms import IMAGENET_MEAN, IMAGENET_STD, CenterCropResize, RandomResizedCropFlip
 from lightning_fastdata.tuning import LoaderConfig
 from lightning_fastdata.workers import AUTO_PROCESSES_MIN_WORKERS as AUTO_PROCESSES_MIN_WORKERS
-from lightning_fastdata.workers import WorkerChoice, budget_for, default_workers, tune_key
+from lightning_fastdata.workers import budget_for, default_workers
 
 _Plan = TypeVar("_Plan", DataPlan, LoaderPlan, AugmentPlan)
 
 
-class FastImageDataModule(LightningDataModule):
+class FastImageDataModule(PlainHparamsDataModule):
     """A LightningDataModule for image classification that converts once to LMDB and feeds uint8 batches.
 
     ``prepare_data`` converts the image folder into an LMDB database (once: later runs find it up to date);
@@ -211,46 +196,22 @@ class FastImageDataModule(LightningDataModule):
         worker_nice: int = 0,
     ) -> None:
         super().__init__()
-        if image_size < 1 or batch_size < 1:
-            raise InvalidArgumentError(f"`image_size` ({image_size}) and `batch_size` ({batch_size}) must be >= 1.")
-        if num_workers not in ("auto", "tune") and (not isinstance(num_workers, int) or num_workers < 0):
-            raise InvalidArgumentError(f"`num_workers` must be 'auto', 'tune' or an int >= 0, got {num_workers!r}.")
-        if prefetch_factor is not None and prefetch_factor < 1:
-            raise InvalidArgumentError(f"`prefetch_factor` must be >= 1 or None, got {prefetch_factor}.")
-        if not 0 <= val_fraction < 1:
-            raise InvalidArgumentError(f"`val_fraction` must be in [0, 1), got {val_fraction}.")
-        if engine not in ("auto", "threads", "processes"):
-            raise InvalidArgumentError(f"`engine` must be 'auto', 'threads' or 'processes', got {engine!r}.")
-        if decode not in ("cpu", "device"):
-            raise InvalidArgumentError(f"`decode` must be 'cpu' or 'device', got {decode!r}.")
-        if on_bad_sample not in ("raise", "skip"):
-            raise InvalidArgumentError(f"`on_bad_sample` must be 'raise' or 'skip', got {on_bad_sample!r}.")
-        check_nice(worker_nice)
-        if max_pixels is not None and max_pixels < 1:
-            raise InvalidArgumentError(f"`max_pixels` must be >= 1 or None (no limit), got {max_pixels}.")
-        if targets is not None and targets not in KINDS:
-            raise InvalidArgumentError(f"`targets` must be one of {', '.join(KINDS)} or None, got {targets!r}.")
-        if len(mean) != 3 or len(std) != 3 or min(std) <= 0:
-            raise InvalidArgumentError(f"`mean` and `std` need 3 values each and `std` > 0, got {mean} and {std}.")
-        groups = check_views(views, decode, image_size_schedule)
-        remote.check_local(
-            cache_dir,
-            "cache_dir",
-            "the cache must be a local folder: its databases are memory-mapped. Pass a folder on the node's local disk",
-        )
+        checked = check_arguments(
+            cache_dir=cache_dir, image_size=image_size, image_size_schedule=image_size_schedule, batch_size=batch_size,
+            num_workers=num_workers, engine=engine, prefetch_factor=prefetch_factor, val_fraction=val_fraction,
+            mean=mean, std=std, decode=decode, on_bad_sample=on_bad_sample, max_pixels=max_pixels, targets=targets,
+            views=views, color_jitter=color_jitter, color_jitter_p=color_jitter_p, grayscale_p=grayscale_p,
+            blur_p=blur_p, blur_sigma=blur_sigma, solarize_p=solarize_p, worker_nice=worker_nice,
+        )  # fmt: skip
         self.save_hyperparameters()
-        shown = remote.redact_url(data_dir) if isinstance(data_dir, str) else data_dir
-        if shown != data_dir:  # the loggers' hyperparameters and the checkpoints never hold a URL's secrets
+        shown = redacted(data_dir)
+        if shown is not None:  # the loggers' hyperparameters and the checkpoints never hold a URL's secrets
             self.save_hyperparameters({**self.hparams, "data_dir": shown})
-            rank_zero_info(
-                f"`data_dir` {shown!r} carries credentials or a signed query: they are left out of the saved"
-                " hyperparameters and checkpoints (pass `data_dir` again to load from one)."
-            )
         self.data_dir = data_dir
         self.cache_dir = cache_dir
         self.image_size = image_size
-        self.image_size_schedule = resizing.check_schedule(image_size_schedule)
-        self.views = groups
+        self.image_size_schedule = checked.schedule
+        self.views = checked.views
         #: the configured size (`image_size` is the current one): with the schedule and views, what is converted for
         self._base_size = image_size
         self.batch_size = batch_size
@@ -263,7 +224,7 @@ class FastImageDataModule(LightningDataModule):
         self.prefetch_factor = prefetch_factor
         self.val_fraction = val_fraction
         self.seed = seed
-        self.normalizer = Normalizer(tuple(mean), tuple(std))
+        self.normalizer = checked.normalizer
         self.scale = tuple(scale)
         self.crop_fraction = crop_fraction
         self.short_side = short_side
@@ -281,28 +242,18 @@ class FastImageDataModule(LightningDataModule):
         self.label_separator = label_separator
         self.return_index = return_index
         self.worker_nice = worker_nice
-        #: the training batches' colour augmentation (``None``: none), see :mod:`lightning_fastdata.pipeline.color`
-        self._color = BatchColor.create(
-            color_jitter, color_jitter_p, grayscale_p, blur_p, blur_sigma, solarize_p, views=groups
-        )
-        self._skip_counter = SkipCounter()
+        self._color = checked.color
         self.train_dataset: Dataset | None = None
         self.val_dataset: Dataset | None = None
         self.test_dataset: Dataset | None = None
         self.predict_dataset: Dataset | None = None
-        self._splits: list[str] | None = None
-        #: the worker count and engine chosen (``num_workers="tune"``'s pick among them), and what was said about them
-        self._workers = WorkerChoice()
-        #: the warnings given once per DataModule (``"decode"``: no CUDA for ``decode="device"``)
-        self._warned: set[str] = set()
+        #: the data side: the database, staged or converted, and its splits once open
+        self._database = Database()
+        #: the loader side: worker count and engine, the device stage of the last loader, what was warned once
+        self._loaders = SplitLoaders()
         self._warned_hparams: set[tuple[str, str, str]] = set()
-        self._staged: remote.StagedDatabase | None = None
-        #: whether this DataModule's loaders run the device stage themselves, on the side stream
-        self._stage_in_loader = False
         #: the fields taken beside the batch being transferred (`on_before_batch_transfer`), for the device stage
         self._beside: dict[str, Any] = {}
-        #: the device stage of the last loader built (for the Trainer it was built for), which the hook reuses
-        self._stage: DeviceStage | None = None
 
     # --- Where the data is --------------------------------------------------------------------------------------
 
@@ -319,7 +270,7 @@ class FastImageDataModule(LightningDataModule):
     @property
     def staging(self) -> remote.StagedDatabase | None:
         """What staging ``data_dir`` did in this process (fetched, fetched again and why, reused); ``None``: nothing."""
-        return self._staged
+        return self._database.staged
 
     @property
     def cache_root(self) -> Path:
@@ -341,10 +292,7 @@ class FastImageDataModule(LightningDataModule):
     @property
     def classes(self) -> list[str]:
         """Class names: from the database, or before conversion from the folder names (nothing is read)."""
-        return resolve.classes(
-            self.data_dir, self.cache_root, self.database_path, self._staged is not None, self.targets,
-            self.label_separator,
-        )  # fmt: skip
+        return self._database.classes(self.data_plan)
 
     # --- Plans: the settings as the modules that do the work receive them (:mod:`lightning_fastdata.plans`) --------
 
@@ -379,7 +327,7 @@ class FastImageDataModule(LightningDataModule):
     @property
     def skipped_samples(self) -> int:
         """Samples left out so far under ``on_bad_sample="skip"`` (counted across DataLoader workers)."""
-        return self._skip_counter.value
+        return self._loaders.skip_counter.value
 
     @property
     def num_large_views(self) -> int:
@@ -399,63 +347,12 @@ class FastImageDataModule(LightningDataModule):
         classes = self.classes  # before conversion or staging: a folder's, or the error that says to stage first
         return len(classes) if self.target_kind in ("class", "multilabel") else 0
 
-    # --- Hyperparameters ----------------------------------------------------------------------------------------
-
-    @override
-    def save_hyperparameters(
-        self,
-        *args: Any,
-        ignore: Sequence[str] | str | None = None,
-        frame: types.FrameType | None = None,
-        logger: bool = True,
-    ) -> None:
-        """As Lightning's, with every value saved in the plain form a checkpoint loads back (:func:`.hparams.plain`).
-
-        Lightning loads checkpoints with ``torch.load(weights_only=True)``: a ``ViewGroup`` is saved as its mapping, a
-        ``Path`` as its string, an enum as its value, which the constructor takes again, so ``fit(ckpt_path=...)`` and
-        ``load_from_checkpoint`` rebuild this DataModule (and a subclass's own arguments). A value that still would not
-        load warns, naming its argument.
-        """
-        if frame is None:  # the caller's: Lightning collects the constructor's arguments from it
-            current = inspect.currentframe()
-            frame = current.f_back if current is not None else None
-        super().save_hyperparameters(*args, ignore=ignore, frame=frame, logger=logger)
-        saved = dict(self.hparams)
-        converted = {name: plain(value) for name, value in saved.items()}
-        if any(converted[name] is not saved[name] for name in saved):
-            self.hparams.update(converted)
-            # the frozen copy `hparams_initial` reads, made as Lightning's `save_hyperparameters` makes it (no setter)
-            self._hparams_initial = copy.deepcopy(self._hparams)
-        warn_unloadable(type(self), converted)
-
-    @property
-    @override
-    def hparams_initial(self) -> AttributeDict:
-        """The saved arguments as the loggers get them: one the model saved too, with another value, is renamed.
-
-        It reaches the loggers as ``datamodule/<name>``, and :meth:`setup` says so (:mod:`lightning_fastdata.hparams`).
-        """
-        return for_loggers(super().hparams_initial, self.hparams_clashes())
-
-    def hparams_clashes(self) -> dict[str, tuple[Any, Any]]:
-        """The saved arguments Lightning would refuse to merge with the model's: ``{name: (model's, ours)}``."""
-        return clashes(self.trainer, super().hparams_initial)
-
     # --- Lightning hooks ----------------------------------------------------------------------------------------
 
     @override
     def prepare_data(self) -> None:
         """Convert ``data_dir`` once, or stage it from its URL (one process per node; an up-to-date copy is reused)."""
-        if self.is_remote:
-            self._staged = resolve.stage(self.data_dir, self.cache_dir, self.cache_root)
-        if self.is_database:
-            _environments.read_meta(self.database_path)  # fail early with a clear message if it is not usable
-        else:
-            settings = {"short_side": self.store_short_side(), "quality": self.quality, "encoding": self.encoding}
-            resolve.convert_source(
-                self.data_dir, self.cache_dir, self.cache_root, self.database_path, settings, self.targets,
-                self.label_separator,
-            )  # fmt: skip
+        self._database.prepare(self.data_plan)
         if self.num_workers == "tune":  # measured here, on one process per node, so the ranks read the cache
             self.num_workers = self._tuned_workers()
 
@@ -467,27 +364,20 @@ class FastImageDataModule(LightningDataModule):
         """
         # before Lightning merges the hyperparameters, which it does after `setup`
         say_clashes(self.trainer, self.hparams_clashes, self._warned_hparams)
-        if self.train_dataset is None and (self._splits is None or stage == "fit"):
-            self._open_splits()  # again after `train_dataset = None`: the same splits and holdout (seeded), rebuilt
+        if self.train_dataset is None and (self._database.splits is None or stage == "fit"):
+            # again after `train_dataset = None`: the same splits and holdout (seeded), rebuilt
+            opened = self._database.open(
+                self.data_plan, self.predict_split, self.build_dataset, self.train_transform, self.val_transform
+            )
+            for name in ("train", "val", "test"):  # a split the database lacks leaves its dataset as it was
+                if getattr(opened, name) is not None:
+                    setattr(self, f"{name}_dataset", getattr(opened, name))
         if stage == "fit" and self.train_dataset is None:
-            raise missing_split(self.database_path, self._splits, "train")
+            raise missing_split(self.database_path, self._database.splits, "train")
         if stage == "fit":
-            self._workers.say_shared_generators(
+            self._loaders.workers.say_shared_generators(
                 self.train_dataset, self.loader_plan, self.worker_budget, self.resolved_engine
             )
-
-    def _open_splits(self) -> None:
-        """Open the database's splits into the datasets (:mod:`~lightning_fastdata.splits`), staging a URL's first."""
-        if self.is_remote and self._staged is None:  # a rank other than the node's first: wait for its staging
-            self._staged = resolve.find_or_stage(self.data_dir, self.cache_dir, self.cache_root)
-        plan = self.data_plan
-        self._splits = check_database(plan)
-        if self.predict_split is not None:
-            self.resolved_predict_split(self._splits)  # a misspelled split fails now, not after the whole fit
-        opened = open_splits(plan, self._splits, self.build_dataset, self.train_transform, self.val_transform)
-        for name in ("train", "val", "test"):  # a split the database lacks leaves its dataset as it was
-            if getattr(opened, name) is not None:
-                setattr(self, f"{name}_dataset", getattr(opened, name))
 
     def resolved_predict_split(self, splits: Sequence[str] | None = None) -> str:
         """The split ``predict_dataloader`` reads: ``predict_split``, else ``test``, else ``val``, else ``train``."""
@@ -527,6 +417,34 @@ class FastImageDataModule(LightningDataModule):
             self.database_path, split=split, transform=transform, fast_decode=True, max_pixels=self.max_pixels
         )
 
+    # --- The image size: set here, reaching the loaders through :func:`.resizing.apply_size` ---------------------
+
+    def set_image_size(self, size: int) -> None:
+        """Crop to ``size`` (an int >= 1) from now on: progressive resizing and FixRes (docs/datamodule.md).
+
+        The built datasets' crops change size, and so do the crops of ``decode="device"``; loaders follow as their next
+        epoch starts. Call it before ``fit`` or from ``on_train_epoch_start``. What changes and when, what it warns:
+        :mod:`lightning_fastdata.resizing`. ``image_size`` changes; the saved hyperparameter stays the configured one.
+        """
+        size = resizing.check_size(size)
+        if size == self.image_size:
+            return
+        previous, self.image_size = self.image_size, size
+        built = {"train": self.train_dataset, "val": self.val_dataset, "test": self.test_dataset}
+        opened = self.data_plan if self._database.splits is not None else None  # checks its stored images
+        resizing.apply_size(size, previous, built, [self.predict_dataset], self._loaders.stage, opened)
+
+    def _start_epoch(self, stage: DeviceStage, scheduled: bool, epoch: int) -> int:
+        """A loader's ``before_epoch``: the schedule's size of ``epoch`` (``scheduled``), the current one for ``stage``.
+
+        The size is set through :meth:`set_image_size` (a subclass's override counts); a loader whose persistent worker
+        processes started at another size restarts them, as the returned size changed.
+        """
+        if scheduled and self.image_size_schedule:
+            self.set_image_size(resizing.size_at(self.image_size_schedule, epoch, self._base_size))
+        stage.image_size = self.image_size
+        return self.image_size
+
     # --- Loaders ------------------------------------------------------------------------------------------------
 
     def worker_budget(self) -> int:
@@ -538,22 +456,18 @@ class FastImageDataModule(LightningDataModule):
 
         ``num_workers="tune"``'s pick is also ``num_workers`` from then on; the saved hyperparameter stays ``"tune"``.
         """
-        workers = self._workers.num_workers(self.loader_plan, self.worker_budget(), self.trainer, self._tuned_workers)
+        plan, budget = self.loader_plan, self.worker_budget()
+        workers = self._loaders.workers.num_workers(plan, budget, self.trainer, self._tuned_workers)
         if self.num_workers == "tune":
             self.num_workers = workers
         return workers
 
     def _tuned_workers(self) -> int:
         """``num_workers="tune"``'s pick: cached, or measured on :meth:`tuning_loader` (``WorkerChoice``)."""
-        plan = self.loader_plan
-
-        def key() -> str:
-            return tune_key(plan, self.database_path, self.train_transform(), self._output(), self.trainer)
-
-        pin_memory = self._on_cuda() if plan.pin_memory is None else plan.pin_memory
-        return self._workers.tuned_workers(
-            plan, self.cache_root, key, self.worker_budget, self.tuning_loader, self._output, pin_memory
-        )
+        return self._loaders.tuned_workers(
+            self.loader_plan, self.trainer, self._device(), self.cache_root, lambda: self.database_path,
+            self.train_transform, self.worker_budget, self.tuning_loader,
+        )  # fmt: skip
 
     def resolved_engine(self, workers: int | None = None) -> Literal["threads", "processes"]:
         """The engine the loaders use: ``engine``, or ``"auto"``'s choice, logged once (``WorkerChoice.engine``).
@@ -563,7 +477,7 @@ class FastImageDataModule(LightningDataModule):
         plan = self.loader_plan
         if workers is None:
             workers = default_workers(plan, self.worker_budget)
-        return self._workers.engine(plan, self._output, workers)
+        return self._loaders.engine(plan, self._device(), workers)
 
     def tuning_loader(self, config: LoaderConfig) -> DataLoader:
         """The training loader as ``fit`` builds it, with ``config``'s settings: what ``"tune"`` and ``bench`` time."""
@@ -582,52 +496,20 @@ class FastImageDataModule(LightningDataModule):
         config: LoaderConfig | None = None,
         return_index: bool = False,
     ) -> FastLoader:
-        """The loader of ``dataset`` (:func:`.loaders.split_loader`): shuffled, resumable and scheduled with ``train``.
+        """The loader of ``dataset`` (:meth:`.SplitLoaders.build`): shuffled, resumable and scheduled with ``train``.
 
-        ``config``: a tuning sweep's workers, engine, batch size and pinning, else this DataModule's, resolved. Keeps
-        the loader's device stage (``_stage``, which ``on_after_batch_transfer`` reuses) and whether the loader runs it
-        itself (``_stage_in_loader``).
+        ``config``: a tuning sweep's workers, engine, batch size and pinning, else this DataModule's, resolved.
         """
         scheduled = train and config is None
         if config is None:
             workers = self.resolved_num_workers()
-            pin_memory = self._on_cuda() if self.pin_memory is None else self.pin_memory
-            engine = self.resolved_engine(workers)
-            config = LoaderConfig(workers, self.batch_size, self.prefetch_factor, pin_memory, engine)
-        self._stage = stage = self._device_stage()
-        loader = loaders.split_loader(
-            dataset,
-            self.loader_plan,
-            config,
-            shuffle=train,
-            drop_last=drop_last,
-            output=self._output(),
-            normalizer=self.normalizer,
-            stage=stage,
-            trainer=self.trainer,
-            train=train,
-            return_index=return_index,
-            prefetch_device=self._device() if self.uses_prefetch() else None,
-            color=self._color if train else None,
-            skip_counter=self._skip_counter,
+            config = self._loaders.config(self.loader_plan, self.trainer, workers, self.resolved_engine(workers))
+        stage = self._device_stage()
+        return self._loaders.build(
+            dataset, self.loader_plan, config, stage, self._device(), self.trainer, train=train, drop_last=drop_last,
+            return_index=return_index, normalizer=self.normalizer, color=self._color,
             before_epoch=functools.partial(self._start_epoch, stage, scheduled),
-        )
-        self._stage_in_loader = loader.prefetching
-        return loader
-
-    def _start_epoch(self, stage: DeviceStage, scheduled: bool, epoch: int) -> int:
-        """A loader's ``before_epoch``: the schedule's size of ``epoch`` (``scheduled``), the current one for ``stage``.
-
-        The size is set through :meth:`set_image_size` (a subclass's override counts); a loader whose persistent worker
-        processes started at another size restarts them, as the returned size changed.
-        """
-        if scheduled and self.image_size_schedule:
-            self.set_image_size(resizing.size_at(self.image_size_schedule, epoch, self._base_size))
-        stage.image_size = self.image_size
-        return self.image_size
-
-    def _on_cuda(self) -> bool:
-        return trains_on_cuda(self.trainer)
+        )  # fmt: skip
 
     def _device(self) -> torch.device:
         return trainer_device(self.trainer)
@@ -638,29 +520,7 @@ class FastImageDataModule(LightningDataModule):
 
     def uses_device_decode(self) -> bool:
         """Whether JPEGs are decoded on the GPU (``decode="device"`` on CUDA); warns once when CUDA is missing."""
-        return loaders.uses_device_decode(self.decode, self._device(), self._warned)
-
-    def _output(self) -> Output:
-        """What the loaders read: encoded for device decode, uint8 for CUDA, normalized float on a CPU."""
-        return loader_output(self.uses_device_decode(), self._device())
-
-    def set_image_size(self, size: int) -> None:
-        """Crop to ``size`` (an int >= 1) from now on: progressive resizing and FixRes (docs/datamodule.md).
-
-        The built datasets' crops change size, and so do the crops of ``decode="device"``; loaders follow as their next
-        epoch starts. Call it before ``fit`` or from ``on_train_epoch_start``. What changes and when, what it warns:
-        :mod:`lightning_fastdata.resizing`. ``image_size`` changes; the saved hyperparameter stays the configured one.
-        """
-        size = resizing.check_size(size)
-        if size == self.image_size:
-            return
-        previous, self.image_size = self.image_size, size
-        if self._stage is not None:
-            self._stage.image_size = size
-        built = {"train": self.train_dataset, "val": self.val_dataset, "test": self.test_dataset}
-        resizing.resize_splits(built, size, previous, others=[self.predict_dataset])
-        if self._splits is not None:  # the database is open: warn when its images are too small for the new crops
-            resizing.check_stored_size(self.data_plan, size)
+        return self._loaders.uses_device_decode(self.decode, self._device())
 
     @override
     def train_dataloader(self) -> DataLoader:
@@ -709,10 +569,10 @@ class FastImageDataModule(LightningDataModule):
             MissingSplitError: the database has no test split (a ``ValueError``).
 
         """
-        if self._splits is None:
+        if self._database.splits is None:
             self.setup("test")
         if self.test_dataset is None:
-            raise missing_split(self.database_path, self._splits, "test")
+            raise missing_split(self.database_path, self._database.splits, "test")
         return self._loader(self.test_dataset)
 
     @override
@@ -730,15 +590,10 @@ class FastImageDataModule(LightningDataModule):
 
     def _device_stage(self) -> DeviceStage:
         """The on-device transform of this DataModule's batches, for the Trainer's device and precision."""
-        return DeviceStage(
-            self.normalizer,
-            dtype=self.batch_dtype(),
-            channels_last=self.channels_last,
-            device=self._device(),
-            image_size=self.image_size,
-            skip=self._skip_counter.skip if self.on_bad_sample == "skip" else None,
-            color=self._color,
-        )
+        return self._loaders.device_stage(
+            self.normalizer, self.batch_dtype(), self._device(), self.image_size, self._color, self.channels_last,
+            self.on_bad_sample == "skip",
+        )  # fmt: skip
 
     def to_model_input(self, batch: Any) -> Any:
         """uint8 images, or still-encoded ones, in the first element of a batch -> normalized floats on its device.
@@ -765,18 +620,14 @@ class FastImageDataModule(LightningDataModule):
         runs here (one object for the run, not one per batch), with the fields taken beside the batch.
         """
         beside, self._beside = self._beside, {}
-        if self._stage_in_loader:
-            return batch
-        return (self._stage or self._device_stage())(batch, beside)
+        return self._loaders.on_device(batch, self._device_stage, beside)
 
     # --- Targets and where each sample came from ----------------------------------------------------------------
 
     @property
     def target_spec(self) -> TargetSpec:
         """What each sample's target is (:mod:`~lightning_fastdata.store.targets`): the database's, else classes."""
-        if self.is_remote and self._staged is None:
-            resolve.check_staged(self.data_dir, self.cache_root)
-        return resolve.target_spec(self.data_dir, self.database_path, self.targets, self.label_separator)
+        return self._database.target_spec(self.data_plan)
 
     @property
     def target_kind(self) -> str:

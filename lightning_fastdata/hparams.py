@@ -12,28 +12,50 @@ beside the model's. A name both saved with the same value (``image_size=224`` in
 Lightning loads checkpoints with ``torch.load(weights_only=True)``, which refuses every class it does not know: a
 ``ViewGroup``, a ``pathlib.Path``, an enum. :func:`plain` saves each argument as the plain value that the constructor
 takes back (a mapping, a string, the enum's value), and :func:`refused_by_weights_only` names what still would not load.
+A URL ``data_dir`` is saved without its credentials and signed query (:func:`redacted`).
 """
 
 from __future__ import annotations
 
 import collections
+import copy
 import dataclasses
 import enum
+import inspect
 import os
-from collections.abc import Callable, Mapping
+import types
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 from lightning.fabric.utilities.data import AttributeDict
-from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch import LightningDataModule, LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from typing_extensions import override
+
+from lightning_fastdata.store import remote
 
 #: the prefix under which loggers get a saved argument that the model also saved, with another value
 HPARAMS_PREFIX = "datamodule/"
 
 
 _PRIMITIVES = (bool, int, float, complex, str, bytes, type(None))
+
+
+def redacted(data_dir: Any) -> str | None:
+    """``data_dir`` as saved when it is a URL that carries credentials or a signed query (and says so), else ``None``.
+
+    The loggers' hyperparameters and the checkpoints never hold a URL's secrets.
+    """
+    shown = remote.redact_url(data_dir) if isinstance(data_dir, str) else data_dir
+    if shown == data_dir:
+        return None
+    rank_zero_info(
+        f"`data_dir` {shown!r} carries credentials or a signed query: they are left out of the saved"
+        " hyperparameters and checkpoints (pass `data_dir` again to load from one)."
+    )
+    return shown
 
 
 def plain(value: Any) -> Any:
@@ -182,3 +204,51 @@ def say_clashes(
             f" loggers get the DataModule's as `{HPARAMS_PREFIX}{key}`. Pass the same value to both if they"
             " should agree."
         )
+
+
+class PlainHparamsDataModule(LightningDataModule):
+    """A LightningDataModule whose saved arguments load back from a checkpoint and reach the loggers beside the model's.
+
+    ``FastImageDataModule``'s base: :meth:`save_hyperparameters` saves each value in its plain form (:func:`plain`),
+    :attr:`hparams_initial` renames for the loggers a name the model saved with another value (:func:`for_loggers`).
+    """
+
+    @override
+    def save_hyperparameters(
+        self,
+        *args: Any,
+        ignore: Sequence[str] | str | None = None,
+        frame: types.FrameType | None = None,
+        logger: bool = True,
+    ) -> None:
+        """As Lightning's, with every value saved in the plain form a checkpoint loads back (:func:`plain`).
+
+        Lightning loads checkpoints with ``torch.load(weights_only=True)``: a ``ViewGroup`` is saved as its mapping, a
+        ``Path`` as its string, an enum as its value, which the constructor takes again, so ``fit(ckpt_path=...)`` and
+        ``load_from_checkpoint`` rebuild this DataModule (and a subclass's own arguments). A value that still would not
+        load warns, naming its argument.
+        """
+        if frame is None:  # the caller's: Lightning collects the constructor's arguments from it
+            current = inspect.currentframe()
+            frame = current.f_back if current is not None else None
+        super().save_hyperparameters(*args, ignore=ignore, frame=frame, logger=logger)
+        saved = dict(self.hparams)
+        converted = {name: plain(value) for name, value in saved.items()}
+        if any(converted[name] is not saved[name] for name in saved):
+            self.hparams.update(converted)
+            # the frozen copy `hparams_initial` reads, made as Lightning's `save_hyperparameters` makes it (no setter)
+            self._hparams_initial = copy.deepcopy(self._hparams)
+        warn_unloadable(type(self), converted)
+
+    @property
+    @override
+    def hparams_initial(self) -> AttributeDict:
+        """The saved arguments as the loggers get them: one the model saved too, with another value, is renamed.
+
+        It reaches the loggers as ``datamodule/<name>``, and :meth:`setup` says so (:mod:`lightning_fastdata.hparams`).
+        """
+        return for_loggers(super().hparams_initial, self.hparams_clashes())
+
+    def hparams_clashes(self) -> dict[str, tuple[Any, Any]]:
+        """The saved arguments Lightning would refuse to merge with the model's: ``{name: (model's, ours)}``."""
+        return clashes(self.trainer, super().hparams_initial)

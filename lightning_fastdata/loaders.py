@@ -7,14 +7,17 @@ travel still encoded), the device stage for the Trainer's device and, for traini
 split (:func:`clamp_batch_size`) and the image size of each epoch (``before_epoch``).
 :mod:`lightning_fastdata.pipeline` follows a sample from record to device batch.
 
-Each function takes the values it needs and returns one; the DataModule keeps what they return.
+Each function takes the values it needs and returns one. :class:`SplitLoaders`, the DataModule's loader side, keeps
+what a run's loaders share: the worker count and engine chosen, the device stage of the last loader built (which
+``on_after_batch_transfer`` reuses), the skip counter and the warnings given once.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Hashable
-from typing import Any
+from pathlib import Path
+from typing import Any, Literal
 
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
@@ -22,13 +25,13 @@ from torch.utils.data import Dataset
 
 from lightning_fastdata.pipeline import FastLoader, create_loader
 from lightning_fastdata.pipeline.color import BatchColor
-from lightning_fastdata.pipeline.device import DeviceStage
+from lightning_fastdata.pipeline.device import DeviceStage, loader_output, trains_on_cuda, uses_prefetch
 from lightning_fastdata.pipeline.kernel import Output
 from lightning_fastdata.plans import LoaderPlan
 from lightning_fastdata.skipping import SkipCounter
 from lightning_fastdata.transforms import Normalizer
 from lightning_fastdata.tuning import LoaderConfig
-from lightning_fastdata.workers import quiet_lightning_worker_check
+from lightning_fastdata.workers import WorkerChoice, quiet_lightning_worker_check, tune_key
 
 
 def split_loader(
@@ -154,3 +157,139 @@ def uses_device_decode(decode: str, device: torch.device, warned: set[str]) -> b
             " CPU in the DataLoader workers instead."
         )
     return False
+
+
+class SplitLoaders:
+    """The loader side of a DataModule: builds each split's loader (:func:`split_loader`) and keeps what they share.
+
+    The DataModule resolves the worker count and engine through it (:attr:`workers`), builds each loader with
+    :meth:`build` and runs the device stage of the last one built in ``on_after_batch_transfer`` (:meth:`on_device`).
+    """
+
+    def __init__(self) -> None:
+        #: the worker count and engine chosen (``num_workers="tune"``'s pick among them), and what was said about them
+        self.workers = WorkerChoice()
+        #: the warnings given once (``"decode"``: no CUDA for ``decode="device"``)
+        self.warned: set[str] = set()
+        #: counts the samples left out under ``on_bad_sample="skip"`` (across DataLoader workers)
+        self.skip_counter = SkipCounter()
+        #: the device stage of the last loader built (for the Trainer it was built for), which :meth:`on_device` reuses
+        self.stage: DeviceStage | None = None
+        #: whether the loaders run the device stage themselves, on the side stream
+        self.stage_in_loader = False
+
+    def uses_device_decode(self, decode: str, device: torch.device) -> bool:
+        """Whether JPEGs are decoded on ``device`` (:func:`uses_device_decode`, warned once)."""
+        return uses_device_decode(decode, device, self.warned)
+
+    def output(self, decode: str, device: torch.device) -> Output:
+        """What the loaders read: encoded for device decode, uint8 for CUDA, normalized float on a CPU."""
+        return loader_output(self.uses_device_decode(decode, device), device)
+
+    def engine(self, plan: LoaderPlan, device: torch.device, workers: int) -> Literal["threads", "processes"]:
+        """The engine for ``workers``: ``plan.engine``, or ``"auto"``'s choice, logged once (:class:`.WorkerChoice`)."""
+        return self.workers.engine(plan, lambda: self.output(plan.decode, device), workers)
+
+    def config(self, plan: LoaderPlan, trainer: Any, workers: int, engine: str) -> LoaderConfig:
+        """``plan``'s loader configuration with ``workers`` on ``engine``; pinned by default when training on CUDA."""
+        return LoaderConfig(workers, plan.batch_size, plan.prefetch_factor, _pins(plan, trainer), engine)
+
+    def tuned_workers(
+        self,
+        plan: LoaderPlan,
+        trainer: Any,
+        device: torch.device,
+        cache_root: Path,
+        database: Callable[[], Path],
+        transform: Callable[[], Any],
+        budget: Callable[[], int],
+        loader: Callable[[LoaderConfig], Any],
+    ) -> int:
+        """``num_workers="tune"``'s pick: cached, or measured on ``loader`` (``WorkerChoice.tuned_workers``).
+
+        ``database`` and ``transform`` (the training transform) key the cached pick (:func:`~.workers.tune_key`).
+        """
+
+        def output() -> str:
+            return self.output(plan.decode, device)
+
+        def key() -> str:
+            return tune_key(plan, database(), transform(), output(), trainer)
+
+        return self.workers.tuned_workers(plan, cache_root, key, budget, loader, output, _pins(plan, trainer))
+
+    def device_stage(
+        self,
+        normalizer: Normalizer,
+        dtype: torch.dtype,
+        device: torch.device,
+        image_size: int,
+        color: BatchColor | None,
+        channels_last: bool,
+        skips: bool,
+    ) -> DeviceStage:
+        """The on-device transform of the batches, for ``device`` and ``dtype`` (skipped samples counted here)."""
+        return DeviceStage(
+            normalizer,
+            dtype=dtype,
+            channels_last=channels_last,
+            device=device,
+            image_size=image_size,
+            skip=self.skip_counter.skip if skips else None,
+            color=color,
+        )
+
+    def build(
+        self,
+        dataset: Dataset,
+        plan: LoaderPlan,
+        config: LoaderConfig,
+        stage: DeviceStage,
+        device: torch.device,
+        trainer: Any,
+        *,
+        train: bool,
+        drop_last: bool,
+        return_index: bool,
+        normalizer: Normalizer,
+        color: BatchColor | None,
+        before_epoch: Callable[[int], Hashable],
+    ) -> FastLoader:
+        """The loader of ``dataset`` (:func:`split_loader`), shuffled and coloured with ``train``; keeps its ``stage``.
+
+        Keeps whether the loader runs ``stage`` itself, on the side stream (:attr:`stage_in_loader`).
+        """
+        self.stage = stage
+        loader = split_loader(
+            dataset,
+            plan,
+            config,
+            shuffle=train,
+            drop_last=drop_last,
+            output=self.output(plan.decode, device),
+            normalizer=normalizer,
+            stage=stage,
+            trainer=trainer,
+            train=train,
+            return_index=return_index,
+            prefetch_device=device if uses_prefetch(plan.prefetch_to_device, device) else None,
+            color=color if train else None,
+            skip_counter=self.skip_counter,
+            before_epoch=before_epoch,
+        )
+        self.stage_in_loader = loader.prefetching
+        return loader
+
+    def on_device(self, batch: Any, stage: Callable[[], DeviceStage], beside: dict[str, Any] | None = None) -> Any:
+        """``batch`` through the device stage built with the loader (else ``stage()``'s), unless the loader ran it.
+
+        ``beside``: the fields taken beside the batch before its transfer (its colour parameters).
+        """
+        if self.stage_in_loader:
+            return batch
+        return (self.stage or stage())(batch, beside)
+
+
+def _pins(plan: LoaderPlan, trainer: Any) -> bool:
+    """Whether the loaders pin their batches: ``plan.pin_memory``, by default when training on CUDA."""
+    return trains_on_cuda(trainer) if plan.pin_memory is None else plan.pin_memory

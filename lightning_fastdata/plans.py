@@ -42,6 +42,11 @@ class DataPlan:
     targets: str | None
     #: the ``short_side`` argument (ignored, with a warning, for a database)
     short_side: int | None
+    #: conversion: the JPEG quality of re-encoded images, and ``"jpeg"`` or ``"raw"``
+    quality: int
+    encoding: str
+    #: separates a list file's labels
+    label_separator: str
     #: the largest crop configured, which the stored images must suit
     largest_size: int
     #: the validation centre crop's share of the short side
@@ -63,6 +68,7 @@ class LoaderPlan:
     persistent_workers: bool | None
     prefetch_factor: int | None
     decode: str
+    prefetch_to_device: bool | None
     drop_last: bool
     return_index: bool
     channels_last: bool

@@ -12,8 +12,9 @@ differs. The loaders follow at their next epoch (``FastLoader(before_epoch=...)`
 persistent worker processes, which hold a copy of the dataset made when they started, restarted.
 
 The DataModule's ``set_image_size`` (and its loaders' ``before_epoch``, which calls it, so that a subclass's override
-counts) checks the size (:func:`check_size`), resizes its datasets (:func:`resize_splits`) and checks the stored
-images (:func:`check_stored_size`); the schedule's size of an epoch is :func:`size_at`. Call it before ``fit``, or
+counts) checks the size (:func:`check_size`) and hands a new one to :func:`apply_size`, the one place a size reaches
+the loaders: the device stage, the datasets (:func:`resize_splits`) and the check of the stored images
+(:func:`check_stored_size`); the schedule's size of an epoch is :func:`size_at`. Call it before ``fit``, or
 from a callback's ``on_train_epoch_start`` (before the epoch's first batch is drawn); with ``image_size_schedule`` the
 schedule sets the size again as each training epoch starts. It logs the change, and warns for each built dataset
 without a crop transform to resize and, once the database is open, when its stored images are too small for the size.
@@ -28,6 +29,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_fastdata import resolve
 from lightning_fastdata.errors import InvalidArgumentError
+from lightning_fastdata.pipeline.device import DeviceStage
 from lightning_fastdata.pipeline.views import MultiViewCrop
 from lightning_fastdata.plans import DataPlan
 from lightning_fastdata.store import environments as _environments
@@ -155,6 +157,27 @@ def resize_splits(built: Mapping[str, Any], size: int, previous: int, others: It
                 f"`set_image_size`: the {name} dataset's transform is not RandomResizedCropFlip or"
                 " CenterCropResize, so its crops keep their size. Override `set_image_size` to resize it too."
             )
+
+
+def apply_size(
+    size: int,
+    previous: int,
+    built: Mapping[str, Any],
+    others: Iterable[Any],
+    stage: DeviceStage | None,
+    opened: DataPlan | None,
+) -> None:
+    """What a change of the image size from ``previous`` to ``size`` changes, as ``set_image_size`` makes it.
+
+    The device stage of the last loader built (``decode="device"`` crops there), the built datasets (``{split: dataset
+    or None}`` and ``others``, :func:`resize_splits`) and, when the database is open (``opened``, its plan), the check
+    that its stored images suit crops of ``size`` (:func:`check_stored_size`).
+    """
+    if stage is not None:
+        stage.image_size = size
+    resize_splits(built, size, previous, others)
+    if opened is not None:
+        check_stored_size(opened, size)
 
 
 def check_stored_size(plan: DataPlan, size: int) -> None:

@@ -119,8 +119,9 @@ def test_a_skipped_sample_takes_its_target_and_index_with_it(
     damage_record(db, 5)
     dataset = LmdbImageDataset(db, transform=CenterCropResize(16))
     dm = FastImageDataModule(str(db), on_bad_sample="skip")  # its skip counter, as the DataModule passes it
+    skips = dm._loaders.skip_counter
     loader = create_loader(
-        dataset, 4, engine=engine, workers=workers, output=output, return_index=True, skip_counter=dm._skip_counter
+        dataset, 4, engine=engine, workers=workers, output=output, return_index=True, skip_counter=skips
     )
     batches = list(loader)
     if output == "encoded":  # the checksum is checked as the record is read: the sample never reaches the device

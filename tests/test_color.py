@@ -339,10 +339,10 @@ def test_patched_cuda_stage_runs_on_the_side_stream_without_reading_the_device(
     dm.trainer = fake_trainer(torch.device("cuda", 0))
     loader = dm.train_dataloader()
     assert loader.prefetching
-    assert dm._stage_in_loader
+    assert dm._loaders.stage_in_loader
 
     stage = loader.on_device
-    assert stage is dm._stage
+    assert stage is dm._loaders.stage
     assert stage.color is not None
 
     loader.on_device = refusing_host_reads(stage)

@@ -12,7 +12,7 @@ from lightning_fastdata import FastImageDataModule
 
 PACKAGE = Path(__file__).resolve().parents[1] / "lightning_fastdata"
 #: the modules the DataModule hands its work to
-BESIDE = ("loaders", "splits", "workers", "resizing", "resolve", "hparams")
+BESIDE = ("loaders", "splits", "workers", "resizing", "resolve", "hparams", "database", "arguments")
 
 
 def test_plans_are_frozen_snapshots_of_the_current_settings() -> None:

@@ -430,7 +430,9 @@ def test_plot_sweep_writes_a_png(tmp_path):
 
 def _key(dm: FastImageDataModule) -> str:
     """The key ``dm``'s ``num_workers="tune"`` pick is cached under (its loader plan, database, transform, output)."""
-    return tune_key(dm.loader_plan, dm.database_path, dm.train_transform(), dm._output(), dm.trainer)
+    return tune_key(
+        dm.loader_plan, dm.database_path, dm.train_transform(), dm._loaders.output(dm.decode, dm._device()), dm.trainer
+    )
 
 
 def test_datamodule_tune_picks_the_cheapest_count_within_5_percent_and_caches_it(tmp_path, monkeypatch):

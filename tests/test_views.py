@@ -510,7 +510,7 @@ def test_patched_cuda_views_are_coloured_on_the_side_stream_without_reading_the_
     loader = dm.train_dataloader()
     assert loader.prefetching
     stage = loader.on_device
-    assert stage is dm._stage
+    assert stage is dm._loaders.stage
     assert stage.color is not None
 
     loader.on_device = refusing_host_reads(stage)
