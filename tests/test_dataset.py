@@ -250,7 +250,7 @@ def test_dataset_pickles_without_its_environment(database):
     assert torch.equal(image, first)
     assert clone_label == label
     assert clone.targets == ds.targets
-    fresh = pickle.loads(pickle.dumps(ds))  # its decoder works for it, not for the original
+    fresh = pickle.loads(pickle.dumps(ds))  # its decoder and target reader work for it, not for the original
     assert fresh.targets == ds.targets
     assert fresh._env is not None  # the targets were read through its own environment
     fresh.max_pixels = 1
@@ -294,7 +294,7 @@ def test_memory_does_not_grow_with_the_dataset(tmp_path):
 
     def state(ds: LmdbImageDataset) -> dict[str, Any]:
         """The dataset's attributes, and those of the objects it hands its decodes and targets to."""
-        parts = {"_decoder": ds._decoder, "_targets": ds._targets}
+        parts = {"_decoder": ds._decoder, "_target_reader": ds._target_reader, "_targets": ds._targets}
         return {**vars(ds), **{f"{name}.{k}": v for name, part in parts.items() for k, v in vars(part).items()}}
 
     def sizes(ds: LmdbImageDataset) -> dict[str, int]:

@@ -21,8 +21,9 @@ from torch.utils.data import Dataset, default_collate
 from lightning_fastdata.errors import CorruptRecordError, DatasetFormatError, FastDataError, SampleError
 from lightning_fastdata.store.decoding import DECODE_BUDGET, DEFAULT_MAX_PIXELS, RecordDecoder
 from lightning_fastdata.store.environments import open_readonly, read_meta, read_transaction
-from lightning_fastdata.store.format import DATA_FILE, RecordHeader, labels_key, record_key, unpack_record
-from lightning_fastdata.store.targets import NO_LABEL, SplitTargets, TargetSpec, first_bad_label
+from lightning_fastdata.store.format import DATA_FILE, RecordHeader, record_key, unpack_record
+from lightning_fastdata.store.target_reader import TargetReader
+from lightning_fastdata.store.targets import NO_LABEL, SplitTargets, TargetSpec
 
 __all__ = ["DECODE_BUDGET", "DEFAULT_MAX_PIXELS", "LmdbImageDataset", "Output", "collate_labels"]
 
@@ -34,6 +35,56 @@ def collate_labels(labels: list[Any]) -> Any:
     if all(type(label) is int for label in labels):
         return torch.tensor(labels, dtype=torch.int64)
     return default_collate(labels)
+
+
+def _identity(path: str) -> tuple[int, ...]:
+    """What tells the data file of the database at ``path`` from any other: device, inode, size (third), mtime."""
+    st = os.stat(os.path.join(path, DATA_FILE))
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def _read_failed(path: str, identity: tuple[int, ...], what: str, err: lmdb.Error) -> FastDataError:
+    """The error for LMDB's ``err`` while ``what``: damage, unless the database was replaced since it was opened.
+
+    ``identity``: its data file's when the dataset opened it (:func:`_identity`). Once the database at ``path`` is
+    replaced, the next open of that path in this process closes the old environment
+    (:func:`~lightning_fastdata.store.environments.open_readonly`); reading through it then fails here.
+    """
+    try:
+        replaced = _identity(path) != identity
+    except OSError:
+        replaced = True
+    if replaced:
+        return DatasetFormatError(
+            f"{what} failed: the database was replaced or deleted after this dataset opened it (by `convert"
+            " --force`, say), and the records it indexed are gone. Create the dataset again (or the DataModule)."
+        )
+    return CorruptRecordError(f"{what} failed: {err}")
+
+
+def _unreadable(where: str, opened_in: int, err: Exception) -> Exception:
+    """The error for the record at ``where`` that did not read in a transaction opened in process ``opened_in``."""
+    if os.getpid() != opened_in:  # not damage: the parent's transaction, closed in this child at the fork
+        return RuntimeError(
+            f"{where}: this read transaction was opened in process {opened_in}, before this"
+            f" process ({os.getpid()}) was forked from it, and a transaction does not cross a fork. Fork"
+            " outside `records()` / `read_transaction`, and read in the child through a transaction of its"
+            " own (`records()` or `read_record` called after the fork)."
+        )
+    return CorruptRecordError(
+        f"{where}: {err}. The database is damaged: convert the source again with `lightning-fastdata convert --force`."
+    )
+
+
+def _transform_failed(where: str, output: str, err: Exception) -> SampleError:
+    """The error for a user's transform that raised ``err`` on the sample at ``where``, with a hint where one helps."""
+    hint = ""
+    if output == "tensor" and isinstance(err, TypeError) and "PIL" in str(err):
+        hint = (
+            " This transform expects a PIL image (classic torchvision transforms such as ToTensor), but"
+            " images are uint8 tensors by default: pass `output='pil'` to LmdbImageDataset."
+        )
+    return SampleError(f"{where}: the transform raised {type(err).__name__}: {err}.{hint}")
 
 
 class LmdbImageDataset(Dataset):
@@ -118,22 +169,25 @@ class LmdbImageDataset(Dataset):
         self.class_counts: list[int] = list(splits[split]["class_counts"])
         #: what each sample's target is (:mod:`~lightning_fastdata.store.targets`)
         self.target_spec = TargetSpec.from_meta(meta, self.path)
+        self._length = int(splits[split]["length"])
         crc = splits[split].get("targets_crc32")
+        #: the split's typed target arrays, read by :attr:`_target_reader` and checked record by record in :meth:`_read`
         self._targets = SplitTargets(
-            self.target_spec, split, int(splits[split]["length"]), crc if type(crc) is int else None, self.path
+            self.target_spec, split, self._length, crc if type(crc) is int else None, self.path
         )
         if self.target_spec.kind in ("multilabel", "float"):  # sizes, before a batch's memory is sized by C or K
             with read_transaction(open_readonly(self.path), buffers=True) as txn:
                 self._targets.check_sizes(txn)
         self.splits: list[str] = sorted(splits)
         self.encoding: dict[str, Any] = dict(meta.get("encoding", {}))
-        self._length = int(splits[split]["length"])
         self._env: lmdb.Environment | None = None
         self._pid: int | None = None
         self._file_size = 0
         self._identity: tuple[int, ...] = ()
         #: checks records against `max_pixels` and decodes them (:mod:`~lightning_fastdata.store.decoding`)
         self._decoder = RecordDecoder(max_pixels, self._length, self._where)
+        #: reads targets through this dataset's transactions (:mod:`~lightning_fastdata.store.target_reader`)
+        self._target_reader = TargetReader(self._targets, len(self.classes), self._transaction, self._where)
 
     def __len__(self) -> int:
         return self._length
@@ -151,29 +205,19 @@ class LmdbImageDataset(Dataset):
         """The LMDB environment of this process, opened on first use (and again after a fork)."""
         if self._env is None or self._pid != os.getpid():
             self._env = open_readonly(self.path)
-            st = os.stat(os.path.join(self.path, DATA_FILE))
-            self._file_size = st.st_size
-            self._identity = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+            self._identity = _identity(self.path)
+            self._file_size = self._identity[2]
             self._pid = os.getpid()
         return self._env
 
-    def _read_failed(self, what: str, err: lmdb.Error) -> FastDataError:
-        """The error for LMDB's ``err`` while ``what``: damage, unless the database was replaced since it was opened.
-
-        Once the database at :attr:`path` is replaced, the next open of that path in this process closes the old
-        environment (:func:`~lightning_fastdata.store.environments.open_readonly`); reading through it then fails here.
-        """
+    @contextmanager
+    def _transaction(self, what: str) -> Iterator[tuple[lmdb.Transaction, tuple[int, ...]]]:
+        """A read transaction of this process's environment and its data file's identity; errors name ``what``."""
         try:
-            st = os.stat(os.path.join(self.path, DATA_FILE))
-            replaced = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) != self._identity
-        except OSError:
-            replaced = True
-        if replaced:
-            return DatasetFormatError(
-                f"{what} failed: the database was replaced or deleted after this dataset opened it (by `convert"
-                " --force`, say), and the records it indexed are gone. Create the dataset again (or the DataModule)."
-            )
-        return CorruptRecordError(f"{what} failed: {err}")
+            with read_transaction(self._environment(), buffers=True) as txn:
+                yield txn, self._identity
+        except lmdb.Error as err:
+            raise _read_failed(self.path, self._identity, what, err) from err
 
     def _where(self, index: int) -> str:
         return f"split {self.split!r} index {index} of {self.path!r}"
@@ -204,7 +248,7 @@ class LmdbImageDataset(Dataset):
             try:
                 txn = stack.enter_context(read_transaction(self._environment(), buffers=True))
             except lmdb.Error as err:
-                raise self._read_failed(f"reading {self.path!r}", err) from err
+                raise _read_failed(self.path, self._identity, f"reading {self.path!r}", err) from err
             # the decoder's check of a record header's pixels, bound once a transaction rather than looked up a record
             yield functools.partial(self._read, txn, os.getpid(), self._decoder.check_pixels)
 
@@ -223,34 +267,18 @@ class LmdbImageDataset(Dataset):
                 raise CorruptRecordError(f"the record claims {len(record)} bytes, more than the whole file")
             header, payload = unpack_record(record, verify=self.verify_checksums)
         except (CorruptRecordError, lmdb.Error) as err:
-            if os.getpid() != opened_in:  # not damage: the parent's transaction, closed in this child at the fork
-                raise RuntimeError(
-                    f"{self._where(index)}: this read transaction was opened in process {opened_in}, before this"
-                    f" process ({os.getpid()}) was forked from it, and a transaction does not cross a fork. Fork"
-                    " outside `records()` / `read_transaction`, and read in the child through a transaction of its"
-                    " own (`records()` or `read_record` called after the fork)."
-                ) from err
-            raise CorruptRecordError(
-                f"{self._where(index)}: {err}. The database is damaged: convert the source again with"
-                " `lightning-fastdata convert --force`."
-            ) from err
+            raise _unreadable(self._where(index), opened_in, err) from err
         kind = self.target_spec.kind
         if kind == "class" and not 0 <= header.label < len(self.classes):
-            raise self._bad_label(index, header.label)
+            raise self._target_reader.bad_label(index, header.label)
         if kind == "float":  # its values, checked with the arrays' checksum once: a dictionary look-up a record
             try:
                 self._targets.check_records(txn, self._identity, index)
             except lmdb.Error as err:
-                raise self._read_failed(f"reading the targets of {self._where(index)}", err) from err
+                what = f"reading the targets of {self._where(index)}"
+                raise _read_failed(self.path, self._identity, what, err) from err
         check_pixels(index, header.height, header.width)
         return header, payload
-
-    def _bad_label(self, index: int, label: int) -> CorruptRecordError:
-        """The error for sample ``index``'s class ``label`` outside the classes (its header's or the label array's)."""
-        return CorruptRecordError(
-            f"{self._where(index)}: label {label} is outside the {len(self.classes)} classes. The database is damaged:"
-            " convert the source again with `lightning-fastdata convert --force`."
-        )
 
     def decode(self, index: int, header: RecordHeader, data: bytearray) -> Any:
         """Decode a record read by :meth:`read_record` into this dataset's ``output`` form (before ``transform``).
@@ -306,28 +334,7 @@ class LmdbImageDataset(Dataset):
                 outside the classes, a float value that is not finite), naming the first such sample.
 
         """
-        spec = self.target_spec
-        records = np.asarray(records, dtype=np.int64)
-        if records.size and (records.min() < 0 or records.max() >= self._length):
-            raise IndexError(f"a record index is out of range for split {self.split!r} of length {self._length}")
-        if out is None:
-            out = np.empty((len(records), *spec.shape), dtype=spec.dtype)
-        if spec.kind == "class":
-            with self._label_array() as labels:
-                out[...] = labels[records]
-            bad = first_bad_label(out, len(self.classes))
-            if bad is not None:
-                raise self._bad_label(int(records[bad]), int(out[bad]))
-            return out
-        if spec.kind == "none":
-            out[...] = NO_LABEL
-            return out
-        try:
-            with read_transaction(self._environment(), buffers=True) as txn:
-                self._targets.gather(txn, self._identity, records, out)
-        except lmdb.Error as err:
-            raise self._read_failed(f"reading the targets of split {self.split!r} of {self.path!r}", err) from err
-        return out
+        return self._target_reader.of(records, out)
 
     def target(self, index: int, header: RecordHeader) -> Any:
         """Sample ``index``'s target as ``__getitem__`` gives it (before ``target_transform``)."""
@@ -346,15 +353,7 @@ class LmdbImageDataset(Dataset):
             try:
                 image = self.transform(image)
             except Exception as err:
-                hint = ""
-                if self.output == "tensor" and isinstance(err, TypeError) and "PIL" in str(err):
-                    hint = (
-                        " This transform expects a PIL image (classic torchvision transforms such as ToTensor), but"
-                        " images are uint8 tensors by default: pass `output='pil'` to LmdbImageDataset."
-                    )
-                raise SampleError(
-                    f"{self._where(index)}: the transform raised {type(err).__name__}: {err}.{hint}"
-                ) from err
+                raise _transform_failed(self._where(index), self.output, err) from err
         if self.target_transform is not None:
             label = self.target_transform(label)
         return image, label
@@ -371,36 +370,7 @@ class LmdbImageDataset(Dataset):
                 damaged; the message names the first such sample's split, index and value.
 
         """
-        kind = self.target_spec.kind
-        if kind == "none":
-            return [NO_LABEL] * self._length
-        if kind == "multilabel":
-            try:
-                with read_transaction(self._environment(), buffers=True) as txn:
-                    return self._targets.class_lists(txn, self._identity)
-            except lmdb.Error as err:
-                raise self._read_failed(f"reading the targets of split {self.split!r} of {self.path!r}", err) from err
-        if kind == "float":  # a value that is not finite is refused, naming its sample (`SplitTargets.check_records`)
-            return self.targets_of(np.arange(self._length)).tolist()
-        with self._label_array() as labels:
-            bad = first_bad_label(labels, len(self.classes))  # as every other read of a label refuses it
-            if bad is not None:
-                raise self._bad_label(bad, int(labels[bad]))
-            return labels.tolist()
-
-    @contextmanager
-    def _label_array(self) -> Iterator[np.ndarray]:
-        """The ``int32`` label array of a ``class`` split, a view of the memory map valid in the ``with`` block."""
-        try:
-            with read_transaction(self._environment(), buffers=True) as txn:
-                raw = txn.get(labels_key(self.split))
-                if raw is None or len(raw) != 4 * self._length:
-                    raise CorruptRecordError(
-                        f"the label array of split {self.split!r} of {self.path!r} is missing or damaged"
-                    )
-                yield np.frombuffer(raw, dtype="<i4")
-        except lmdb.Error as err:
-            raise self._read_failed(f"reading the labels of split {self.split!r} of {self.path!r}", err) from err
+        return self._target_reader.all()
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
