@@ -29,8 +29,8 @@ from lightning_fastdata import (
     convert_dataset,
     read_meta,
 )
+from lightning_fastdata.store import decoding
 from lightning_fastdata.store import format as store_format
-from lightning_fastdata.store import reader
 from lightning_fastdata.store.format import ENCODING_JPEG, ENCODING_PNG, pack_record, record_key
 
 
@@ -250,6 +250,14 @@ def test_dataset_pickles_without_its_environment(database):
     assert torch.equal(image, first)
     assert clone_label == label
     assert clone.targets == ds.targets
+    fresh = pickle.loads(pickle.dumps(ds))  # its decoder and target reader work for it, not for the original
+    assert fresh.targets == ds.targets
+    assert fresh._env is not None  # the targets were read through its own environment
+    fresh.max_pixels = 1
+    with pytest.raises(CorruptRecordError, match="over `max_pixels`"):
+        fresh[0]
+    assert ds.max_pixels == decoding.DEFAULT_MAX_PIXELS
+    assert torch.equal(ds[0][0], first)
 
 
 def test_read_only_copy_is_read_without_writing(database, tmp_path):
@@ -284,12 +292,18 @@ def test_memory_does_not_grow_with_the_dataset(tmp_path):
             ds[i]
         assert len(ds.targets) == len(ds)
 
+    def state(ds: LmdbImageDataset) -> dict[str, Any]:
+        """The dataset's attributes, and those of the objects it hands its decodes and targets to."""
+        parts = {"_decoder": ds._decoder, "_target_reader": ds._target_reader, "_targets": ds._targets}
+        return {**vars(ds), **{f"{name}.{k}": v for name, part in parts.items() for k, v in vars(part).items()}}
+
     def sizes(ds: LmdbImageDataset) -> dict[str, int]:
-        return {k: len(v) for k, v in vars(ds).items() if hasattr(v, "__len__") and not isinstance(v, (str, bytearray))}
+        kept = state(ds).items()
+        return {k: len(v) for k, v in kept if hasattr(v, "__len__") and not isinstance(v, (str, bytearray))}
 
     assert sizes(small) == sizes(large)
-    per_sample = {k: len(v) for k, v in vars(large).items() if isinstance(v, bytearray)}
-    assert per_sample == {"_jpeg_checked": len(large)}  # a byte a sample, nothing else
+    per_sample = {k: len(v) for k, v in state(large).items() if isinstance(v, bytearray)}
+    assert per_sample == {"_decoder._jpeg_checked": len(large)}  # a byte a sample, nothing else
     assert abs(len(pickle.dumps(small)) - len(pickle.dumps(large))) <= 8
     assert len(large) == 50 * len(small)
 
@@ -472,7 +486,7 @@ def test_png_records_decode_to_pils_rgb_pixels(
     transparency dropped, palettes, greyscale and 1- and 4-bit samples expanded, an EXIF rotation not applied;
     from its bytes (a small PNG) and through a file in memory (a large one) alike."""
     if through_a_file:
-        monkeypatch.setattr(reader, "_PNG_COPIED_PIXELS", 0)
+        monkeypatch.setattr(decoding, "_PNG_COPIED_PIXELS", 0)
     png = _png_kinds()[kind]
     db = hostile.write_database(tmp_path / "db", [hostile.record(ENCODING_PNG, 0, 37, 53, png)], ["a"])
     expected = np.asarray(Image.open(io.BytesIO(png)).convert("RGB"))
@@ -513,7 +527,7 @@ def test_a_damaged_png_is_a_clear_error_from_its_bytes_and_through_a_file(
     records = [hostile.record(ENCODING_PNG, 0, 37, 53, bad) for bad in (png[: len(png) // 2], damaged)]
     db = hostile.write_database(tmp_path / "db", records, ["a"])
     for copied_pixels in (1 << 20, 0):
-        monkeypatch.setattr(reader, "_PNG_COPIED_PIXELS", copied_pixels)
+        monkeypatch.setattr(decoding, "_PNG_COPIED_PIXELS", copied_pixels)
         for index in range(2):
             with pytest.raises(CorruptRecordError, match=f"index {index} of .*: the image does not decode"):
                 LmdbImageDataset(db)[index]
@@ -583,7 +597,7 @@ def _no_decode(monkeypatch: pytest.MonkeyPatch) -> None:
     """Make PIL's decode of pixels fail the test (the checks must come before it), and libjpeg-turbo's unless it is
     given the memory to decode into, no more than the record header declares: it reads the JPEG's own frame header
     and refuses a larger image before it decodes a pixel (``buffer is too small``)."""
-    decode_jpeg = reader.simplejpeg.decode_jpeg
+    decode_jpeg = decoding.simplejpeg.decode_jpeg
 
     def decoded(*args: object, **kwargs: object) -> None:
         raise AssertionError("the image was decoded")
@@ -593,9 +607,9 @@ def _no_decode(monkeypatch: pytest.MonkeyPatch) -> None:
             raise AssertionError(f"decoded into {None if buffer is None else buffer.nbytes} bytes")
         return decode_jpeg(data, *args, buffer=buffer, **kwargs)
 
-    monkeypatch.setattr(reader.simplejpeg, "decode_jpeg", into_the_records_size)
+    monkeypatch.setattr(decoding.simplejpeg, "decode_jpeg", into_the_records_size)
     monkeypatch.setattr(ImageFile.ImageFile, "load", decoded)
-    monkeypatch.setattr(reader, "_read_png", decoded)
+    monkeypatch.setattr(decoding, "_read_png", decoded)
 
 
 @pytest.mark.parametrize("output", ["tensor", "pil"])
@@ -721,16 +735,14 @@ def test_a_record_is_read_only_as_its_encoding(tmp_path: Path) -> None:
 def test_each_jpeg_is_walked_once_per_process(database: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The batch path's marker walk (a few us of GIL each) runs once a sample, not each epoch; a pickled copy (what a
     spawned worker gets) walks its samples itself, and a refused record stays refused."""
-    from lightning_fastdata.store import reader
-
     walked: list[int] = []
-    walk = reader.jpeg_frame
+    walk = decoding.jpeg_frame
 
     def counted(data: Any, *args: Any) -> Any:
         walked.append(len(data))
         return walk(data, *args)
 
-    monkeypatch.setattr(reader, "jpeg_frame", counted)
+    monkeypatch.setattr(decoding, "jpeg_frame", counted)
     ds = LmdbImageDataset(database)
     n = min(len(ds), 6)
     for _ in range(2):  # two epochs

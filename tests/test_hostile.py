@@ -29,7 +29,7 @@ from lightning_fastdata import CorruptRecordError, LmdbImageDataset
 from lightning_fastdata.pipeline import create_loader
 from lightning_fastdata.pipeline.device_decode import EncodedCropDataset
 from lightning_fastdata.skipping import SkipCounter
-from lightning_fastdata.store import reader
+from lightning_fastdata.store import decoding
 from lightning_fastdata.store.format import (
     ENCODING_JPEG,
     ENCODING_PNG,
@@ -444,7 +444,7 @@ def test_a_progressive_jpeg_s_coefficient_buffer_counts_against_the_decode_budge
         def decoded(*args: object, **kwargs: object) -> None:
             raise AssertionError("the image was decoded")
 
-        patched.setattr(reader.simplejpeg, "decode_jpeg", decoded)
+        patched.setattr(decoding.simplejpeg, "decode_jpeg", decoded)
         patched.setattr(ImageFile.ImageFile, "load", decoded)
         with pytest.raises(CorruptRecordError) as info:
             LmdbImageDataset(db, output=output, max_pixels=enough - 1)[0]  # type: ignore[arg-type]

@@ -163,7 +163,7 @@ def encoded_sample(
     PNG), which nvJPEG cannot take, travel decoded.
     """
     if header.encoding == _format.ENCODING_JPEG:
-        dataset._check_frame(index, header, payload)
+        dataset._decoder.check_frame(index, header, payload)
     data = bytearray(payload)
     if header.encoding == _format.ENCODING_JPEG:
         image = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)

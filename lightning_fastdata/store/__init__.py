@@ -15,7 +15,9 @@ One module per concern, in the order a sample travels:
 * :mod:`~lightning_fastdata.store.summary`: what a conversion reports (``ConversionSummary``, ``SkippedFile``);
 * :mod:`~lightning_fastdata.store.format`: the on-disk format shared by writer and reader (keys, headers, metadata);
 * :mod:`~lightning_fastdata.store.environments`: opening a database read-only, walked once (``read_meta``, ...);
-* :mod:`~lightning_fastdata.store.reader`: ``LmdbImageDataset``, the reader;
+* :mod:`~lightning_fastdata.store.reader`: ``LmdbImageDataset``, the reader, with
+  :mod:`~lightning_fastdata.store.decoding` (``RecordDecoder``: a record checked against the reader's limits, then
+  decoded) and :mod:`~lightning_fastdata.store.target_reader` (a split's targets as the reader gives them);
 * :mod:`~lightning_fastdata.store.jpeg`: the walk over a JPEG's markers by which the reader holds a record's decode
   to its budget;
 * :mod:`~lightning_fastdata.store.targets`: the target kinds (class, multi-label, float, none): their typed arrays,

@@ -123,7 +123,7 @@ class _Holds:
     So when the database at a path is replaced and the path opened again, its old environment is only retired here:
     closed at once if no transaction is open on it, else by the thread that ends the last one. A dataset that reads
     through it afterwards finds it closed, and says the database was replaced
-    (:meth:`~lightning_fastdata.store.reader.LmdbImageDataset._read_failed`). Environments are closed under the lock:
+    (:func:`~lightning_fastdata.store.reader._read_failed`). Environments are closed under the lock:
     a transaction starting meanwhile waits, then finds the environment closed, never a map unmapped under it.
     """
 

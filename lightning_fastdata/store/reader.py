@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import io
 import os
-import struct
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -17,94 +15,19 @@ from typing import Any, Literal
 
 import lmdb
 import numpy as np
-import simplejpeg
 import torch
-from PIL import Image
 from torch.utils.data import Dataset, default_collate
 
-from lightning_fastdata._cv import cv2
-from lightning_fastdata._files import anonymous_file, path_of
 from lightning_fastdata.errors import CorruptRecordError, DatasetFormatError, FastDataError, SampleError
+from lightning_fastdata.store.decoding import DECODE_BUDGET, DEFAULT_MAX_PIXELS, RecordDecoder
 from lightning_fastdata.store.environments import open_readonly, read_meta, read_transaction
-from lightning_fastdata.store.format import (
-    DATA_FILE,
-    ENCODING_JPEG,
-    ENCODING_PNG,
-    ENCODING_RAW,
-    RecordHeader,
-    labels_key,
-    record_key,
-    unpack_record,
-)
-from lightning_fastdata.store.jpeg import _SCANS_COUNTED, MAX_JPEG_SCANS, JpegFrame, jpeg_frame
-from lightning_fastdata.store.targets import NO_LABEL, SplitTargets, TargetSpec, first_bad_label
+from lightning_fastdata.store.format import DATA_FILE, RecordHeader, record_key, unpack_record
+from lightning_fastdata.store.target_reader import TargetReader
+from lightning_fastdata.store.targets import NO_LABEL, SplitTargets, TargetSpec
+
+__all__ = ["DECODE_BUDGET", "DEFAULT_MAX_PIXELS", "LmdbImageDataset", "Output", "collate_labels"]
 
 Output = Literal["tensor", "pil", "encoded"]
-
-#: the most pixels a record may decode to by default: 48 MiP (50,331,648: 8192 x 6144), as much as a 50 MP camera's
-#: photos (8688 x 5792); a database you did not make cannot ask a reader for more memory than this per image
-#: (decompression bombs): 144 MiB decoded as RGB, 240 MiB as a greyscale JPEG that PIL converts to RGB.
-DEFAULT_MAX_PIXELS = 3 * 2**24
-#: the most memory one image's decode may take, in bytes a pixel of `max_pixels` (240 MiB at the default): what a
-#: greyscale image of `max_pixels` takes as a PIL image (1 byte a pixel decoded, then 4 for PIL's RGB). An image whose
-#: decode takes more a pixel (a CMYK JPEG; an RGBA, 16-bit or CMYK image read as a PIL image) is refused above the
-#: pixels that fit, before it is decoded.
-DECODE_BUDGET = 5
-#: bytes a pixel that libjpeg-turbo (simplejpeg) takes for a CMYK or YCCK JPEG decoded to RGB: the CMYK image, then RGB
-_CMYK_COST = 7
-#: the only format PIL may read a record of each encoding as (none of its other, rarer, decoders)
-_PIL_FORMATS = {ENCODING_JPEG: "JPEG", ENCODING_PNG: "PNG"}
-_PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-#: a PNG of at most this many pixels decodes from its bytes, with OpenCV's copy (6 bytes a pixel: 6 MiB at most); a
-#: larger one through a file in memory, straight into NumPy's (3 bytes a pixel), at the cost of the file's pages
-#: (docs/benchmarks.md#png-records-from-their-bytes-up-to-1-mip)
-_PNG_COPIED_PIXELS = 1 << 20
-_RAISE_HINT = (
-    "If you trust this database, raise `max_pixels` (LmdbImageDataset or FastImageDataModule, `--data.max_pixels` on"
-    " the command line), or pass None for no limit."
-)
-
-
-def _png_size(data: bytearray | memoryview) -> tuple[int, int]:
-    """``(height, width)`` from a PNG's IHDR chunk, which the format puts first."""
-    if len(data) < 24 or bytes(data[:8]) != _PNG_SIGNATURE or bytes(data[12:16]) != b"IHDR":
-        raise ValueError("not a PNG (no PNG signature and IHDR chunk)")
-    width, height = struct.unpack_from(">II", data, 16)
-    return height, width
-
-
-def _read_png(data: bytearray | memoryview, pixels: int) -> np.ndarray | None:
-    """A PNG of ``pixels`` pixels decoded by OpenCV (libpng) into a new ``uint8`` RGB HWC array; ``None`` if it fails.
-
-    Transparency is dropped, palettes, greyscale and depths under 8 bits are expanded, and 16-bit samples keep their
-    high byte, all row by row as libpng decodes; EXIF orientation is not applied (as PIL). ``cv2.imdecode`` decodes
-    into OpenCV's memory and copies that into NumPy's (6 bytes a pixel at the peak): a PNG of more than
-    :data:`_PNG_COPIED_PIXELS` goes to ``cv2.imread`` as a file in memory instead, which, given an output, decodes
-    straight into NumPy's memory (3 bytes a pixel).
-    """
-    flags = cv2.IMREAD_COLOR_RGB | cv2.IMREAD_IGNORE_ORIENTATION
-    if pixels <= _PNG_COPIED_PIXELS:
-        return cv2.imdecode(np.frombuffer(data, dtype=np.uint8), flags)
-    fd = anonymous_file("lightning_fastdata-png")
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        os.lseek(fd, 0, os.SEEK_SET)  # opening /dev/fd/N shares this offset on some systems
-        return cv2.imread(path_of(fd), None, flags)
-    finally:
-        os.close(fd)
-
-
-def _pil_cost(mode: str) -> int:
-    """Bytes a pixel that PIL takes to decode an image of ``mode`` and convert it to RGB.
-
-    PIL keeps an image of one 8-bit band in 1 byte a pixel, a 16-bit one (``I;16``) in 2, and every other mode
-    (RGB, RGBA, LA, CMYK, ...) in 4; a conversion to RGB makes a second image, of 4.
-    """
-    if mode == "RGB":
-        return 4
-    return (1 if mode in ("1", "L", "P") else 2 if mode.startswith("I;16") else 4) + 4
 
 
 def collate_labels(labels: list[Any]) -> Any:
@@ -112,6 +35,56 @@ def collate_labels(labels: list[Any]) -> Any:
     if all(type(label) is int for label in labels):
         return torch.tensor(labels, dtype=torch.int64)
     return default_collate(labels)
+
+
+def _identity(path: str) -> tuple[int, ...]:
+    """What tells the data file of the database at ``path`` from any other: device, inode, size (third), mtime."""
+    st = os.stat(os.path.join(path, DATA_FILE))
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def _read_failed(path: str, identity: tuple[int, ...], what: str, err: lmdb.Error) -> FastDataError:
+    """The error for LMDB's ``err`` while ``what``: damage, unless the database was replaced since it was opened.
+
+    ``identity``: its data file's when the dataset opened it (:func:`_identity`). Once the database at ``path`` is
+    replaced, the next open of that path in this process closes the old environment
+    (:func:`~lightning_fastdata.store.environments.open_readonly`); reading through it then fails here.
+    """
+    try:
+        replaced = _identity(path) != identity
+    except OSError:
+        replaced = True
+    if replaced:
+        return DatasetFormatError(
+            f"{what} failed: the database was replaced or deleted after this dataset opened it (by `convert"
+            " --force`, say), and the records it indexed are gone. Create the dataset again (or the DataModule)."
+        )
+    return CorruptRecordError(f"{what} failed: {err}")
+
+
+def _unreadable(where: str, opened_in: int, err: Exception) -> Exception:
+    """The error for the record at ``where`` that did not read in a transaction opened in process ``opened_in``."""
+    if os.getpid() != opened_in:  # not damage: the parent's transaction, closed in this child at the fork
+        return RuntimeError(
+            f"{where}: this read transaction was opened in process {opened_in}, before this"
+            f" process ({os.getpid()}) was forked from it, and a transaction does not cross a fork. Fork"
+            " outside `records()` / `read_transaction`, and read in the child through a transaction of its"
+            " own (`records()` or `read_record` called after the fork)."
+        )
+    return CorruptRecordError(
+        f"{where}: {err}. The database is damaged: convert the source again with `lightning-fastdata convert --force`."
+    )
+
+
+def _transform_failed(where: str, output: str, err: Exception) -> SampleError:
+    """The error for a user's transform that raised ``err`` on the sample at ``where``, with a hint where one helps."""
+    hint = ""
+    if output == "tensor" and isinstance(err, TypeError) and "PIL" in str(err):
+        hint = (
+            " This transform expects a PIL image (classic torchvision transforms such as ToTensor), but"
+            " images are uint8 tensors by default: pass `output='pil'` to LmdbImageDataset."
+        )
+    return SampleError(f"{where}: the transform raised {type(err).__name__}: {err}.{hint}")
 
 
 class LmdbImageDataset(Dataset):
@@ -191,61 +164,60 @@ class LmdbImageDataset(Dataset):
         self.output = output
         self.verify_checksums = verify_checksums
         self.fast_decode = fast_decode
-        self.max_pixels = max_pixels
         self.classes: list[str] = list(meta["classes"])
         self.class_to_idx = {name: i for i, name in enumerate(self.classes)}
         self.class_counts: list[int] = list(splits[split]["class_counts"])
         #: what each sample's target is (:mod:`~lightning_fastdata.store.targets`)
         self.target_spec = TargetSpec.from_meta(meta, self.path)
+        self._length = int(splits[split]["length"])
         crc = splits[split].get("targets_crc32")
+        #: the split's typed target arrays, read by :attr:`_target_reader` and checked record by record in :meth:`_read`
         self._targets = SplitTargets(
-            self.target_spec, split, int(splits[split]["length"]), crc if type(crc) is int else None, self.path
+            self.target_spec, split, self._length, crc if type(crc) is int else None, self.path
         )
         if self.target_spec.kind in ("multilabel", "float"):  # sizes, before a batch's memory is sized by C or K
             with read_transaction(open_readonly(self.path), buffers=True) as txn:
                 self._targets.check_sizes(txn)
         self.splits: list[str] = sorted(splits)
         self.encoding: dict[str, Any] = dict(meta.get("encoding", {}))
-        self._length = int(splits[split]["length"])
         self._env: lmdb.Environment | None = None
         self._pid: int | None = None
         self._file_size = 0
         self._identity: tuple[int, ...] = ()
-        # the samples whose JPEG markers passed :meth:`_check_jpeg` in this process: a byte a sample, made on first use.
-        # The walk holds the GIL (a few us a JPEG, what bounds the threads engine on many cores), and a record of an
-        # open database never changes (its identity is checked at every open), so each is walked once, not each epoch
-        self._jpeg_checked: bytearray | None = None
+        #: checks records against `max_pixels` and decodes them (:mod:`~lightning_fastdata.store.decoding`)
+        self._decoder = RecordDecoder(max_pixels, self._length, self._where)
+        #: reads targets through this dataset's transactions (:mod:`~lightning_fastdata.store.target_reader`)
+        self._target_reader = TargetReader(self._targets, len(self.classes), self._transaction, self._where)
 
     def __len__(self) -> int:
         return self._length
+
+    @property
+    def max_pixels(self) -> int | None:
+        """The most pixels an image may have (``None``: no limit); the decoder's, which holds records to it."""
+        return self._decoder.max_pixels
+
+    @max_pixels.setter
+    def max_pixels(self, value: int | None) -> None:
+        self._decoder.max_pixels = value
 
     def _environment(self) -> lmdb.Environment:
         """The LMDB environment of this process, opened on first use (and again after a fork)."""
         if self._env is None or self._pid != os.getpid():
             self._env = open_readonly(self.path)
-            st = os.stat(os.path.join(self.path, DATA_FILE))
-            self._file_size = st.st_size
-            self._identity = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+            self._identity = _identity(self.path)
+            self._file_size = self._identity[2]
             self._pid = os.getpid()
         return self._env
 
-    def _read_failed(self, what: str, err: lmdb.Error) -> FastDataError:
-        """The error for LMDB's ``err`` while ``what``: damage, unless the database was replaced since it was opened.
-
-        Once the database at :attr:`path` is replaced, the next open of that path in this process closes the old
-        environment (:func:`~lightning_fastdata.store.environments.open_readonly`); reading through it then fails here.
-        """
+    @contextmanager
+    def _transaction(self, what: str) -> Iterator[tuple[lmdb.Transaction, tuple[int, ...]]]:
+        """A read transaction of this process's environment and its data file's identity; errors name ``what``."""
         try:
-            st = os.stat(os.path.join(self.path, DATA_FILE))
-            replaced = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) != self._identity
-        except OSError:
-            replaced = True
-        if replaced:
-            return DatasetFormatError(
-                f"{what} failed: the database was replaced or deleted after this dataset opened it (by `convert"
-                " --force`, say), and the records it indexed are gone. Create the dataset again (or the DataModule)."
-            )
-        return CorruptRecordError(f"{what} failed: {err}")
+            with read_transaction(self._environment(), buffers=True) as txn:
+                yield txn, self._identity
+        except lmdb.Error as err:
+            raise _read_failed(self.path, self._identity, what, err) from err
 
     def _where(self, index: int) -> str:
         return f"split {self.split!r} index {index} of {self.path!r}"
@@ -276,10 +248,13 @@ class LmdbImageDataset(Dataset):
             try:
                 txn = stack.enter_context(read_transaction(self._environment(), buffers=True))
             except lmdb.Error as err:
-                raise self._read_failed(f"reading {self.path!r}", err) from err
-            yield functools.partial(self._read, txn, os.getpid())
+                raise _read_failed(self.path, self._identity, f"reading {self.path!r}", err) from err
+            # the decoder's check of a record header's pixels, bound once a transaction rather than looked up a record
+            yield functools.partial(self._read, txn, os.getpid(), self._decoder.check_pixels)
 
-    def _read(self, txn: lmdb.Transaction, opened_in: int, index: int) -> tuple[RecordHeader, memoryview]:
+    def _read(
+        self, txn: lmdb.Transaction, opened_in: int, check_pixels: Callable[[int, int, int], None], index: int
+    ) -> tuple[RecordHeader, memoryview]:
         length = self._length
         if not -length <= index < length:
             raise IndexError(f"index {index} is out of range for split {self.split!r} of length {length}")
@@ -292,140 +267,18 @@ class LmdbImageDataset(Dataset):
                 raise CorruptRecordError(f"the record claims {len(record)} bytes, more than the whole file")
             header, payload = unpack_record(record, verify=self.verify_checksums)
         except (CorruptRecordError, lmdb.Error) as err:
-            if os.getpid() != opened_in:  # not damage: the parent's transaction, closed in this child at the fork
-                raise RuntimeError(
-                    f"{self._where(index)}: this read transaction was opened in process {opened_in}, before this"
-                    f" process ({os.getpid()}) was forked from it, and a transaction does not cross a fork. Fork"
-                    " outside `records()` / `read_transaction`, and read in the child through a transaction of its"
-                    " own (`records()` or `read_record` called after the fork)."
-                ) from err
-            raise CorruptRecordError(
-                f"{self._where(index)}: {err}. The database is damaged: convert the source again with"
-                " `lightning-fastdata convert --force`."
-            ) from err
+            raise _unreadable(self._where(index), opened_in, err) from err
         kind = self.target_spec.kind
         if kind == "class" and not 0 <= header.label < len(self.classes):
-            raise self._bad_label(index, header.label)
+            raise self._target_reader.bad_label(index, header.label)
         if kind == "float":  # its values, checked with the arrays' checksum once: a dictionary look-up a record
             try:
                 self._targets.check_records(txn, self._identity, index)
             except lmdb.Error as err:
-                raise self._read_failed(f"reading the targets of {self._where(index)}", err) from err
-        self._check_pixels(index, header.height, header.width)
+                what = f"reading the targets of {self._where(index)}"
+                raise _read_failed(self.path, self._identity, what, err) from err
+        check_pixels(index, header.height, header.width)
         return header, payload
-
-    def _bad_label(self, index: int, label: int) -> CorruptRecordError:
-        """The error for sample ``index``'s class ``label`` outside the classes (its header's or the label array's)."""
-        return CorruptRecordError(
-            f"{self._where(index)}: label {label} is outside the {len(self.classes)} classes. The database is damaged:"
-            " convert the source again with `lightning-fastdata convert --force`."
-        )
-
-    def _check_pixels(self, index: int, height: int, width: int) -> None:
-        """Refuse an image of more than :attr:`max_pixels` pixels, before anything is allocated for it."""
-        if self.max_pixels is not None and height * width > self.max_pixels:
-            raise CorruptRecordError(
-                f"{self._where(index)}: the image is {height}x{width} ({height * width:,} pixels), over `max_pixels`"
-                f" ({self.max_pixels:,}). {_RAISE_HINT}"
-            )
-
-    def _check_cost(self, index: int, what: str, height: int, width: int, cost: int, buffer: int = 0) -> None:
-        """Refuse an image whose decode takes more than ``DECODE_BUDGET`` bytes a pixel of ``max_pixels``, undecoded.
-
-        ``cost``: the bytes a pixel of the image that its decode takes; ``buffer``: the bytes of the buffer it is
-        decoded through beside (a multi-scan JPEG's coefficients, :meth:`.jpeg.JpegFrame.buffer_bytes`); ``what``:
-        its kind and how it is decoded.
-        """
-        pixels = height * width
-        total = pixels * cost + buffer
-        if self.max_pixels is None or total <= DECODE_BUDGET * self.max_pixels:
-            return
-        takes = f"{cost} bytes a pixel ({total / 2**20:.0f} MiB)"
-        if buffer:
-            takes = (
-                f"{total / pixels:.3g} bytes a pixel ({total / 2**20:.0f} MiB: {cost} a pixel for the image and"
-                f" {buffer / 2**20:.0f} MiB for the buffer of its DCT coefficients that a multi-scan JPEG is decoded"
-                " through)"
-            )
-        raise CorruptRecordError(
-            f"{self._where(index)}: the image is a {height}x{width} {what} ({pixels:,} pixels), whose decode takes"
-            f" {takes}, over the {DECODE_BUDGET * self.max_pixels / 2**20:.0f} MiB that `max_pixels`"
-            f" ({self.max_pixels:,}) allows an image ({DECODE_BUDGET} bytes a pixel). {_RAISE_HINT}"
-        )
-
-    def _check_frame(self, index: int, header: RecordHeader, data: bytearray | memoryview) -> JpegFrame | None:
-        """Check a JPEG or PNG record's own frame header (SOF, IHDR) before anything decodes it; no pixels are touched.
-
-        A decoder sizes its output by the frame header, not the record's: a record header within ``max_pixels`` may
-        carry a frame header that asks for far more (a decompression bomb). It must give the record's size exactly.
-        A JPEG's markers are checked too (:meth:`_check_jpeg`): its scans, and what its decode to RGB takes.
-
-        Returns:
-            A JPEG's frame as its markers give it (``None`` for a PNG, or with ``max_pixels`` ``None``).
-
-        Raises:
-            CorruptRecordError: the frame header does not parse, is over ``max_pixels``, or differs from the record
-                header's size, or a JPEG's scans or decode are over their limits; the message names the split and
-                index.
-
-        """
-        kind = _PIL_FORMATS[header.encoding]
-        try:
-            if header.encoding == ENCODING_JPEG:
-                height, width, _, _ = simplejpeg.decode_jpeg_header(data)
-            else:
-                height, width = _png_size(data)
-        except ValueError as err:
-            raise CorruptRecordError(f"{self._where(index)}: the image does not decode: {err}") from err
-        self._check_pixels(index, height, width)
-        if (height, width) != (header.height, header.width):
-            raise CorruptRecordError(
-                f"{self._where(index)}: the {kind} frame header's size {(height, width)} differs from the stored"
-                f" {(header.height, header.width)}"
-            )
-        return self._check_jpeg(index, header, data) if header.encoding == ENCODING_JPEG else None
-
-    def _check_jpeg(self, index: int, header: RecordHeader, data: bytearray | memoryview) -> JpegFrame | None:
-        """Check a JPEG's markers before its decode (:func:`.jpeg.jpeg_frame`: a few us, no pixel decoded, no copy).
-
-        Its frame header gives the record's size, within ``max_pixels``; it has at most :data:`.jpeg.MAX_JPEG_SCANS`
-        scans; and its decode to RGB (3 bytes a pixel, 7 for a CMYK or YCCK JPEG, plus the coefficient buffer of a
-        progressive or other multi-scan frame) fits :data:`DECODE_BUDGET`. Nothing is checked with ``max_pixels``
-        ``None``.
-
-        Returns:
-            The frame, or ``None`` where its markers give none (nothing decodes: the decoder says why) or nothing is
-            checked.
-
-        Raises:
-            CorruptRecordError: the frame is over one of these limits or unlike the record's size, naming the split and
-                index.
-
-        """
-        if self.max_pixels is None:
-            return None
-        frame = jpeg_frame(data)
-        if frame is None:
-            return None
-        self._check_pixels(index, frame.height, frame.width)
-        if (frame.height, frame.width) != (header.height, header.width):
-            raise CorruptRecordError(
-                f"{self._where(index)}: the JPEG frame header's size {(frame.height, frame.width)} differs from the"
-                f" stored {(header.height, header.width)}"
-            )
-        kind = "progressive JPEG" if frame.progressive else "multi-scan JPEG" if frame.buffered else "JPEG"
-        if frame.scans > MAX_JPEG_SCANS:
-            counted = f"{frame.scans:,}" if frame.scans < _SCANS_COUNTED else f"more than {_SCANS_COUNTED - 1:,}"
-            raise CorruptRecordError(
-                f"{self._where(index)}: the {kind} has {counted} scans, over the {MAX_JPEG_SCANS} a JPEG may have"
-                " (each scan is a pass of the decoder over the whole image; encoders write about 10). If you trust"
-                " this database, pass `max_pixels=None`, which lifts this limit too."
-            )
-        if len(frame.sampling) == 4:  # CMYK or YCCK: libjpeg-turbo decodes it to CMYK, then converts it to RGB
-            kind = kind.replace("JPEG", "CMYK JPEG")
-        cost = _CMYK_COST if len(frame.sampling) == 4 else 3
-        self._check_cost(index, kind, frame.height, frame.width, cost, frame.buffer_bytes())
-        return frame
 
     def decode(self, index: int, header: RecordHeader, data: bytearray) -> Any:
         """Decode a record read by :meth:`read_record` into this dataset's ``output`` form (before ``transform``).
@@ -437,7 +290,7 @@ class LmdbImageDataset(Dataset):
         if self.output == "encoded":
             return torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
         if self.output == "pil":
-            return self._pil_image(index, header, data)
+            return self._decoder.pil_image(index, header, data)
         return torch.from_numpy(self.decode_hwc(index, header, data, fast=self.fast_decode)).permute(2, 0, 1)
 
     def decode_hwc(
@@ -450,96 +303,15 @@ class LmdbImageDataset(Dataset):
     ) -> np.ndarray:
         """Decode a record into a ``uint8`` RGB HWC NumPy array (the batch path's form; no tensor, no copy).
 
-        JPEGs decode with libjpeg-turbo (``simplejpeg``; the GIL is released), into ``buffer`` when given (at least
-        ``height * width * 3`` bytes); ``fast`` uses its fast DCT and upsampling (see ``fast_decode``). PNGs decode
-        with OpenCV (libpng) straight to 8-bit RGB, into a new array (:func:`_read_png`: 16-bit samples keep their
-        high byte, where PIL's conversion of a 16-bit greyscale image clips them). Raw records are a view of ``data``.
-        Each takes 3 bytes a pixel, but for a CMYK JPEG (7: refused over :data:`DECODE_BUDGET`).
-
-        A JPEG decodes into exactly the ``height * width * 3`` bytes its record header declares (checked against
-        ``max_pixels`` when the record was read), once a walk over its markers (:meth:`_check_jpeg`, a few us) has
-        found its frame header of that size, its scans within :data:`.jpeg.MAX_JPEG_SCANS` and its decode within
-        :data:`DECODE_BUDGET`; libjpeg-turbo, which reads the JPEG's own frame header first, would refuse a larger
-        image too before it decodes a pixel. :meth:`_check_frame` explains a failure.
+        JPEGs into ``buffer`` when given (at least ``height * width * 3`` bytes), with libjpeg-turbo's fast DCT and
+        upsampling if ``fast``; each record is checked against ``max_pixels`` and :data:`DECODE_BUDGET` first. See
+        :meth:`RecordDecoder.decode_hwc <lightning_fastdata.store.decoding.RecordDecoder.decode_hwc>`.
 
         Raises:
-            CorruptRecordError: the bytes do not decode to the stored size, their frame header is over
-                ``max_pixels``, a JPEG has more than :data:`.jpeg.MAX_JPEG_SCANS` scans, or their decode would take
-                more than :data:`DECODE_BUDGET`; the message names the split and index.
+            CorruptRecordError: the bytes do not decode to the stored size, or are over a limit, naming the sample.
 
         """
-        if header.encoding == ENCODING_RAW:
-            return self._raw_image(index, header, data)
-        if header.encoding != ENCODING_JPEG:
-            return self._png_image(index, header, data)
-        checked = self._jpeg_checked
-        if checked is None:
-            checked = self._jpeg_checked = bytearray(self._length)
-        if not checked[index]:
-            self._check_jpeg(index, header, data)
-            checked[index] = self.max_pixels is not None  # with no limit nothing was checked: check once one is set
-        nbytes = header.height * header.width * 3
-        out = np.empty(nbytes, dtype=np.uint8) if buffer is None else buffer[:nbytes]
-        try:
-            image = simplejpeg.decode_jpeg(data, "RGB", fastdct=fast, fastupsample=fast, buffer=out)
-        except (RuntimeError, OSError, ValueError) as err:
-            self._check_frame(index, header, data)  # a frame header over `max_pixels` or unlike the record's says so
-            raise CorruptRecordError(f"{self._where(index)}: the image does not decode: {err}") from err
-        if image.shape[:2] != (header.height, header.width):
-            self._check_frame(index, header, data)
-            raise CorruptRecordError(
-                f"{self._where(index)}: decoded size {image.shape[:2]} differs from the stored"
-                f" {(header.height, header.width)}"
-            )
-        return image
-
-    def _png_image(self, index: int, header: RecordHeader, data: bytearray | memoryview) -> np.ndarray:
-        self._check_frame(index, header, data)
-        image = _read_png(data, header.height * header.width)
-        if image is None:
-            raise CorruptRecordError(f"{self._where(index)}: the image does not decode (libpng refused the PNG)")
-        if image.shape != (header.height, header.width, 3):  # the frame header agreed: never, but never trusted
-            raise CorruptRecordError(
-                f"{self._where(index)}: decoded size {image.shape[:2]} differs from the stored"
-                f" {(header.height, header.width)}"
-            )
-        return image
-
-    def _pil_image(self, index: int, header: RecordHeader, data: bytearray | memoryview) -> Image.Image:
-        if header.encoding == ENCODING_RAW:
-            return Image.fromarray(self._raw_image(index, header, data))
-        frame = self._check_frame(index, header, data)
-        failures = (OSError, SyntaxError, ValueError, Image.DecompressionBombError)
-        try:
-            image = Image.open(io.BytesIO(data), formats=[_PIL_FORMATS[header.encoding]])
-        except failures as err:
-            raise CorruptRecordError(f"{self._where(index)}: the image does not decode: {err}") from err
-        # its mode is known once its header is read, before its pixels are: what decoding and converting it takes
-        kind = "progressive JPEG" if frame is not None and frame.progressive else _PIL_FORMATS[header.encoding]
-        what = f"{image.mode} {kind} read as a PIL image"
-        buffer = frame.buffer_bytes() if frame is not None else 0  # libjpeg's, as for a tensor
-        self._check_cost(index, what, header.height, header.width, _pil_cost(image.mode), buffer)
-        try:
-            image.load()
-            if image.mode != "RGB":  # an RGB image is not copied again (PIL holds 4 bytes a pixel)
-                image = image.convert("RGB")
-        except failures as err:
-            raise CorruptRecordError(f"{self._where(index)}: the image does not decode: {err}") from err
-        if (image.height, image.width) != (header.height, header.width):
-            raise CorruptRecordError(
-                f"{self._where(index)}: decoded size {(image.height, image.width)} differs from the stored"
-                f" {(header.height, header.width)}"
-            )
-        return image
-
-    def _raw_image(self, index: int, header: RecordHeader, data: bytearray | memoryview) -> np.ndarray:
-        expected = header.height * header.width * 3
-        if len(data) != expected or expected == 0:
-            raise CorruptRecordError(
-                f"{self._where(index)}: a raw {header.height}x{header.width} RGB record needs {expected} bytes,"
-                f" found {len(data)}"
-            )
-        return np.frombuffer(data, dtype=np.uint8).reshape(header.height, header.width, 3)
+        return self._decoder.decode_hwc(index, header, data, buffer, fast)
 
     @property
     def target_kind(self) -> str:
@@ -562,28 +334,7 @@ class LmdbImageDataset(Dataset):
                 outside the classes, a float value that is not finite), naming the first such sample.
 
         """
-        spec = self.target_spec
-        records = np.asarray(records, dtype=np.int64)
-        if records.size and (records.min() < 0 or records.max() >= self._length):
-            raise IndexError(f"a record index is out of range for split {self.split!r} of length {self._length}")
-        if out is None:
-            out = np.empty((len(records), *spec.shape), dtype=spec.dtype)
-        if spec.kind == "class":
-            with self._label_array() as labels:
-                out[...] = labels[records]
-            bad = first_bad_label(out, len(self.classes))
-            if bad is not None:
-                raise self._bad_label(int(records[bad]), int(out[bad]))
-            return out
-        if spec.kind == "none":
-            out[...] = NO_LABEL
-            return out
-        try:
-            with read_transaction(self._environment(), buffers=True) as txn:
-                self._targets.gather(txn, self._identity, records, out)
-        except lmdb.Error as err:
-            raise self._read_failed(f"reading the targets of split {self.split!r} of {self.path!r}", err) from err
-        return out
+        return self._target_reader.of(records, out)
 
     def target(self, index: int, header: RecordHeader) -> Any:
         """Sample ``index``'s target as ``__getitem__`` gives it (before ``target_transform``)."""
@@ -602,15 +353,7 @@ class LmdbImageDataset(Dataset):
             try:
                 image = self.transform(image)
             except Exception as err:
-                hint = ""
-                if self.output == "tensor" and isinstance(err, TypeError) and "PIL" in str(err):
-                    hint = (
-                        " This transform expects a PIL image (classic torchvision transforms such as ToTensor), but"
-                        " images are uint8 tensors by default: pass `output='pil'` to LmdbImageDataset."
-                    )
-                raise SampleError(
-                    f"{self._where(index)}: the transform raised {type(err).__name__}: {err}.{hint}"
-                ) from err
+                raise _transform_failed(self._where(index), self.output, err) from err
         if self.target_transform is not None:
             label = self.target_transform(label)
         return image, label
@@ -627,42 +370,12 @@ class LmdbImageDataset(Dataset):
                 damaged; the message names the first such sample's split, index and value.
 
         """
-        kind = self.target_spec.kind
-        if kind == "none":
-            return [NO_LABEL] * self._length
-        if kind == "multilabel":
-            try:
-                with read_transaction(self._environment(), buffers=True) as txn:
-                    return self._targets.class_lists(txn, self._identity)
-            except lmdb.Error as err:
-                raise self._read_failed(f"reading the targets of split {self.split!r} of {self.path!r}", err) from err
-        if kind == "float":  # a value that is not finite is refused, naming its sample (`SplitTargets.check_records`)
-            return self.targets_of(np.arange(self._length)).tolist()
-        with self._label_array() as labels:
-            bad = first_bad_label(labels, len(self.classes))  # as every other read of a label refuses it
-            if bad is not None:
-                raise self._bad_label(bad, int(labels[bad]))
-            return labels.tolist()
-
-    @contextmanager
-    def _label_array(self) -> Iterator[np.ndarray]:
-        """The ``int32`` label array of a ``class`` split, a view of the memory map valid in the ``with`` block."""
-        try:
-            with read_transaction(self._environment(), buffers=True) as txn:
-                raw = txn.get(labels_key(self.split))
-                if raw is None or len(raw) != 4 * self._length:
-                    raise CorruptRecordError(
-                        f"the label array of split {self.split!r} of {self.path!r} is missing or damaged"
-                    )
-                yield np.frombuffer(raw, dtype="<i4")
-        except lmdb.Error as err:
-            raise self._read_failed(f"reading the labels of split {self.split!r} of {self.path!r}", err) from err
+        return self._target_reader.all()
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_env"] = None  # an LMDB environment must never cross a process boundary
         state["_pid"] = None
-        state["_jpeg_checked"] = None  # each process walks its samples once itself: never a copy of a byte a sample
         return state
 
     def __repr__(self) -> str:
