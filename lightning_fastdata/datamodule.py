@@ -422,9 +422,10 @@ class FastImageDataModule(PlainHparamsDataModule):
     def set_image_size(self, size: int) -> None:
         """Crop to ``size`` (an int >= 1) from now on: progressive resizing and FixRes (docs/datamodule.md).
 
-        The built datasets' crops change size, and so do the crops of ``decode="device"``; loaders follow as their next
-        epoch starts. Call it before ``fit`` or from ``on_train_epoch_start``. What changes and when, what it warns:
-        :mod:`lightning_fastdata.resizing`. ``image_size`` changes; the saved hyperparameter stays the configured one.
+        The loaders' crops change size as their next epoch starts (the datasets and their transforms stay as built),
+        and the crops of ``decode="device"`` at once. Call it before ``fit`` or from ``on_train_epoch_start``. What
+        changes and when, what it warns: :mod:`lightning_fastdata.resizing`. ``image_size`` changes; the saved
+        hyperparameter stays the configured one.
         """
         size = resizing.check_size(size)
         if size == self.image_size:
@@ -432,7 +433,7 @@ class FastImageDataModule(PlainHparamsDataModule):
         previous, self.image_size = self.image_size, size
         built = {"train": self.train_dataset, "val": self.val_dataset, "test": self.test_dataset}
         opened = self.data_plan if self._database.splits is not None else None  # checks its stored images
-        resizing.apply_size(size, previous, built, [self.predict_dataset], self._loaders.stage, opened)
+        resizing.apply_size(size, previous, built, self._loaders.stage, opened)
 
     def _start_epoch(self, stage: DeviceStage, scheduled: bool, epoch: int) -> int:
         """A loader's ``before_epoch``: the schedule's size of ``epoch`` (``scheduled``), the current one for ``stage``.

@@ -1,28 +1,30 @@
-"""Progressive resizing and FixRes: the crop size changes between epochs, the datasets stay.
+"""Progressive resizing and FixRes: the crop size changes between epochs; datasets and transforms stay as built.
 
 :meth:`FastImageDataModule.set_image_size <lightning_fastdata.FastImageDataModule.set_image_size>` (and its
-``image_size_schedule``, applied by the training loader as each epoch starts) changes the size of the crops the
-DataModule's datasets make, in place: the package's crop transforms
+``image_size_schedule``, applied by the training loader as each epoch starts) changes the DataModule's current
+``image_size``, and nothing else in place. Each loader asks for the size as its next epoch starts (its
+``before_epoch``) and gives it to its batch reader
+(:meth:`BatchReader.start_epoch <lightning_fastdata.pipeline.kernel.BatchReader.start_epoch>`): the fused path cuts
+its crops to it, and on the per-sample path the package's crop transforms
 (:class:`~lightning_fastdata.transforms.RandomResizedCropFlip`,
-:class:`~lightning_fastdata.transforms.CenterCropResize`) found on each dataset and the datasets it wraps (the
-``val_fraction`` holdout's view, a ``Subset``, a wrapper of one's own that keeps the wrapped dataset as ``dataset``).
-The datasets themselves are kept, so the holdout's indices, the sampler's order and each sample's crop box (drawn
-from its key ``(seed, epoch, sample)``, whatever the output size) are those of a run at one size: only the resize
-differs. The loaders follow at their next epoch (``FastLoader(before_epoch=...)``): batch slots of the new shape, and
-persistent worker processes, which hold a copy of the dataset made when they started, restarted.
+:class:`~lightning_fastdata.transforms.CenterCropResize`) read it wherever the dataset calls them, inside a ``Compose``
+or a wrapper of one's own (:func:`~lightning_fastdata.transforms.epoch_crop_size`). The datasets are kept, so the
+holdout's indices, the sampler's order and each sample's crop box (drawn from its key ``(seed, epoch, sample)``,
+whatever the output size) are those of a run at one size: only the resize differs. A new size gets batch slots of the
+new shape, and persistent worker processes, which hold a copy of the reader made when they started, restart.
 
 The DataModule's ``set_image_size`` (and its loaders' ``before_epoch``, which calls it, so that a subclass's override
-counts) checks the size (:func:`check_size`) and hands a new one to :func:`apply_size`, the one place a size reaches
-the loaders: the device stage, the datasets (:func:`resize_splits`) and the check of the stored images
-(:func:`check_stored_size`); the schedule's size of an epoch is :func:`size_at`. Call it before ``fit``, or
-from a callback's ``on_train_epoch_start`` (before the epoch's first batch is drawn); with ``image_size_schedule`` the
-schedule sets the size again as each training epoch starts. It logs the change, and warns for each built dataset
-without a crop transform to resize and, once the database is open, when its stored images are too small for the size.
+counts) checks the size (:func:`check_size`) and hands a new one to :func:`apply_size`: the device stage of
+``decode="device"``, the log line and warnings, and the check of the stored images (:func:`check_stored_size`); the
+schedule's size of an epoch is :func:`size_at`. Call it before ``fit``, or from a callback's ``on_train_epoch_start``
+(before the epoch's first batch is drawn). It warns for each built dataset read sample by sample whose transform is
+not the package's crop (the size reaches only the package's crop transforms such a transform calls) and, once the
+database is open, when its stored images are too small for the size.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
@@ -30,10 +32,9 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning_fastdata import resolve
 from lightning_fastdata.errors import InvalidArgumentError
 from lightning_fastdata.pipeline.device import DeviceStage
-from lightning_fastdata.pipeline.views import MultiViewCrop
+from lightning_fastdata.pipeline.kernel import fuses
 from lightning_fastdata.plans import DataPlan
 from lightning_fastdata.store import environments as _environments
-from lightning_fastdata.transforms import CenterCropResize, RandomResizedCropFlip
 
 
 def check_schedule(schedule: Mapping[int, int] | None) -> dict[int, int] | None:
@@ -69,63 +70,6 @@ def size_at(schedule: Mapping[int, int], epoch: int, default: int) -> int:
     return schedule[max(started)] if started else default
 
 
-def crop_transforms(dataset: Any) -> list[RandomResizedCropFlip | CenterCropResize]:
-    """The package's crop transforms ``dataset`` reads through: its ``transform`` and its wrapped datasets'.
-
-    Each ``transform`` found is taken when it is one of the crop transforms, or else looked into, one level: a crop
-    transform it holds as an attribute (a wrapper's ``self.base``) or in a list (torchvision ``Compose.transforms``).
-    """
-    found: list[RandomResizedCropFlip | CenterCropResize] = []
-    seen: set[int] = set()
-    node = dataset
-    while node is not None and id(node) not in seen:
-        seen.add(id(node))
-        transform = getattr(node, "transform", None)
-        for candidate in [transform, *_held(transform)]:
-            if isinstance(candidate, (RandomResizedCropFlip, CenterCropResize)) and id(candidate) not in seen:
-                seen.add(id(candidate))
-                found.append(candidate)
-        node = getattr(node, "dataset", None)
-    return found
-
-
-def _held(transform: Any) -> list[Any]:
-    """What a transform holds in its attributes, lists and tuples opened (nothing for a crop transform itself)."""
-    if transform is None or isinstance(transform, (RandomResizedCropFlip, CenterCropResize)):
-        return []
-    held: list[Any] = []
-    for value in getattr(transform, "__dict__", {}).values():
-        held.extend(value if isinstance(value, (list, tuple)) else [value])
-    return held
-
-
-def resize(datasets: Iterable[Any], size: int) -> list[Any]:
-    """Set the crop size of every dataset's crop transforms to ``size``; returns the datasets that have none.
-
-    A dataset of views (:class:`~lightning_fastdata.pipeline.views.MultiViewCrop`) keeps the sizes its view groups set,
-    and is not one that has none.
-    """
-    missed = []
-    for dataset in datasets:
-        transforms = crop_transforms(dataset)
-        for transform in transforms:
-            transform.size = size
-        if not transforms and not _views_of(dataset):
-            missed.append(dataset)
-    return missed
-
-
-def _views_of(dataset: Any) -> bool:
-    """Whether ``dataset`` (or one it wraps) crops views: its sizes are its view groups', not ``image_size``."""
-    seen: set[int] = set()
-    while dataset is not None and id(dataset) not in seen:
-        seen.add(id(dataset))
-        if isinstance(getattr(dataset, "transform", None), MultiViewCrop):
-            return True
-        dataset = getattr(dataset, "dataset", None)
-    return False
-
-
 def check_size(size: Any) -> int:
     """``size`` for ``set_image_size``: an int >= 1.
 
@@ -138,24 +82,22 @@ def check_size(size: Any) -> int:
     return int(size)
 
 
-def resize_splits(built: Mapping[str, Any], size: int, previous: int, others: Iterable[Any] = ()) -> None:
-    """Crop the built datasets (``{split: dataset or None}``, and ``others``) to ``size``, from ``previous``.
+def say_new_size(built: Mapping[str, Any], size: int, previous: int) -> None:
+    """Log the change from ``previous`` to ``size``, and warn for each built dataset read sample by sample.
 
-    The datasets stay, with their samples, order and ``val_fraction`` holdout; only their crop transforms
-    (:class:`~lightning_fastdata.transforms.RandomResizedCropFlip`,
-    :class:`~lightning_fastdata.transforms.CenterCropResize`) change size (:func:`resize`). Logs the change; warns
-    for each named dataset without a crop transform to resize.
+    ``built``: ``{split: dataset or None}``. A dataset read sample by sample follows the size only where its transform
+    calls the package's crop transforms.
     """
-    missed = resize([d for d in (*built.values(), *others) if d is not None], size)
     rank_zero_info(
         f"FastImageDataModule: image_size {previous} -> {size}; the loaders follow as their next epoch starts"
         " (new batch slots, and any persistent worker processes restart with the new crop size)."
     )
     for name, dataset in built.items():
-        if dataset is not None and any(dataset is d for d in missed):
+        if dataset is not None and not fuses(dataset):
             rank_zero_warn(
-                f"`set_image_size`: the {name} dataset's transform is not RandomResizedCropFlip or"
-                " CenterCropResize, so its crops keep their size. Override `set_image_size` to resize it too."
+                f"`set_image_size`: the {name} dataset's transform is not RandomResizedCropFlip or CenterCropResize:"
+                " the new size reaches only the package's crop transforms it calls (in a Compose, say); other"
+                " transforms keep their size. Override `set_image_size` to resize it too."
             )
 
 
@@ -163,19 +105,19 @@ def apply_size(
     size: int,
     previous: int,
     built: Mapping[str, Any],
-    others: Iterable[Any],
     stage: DeviceStage | None,
     opened: DataPlan | None,
 ) -> None:
-    """What a change of the image size from ``previous`` to ``size`` changes, as ``set_image_size`` makes it.
+    """What a change of the image size from ``previous`` to ``size`` changes at once, as ``set_image_size`` makes it.
 
-    The device stage of the last loader built (``decode="device"`` crops there), the built datasets (``{split: dataset
-    or None}`` and ``others``, :func:`resize_splits`) and, when the database is open (``opened``, its plan), the check
-    that its stored images suit crops of ``size`` (:func:`check_stored_size`).
+    The device stage of the last loader built (``decode="device"`` crops there), what is said of the built datasets
+    (``{split: dataset or None}``, :func:`say_new_size`) and, when the database is open (``opened``, its plan), the
+    check that its stored images suit crops of ``size`` (:func:`check_stored_size`). The loaders' readers take the
+    size as their next epoch starts.
     """
     if stage is not None:
         stage.image_size = size
-    resize_splits(built, size, previous, others)
+    say_new_size(built, size, previous)
     if opened is not None:
         check_stored_size(opened, size)
 

@@ -23,10 +23,14 @@ Normalization happens later: on the device, or in the loader's threads for CPU t
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -110,6 +114,41 @@ def _hwc(image: Tensor) -> np.ndarray:
     if image.dtype != torch.uint8 or image.ndim != 3 or image.shape[0] != 3:
         raise TypeError(f"expected a uint8 RGB image tensor of shape (3, H, W), got {image.dtype} {tuple(image.shape)}")
     return image.permute(1, 2, 0).numpy()
+
+
+#: the crop size of the epoch being read (:func:`epoch_crop_size`), else ``None``
+_EPOCH_SIZE: ContextVar[int | None] = ContextVar("lightning_fastdata_epoch_crop_size", default=None)
+
+
+@contextlib.contextmanager
+def epoch_crop_size(size: int | None) -> Iterator[None]:
+    """Within the block, the package's single crop transforms crop to ``size`` (``None``: their own ``size``).
+
+    How an epoch's image size (``set_image_size``, ``image_size_schedule``) reaches a crop transform wherever it is
+    called, inside a ``Compose`` or a wrapper of one's own, without changing it: the batch reader reads each sample of
+    the per-sample path within its loader's epoch size. View crops keep their groups' sizes.
+    """
+    token = _EPOCH_SIZE.set(size)
+    try:
+        yield
+    finally:
+        _EPOCH_SIZE.reset(token)
+
+
+@dataclass(frozen=True)
+class FusedCrops:
+    """What the fused batch path makes for a transform: each crop's boxes and flips, cropped from one decode.
+
+    A transform states it (``fused_crops()``) and a dataset passes it on (:meth:`LmdbImageDataset.fast_path
+    <lightning_fastdata.LmdbImageDataset.fast_path>`); the batch reader then never calls the transform per sample.
+    ``crops``: one crop transform per view, in batch order (one for a single crop, whose size follows the epoch's);
+    ``boxes``: draws a batch's boxes and flips from the samples' keys (``boxes(heights, widths, key=, samples=)``:
+    ``(boxes, flips)``, a list of them per view for views); ``multiview``: the images are views, handed out as a list.
+    """
+
+    crops: tuple[RandomResizedCropFlip | CenterCropResize, ...]
+    boxes: Callable[..., Any]
+    multiview: bool = False
 
 
 def _apply(image: Tensor, box: Box, size: int, flip: bool) -> Tensor:
@@ -242,12 +281,21 @@ class RandomResizedCropFlip:
         the same the batch path draws for it.
         """
         height, width = image.shape[-2], image.shape[-1]
+        size = _EPOCH_SIZE.get() or self.size
         uniforms = current_uniforms(self.draws) if inherits(self, RandomResizedCropFlip, "box") else None
         if uniforms is not None:
             (box,), (flip,) = self._boxes_from([height], [width], uniforms)
-            return _apply(image, box, self.size, flip)
+            return _apply(image, box, size, flip)
         box = self.box(height, width)
-        return _apply(image, box, self.size, self.flip())
+        return _apply(image, box, size, self.flip())
+
+    def fused_crops(self) -> FusedCrops | None:
+        """What the fused batch path does for this transform: its boxes and flips, cropped in one pass.
+
+        ``None`` for a subclass that overrides ``__call__``: it does something of its own, which only the per-sample
+        path calls.
+        """
+        return FusedCrops((self,), self.boxes) if inherits(self, RandomResizedCropFlip, "__call__") else None
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(size={self.size}, scale={self.scale}, ratio={self.ratio}, flip_p={self.flip_p})"
@@ -296,19 +344,15 @@ class CenterCropResize:
         return [self.box(int(h), int(w)) for h, w in zip(heights, widths, strict=True)], [self.flip() for _ in heights]
 
     def __call__(self, image: Tensor) -> Tensor:
-        """Centre-crop and resize one uint8 CHW image."""
-        return _apply(image, self.box(image.shape[-2], image.shape[-1]), self.size, False)
+        """Centre-crop and resize one uint8 CHW image (to the epoch's size inside a loader, :func:`epoch_crop_size`)."""
+        return _apply(image, self.box(image.shape[-2], image.shape[-1]), _EPOCH_SIZE.get() or self.size, False)
+
+    def fused_crops(self) -> FusedCrops | None:
+        """What the fused batch path does for this transform (``None`` for a subclass that overrides ``__call__``)."""
+        return FusedCrops((self,), self.boxes) if inherits(self, CenterCropResize, "__call__") else None
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(size={self.size}, crop_fraction={self.crop_fraction})"
-
-
-def is_crop_transform(transform: object) -> bool:
-    """Whether ``transform`` is one of this module's crop transforms, unchanged (so the batch path may fuse it).
-
-    A subclass that overrides ``__call__`` does something of its own, so it takes the per-sample path.
-    """
-    return inherits(transform, RandomResizedCropFlip, "__call__") or inherits(transform, CenterCropResize, "__call__")
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -565,3 +565,29 @@ def test_a_header_with_an_absurd_or_too_large_size_is_a_bad_sample(tmp_path: Pat
     images, labels = BatchReader(dataset, output=output, skip_counter=counter).read_batch(range(5))  # type: ignore[arg-type]
     assert len(images) == len(labels) == 2
     assert counter.value == 3
+
+
+def test_a_dataset_and_its_transform_state_the_fast_path(database: Path) -> None:
+    """A transform of one's own that states its fused crops is fused; a dataset that states none reads per sample."""
+
+    class Declared:  # wraps a package crop and says so: the fused path makes the crop's boxes
+        def __init__(self) -> None:
+            self.crop = RandomResizedCropFlip(16)
+
+        def __call__(self, image: torch.Tensor) -> torch.Tensor:
+            return self.crop(image)
+
+        def fused_crops(self) -> Any:
+            return self.crop.fused_crops()
+
+    class Undeclared(Declared):
+        fused_crops = None  # type: ignore[assignment]
+
+    class PerSample(LmdbImageDataset):
+        def fast_path(self) -> Any:
+            return None
+
+    assert BatchReader(LmdbImageDataset(database, transform=Declared())).fused  # type: ignore[arg-type]
+    assert not BatchReader(LmdbImageDataset(database, transform=Undeclared())).fused  # type: ignore[arg-type]
+    assert not BatchReader(PerSample(database, transform=RandomResizedCropFlip(16))).fused
+    assert BatchReader(LmdbImageDataset(database, transform=RandomResizedCropFlip(16))).fused

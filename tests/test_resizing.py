@@ -6,7 +6,6 @@ import itertools
 import math
 import warnings
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -20,7 +19,7 @@ from workers import WithIndex
 
 from lightning_fastdata import FastImageDataModule, InvalidArgumentError, LmdbImageDataset
 from lightning_fastdata.pipeline import create_loader
-from lightning_fastdata.resizing import check_schedule, crop_transforms, size_at
+from lightning_fastdata.resizing import check_schedule, size_at
 from lightning_fastdata.transforms import IMAGENET_MEAN, IMAGENET_STD, CenterCropResize, Normalizer
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -49,14 +48,19 @@ def test_size_at_takes_the_last_epoch_started() -> None:
     assert [size_at(schedule, e, 96) for e in (0, 1, 2, 9, 10, 14, 15, 99)] == [96, 96, 128, 128, 160, 160, 224, 224]
 
 
-def test_crop_transforms_are_found_through_wrappers(database: Path) -> None:
-    """Through a wrapper's ``dataset`` and a ``Compose``'s ``transforms``, each crop transform once."""
+@pytest.mark.parametrize(("engine", "workers"), [("threads", 0), ("processes", 1)])
+def test_the_epochs_size_reaches_crops_inside_wrappers(database: Path, engine: str, workers: int) -> None:
+    """Through a wrapped dataset and a ``Compose``, the package's crop reads the epoch's size; it is never resized."""
     crop = CenterCropResize(16)
     inner = LmdbImageDataset(database, split="train", transform=v2.Compose([crop, v2.ToDtype(torch.float32)]))
-    assert crop_transforms(WithIndex(WithIndex(inner))) == [crop]
-    wrapper = SimpleNamespace(base=crop, strength=0.2)  # a transform of one's own around the crop (`self.base`)
-    assert crop_transforms(LmdbImageDataset(database, split="train", transform=wrapper)) == [crop]  # type: ignore[arg-type]
-    assert crop_transforms(LmdbImageDataset(database, split="train")) == []
+    sizes = iter([16, 24])
+    loader = create_loader(
+        WithIndex(inner), 8, engine=engine, workers=workers, output="uint8", before_epoch=lambda e: next(sizes)
+    )  # a batch reader of a dataset of one's own: the per-sample path
+    assert _sizes(loader, 0) == [16] * 3
+    assert _sizes(loader, 1) == [24] * 3
+    assert crop.size == 16  # the transform as built
+    assert loader.dataset.crop_size == 24  # type: ignore[attr-defined]  # given to the reader
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -128,19 +132,18 @@ def _holdout_dm(database: Path, dm_class: type[FastImageDataModule] = FastImageD
     return dm
 
 
-def test_set_image_size_resizes_the_built_datasets_and_keeps_the_holdout(plain_photo_database: Path) -> None:
-    """The same datasets, at the new size: the val split's indices are those before the change."""
+def test_set_image_size_reaches_the_loaders_and_keeps_the_holdout(plain_photo_database: Path) -> None:
+    """The same datasets and transforms, the loaders at the new size: the val split's indices are those before."""
     dm = _holdout_dm(plain_photo_database)
     train, val = dm.train_dataset, dm.val_dataset
     held_out = val.indices.copy()  # type: ignore[union-attr]
     dm.set_image_size(24)
     assert (dm.train_dataset, dm.val_dataset) == (train, val)
     np.testing.assert_array_equal(val.indices, held_out)  # type: ignore[union-attr]
-    assert val[0][0].shape == (3, 24, 24)  # type: ignore[index]
-    assert train[0][0].shape == (3, 24, 24)  # type: ignore[index]
-    assert [t.size for t in crop_transforms(train) + crop_transforms(val)] == [24, 24]
+    assert (train.dataset.transform.size, val.dataset.transform.size) == (16, 16)  # type: ignore[union-attr]
     assert (dm.image_size, dm.hparams.image_size) == (24, 16)  # the saved hyperparameter is the configured size
     assert next(iter(dm.val_dataloader()))[0].shape[-1] == 24
+    assert next(iter(dm.train_dataloader()))[0].shape[-1] == 24
 
 
 def test_setup_fit_reopens_the_splits_after_train_dataset_is_reset(plain_photo_database: Path) -> None:

@@ -191,10 +191,13 @@ class FastLoader(DataLoader):
         limit_batches: the Trainer's ``limit_train_batches``: an epoch that handed out this many batches (an int, or
             a share of ``len()`` as a float) was complete, so resuming from it starts the next epoch.
         before_epoch: called with the sampler's epoch as each epoch's iteration starts, before its first batch is
-            drawn (the DataModule's ``image_size_schedule`` resizes the crops there). What it returns stands for the
-            dataset's state: when it differs from the value of the epoch the running persistent worker processes
-            started in, they restart, so they get the dataset as it is now. A change of the batch reader's slot layout
-            (its crop size) is seen without it: the slots take the new shape, and persistent workers restart.
+            drawn. An int it returns is the epoch's crop size, given to the batch reader
+            (:meth:`BatchReader.start_epoch <lightning_fastdata.pipeline.kernel.BatchReader.start_epoch>`: the
+            DataModule's ``set_image_size`` and ``image_size_schedule`` reach the crops so, none changed in place).
+            What it returns also stands for the dataset's state: when it differs from the value of the epoch the
+            running persistent worker processes started in, they restart, so they get the dataset as it is now. A
+            change of the batch reader's slot layout is seen without it: the slots take the new shape, and persistent
+            workers restart.
         **kwargs: the keyword arguments of :class:`~torch.utils.data.DataLoader`.
 
     """
@@ -277,8 +280,8 @@ class FastLoader(DataLoader):
         return self._slots.misses if self._slots is not None else 0
 
     def _stages(self) -> Iterator[Any]:
-        # 0. the epoch starts: `before_epoch` (which may resize the crops), then slots and persistent workers follow a
-        #    changed dataset (`_follow_dataset`)
+        # 0. the epoch starts: `before_epoch` (the epoch's crop size, given to the reader), then slots and persistent
+        #    workers follow a changed dataset (`_follow_dataset`)
         self._follow_dataset()
         # 1. index batches, keyed with the epoch's (seed, epoch) and each given a free slot (`_keyed_batches`)
         slots = self._slot_pool()
@@ -380,6 +383,8 @@ class FastLoader(DataLoader):
         state = self._dataset_state
         if self.before_epoch is not None:
             state = self.before_epoch(int(getattr(self.sampler, "epoch", 0)))
+            if isinstance(self.dataset, BatchReader):  # the epoch's crop size, given to the reader, never set in place
+                self.dataset.start_epoch(state if isinstance(state, int) and not isinstance(state, bool) else None)
         layout = self._reader_layout()
         if layout == self._slot_layout and state == self._dataset_state:
             return

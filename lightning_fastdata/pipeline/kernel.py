@@ -35,7 +35,6 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset, default_collate, get_worker_info
 
-from lightning_fastdata._fast_path import inherits
 from lightning_fastdata.errors import FastDataError, SampleError
 from lightning_fastdata.keyed_random import AugmentKey, sample_key
 from lightning_fastdata.pipeline.color import BatchColor, ImagePlan
@@ -43,11 +42,10 @@ from lightning_fastdata.pipeline.device_decode import collate_encoded, encoded_s
 from lightning_fastdata.pipeline.schema import BatchSchema, sample_batch
 from lightning_fastdata.pipeline.slots import Batches, FreshBatch, SlotBatch, SlotLayout, SlotMemory
 from lightning_fastdata.pipeline.targets import fill_targets, new_rows, subset_view, true_index
-from lightning_fastdata.pipeline.views import MultiViewCrop
 from lightning_fastdata.skipping import SkipCounter
 from lightning_fastdata.store.format import RecordHeader
 from lightning_fastdata.store.reader import LmdbImageDataset
-from lightning_fastdata.transforms import Box, Normalizer, crop_resize_into, is_crop_transform
+from lightning_fastdata.transforms import Box, FusedCrops, Normalizer, crop_resize_into, epoch_crop_size
 
 Output = Literal["uint8", "float", "encoded"]
 
@@ -63,21 +61,20 @@ def _split_view(dataset: Dataset) -> tuple[Dataset, np.ndarray | None]:
     return dataset, None
 
 
-def fuses(dataset: Dataset) -> bool:
-    """Whether :class:`BatchReader` builds ``dataset``'s batches on the fused path; else it reads sample by sample.
+def fast_path(dataset: Dataset) -> FusedCrops | None:
+    """What :class:`BatchReader` fuses for ``dataset``, as its database split states it; ``None``: sample by sample.
 
-    Fused: an :class:`~lightning_fastdata.LmdbImageDataset` (or a subset of one, or a subclass that keeps
-    ``__getitem__`` and ``decode``) of tensors, whose transform is one of the package's crop transforms (or its
-    :class:`~lightning_fastdata.pipeline.views.MultiViewCrop`), unchanged.
+    The split is an :class:`~lightning_fastdata.LmdbImageDataset` (or a subset of one) whose
+    :meth:`~lightning_fastdata.LmdbImageDataset.fast_path` names the crops: those of the package's crop transforms
+    (or its :class:`~lightning_fastdata.pipeline.views.MultiViewCrop`), unchanged.
     """
     base, _ = _split_view(dataset)
-    transform = getattr(base, "transform", None)
-    return (
-        # a subclass that reads or decodes its own way keeps its way (the per-sample path calls it)
-        inherits(base, LmdbImageDataset, "__getitem__", "decode")
-        and base.output == "tensor"
-        and (is_crop_transform(transform) or inherits(transform, MultiViewCrop, "__call__"))
-    )
+    return base.fast_path() if isinstance(base, LmdbImageDataset) else None
+
+
+def fuses(dataset: Dataset) -> bool:
+    """Whether :class:`BatchReader` builds ``dataset``'s batches on the fused path (:func:`fast_path`)."""
+    return fast_path(dataset) is not None
 
 
 def _batch_as_is(batch: Any) -> Any:
@@ -125,6 +122,7 @@ class BatchReader(Dataset):
         pin_memory: bool = False,
         return_index: bool = False,
         color: BatchColor | None = None,
+        crop_size: int | None = None,
     ) -> None:
         if output not in ("uint8", "float", "encoded"):
             raise ValueError(f"`output` must be 'uint8', 'float' or 'encoded', got {output!r}.")
@@ -140,7 +138,12 @@ class BatchReader(Dataset):
         self.color = color
         self.base, self.indices = _split_view(dataset)
         transform = getattr(self.base, "transform", None)
-        self.fused = fuses(dataset)
+        #: what the fused path makes for the dataset, as it states it (:func:`fast_path`); ``None``: per sample
+        self.fast = fast_path(dataset)
+        self.fused = self.fast is not None
+        #: the side of single crops this epoch, given by the loader as each epoch starts (:meth:`start_epoch`);
+        #: ``None``: the transform's own size
+        self.crop_size = crop_size
         if output == "encoded" and (
             not isinstance(self.base, LmdbImageDataset) or not callable(getattr(transform, "box", None))
         ):
@@ -179,8 +182,8 @@ class BatchReader(Dataset):
         chw = self.output == "float" and not self.channels_last
         shapes = [(3, size, size) if chw else (size, size, 3) for size in self._sizes()]
         color = self.color is not None and not self.colors_crops
-        multiview = isinstance(self.transform, MultiViewCrop)
-        return BatchSchema.of(shapes, dtype, (spec.shape, spec.dtype), self.return_index, color, multiview)
+        assert self.fast is not None
+        return BatchSchema.of(shapes, dtype, (spec.shape, spec.dtype), self.return_index, color, self.fast.multiview)
 
     def slot_layout(self, batch_size: int) -> SlotLayout | None:
         """What one batch slot of this reader holds, for batches of ``batch_size``: its :meth:`batch_schema`."""
@@ -188,9 +191,20 @@ class BatchReader(Dataset):
         return None if schema is None else SlotLayout(batch_size, schema)
 
     def _sizes(self) -> list[int]:
-        """The side of each view's crops (one for a single-view transform)."""
-        transform = self.transform
-        return transform.sizes if isinstance(transform, MultiViewCrop) else [transform.size]  # type: ignore[union-attr]
+        """The side of each view's crops: a single crop's is the epoch's (:attr:`crop_size`) or its transform's."""
+        assert self.fast is not None
+        if self.fast.multiview:
+            return [crop.size for crop in self.fast.crops]
+        return [self.crop_size or self.fast.crops[0].size]
+
+    def start_epoch(self, crop_size: int | None) -> None:
+        """The epoch's crop size, given by its loader as the epoch starts (``None``: the transform's own size).
+
+        Single crops are cut to it, on the fused path and in the package's crop transforms of the per-sample path.
+
+        Never during an epoch: a fused crop's side is its batch memory's, made for the epoch.
+        """
+        self.crop_size = crop_size
 
     def __getitems__(self, indices: Sequence[int], slots: SlotMemory | None = None) -> Any:
         """A whole batch, what the engines call: built in the slot its indices carry, if they carry one.
@@ -253,7 +267,7 @@ class BatchReader(Dataset):
         v2 transform) draw from the sample's key on every engine, so a transform of one's own is reproducible and
         resume-exact; so are :mod:`random` and NumPy's global generator, except on loader threads.
         """
-        with sample_key(key, index):
+        with sample_key(key, index), epoch_crop_size(self.crop_size):
             return self.dataset[index]
 
     def _records(self, indices: Sequence[int]) -> list[tuple[int, int]]:
@@ -346,8 +360,8 @@ class BatchReader(Dataset):
     def _params(self, key: AugmentKey | None, records: Sequence[int]) -> np.ndarray:
         """The colour parameters of a fused batch's ``records``: ``[n, V, 7]`` for the ``V`` views, each its own."""
         assert self.color is not None
-        transform = self.transform
-        return self.color.draw(key, records, len(transform.crops) if isinstance(transform, MultiViewCrop) else None)
+        assert self.fast is not None
+        return self.color.draw(key, records, len(self.fast.crops) if self.fast.multiview else None)
 
     def _plan(self, key: AugmentKey | None, records: Sequence[int]) -> ImagePlan:
         """The colour of each view of ``records`` for crops coloured here: sample i's view v is row ``i V + v``.
@@ -358,12 +372,12 @@ class BatchReader(Dataset):
         return self.color.plan(self._params(key, records))
 
     def _view_boxes(self, found: list[tuple[Any, ...]], key: AugmentKey | None) -> list[tuple[list[Box], list[bool]]]:
-        """:meth:`_boxes` for each view: of a :class:`~lightning_fastdata.pipeline.views.MultiViewCrop`, or the one."""
-        transform = self.transform
-        if not isinstance(transform, MultiViewCrop):
-            return [self._boxes(found, key)]
+        """Each view's crop boxes and flips of the records ``found``, as the fast path states them."""
+        fast = self.fast
+        assert fast is not None
         heights, widths = [item[1].height for item in found], [item[1].width for item in found]
-        return transform.boxes(heights, widths, key=key, samples=[item[0][0] for item in found])
+        boxes = fast.boxes(heights, widths, key=key, samples=[item[0][0] for item in found])
+        return boxes if fast.multiview else [boxes]
 
     def _boxes(self, found: list[tuple[Any, ...]], key: AugmentKey | None) -> tuple[list[Box], list[bool]]:
         """The crop boxes and flips of the records ``found`` (``((index, record), header, ...)``), from their keys."""

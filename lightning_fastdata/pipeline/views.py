@@ -27,9 +27,10 @@ from typing import Any
 
 from torch import Tensor
 
+from lightning_fastdata._fast_path import inherits
 from lightning_fastdata.errors import InvalidArgumentError
 from lightning_fastdata.keyed_random import AugmentKey
-from lightning_fastdata.transforms import Box, RandomResizedCropFlip
+from lightning_fastdata.transforms import Box, FusedCrops, RandomResizedCropFlip, epoch_crop_size
 
 
 @dataclass(frozen=True)
@@ -145,15 +146,8 @@ class MultiViewCrop:
             raise ValueError("`groups` needs at least one ViewGroup.")
         self.groups = tuple(groups)
         crops = [RandomResizedCropFlip(g.size, tuple(g.scale), tuple(g.ratio), g.flip) for g in groups]  # type: ignore[arg-type]
-        # a tuple of tuples: `set_image_size` looks one level into a transform and must not resize the views
-        self._crops: tuple[tuple[RandomResizedCropFlip, ...], ...] = tuple(
-            tuple(crop for _ in range(g.count)) for crop, g in zip(crops, groups, strict=True)
-        )
-
-    @property
-    def crops(self) -> list[RandomResizedCropFlip]:
-        """One crop transform per view, in batch order."""
-        return [crop for group in self._crops for crop in group]
+        #: one crop transform per view, in batch order (a group's views share theirs)
+        self.crops = [crop for crop, g in zip(crops, groups, strict=True) for _ in range(g.count)]
 
     @property
     def sizes(self) -> list[int]:
@@ -186,9 +180,22 @@ class MultiViewCrop:
             crop.boxes(heights, widths, key=key, samples=samples, offset=v * draws) for v, crop in enumerate(self.crops)
         ]
 
+    def fused_crops(self) -> FusedCrops | None:
+        """What the fused batch path does for these views: every view's boxes, cropped from one decode.
+
+        ``None`` for a subclass that overrides ``__call__`` (only the per-sample path calls it).
+        """
+        if not inherits(self, MultiViewCrop, "__call__"):
+            return None
+        return FusedCrops(tuple(self.crops), self.boxes, multiview=True)
+
     def __call__(self, image: Tensor) -> list[Tensor]:
-        """Every view of one uint8 CHW image (the per-sample path), keyed as :meth:`boxes` inside a loader."""
-        return [crop(image) for crop in self.crops]
+        """Every view of one uint8 CHW image (the per-sample path), keyed as :meth:`boxes` inside a loader.
+
+        Each view at its group's size, whatever the epoch's crop size.
+        """
+        with epoch_crop_size(None):
+            return [crop(image) for crop in self.crops]
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({list(self.groups)!r})"

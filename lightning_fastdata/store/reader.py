@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, default_collate
 
+from lightning_fastdata._fast_path import inherits
 from lightning_fastdata.errors import CorruptRecordError, DatasetFormatError, FastDataError, SampleError
 from lightning_fastdata.store.decoding import DECODE_BUDGET, DEFAULT_MAX_PIXELS, RecordDecoder
 from lightning_fastdata.store.environments import open_readonly, read_meta, read_transaction
@@ -357,6 +358,17 @@ class LmdbImageDataset(Dataset):
         if self.target_transform is not None:
             label = self.target_transform(label)
         return image, label
+
+    def fast_path(self) -> Any:
+        """What the fused batch path can do for this dataset: its transform's ``fused_crops()``, else ``None``.
+
+        ``None`` (read sample by sample) for non-tensor output, a transform that states no fused crops, or a subclass
+        that overrides ``__getitem__`` or ``decode`` (it reads its own way; override this to state otherwise).
+        """
+        if self.output != "tensor" or not inherits(self, LmdbImageDataset, "__getitem__", "decode"):
+            return None
+        fused_crops = getattr(self.transform, "fused_crops", None)
+        return fused_crops() if callable(fused_crops) else None
 
     @property
     def targets(self) -> list[Any]:
