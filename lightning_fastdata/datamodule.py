@@ -509,7 +509,7 @@ class FastImageDataModule(PlainHparamsDataModule):
         return self._loaders.build(
             dataset, self.loader_plan, config, stage, self._device(), self.trainer, train=train, drop_last=drop_last,
             return_index=return_index, normalizer=self.normalizer, color=self._color,
-            before_epoch=functools.partial(self._start_epoch, stage, scheduled),
+            before_epoch=functools.partial(self._start_epoch, stage, scheduled), prefetch=self.uses_prefetch(),
         )  # fmt: skip
 
     def _device(self) -> torch.device:

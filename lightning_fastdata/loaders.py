@@ -25,7 +25,7 @@ from torch.utils.data import Dataset
 
 from lightning_fastdata.pipeline import FastLoader, create_loader
 from lightning_fastdata.pipeline.color import BatchColor
-from lightning_fastdata.pipeline.device import DeviceStage, loader_output, trains_on_cuda, uses_prefetch
+from lightning_fastdata.pipeline.device import DeviceStage, loader_output, trains_on_cuda
 from lightning_fastdata.pipeline.kernel import Output
 from lightning_fastdata.plans import LoaderPlan
 from lightning_fastdata.skipping import SkipCounter
@@ -254,10 +254,13 @@ class SplitLoaders:
         normalizer: Normalizer,
         color: BatchColor | None,
         before_epoch: Callable[[int], Hashable],
+        prefetch: bool,
     ) -> FastLoader:
         """The loader of ``dataset`` (:func:`split_loader`), shuffled and coloured with ``train``; keeps its ``stage``.
 
-        Keeps whether the loader runs ``stage`` itself, on the side stream (:attr:`stage_in_loader`).
+        ``prefetch``: the loader copies batches ahead to ``device`` (the DataModule's ``uses_prefetch()``, which a
+        subclass may override). Keeps whether the loader runs ``stage`` itself, on the side stream
+        (:attr:`stage_in_loader`).
         """
         self.stage = stage
         loader = split_loader(
@@ -272,7 +275,7 @@ class SplitLoaders:
             trainer=trainer,
             train=train,
             return_index=return_index,
-            prefetch_device=device if uses_prefetch(plan.prefetch_to_device, device) else None,
+            prefetch_device=device if prefetch else None,
             color=color if train else None,
             skip_counter=self.skip_counter,
             before_epoch=before_epoch,

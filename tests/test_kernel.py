@@ -174,11 +174,11 @@ def test_fused_batches_match_the_per_sample_path(
     dataset: LmdbImageDataset, database: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """With the same boxes and flips, the fused batch equals the per-sample transform's output up to decode rounding."""
-    reader = BatchReader(dataset, output="uint8")
-    assert reader.fused
     drawn: list[tuple[list, list]] = []
     draw = dataset.transform.boxes
     monkeypatch.setattr(dataset.transform, "boxes", lambda h, w, **kw: drawn.append(draw(h, w, **kw)) or drawn[-1])
+    reader = BatchReader(dataset, output="uint8")  # the fast path it states draws with the (patched) boxes
+    assert reader.fused
     images, labels = reader.read_batch([0, 3, 7])
     (boxes, flips), plain = drawn[0], LmdbImageDataset(database)
     expected = torch.stack(

@@ -14,7 +14,6 @@ from lightning_fastdata.transforms import (
     CenterCropResize,
     Normalizer,
     RandomResizedCropFlip,
-    is_crop_transform,
     normalize_batch,
 )
 
@@ -273,9 +272,9 @@ def test_the_fast_path_contract_is_one_rule() -> None:
     assert not inherits(own_box, RandomResizedCropFlip, "box", "flip")
     assert inherits(own_box, RandomResizedCropFlip, "__call__")  # still fused: only the box is its own
     assert not inherits(CenterCropResize(8), RandomResizedCropFlip)
-    assert is_crop_transform(own_box)
-    assert not is_crop_transform(_OwnCall(8))
-    assert not is_crop_transform(lambda image: image)
+    assert own_box.fused_crops() is not None  # the transform states its fast path: still fused
+    assert _OwnCall(8).fused_crops() is None  # its own __call__: read sample by sample
+    assert CenterCropResize(8).fused_crops() is not None
     boxes, flips = own_box.boxes([20, 30], [40, 50], seed=0)
     assert (boxes, flips) == ([(0, 0, 20, 40), (0, 0, 30, 50)], [False, False])  # its own box, per image
     assert own_box(torch.zeros(3, 20, 40, dtype=torch.uint8)).shape == (3, 8, 8)
