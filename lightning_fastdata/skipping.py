@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from lightning_fastdata.errors import FastDataError, SampleError
 
 log = logging.getLogger(__name__)
 
@@ -36,3 +40,27 @@ class SkipCounter:
     def value(self) -> int:
         """The count so far."""
         return int(self._value.value)
+
+
+def read_kept(items: Sequence[Any], read: Callable[[Any], Any], skip_counter: SkipCounter | None) -> list[Any]:
+    """``read`` every item of a batch; with a ``skip_counter`` a package error leaves that sample out, counted.
+
+    Raises:
+        FastDataError: an item failed, without a ``skip_counter``.
+        SampleError: every item failed, with one.
+
+    """
+    results = []
+    for item in items:
+        try:
+            results.append(read(item))
+        except FastDataError as err:
+            if skip_counter is None:
+                raise
+            skip_counter.skip(err)
+    if not results:
+        raise SampleError(
+            f"all {len(items)} samples of a batch failed and were skipped; the data is likely unreadable"
+            " (see the warnings above). Check the database with `LmdbImageDataset` directly."
+        )
+    return results

@@ -2,9 +2,10 @@
 
 One module per stage: :mod:`~lightning_fastdata.pipeline.factory` (the loader factory and the loader),
 :mod:`~lightning_fastdata.pipeline.threads` and :mod:`~lightning_fastdata.pipeline.processes` (the two engines),
-:mod:`~lightning_fastdata.pipeline.kernel` (record to pixels; a batch's targets and indices in
-:mod:`~lightning_fastdata.pipeline.targets`), :mod:`~lightning_fastdata.pipeline.device` (the
-device stage; nvJPEG in :mod:`~lightning_fastdata.pipeline.device_decode`, the side streams in
+:mod:`~lightning_fastdata.pipeline.kernel` (record to pixels; each image's crops in
+:mod:`~lightning_fastdata.pipeline.crop`, a dataset of one's own in :mod:`~lightning_fastdata.pipeline.per_sample`, a
+batch's targets and indices in :mod:`~lightning_fastdata.pipeline.targets`), :mod:`~lightning_fastdata.pipeline.device`
+(the device stage; nvJPEG in :mod:`~lightning_fastdata.pipeline.device_decode`, the side streams in
 :mod:`~lightning_fastdata.pipeline.streams`) and :mod:`~lightning_fastdata.pipeline.resume` (the saved position).
 
 A training batch on CUDA, from database record to model input:

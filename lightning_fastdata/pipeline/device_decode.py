@@ -2,7 +2,8 @@
 
 The workers only read the stored bytes and draw the crop box from the record header (no decode, no pixels), so the
 CPU does almost nothing per image; the device decodes the whole batch, crops, flips and resizes each image. Without
-CUDA the same code decodes on the CPU, so every path stays testable.
+CUDA the same code decodes on the CPU, so every path stays testable. The batch reader's batches of that kind are
+:func:`read_encoded`'s.
 
 What it costs the training thread: the decode runs there (in the loader's look-ahead, or in
 ``on_after_batch_transfer``), and torchvision's batched nvJPEG decode blocks the calling thread until the batch is
@@ -23,7 +24,10 @@ from torch.nn import functional as F
 from torch.utils.data import Dataset, get_worker_info
 
 from lightning_fastdata.errors import CorruptRecordError, SampleError
+from lightning_fastdata.keyed_random import AugmentKey
+from lightning_fastdata.pipeline.schema import sample_batch
 from lightning_fastdata.pipeline.streams import side_stream
+from lightning_fastdata.skipping import SkipCounter, read_kept
 from lightning_fastdata.store import format as _format
 from lightning_fastdata.store.reader import LmdbImageDataset, collate_labels
 from lightning_fastdata.transforms import Box
@@ -196,6 +200,66 @@ def collate_encoded(samples: Sequence[tuple[tuple[Any, ...], Any]]) -> tuple[Enc
         records if len(records) == len(data) else None,
     )
     return images, collate_labels(labels)
+
+
+def check_encodable(base: Dataset, transform: Any) -> None:
+    """Refuse a split that ``decode="device"`` cannot read: it needs a database and crop boxes (``box``).
+
+    Raises:
+        TypeError: ``base`` is not an :class:`~lightning_fastdata.LmdbImageDataset`, or ``transform`` has no ``box``.
+
+    """
+    if not isinstance(base, LmdbImageDataset) or not callable(getattr(transform, "box", None)):
+        raise TypeError(
+            "`decode='device'` needs `build_dataset` to return an LmdbImageDataset and the transforms to be"
+            f" RandomResizedCropFlip / CenterCropResize (objects with a `box(height, width)` method); got"
+            f" {type(base).__name__} and {type(transform).__name__}. Use `decode='cpu'` for custom"
+            " pipelines."
+        )
+
+
+def read_encoded(
+    base: LmdbImageDataset,
+    transform: Any,
+    pairs: Sequence[tuple[int, int]],
+    key: AugmentKey | None,
+    skip_counter: SkipCounter | None,
+    return_index: bool,
+    pin: Callable[[Any], Any],
+) -> tuple[Any, ...]:
+    """A batch reader's still-encoded JPEGs with their crop boxes and flips (``decode="device"``): no CPU pixels.
+
+    ``pairs``: each sample's ``(index, record)`` in ``base``; bad samples are left out under ``skip_counter``'s policy
+    (:func:`~lightning_fastdata.skipping.read_kept`); ``pin``: the labels (and index) into the batch's memory. Targets
+    of a kind other than ``class`` are read once for the kept records, as on the fused path.
+    """
+    per_sample = base.target_spec.kind == "class" or base.target_transform is not None
+
+    def sample(item: tuple[tuple[tuple[int, int], _format.RecordHeader, memoryview], Box, bool]) -> Any:
+        ((_, record), header, payload), box, flip = item
+        # checks the frame, decodes non-JPEGs
+        return encoded_sample(base, record, header, payload, box, flip, with_target=per_sample), record
+
+    with base.records() as read:
+        found = read_kept(pairs, lambda pair: (pair, *read(pair[1])), skip_counter)
+        boxes, flips = _boxes(transform, found, key)
+        kept = read_kept(list(zip(found, boxes, flips, strict=True)), sample, skip_counter)
+    encoded, labels = collate_encoded([item for item, _ in kept])
+    records = [record for _, record in kept]
+    if not per_sample:
+        labels = torch.from_numpy(base.targets_of(records))
+    index = pin(torch.tensor(records, dtype=torch.int64)) if return_index else None
+    return sample_batch((encoded, pin(labels)), index)
+
+
+def _boxes(transform: Any, found: list[tuple[Any, ...]], key: AugmentKey | None) -> tuple[list[Box], list[bool]]:
+    """The crop boxes and flips of the records ``found`` (``((index, record), header, ...)``), from their keys."""
+    heights, widths = [item[1].height for item in found], [item[1].width for item in found]
+    if not callable(getattr(transform, "boxes", None)):  # a transform of one's own with only `box`
+        flip_p = getattr(transform, "flip_p", 0.0)
+        flips = [flip_p > 0 and random.random() < flip_p for _ in found]
+        return [transform.box(h, w) for h, w in zip(heights, widths, strict=True)], flips
+    return transform.boxes(heights, widths, key=key, samples=[item[0][0] for item in found])
 
 
 def decode_jpeg(data: Any, mode: str = "RGB", device: torch.device | str = "cpu") -> Any:

@@ -9,43 +9,44 @@ loader that runs it (:class:`~lightning_fastdata.pipeline.factory.FastLoader`).
 2. **Crops.** The batch's crop boxes and flips are drawn at once, each sample's from its key ``(seed, epoch,
    sample)``; each image is then cropped, resized (antialiased when shrinking) and flipped *straight into its slot*
    of one preallocated ``uint8`` NHWC batch buffer (OpenCV). For CPU training each crop is also coloured (colour
-   augmentation, :mod:`~lightning_fastdata.pipeline.color`) and normalized to ``float32`` in the same thread. A user's
-   own transform (or dataset) takes the per-sample path instead: ``dataset[i]``, then stacking.
+   augmentation, :mod:`~lightning_fastdata.pipeline.color`) and normalized to ``float32`` in the same thread
+   (:class:`~lightning_fastdata.pipeline.crop.CropKernel`). A user's own transform (or dataset) takes the per-sample
+   path instead (:mod:`~lightning_fastdata.pipeline.per_sample`): ``dataset[i]``, then stacking.
 3. **Targets.** A batch's targets are of its database's kind (:mod:`~lightning_fastdata.store.targets`): class
    indices from the record headers already read (``int64 [B]``), else the kept records' multi-hot ``float32 [B, C]``
    or ``float32 [B, K]`` (``[B]`` when K = 1) rows, read once per batch (``LmdbImageDataset.targets_of``), or ``-1``.
    With ``return_index`` a batch also holds each sample's dataset index, ``int64 [B]``: its record in the split
    (through a subset, the index into the split it views).
 4. **Bad samples.** Under ``on_bad_sample="skip"`` a sample that fails with one of this package's errors is left
-   out of its batch and counted, with its target and index; otherwise the error propagates with the split and index.
+   out of its batch and counted, with its target and index (:func:`~lightning_fastdata.skipping.read_kept`);
+   otherwise the error propagates with the split and index.
 
-With ``decode="device"`` the batch holds the still-encoded JPEGs and their crop boxes instead, decoded by nvJPEG on
-the device.
+With ``decode="device"`` the batch holds the still-encoded JPEGs and their crop boxes instead
+(:func:`~lightning_fastdata.pipeline.device_decode.read_encoded`), decoded by nvJPEG on the device.
 """
 
 from __future__ import annotations
 
-import random
-import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import numpy as np
 import torch
 from torch import Tensor
-from torch.utils.data import Dataset, default_collate, get_worker_info
+from torch.utils.data import Dataset, get_worker_info
 
-from lightning_fastdata.errors import FastDataError, SampleError
-from lightning_fastdata.keyed_random import AugmentKey, sample_key
+from lightning_fastdata.keyed_random import AugmentKey
 from lightning_fastdata.pipeline.color import BatchColor, ImagePlan
-from lightning_fastdata.pipeline.device_decode import collate_encoded, encoded_sample
-from lightning_fastdata.pipeline.schema import BatchSchema, sample_batch
+from lightning_fastdata.pipeline.crop import CropKernel
+from lightning_fastdata.pipeline.device_decode import check_encodable, read_encoded
+from lightning_fastdata.pipeline.per_sample import read_samples
+from lightning_fastdata.pipeline.schema import BatchSchema
 from lightning_fastdata.pipeline.slots import Batches, FreshBatch, SlotBatch, SlotLayout, SlotMemory
-from lightning_fastdata.pipeline.targets import fill_targets, new_rows, subset_view, true_index
-from lightning_fastdata.skipping import SkipCounter
+from lightning_fastdata.pipeline.targets import fill_targets, new_rows, records_of, subset_view
+from lightning_fastdata.skipping import SkipCounter, read_kept
 from lightning_fastdata.store.format import RecordHeader
 from lightning_fastdata.store.reader import LmdbImageDataset
-from lightning_fastdata.transforms import Box, FusedCrops, Normalizer, crop_resize_into, epoch_crop_size
+from lightning_fastdata.transforms import Box, FusedCrops, Normalizer
 
 Output = Literal["uint8", "float", "encoded"]
 
@@ -144,22 +145,16 @@ class BatchReader(Dataset):
         #: the side of single crops this epoch, given by the loader as each epoch starts (:meth:`start_epoch`);
         #: ``None``: the transform's own size
         self.crop_size = crop_size
-        if output == "encoded" and (
-            not isinstance(self.base, LmdbImageDataset) or not callable(getattr(transform, "box", None))
-        ):
-            raise TypeError(
-                "`decode='device'` needs `build_dataset` to return an LmdbImageDataset and the transforms to be"
-                f" RandomResizedCropFlip / CenterCropResize (objects with a `box(height, width)` method); got"
-                f" {type(self.base).__name__} and {type(transform).__name__}. Use `decode='cpu'` for custom"
-                " pipelines."
-            )
+        if output == "encoded":
+            check_encodable(self.base, transform)
         self.transform = transform if self.fused or output == "encoded" else None
         #: whether crops are coloured here, in the reading thread (CPU training), instead of on the batch's device
         self.colors_crops = color is not None and self.fused and output == "float"
         #: where a worker process builds batches whose indices carry a slot (:mod:`~lightning_fastdata.pipeline.slots`):
         #: its loader's memory, set as the worker starts; the loader's threads pass theirs to :meth:`__getitems__`
         self.slots: SlotMemory | None = None
-        self._scratch = threading.local()
+        #: the per-image kernel of the fused path, with its per-thread scratch buffers
+        self._crop = CropKernel(self.base, output, normalizer, channels_last, color) if self.fused else None
 
     def __len__(self) -> int:
         return len(self.dataset)  # type: ignore[arg-type]
@@ -240,42 +235,22 @@ class BatchReader(Dataset):
         if key is None and seed is not None:
             key = (seed, 0)
         if self.output == "encoded":
-            return self._read_encoded(indices, key)
-        if not self.fused:
-            kept = self._each(indices, lambda index: (self._sample(index, key), index))
-            collated = default_collate([sample for sample, _ in kept])
-            if not self.return_index and self.color is None:
-                return collated
-            records = [true_index(self.dataset, self.indices, index) for _, index in kept]
-            index = torch.tensor(records, dtype=torch.int64) if self.return_index else None
-            return sample_batch(collated, index, self._sample_color(collated, key, records))
+            pairs = records_of(indices, self.indices)
+            return read_encoded(
+                self._lmdb(), self.transform, pairs, key, self.skip_counter, self.return_index, self._pin_labels
+            )
+        if not self.fused:  # a dataset or transform of one's own (:mod:`~lightning_fastdata.pipeline.per_sample`)
+            return read_samples(
+                self.dataset,
+                self.indices,
+                indices,
+                key,
+                self.crop_size,
+                self.return_index,
+                self.color,
+                self.skip_counter,
+            )
         return self._read_fused(indices, key)
-
-    def _sample_color(self, collated: Any, key: AugmentKey | None, records: Sequence[int]) -> dict[str, Any]:
-        """A per-sample batch's beside fields: its colour parameters (keyed by the dataset indices), when drawn."""
-        if self.color is None:
-            return {}
-        images = collated[0] if isinstance(collated, (tuple, list)) else collated
-        # a transform's list of views: each view of a sample its own parameters, as the built-in views'
-        views = len(images) if isinstance(images, (tuple, list)) else None
-        return {"color": torch.from_numpy(self.color.draw(key, records, views))}
-
-    def _sample(self, index: int, key: AugmentKey | None) -> Any:
-        """One sample through the wrapped dataset, its transforms drawing from its key (the per-sample path).
-
-        Within :func:`~lightning_fastdata.keyed_random.sample_key` torch's random functions (every random torchvision
-        v2 transform) draw from the sample's key on every engine, so a transform of one's own is reproducible and
-        resume-exact; so are :mod:`random` and NumPy's global generator, except on loader threads.
-        """
-        with sample_key(key, index), epoch_crop_size(self.crop_size):
-            return self.dataset[index]
-
-    def _records(self, indices: Sequence[int]) -> list[tuple[int, int]]:
-        """``(index, record)`` pairs: each index of the batch with its record in the base split."""
-        positions = [int(i) for i in indices]
-        if self.indices is None:
-            return list(zip(positions, positions, strict=True))
-        return list(zip(positions, self.indices[np.asarray(positions, dtype=np.int64)].tolist(), strict=True))
 
     # -- the fused path --------------------------------------------------------------------------------------------
 
@@ -291,16 +266,21 @@ class BatchReader(Dataset):
             assert layout is not None
             memory = SlotMemory(layout, 1, shared=True)
             return FreshBatch(memory, *self._fill_slot(indices, key, memory, 0))
-        regions = self._new_batch(len(indices))
-        count, labels, records = self._fill(indices, key, [region.numpy() for region in regions])
-        schema = self.batch_schema()
+        schema, pinned = self.batch_schema(), self._pinned()
         assert schema is not None
+        # one tensor per view, NHWC uint8 (or NCHW / NHWC float32): page-locked when asked for and CUDA is there, else
+        # NumPy's (which asks the kernel for huge pages: few page faults)
+        regions = [new_rows(field, len(indices), pinned) for field in schema.images]
+        count, labels, records = self._fill(indices, key, [region.numpy() for region in regions])
         values = {}
         for field in schema.fields:
-            rows = new_rows(field, count, self._pinned())
+            rows = new_rows(field, count, pinned)
             given = PRODUCERS[field.name](self, key, labels, records, rows.numpy())
             values[field.name] = rows if given is None else self._pin_labels(given)
-        return schema.assemble([self._as_nchw(region[:count]) for region in regions], values)
+        nhwc = self.output == "uint8" or self.channels_last  # handed out as NCHW views
+        return schema.assemble(
+            [region[:count].permute(0, 3, 1, 2) if nhwc else region[:count] for region in regions], values
+        )
 
     def _fill(
         self, indices: Sequence[int], key: AugmentKey | None, outs: Sequence[np.ndarray]
@@ -314,14 +294,15 @@ class BatchReader(Dataset):
         ones first. Returns how many were kept, their header labels (the class of a ``class`` database) and their
         records in the base split, in the kept order.
         """
-        base, transform = self.base, self.transform
+        base, transform, crop_image = self.base, self.transform, self._crop
         assert isinstance(base, LmdbImageDataset)
         assert transform is not None
-        pairs = self._records(indices)
+        assert crop_image is not None
+        pairs = records_of(indices, self.indices)
         labels: list[int] = []
         records: list[int] = []
         with base.records() as read:  # payloads are views of the memory map until this block ends
-            found = self._each(pairs, lambda pair: (pair, *read(pair[1])))
+            found = read_kept(pairs, lambda pair: (pair, *read(pair[1])), self.skip_counter)
             per_view = self._view_boxes(found, key)
             boxes = list(zip(*(view_boxes for view_boxes, _ in per_view), strict=True))  # per sample, one per view
             flips = list(zip(*(view_flips for _, view_flips in per_view), strict=True))
@@ -334,11 +315,11 @@ class BatchReader(Dataset):
                 kept = len(labels)  # a sample that fails leaves out every view: the next one takes its place
                 outs_of = [out[kept] for out in outs]
                 color = None if plan is None else (plan, position * views)
-                self._crop_into(record, header, payload, sample_boxes, sample_flips, outs_of, color)
+                crop_image.into(record, header, payload, sample_boxes, sample_flips, outs_of, color)
                 labels.append(header.label)
                 records.append(record)
 
-            self._each(list(zip(range(len(found)), found, boxes, flips, strict=True)), crop_into)
+            read_kept(list(zip(range(len(found)), found, boxes, flips, strict=True)), crop_into, self.skip_counter)
         return len(labels), labels, records
 
     def _fill_slot(
@@ -379,109 +360,7 @@ class BatchReader(Dataset):
         boxes = fast.boxes(heights, widths, key=key, samples=[item[0][0] for item in found])
         return boxes if fast.multiview else [boxes]
 
-    def _boxes(self, found: list[tuple[Any, ...]], key: AugmentKey | None) -> tuple[list[Box], list[bool]]:
-        """The crop boxes and flips of the records ``found`` (``((index, record), header, ...)``), from their keys."""
-        transform = self.transform
-        assert transform is not None
-        heights, widths = [item[1].height for item in found], [item[1].width for item in found]
-        if not callable(getattr(transform, "boxes", None)):  # a transform of one's own with only `box`
-            flip_p = getattr(transform, "flip_p", 0.0)
-            flips = [flip_p > 0 and random.random() < flip_p for _ in found]
-            return [transform.box(h, w) for h, w in zip(heights, widths, strict=True)], flips
-        return transform.boxes(heights, widths, key=key, samples=[item[0][0] for item in found])
-
-    def _crop_into(
-        self,
-        record: int,
-        header: RecordHeader,
-        payload: memoryview,
-        boxes: Sequence[Box],
-        flips: Sequence[bool],
-        outs: Sequence[np.ndarray],
-        color: tuple[ImagePlan, int] | None = None,
-    ) -> None:
-        """Decode one record once, then crop, resize and flip (and colour and normalize) each view's box into ``outs``.
-
-        A crop's side is its ``out``'s (the batch's memory, made for the crop size when its epoch started), not the
-        transform's: a ``set_image_size`` during an epoch takes effect at the next one, never mid-batch. ``color``:
-        the batch's colour plan and the row of this sample's first view (``float`` output only).
-        """
-        base = self.base
-        assert isinstance(base, LmdbImageDataset)
-        nbytes = header.height * header.width * 3
-        image = base.decode_hwc(record, header, payload, self._buffer("decode", nbytes), fast=True)
-        scratch = self._buffer("prefilter", nbytes)
-        for view, (box, flip, out) in enumerate(zip(boxes, flips, outs, strict=True)):
-            size = out.shape[0] if self.output == "uint8" or self.channels_last else out.shape[1]
-            try:
-                if self.output == "float":  # the uint8 crop in a scratch buffer, (coloured,) normalized into the batch
-                    assert self.normalizer is not None
-                    crop, planes = self._float_scratch(size)
-                    crop_resize_into(image, box, size, flip, crop, scratch)
-                    if color is not None:
-                        assert self.color is not None
-                        self.color.apply_image(crop, color[0], color[1] + view)
-                    self.normalizer.into(crop, out, planes)
-                else:
-                    crop_resize_into(image, box, size, flip, out, scratch)
-            except Exception as err:  # cv2.error and friends: name the sample
-                raise SampleError(f"{base._where(record)}: cropping {box} failed: {err}") from err
-
-    # -- one sample ------------------------------------------------------------------------------------------------
-
-    def _read_encoded(self, indices: Sequence[int], key: AugmentKey | None) -> tuple[Any, ...]:
-        """Still-encoded JPEGs with their crop boxes and flips (``decode="device"``): no pixels on the CPU.
-
-        Targets of a kind other than ``class`` are read once for the kept records, as on the fused path.
-        """
-        base = self.base
-        assert isinstance(base, LmdbImageDataset)
-        per_sample = base.target_spec.kind == "class" or base.target_transform is not None
-
-        def sample(item: tuple[tuple[tuple[int, int], RecordHeader, memoryview], Box, bool]) -> Any:
-            ((_, record), header, payload), box, flip = item
-            # checks the frame, decodes non-JPEGs
-            return encoded_sample(base, record, header, payload, box, flip, with_target=per_sample), record
-
-        with base.records() as read:
-            found = self._each(self._records(indices), lambda pair: (pair, *read(pair[1])))
-            boxes, flips = self._boxes(found, key)
-            kept = self._each(list(zip(found, boxes, flips, strict=True)), sample)
-        encoded, labels = collate_encoded([item for item, _ in kept])
-        records = [record for _, record in kept]
-        if not per_sample:
-            labels = torch.from_numpy(base.targets_of(records))
-        index = self._pin_labels(torch.tensor(records, dtype=torch.int64)) if self.return_index else None
-        return sample_batch((encoded, self._pin_labels(labels)), index)
-
-    def _each(self, items: Sequence[Any], read: Callable[[Any], Any]) -> list[Any]:
-        """``read`` every item; under the skip policy a package error leaves that sample out."""
-        results = []
-        for item in items:
-            try:
-                results.append(read(item))
-            except FastDataError as err:
-                if self.skip_counter is None:
-                    raise
-                self.skip_counter.skip(err)
-        if not results:
-            raise SampleError(
-                f"all {len(items)} samples of a batch failed and were skipped; the data is likely unreadable"
-                " (see the warnings above). Check the database with `LmdbImageDataset` directly."
-            )
-        return results
-
-    # -- buffers ---------------------------------------------------------------------------------------------------
-
-    def _new_batch(self, n: int) -> list[Tensor]:
-        """Fresh memory for a batch built without a slot in this process: NHWC uint8 (or NCHW / NHWC float32).
-
-        One tensor per view (one for a single-view transform). Page-locked when asked for and CUDA is there, else
-        NumPy's (which asks the kernel for huge pages: few page faults).
-        """
-        schema = self.batch_schema()
-        assert schema is not None
-        return [new_rows(field, n, self._pinned()) for field in schema.images]
+    # -- memory ----------------------------------------------------------------------------------------------------
 
     def _lmdb(self) -> LmdbImageDataset:
         """The database split the fused and encoded paths read (their reader is built only for one)."""
@@ -496,39 +375,11 @@ class BatchReader(Dataset):
         """Whether this process builds batches in page-locked memory (not in a worker: those go as memfds)."""
         return self.pin_memory and get_worker_info() is None and torch.cuda.is_available()
 
-    def _as_nchw(self, images: Tensor) -> Tensor:
-        nhwc = self.output == "uint8" or self.channels_last
-        return images.permute(0, 3, 1, 2) if nhwc else images
-
-    def _buffer(self, name: str, nbytes: int) -> np.ndarray:
-        """This thread's reusable flat buffer ``name`` (decoded image, prefiltered crop): no page faults per image."""
-        buffer = getattr(self._scratch, name, None)
-        if buffer is None or buffer.size < nbytes:
-            buffer = np.empty(max(nbytes, 1 << 20), dtype=np.uint8)
-            setattr(self._scratch, name, buffer)
-        return buffer
-
-    def _float_scratch(self, size: int) -> tuple[np.ndarray, list[np.ndarray]]:
-        """This thread's uint8 crop ``(size, size, 3)`` and its three planes, made once a size: none made per image."""
-        sizes = getattr(self._scratch, "float", None)
-        if sizes is None:
-            sizes = self._scratch.float = {}
-        cached = sizes.get(size)
-        if cached is None:
-            crop = np.empty((size, size, 3), dtype=np.uint8)
-            cached = sizes[size] = (crop, list(np.empty((3, size, size), dtype=np.uint8)))
-        return cached
-
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_scratch"] = None  # scratch buffers stay in their process
         if self.slots is not None and not self.slots.shared:
-            state["slots"] = None  # so do private slots (shared ones travel as their file descriptor)
+            state["slots"] = None  # private slots stay in their process (shared ones travel as their file descriptor)
         return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._scratch = threading.local()
 
     def __repr__(self) -> str:
         path = "fused" if self.fused else "per-sample"

@@ -85,3 +85,11 @@ def true_index(dataset: Any, view: np.ndarray | None, index: int) -> int:
         if index < 0:
             index += len(dataset)
     return int(index)
+
+
+def records_of(indices: Sequence[int], view: np.ndarray | None) -> list[tuple[int, int]]:
+    """``(index, record)`` pairs: each index of a batch with its record in the base split (``view``: a subset's)."""
+    positions = [int(i) for i in indices]
+    if view is None:
+        return list(zip(positions, positions, strict=True))
+    return list(zip(positions, view[np.asarray(positions, dtype=np.int64)].tolist(), strict=True))
