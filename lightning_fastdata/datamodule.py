@@ -1,42 +1,40 @@
-"""``FastImageDataModule``: point it at an image folder, get the fastest input pipeline this machine can give."""
+"""``FastImageDataModule``: point it at an image folder, get the fastest input pipeline this machine can give.
+
+Its public API is composed as Lightning composes ``LightningDataModule(DataHooks, HyperparametersMixin)``: from
+facets, each a mixin of its own module. This module holds the class with its arguments (the class docstring, which
+LightningCLI reads, and ``__init__``) and the plans they resolve into (:mod:`lightning_fastdata.plans`);
+:class:`~lightning_fastdata.datamodule_data.DataSide` answers where the data is and what it holds, and opens its
+datasets; :class:`~lightning_fastdata.datamodule_loaders.LoaderSide` feeds them to the model: loaders, workers, the
+image size and the batch on the device. ``PlainHparamsDataModule`` (:mod:`lightning_fastdata.hparams`) saves the
+arguments.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-from collections.abc import Callable, Sequence
-from pathlib import Path
+from collections.abc import Sequence
 from typing import Any, Literal, TypeVar
 
-import torch
-from torch.utils.data import DataLoader, Dataset
-from typing_extensions import override
+from torch.utils.data import Dataset
 
-from lightning_fastdata import loaders, resizing, resolve
 from lightning_fastdata.arguments import check_arguments
 from lightning_fastdata.database import Database
+from lightning_fastdata.datamodule_data import DataSide
+from lightning_fastdata.datamodule_loaders import LoaderSide
 from lightning_fastdata.hparams import HPARAMS_PREFIX as HPARAMS_PREFIX
-from lightning_fastdata.hparams import PlainHparamsDataModule, redacted, say_clashes
+from lightning_fastdata.hparams import PlainHparamsDataModule, redacted
 from lightning_fastdata.loaders import SplitLoaders
-from lightning_fastdata.pipeline import DeviceStage, FastLoader
-from lightning_fastdata.pipeline.device import batch_dtype, trainer_device, uses_prefetch
-from lightning_fastdata.pipeline.schema import split_beside
-from lightning_fastdata.pipeline.views import MultiViewCrop, ViewGroup
+from lightning_fastdata.pipeline.views import ViewGroup
 from lightning_fastdata.plans import AugmentPlan, DataPlan, LoaderPlan
-from lightning_fastdata.splits import missing_split, pick_predict_split, split_sources
-from lightning_fastdata.store import cache, remote
 from lightning_fastdata.store.labels import LABEL_SEPARATOR
-from lightning_fastdata.store.reader import DEFAULT_MAX_PIXELS, LmdbImageDataset
-from lightning_fastdata.store.targets import TargetSpec
-from lightning_fastdata.transforms import IMAGENET_MEAN, IMAGENET_STD, CenterCropResize, RandomResizedCropFlip
-from lightning_fastdata.tuning import LoaderConfig
+from lightning_fastdata.store.reader import DEFAULT_MAX_PIXELS
+from lightning_fastdata.transforms import IMAGENET_MEAN, IMAGENET_STD
 from lightning_fastdata.workers import AUTO_PROCESSES_MIN_WORKERS as AUTO_PROCESSES_MIN_WORKERS
-from lightning_fastdata.workers import budget_for, default_workers
 
 _Plan = TypeVar("_Plan", DataPlan, LoaderPlan, AugmentPlan)
 
 
-class FastImageDataModule(PlainHparamsDataModule):
+class FastImageDataModule(DataSide, LoaderSide, PlainHparamsDataModule):
     """A LightningDataModule for image classification that converts once to LMDB and feeds uint8 batches.
 
     ``prepare_data`` converts the image folder into an LMDB database (once: later runs find it up to date);
@@ -255,45 +253,6 @@ class FastImageDataModule(PlainHparamsDataModule):
         #: the fields taken beside the batch being transferred (`on_before_batch_transfer`), for the device stage
         self._beside: dict[str, Any] = {}
 
-    # --- Where the data is --------------------------------------------------------------------------------------
-
-    @property
-    def is_database(self) -> bool:
-        """Whether ``data_dir`` already is a converted database (then nothing is converted), here or at a URL."""
-        return self.is_remote or resolve.is_database(self.data_dir)
-
-    @property
-    def is_remote(self) -> bool:
-        """Whether ``data_dir`` is a URL, whose database is staged into ``cache_dir`` (:attr:`staging`)."""
-        return remote.is_url(self.data_dir)
-
-    @property
-    def staging(self) -> remote.StagedDatabase | None:
-        """What staging ``data_dir`` did in this process (fetched, fetched again and why, reused); ``None``: nothing."""
-        return self._database.staged
-
-    @property
-    def cache_root(self) -> Path:
-        """The directory holding conversions and the ``num_workers="tune"`` cache."""
-        return cache.cache_root(self.cache_dir)
-
-    @property
-    def database_path(self) -> Path:
-        """The database that is read: ``data_dir`` itself, or its conversion under ``cache_dir``."""
-        return resolve.database_path(
-            self.data_dir, self.cache_root, self.store_short_side(), self.quality, self.encoding, self.targets,
-            self.label_separator,
-        )  # fmt: skip
-
-    def store_short_side(self) -> int | None:
-        """The short side a conversion stores (``None``: original sizes): ``short_side``, or one fit for the crops."""
-        return resolve.store_short_side(self.short_side, max(self.augment_plan.sizes), self.crop_fraction)
-
-    @property
-    def classes(self) -> list[str]:
-        """Class names: from the database, or before conversion from the folder names (nothing is read)."""
-        return self._database.classes(self.data_plan)
-
     # --- Plans: the settings as the modules that do the work receive them (:mod:`lightning_fastdata.plans`) --------
 
     def _plan(self, kind: type[_Plan], **resolved: Any) -> _Plan:
@@ -318,331 +277,3 @@ class FastImageDataModule(PlainHparamsDataModule):
         return self._plan(
             AugmentPlan, image_size=self._base_size, schedule=self.image_size_schedule, views=views, color=self._color
         )
-
-    @property
-    def tunes_workers(self) -> bool:
-        """Whether ``num_workers`` is ``num_workers="tune"``'s pick (measured on this machine), once it is made."""
-        return self._tunes_workers
-
-    @property
-    def skipped_samples(self) -> int:
-        """Samples left out so far under ``on_bad_sample="skip"`` (counted across DataLoader workers)."""
-        return self._loaders.skip_counter.value
-
-    @property
-    def num_large_views(self) -> int:
-        """Training views of the largest size per image (``views``' first groups; 1 without ``views``)."""
-        if self.views is None:
-            return 1
-        return sum(g.count for g in self.views if g.size == self.views[0].size)
-
-    @property
-    def num_small_views(self) -> int:
-        """Training views smaller than the largest per image (DINO's local crops; 0 without ``views``)."""
-        return 0 if self.views is None else sum(g.count for g in self.views) - self.num_large_views
-
-    @property
-    def num_classes(self) -> int:
-        """Classes of a ``class`` or ``multilabel`` database (``C``); 0 for ``float`` and ``none`` targets."""
-        classes = self.classes  # before conversion or staging: a folder's, or the error that says to stage first
-        return len(classes) if self.target_kind in ("class", "multilabel") else 0
-
-    # --- Lightning hooks ----------------------------------------------------------------------------------------
-
-    @override
-    def prepare_data(self) -> None:
-        """Convert ``data_dir`` once, or stage it from its URL (one process per node; an up-to-date copy is reused)."""
-        self._database.prepare(self.data_plan)
-        if self.num_workers == "tune":  # measured here, on one process per node, so the ranks read the cache
-            self.num_workers = self._tuned_workers()
-
-    @override
-    def setup(self, stage: str) -> None:
-        """Open the database's splits (:func:`~lightning_fastdata.splits.open_splits`); only ``fit`` needs ``train``.
-
-        Without a ``val`` split, ``val_fraction`` of ``train`` is held out (seeded).
-        """
-        # before Lightning merges the hyperparameters, which it does after `setup`
-        say_clashes(self.trainer, self.hparams_clashes, self._warned_hparams)
-        if self.train_dataset is None and (self._database.splits is None or stage == "fit"):
-            # again after `train_dataset = None`: the same splits and holdout (seeded), rebuilt
-            opened = self._database.open(
-                self.data_plan, self.predict_split, self.build_dataset, self.train_transform, self.val_transform
-            )
-            for name in ("train", "val", "test"):  # a split the database lacks leaves its dataset as it was
-                if getattr(opened, name) is not None:
-                    setattr(self, f"{name}_dataset", getattr(opened, name))
-        if stage == "fit" and self.train_dataset is None:
-            raise missing_split(self.database_path, self._database.splits, "train")
-        if stage == "fit":
-            self._loaders.workers.say_shared_generators(
-                self.train_dataset, self.loader_plan, self.worker_budget, self.resolved_engine
-            )
-
-    def resolved_predict_split(self, splits: Sequence[str] | None = None) -> str:
-        """The split ``predict_dataloader`` reads: ``predict_split``, else ``test``, else ``val``, else ``train``."""
-        return pick_predict_split(self.database_path, self.predict_split, splits)
-
-    def predict_sources(self) -> list[str]:
-        """Where each sample of :meth:`predict_dataloader` came from, in its order (on one device; :meth:`sources`).
-
-        Under DDP each rank predicts every ``world_size``-th sample (``DistributedSampler`` without shuffling); rank
-        ``r``'s ``i``-th prediction is ``predict_sources()[r + i * world_size]`` (the last few may repeat).
-        """
-        return self.sources(self.resolved_predict_split())
-
-    # --- Extension points ---------------------------------------------------------------------------------------
-
-    def train_transform(self) -> Callable[[torch.Tensor], Any]:
-        """The per-image training transform: uint8 CHW in, uint8 CHW ``image_size`` square out.
-
-        With ``views``, a list of uint8 CHW crops, one per view, large views first
-        (:class:`~lightning_fastdata.pipeline.views.MultiViewCrop`).
-        """
-        if self.views is not None:
-            return MultiViewCrop(self.views)
-        return RandomResizedCropFlip(self.image_size, scale=self.scale)  # type: ignore[arg-type]
-
-    def val_transform(self) -> Callable[[torch.Tensor], torch.Tensor]:
-        """The per-image validation transform: uint8 CHW in, uint8 CHW ``image_size`` square out."""
-        return CenterCropResize(self.image_size, crop_fraction=self.crop_fraction)
-
-    def build_dataset(self, split: str, transform: Callable[[Any], Any] | None) -> Dataset:
-        """The dataset of one split of the database; override to add fields or change decoding.
-
-        It decodes as the built-in batch path does (``fast_decode=True``), so a transform of one's own for one split
-        sees the same pixels as the built-in transform of another, and refuses images over ``max_pixels``.
-        """
-        return LmdbImageDataset(
-            self.database_path, split=split, transform=transform, fast_decode=True, max_pixels=self.max_pixels
-        )
-
-    # --- The image size: set here, reaching the loaders through :func:`.resizing.apply_size` ---------------------
-
-    def set_image_size(self, size: int) -> None:
-        """Crop to ``size`` (an int >= 1) from now on: progressive resizing and FixRes (docs/datamodule.md).
-
-        The loaders' crops change size as their next epoch starts (the datasets and their transforms stay as built),
-        and the crops of ``decode="device"`` at once. Call it before ``fit`` or from ``on_train_epoch_start``. What
-        changes and when, what it warns: :mod:`lightning_fastdata.resizing`. ``image_size`` changes; the saved
-        hyperparameter stays the configured one.
-        """
-        size = resizing.check_size(size)
-        if size == self.image_size:
-            return
-        previous, self.image_size = self.image_size, size
-        built = {"train": self.train_dataset, "val": self.val_dataset, "test": self.test_dataset}
-        opened = self.data_plan if self._database.splits is not None else None  # checks its stored images
-        resizing.apply_size(size, previous, built, self._loaders.stage, opened)
-
-    def _start_epoch(self, stage: DeviceStage, scheduled: bool, epoch: int) -> int:
-        """A loader's ``before_epoch``: the schedule's size of ``epoch`` (``scheduled``), the current one for ``stage``.
-
-        The size is set through :meth:`set_image_size` (a subclass's override counts); a loader whose persistent worker
-        processes started at another size restarts them, as the returned size changed.
-        """
-        if scheduled and self.image_size_schedule:
-            self.set_image_size(resizing.size_at(self.image_size_schedule, epoch, self._base_size))
-        stage.image_size = self.image_size
-        return self.image_size
-
-    # --- Loaders ------------------------------------------------------------------------------------------------
-
-    def worker_budget(self) -> int:
-        """Workers per process that the usable CPUs allow (:func:`~lightning_fastdata.workers.budget_for`)."""
-        return budget_for(self.trainer)
-
-    def resolved_num_workers(self) -> int:
-        """The worker count the loaders use (``"auto"`` resolved; a value above the budget warns once).
-
-        ``num_workers="tune"``'s pick is also ``num_workers`` from then on; the saved hyperparameter stays ``"tune"``.
-        """
-        plan, budget = self.loader_plan, self.worker_budget()
-        workers = self._loaders.workers.num_workers(plan, budget, self.trainer, self._tuned_workers)
-        if self.num_workers == "tune":
-            self.num_workers = workers
-        return workers
-
-    def _tuned_workers(self) -> int:
-        """``num_workers="tune"``'s pick: cached, or measured on :meth:`tuning_loader` (``WorkerChoice``)."""
-        return self._loaders.tuned_workers(
-            self.loader_plan, self.trainer, self._device(), self.cache_root, lambda: self.database_path,
-            self.train_transform, self.worker_budget, self.tuning_loader,
-        )  # fmt: skip
-
-    def resolved_engine(self, workers: int | None = None) -> Literal["threads", "processes"]:
-        """The engine the loaders use: ``engine``, or ``"auto"``'s choice, logged once (``WorkerChoice.engine``).
-
-        ``workers`` defaults to the budget, or to ``num_workers`` when it is a number.
-        """
-        plan = self.loader_plan
-        if workers is None:
-            workers = default_workers(plan, self.worker_budget)
-        return self._loaders.engine(plan, self._device(), workers)
-
-    def tuning_loader(self, config: LoaderConfig) -> DataLoader:
-        """The training loader as ``fit`` builds it, with ``config``'s settings: what ``"tune"`` and ``bench`` time."""
-        if self.train_dataset is None:
-            self.setup("fit")
-        assert self.train_dataset is not None
-        return self._loader(
-            self.train_dataset, drop_last=self.drop_last, train=True, config=config, return_index=self.return_index
-        )
-
-    def _loader(
-        self,
-        dataset: Dataset,
-        drop_last: bool = False,
-        train: bool = False,
-        config: LoaderConfig | None = None,
-        return_index: bool = False,
-    ) -> FastLoader:
-        """The loader of ``dataset`` (:meth:`.SplitLoaders.build`): shuffled, resumable and scheduled with ``train``.
-
-        ``config``: a tuning sweep's workers, engine, batch size and pinning, else this DataModule's, resolved.
-        """
-        scheduled = train and config is None
-        if config is None:
-            workers = self.resolved_num_workers()
-            config = self._loaders.config(self.loader_plan, self.trainer, workers, self.resolved_engine(workers))
-        stage = self._device_stage()
-        return self._loaders.build(
-            dataset, self.loader_plan, config, stage, self._device(), self.trainer, train=train, drop_last=drop_last,
-            return_index=return_index, normalizer=self.normalizer, color=self._color,
-            before_epoch=functools.partial(self._start_epoch, stage, scheduled), prefetch=self.uses_prefetch(),
-        )  # fmt: skip
-
-    def _device(self) -> torch.device:
-        return trainer_device(self.trainer)
-
-    def uses_prefetch(self) -> bool:
-        """Whether loaders copy batches ahead on a side CUDA stream (``prefetch_to_device``, resolved)."""
-        return uses_prefetch(self.prefetch_to_device, self._device())
-
-    def uses_device_decode(self) -> bool:
-        """Whether JPEGs are decoded on the GPU (``decode="device"`` on CUDA); warns once when CUDA is missing."""
-        return self._loaders.uses_device_decode(self.decode, self._device())
-
-    @override
-    def train_dataloader(self) -> DataLoader:
-        """Shuffled, seeded ``(images, targets)`` batches: ``views`` for images with ``views``, ``index`` last too.
-
-        ``index`` with ``return_index``. Targets of the database's kind (:attr:`target_kind`: ``int64 [B]``,
-        multi-hot ``float32 [B, C]``, ``float32 [B, K]`` or ``[B]``, ``-1``). Images normalized ``float32`` for CPU
-        training, ``uint8`` NCHW for CUDA (normalized on the device). A ``batch_size`` above this process's share is
-        clamped (:meth:`clamp_batch_size`).
-        """
-        if self.train_dataset is None:
-            self.setup("fit")
-        assert self.train_dataset is not None
-        if self.drop_last:
-            self.clamp_batch_size()
-        return self._loader(self.train_dataset, drop_last=self.drop_last, train=True, return_index=self.return_index)
-
-    def clamp_batch_size(self) -> int:
-        """Lower ``batch_size`` to this process's share of the training split when larger, with a warning; returns it.
-
-        The saved ``batch_size`` changes too (:func:`lightning_fastdata.loaders.clamp_batch_size`).
-        """
-        if self.train_dataset is None:
-            self.setup("fit")
-        share = loaders.clamp_batch_size(self.batch_size, len(self.train_dataset), self.trainer)  # type: ignore[arg-type]
-        if share != self.batch_size:
-            self.batch_size = share
-            if "batch_size" in self.hparams:
-                self.hparams["batch_size"] = share
-        return share
-
-    @override
-    def val_dataloader(self) -> DataLoader | list[DataLoader]:
-        """Validation batches in order (an empty list when there is no validation data)."""
-        if self.train_dataset is None:
-            self.setup("validate")
-        if self.val_dataset is None:
-            return []
-        return self._loader(self.val_dataset)
-
-    @override
-    def test_dataloader(self) -> DataLoader:
-        """Batches of the ``test`` split (a ``test/``, ``testing/``, ... folder), in order, with validation transforms.
-
-        Raises:
-            MissingSplitError: the database has no test split (a ``ValueError``).
-
-        """
-        if self._database.splits is None:
-            self.setup("test")
-        if self.test_dataset is None:
-            raise missing_split(self.database_path, self._database.splits, "test")
-        return self._loader(self.test_dataset)
-
-    @override
-    def predict_dataloader(self) -> DataLoader:
-        """Batches of :meth:`resolved_predict_split`, in order; :meth:`predict_sources` maps them back to files."""
-        if self.predict_dataset is None:
-            self.predict_dataset = self.build_dataset(self.resolved_predict_split(), self.val_transform())
-        return self._loader(self.predict_dataset, return_index=self.return_index)
-
-    # --- On the device ------------------------------------------------------------------------------------------
-
-    def batch_dtype(self) -> torch.dtype:
-        """The dtype images are converted to: float32, or the Trainer's true-precision dtype."""
-        return batch_dtype(self.trainer)
-
-    def _device_stage(self) -> DeviceStage:
-        """The on-device transform of this DataModule's batches, for the Trainer's device and precision."""
-        return self._loaders.device_stage(
-            self.normalizer, self.batch_dtype(), self._device(), self.image_size, self._color, self.channels_last,
-            self.on_bad_sample == "skip",
-        )  # fmt: skip
-
-    def to_model_input(self, batch: Any) -> Any:
-        """uint8 images, or still-encoded ones, in the first element of a batch -> normalized floats on its device.
-
-        The device stage (:class:`~lightning_fastdata.pipeline.device.DeviceStage`); a float batch only takes the dtype.
-        """
-        return self._device_stage()(batch)
-
-    @override
-    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        """Take the fields that travel beside the batch (its colour parameters) for the device stage.
-
-        The transfer (and a LightningModule's ``transfer_batch_to_device``) moves the plain batch; the device stage
-        takes them in :meth:`on_after_batch_transfer`, which Lightning calls next for the same batch.
-        """
-        batch, self._beside = split_beside(batch)
-        return batch
-
-    @override
-    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        """Turn the uint8 images (first element of the batch) into normalized floats on the batch's device.
-
-        Nothing to do when the loader already did it on the side stream; otherwise the stage built with the loader
-        runs here (one object for the run, not one per batch), with the fields taken beside the batch.
-        """
-        beside, self._beside = self._beside, {}
-        return self._loaders.on_device(batch, self._device_stage, beside)
-
-    # --- Targets and where each sample came from ----------------------------------------------------------------
-
-    @property
-    def target_spec(self) -> TargetSpec:
-        """What each sample's target is (:mod:`~lightning_fastdata.store.targets`): the database's, else classes."""
-        return self._database.target_spec(self.data_plan)
-
-    @property
-    def target_kind(self) -> str:
-        """``"class"``, ``"multilabel"``, ``"float"`` or ``"none"``: what batches hold (:meth:`train_dataloader`)."""
-        return self.target_spec.kind
-
-    @property
-    def target_dim(self) -> int:
-        """Values per sample of a ``float`` target (``K``), else 0."""
-        return self.target_spec.dim
-
-    def sources(self, split: str | None = None) -> list[str]:
-        """Where each index of ``split`` came from: ``sources(split)[index]`` names the file of a batch's ``index``.
-
-        ``split`` defaults to the training split. What an entry is, and the errors: :func:`.splits.split_sources`.
-        """
-        return split_sources(self.database_path, split)
