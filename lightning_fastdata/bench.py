@@ -8,7 +8,7 @@ The sweep itself is :func:`lightning_fastdata.tuning.sweep`; this module only pi
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -18,24 +18,27 @@ from lightning_fastdata.tuning import LoaderConfig
 
 
 class TrainingLoaders:
-    """The training loaders of a :class:`~lightning_fastdata.FastImageDataModule`, one per configuration.
+    """The training loaders ``fit`` builds, one per configuration: what ``lightning-fastdata bench`` times.
 
-    What ``lightning-fastdata bench`` times for a database: the loader ``fit`` builds (the batch path, its engine, and
-    on CUDA the copy to the device and the normalization there), with the configuration's workers and batch size.
-    ``len()`` is the number of training samples.
+    The batch path, its engine, and on CUDA the copy to the device and the normalization there, with the
+    configuration's workers and batch size.
+
+    Args:
+        loader: the training loader of a configuration (``FastImageDataModule.tuning_loader``).
+        samples: the number of training samples, ``len()``.
+
     """
 
-    def __init__(self, datamodule: Any) -> None:
-        self.datamodule = datamodule
+    def __init__(self, loader: Callable[[LoaderConfig], Iterable[Any]], samples: Callable[[], int]) -> None:
+        self.loader = loader
+        self.samples = samples
 
     def __call__(self, config: LoaderConfig) -> Iterable[Any]:
         """The training loader with ``config``."""
-        return self.datamodule.tuning_loader(config)
+        return self.loader(config)
 
     def __len__(self) -> int:
-        if self.datamodule.train_dataset is None:
-            self.datamodule.setup("fit")
-        return len(self.datamodule.train_dataset)
+        return self.samples()
 
 
 def sweep_dataset(
@@ -60,7 +63,13 @@ def sweep_dataset(
         from lightning_fastdata.datamodule import FastImageDataModule  # here: a folder's bench needs no Lightning
 
         datamodule = FastImageDataModule(str(path), image_size=image_size, engine=engine, val_fraction=0)  # type: ignore[arg-type]
-        return TrainingLoaders(datamodule), "database"
+
+        def samples() -> int:
+            if datamodule.train_dataset is None:
+                datamodule.setup("fit")
+            return len(datamodule.train_dataset)  # type: ignore[arg-type]
+
+        return TrainingLoaders(datamodule.tuning_loader, samples), "database"
     if not path.is_dir():
         raise FileNotFoundError(f"`data` {str(path)!r} is neither a database nor an image folder.")
     from torchvision import transforms

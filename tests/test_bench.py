@@ -31,7 +31,7 @@ def test_sweep_dataset_database_is_timed_through_the_training_loader(plain_folde
     assert kind == "database"
     assert isinstance(source, TrainingLoaders)
     assert len(source) == 80
-    source.datamodule.trainer = fake_trainer("cpu")
+    source.loader.__self__.trainer = fake_trainer("cpu")  # the DataModule whose training loader it times
     loader = source(LoaderConfig(1, 8, engine=engine))
     assert isinstance(loader, FastLoader)
     assert (loader.engine, loader.workers, loader.batch_size) == (engine, 1, 8)

@@ -50,3 +50,19 @@ def test_no_module_beside_the_datamodule_takes_it_or_writes_its_attributes(modul
         if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) and target.value.id in names
     ]
     assert (taken, written) == ([], [])
+
+
+def test_no_function_outside_the_datamodule_takes_it() -> None:
+    """Across the package, only the DataModule's own modules have a parameter that is the DataModule."""
+    own = {"datamodule.py", "datamodule_data.py", "datamodule_loaders.py"}
+    taken = [
+        f"{path.relative_to(PACKAGE)}:{node.name}({arg.arg})"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if path.name not in own
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        for arg in node.args.args + node.args.kwonlyargs
+        if arg.arg in {"dm", "datamodule"}
+        or (arg.annotation is not None and "FastImageDataModule" in ast.unparse(arg.annotation))
+    ]
+    assert taken == []
