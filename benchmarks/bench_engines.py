@@ -65,6 +65,8 @@ def run_row(args: argparse.Namespace, row: str) -> dict[str, float]:
             return output
 
     dm = Module(args.db, batch_size=args.batch_size, num_workers=args.workers, engine=engine, val_fraction=0)
+    if getattr(dm, "_loaders", None) is not None:  # the loader side picks the output (before, the DataModule did)
+        dm._loaders.output = lambda decode, device: output
     dm.setup("fit")
     loader = dm.train_dataloader()
     dtype = torch.float32 if output == "float" else torch.uint8

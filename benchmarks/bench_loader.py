@@ -114,8 +114,12 @@ def _gil_held_us(reader, batch_size: int, batches: int = 20) -> float:
     """
     import simplejpeg
 
-    from lightning_fastdata.pipeline import kernel as loader_module
     from lightning_fastdata.pipeline.kernel import KeyedIndices
+
+    try:  # where the fused path calls the crop kernel: its own module, or (a baseline before it) the reader's
+        from lightning_fastdata.pipeline import crop as loader_module
+    except ImportError:
+        from lightning_fastdata.pipeline import kernel as loader_module
     from lightning_fastdata.transforms import Normalizer
 
     inside = [0.0]
@@ -198,6 +202,8 @@ def run_fast(args, output: str, engine: str, db: str | None = None) -> dict[str,
     # as a user gets it: the DataModule's training loader with its defaults (persistent workers, batch slots);
     # on a CPU it hands out normalized float32 batches, to a CUDA trainer uint8 ones in NHWC memory
     dm = DataModule(db or args.db, batch_size=args.batch_size, num_workers=args.workers, engine=engine, val_fraction=0)
+    if getattr(dm, "_loaders", None) is not None:  # the loader side picks the output (before, the DataModule did)
+        dm._loaders.output = lambda decode, device: output
     dm.setup("fit")
     loader = dm.train_dataloader()
 

@@ -196,6 +196,8 @@ def _datamodule(args, output: str, engine: str, **kwargs):
 
     dm = DataModule(args.db, batch_size=args.batch_size, num_workers=args.workers, engine=engine, val_fraction=0,
                     **kwargs)  # fmt: skip
+    if getattr(dm, "_loaders", None) is not None:  # the loader side picks the output (before, the DataModule did)
+        dm._loaders.output = lambda decode, device: output
     dm.setup("fit")
     loader = dm.train_dataloader()
 

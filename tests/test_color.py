@@ -328,6 +328,45 @@ def test_fit_on_cpu_with_color_jitter(database: Path, tmp_path: Path) -> None:
     assert dm.hparams["color_jitter"] == (0.4, 0.4, 0.2, 0.1)
 
 
+class _OwnCrop(FastImageDataModule):
+    """A training transform of one's own: the per-sample path, coloured by the device stage after the transfer."""
+
+    def train_transform(self) -> Any:
+        crop = RandomResizedCropFlip(self.image_size)
+        return lambda image: crop(image)
+
+
+class _SeesTransfers(_Jittered):
+    """Records what the transfer hook is given: the batch as the training step will take it, nothing beside."""
+
+    def __init__(self, plain: list[torch.Tensor]) -> None:
+        super().__init__(plain)
+        self.transferred: list[Any] = []
+
+    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
+        self.transferred.append((type(batch), len(batch), getattr(batch, "beside", None)))
+        return super().transfer_batch_to_device(batch, device, dataloader_idx)
+
+
+def test_a_per_sample_fit_takes_the_parameters_beside_the_batch_through_the_transfer(
+    database: Path, tmp_path: Path
+) -> None:
+    """Without the loader's look-ahead, the DataModule takes the parameters off before the transfer: the transfer hook
+    and the training step see ``(images, targets)``, and the images are coloured after it."""
+    plain_dm = _OwnCrop(str(database), image_size=16, batch_size=4, num_workers=0, val_fraction=0)
+    plain_dm.setup("fit")
+    plain_dm.trainer = fake_trainer("cpu")
+    plain = [plain_dm.to_model_input(batch)[0] for batch in plain_dm.train_dataloader()]
+    dm = _OwnCrop(str(database), image_size=16, batch_size=4, num_workers=0, val_fraction=0,
+                  color_jitter=(0.4, 0.4, 0.2, 0.1), color_jitter_p=1.0)  # fmt: skip
+    model = _SeesTransfers(plain)
+    trainer = Trainer(accelerator="cpu", max_steps=2, limit_val_batches=0, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)  # fmt: skip
+    trainer.fit(model, datamodule=dm)
+    assert model.seen == 2
+    assert model.transferred == [(list, 2, None)] * 2  # plain: the parameters went beside the batch, not in it
+
+
 def test_patched_cuda_stage_runs_on_the_side_stream_without_reading_the_device(
     database: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

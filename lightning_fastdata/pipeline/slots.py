@@ -1,9 +1,10 @@
 """Batch slots: batch buffers made once and reused, each owned by exactly one party at a time.
 
-A slot is the memory of one batch: its images (up to ``batch_size`` samples of one shape and dtype), their targets (of
-the database's kind: ``int64`` classes, multi-hot or float ``float32`` rows) and, when asked for, their ``int64``
-dataset indices. A :class:`SlotPool` owns a fixed number of them, made when the loader starts, and passes each one on
-explicitly:
+A slot is the memory of one batch: each field of its schema (:mod:`~lightning_fastdata.pipeline.schema`), up to
+``batch_size`` rows each: the images (one region per view), their targets (of the database's kind: ``int64`` classes,
+multi-hot or float ``float32`` rows) and, when asked for, their ``int64`` dataset indices and colour parameters. Its
+layout (:class:`SlotLayout`) is computed from the schema. A :class:`SlotPool` owns a fixed number of slots, made when
+the loader starts, and passes each one on explicitly:
 
 1. **free -> filling.** :meth:`SlotPool.acquire` gives a free slot to whoever builds the next batch: a loader thread,
    or a DataLoader worker process, which is told its slot with the batch's indices.
@@ -248,8 +249,8 @@ class SlotBatch(tuple):
 
     All that crosses from a worker process to the training process: a few bytes, however large the batch. ``count``
     is the samples in the slot (fewer than the batch's indices when bad samples were skipped); ``labels`` are the
-    targets when they are not in the slot (a ``target_transform``'s), else ``None``: the targets of every kind, and
-    the dataset indices (a layout with ``index``), are in the slot. A tuple, so it unpickles without
+    targets when they are not in the slot (a ``target_transform``'s), else ``None``: every field of the slot's schema
+    is in the slot. A tuple, so it unpickles without
     running Python code.
     """
 
