@@ -45,6 +45,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -500,6 +501,11 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", help="run these loaders only (names: " + ", ".join(RUNNERS) + ")")
     parser.add_argument("--peers-python", help="the interpreter with NVIDIA DALI (default: .venv-peers)")
     parser.add_argument("--json", help="also write the results to this file")
+    parser.add_argument(
+        "--baseline",
+        help="a checkout of this package at another commit (`git worktree add /tmp/base REV`): each row of ours runs"
+        " beside that checkout's in every round",
+    )
     parser.add_argument("--run", help=argparse.SUPPRESS)
     parser.add_argument("--db", help=argparse.SUPPRESS)
     parser.add_argument("--resized", help=argparse.SUPPRESS)
@@ -543,12 +549,26 @@ def main() -> None:
             else:
                 pythons[name] = peers
 
+    envs: dict[str, Any] = {name: os.environ for name in names}
+    if args.baseline:  # each row of ours beside the same row of another checkout, in every round
+        from bench_loader import BASELINE, _baseline_env
+
+        env = _baseline_env(Path(args.baseline))
+        for name in [n for n in names if n.startswith(("views", "single"))]:
+            names.insert(names.index(name) + 1, f"{name}{BASELINE}")
+            pythons[f"{name}{BASELINE}"], envs[f"{name}{BASELINE}"] = pythons[name], env
+            LABELS[f"{name}{BASELINE}"] = f"{LABELS[name].strip('*')}, baseline {args.baseline}"
+            for rows in (CROPS, COLOUR, SINGLES):
+                if name in rows:
+                    rows.append(f"{name}{BASELINE}")
+
     results: dict[str, list[dict[str, float]]] = {n: [] for n in names}
     child = [__file__, "--db", str(db), "--resized", str(resized), "--batch-size", str(args.batch_size)]
     child += ["--workers", str(args.workers), "--epochs", str(args.epochs)]
     for r in range(args.rounds):
         for name in names:
-            out = subprocess.run([pythons[name], *child, "--run", name], capture_output=True, text=True, check=False)
+            run = [pythons[name], *child, "--run", name.split("@")[0]]
+            out = subprocess.run(run, capture_output=True, text=True, check=False, env=envs[name])
             if out.returncode != 0:
                 raise SystemExit(f"{name} failed:\n{out.stderr[-3000:]}")
             results[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
@@ -622,6 +642,8 @@ def main() -> None:
         print(f"  (+{extra * 1000:.0f} CPU-us per image for the colour ops in the loader)")
     print(f"- loader-side cost of drawing the parameters: single-uint8-colour / single-uint8 = "
           f"{ratio('single-uint8-colour', 'single-uint8')}")  # fmt: skip
+    for name in [n for n in names if "@" in n]:
+        print(f"- {name.split('@')[0]}: this checkout / baseline = {ratio(name.split('@')[0], name)}")
     print()
     # what limits each loader on a many-core node: the training process is one interpreter; what it does per image
     # serializes, whatever the cores (threads engine: it does all the work, under the GIL for its Python part)
@@ -652,6 +674,8 @@ def main() -> None:
         line = f"{own['views-uint8-processes']:.1f} us"
         if "single-uint8-processes" in own:
             line += f", {own['single-uint8-processes']:.1f} us for a single view in the same run"
+        if "views-uint8-processes@baseline" in med:
+            line += f"; baseline {med['views-uint8-processes@baseline']['own_cpu_per_1000'] * 1000:.1f} us"
         print(f"Training process on the processes engine, all 8 views of an image (target: at most 5 us): {line}")
     for note in notes:
         print(f"note: {note}")
