@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # when make started, before it creates .venv: the demo's closing line says how long creating .venv took
 MAKE_STARTED := $(shell date +%s)
 
-.PHONY: demo test test-fast test-gpu lint unit venv clean
+.PHONY: demo test test-fast test-gpu test-lowest lint unit venv clean
 
 venv: $(STAMP)
 
@@ -46,3 +46,10 @@ test-gpu: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info .demo
+
+# The suite on the lowest versions pyproject.toml allows (constraints/lowest.txt), in .venv-lowest: what a user on
+# the declared lower bounds runs. Not part of `make test` (it installs a second torch, about 3 GB).
+test-lowest:
+	test -x .venv-lowest/bin/python || $(PYTHON) -m venv .venv-lowest
+	.venv-lowest/bin/python -m pip install --quiet --disable-pip-version-check -c constraints/lowest.txt -e '.[test]'
+	.venv-lowest/bin/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile

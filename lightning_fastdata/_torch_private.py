@@ -1,9 +1,9 @@
 """Every private name of torch (or CPython) this package still uses: each one here, and only here.
 
 A private name may change in any release, so each is listed with what it is for and the versions it was checked on,
-and the code imports it from this module. Checked on torch 2.14.1 with Python 3.11.7, the only versions the test suite
-has run on; the package declares ``torch>=2.4``, whose worker loop sets the same two names the same way (read in its
-source, not run).
+and the code imports it from this module. Checked on torch 2.14.1 and on the declared lower bound, torch 2.4.0 (with
+Python 3.11.7): the suite runs on both (``make test-lowest``, ``constraints/lowest.txt``), where torch 2.4's worker
+loop sets the same two names the same way.
 
 * ``torch.utils.data._utils.worker.WorkerInfo`` and its module's ``_worker_info``: what the public
   :func:`torch.utils.data.get_worker_info` returns. The process engine's workers
