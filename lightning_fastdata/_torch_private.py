@@ -2,8 +2,8 @@
 
 A private name may change in any release, so each is listed with what it is for and the versions it was checked on,
 and the code imports it from this module. Checked on torch 2.14.1 and on the declared lower bound, torch 2.4.0 (with
-Python 3.11.7): the suite runs on both (``make test-lowest``, ``constraints/lowest.txt``; on torch 2.4.0 one DDP run
-with views hangs, for a reason not yet found), and torch 2.4's worker loop sets the same two names the same way.
+Python 3.11.7): the suite runs on both (``make test-lowest``, ``constraints/lowest.txt``, which says what did not
+pass there), and torch 2.4's worker loop sets the same two names the same way.
 
 * ``torch.utils.data._utils.worker.WorkerInfo`` and its module's ``_worker_info``: what the public
   :func:`torch.utils.data.get_worker_info` returns. The process engine's workers
