@@ -105,9 +105,6 @@ class BatchSchema:
         """The field ``name``, or ``None`` when batches do not hold it."""
         return next((field for field in self.all_fields if field.name == name), None)
 
-    def __contains__(self, name: object) -> bool:
-        return any(field.name == name for field in self.all_fields)
-
     def assemble(self, images: Sequence[Any], values: Mapping[str, Any]) -> tuple[Any, ...]:
         """What the training step takes: ``(images, *fields)``, and the ``beside`` fields beside it.
 
